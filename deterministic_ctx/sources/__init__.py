@@ -1,0 +1,42 @@
+"""Sources of process-global state: one adapter per RNG or group of flags.
+
+``SOURCES`` is the ordered tuple every snapshot captures.  Adding a device or
+a flag means adding or changing one module here, nothing above it.
+"""
+
+from __future__ import annotations
+
+from .._settings import Settings
+from ._base import Source
+from .accelerators import accelerator_sources
+from .environ import EnvironSource
+from .flags import TorchFlagsSource
+from .numpy_global import NumpyGlobalSource
+from .python_random import PythonRandomSource
+from .torch_cpu import TorchCPUSource
+from .user_rngs import UserRngSource, register_rng, registered_rngs, unregister_rng
+
+__all__ = [
+    "SOURCES",
+    "Source",
+    "apply_all",
+    "register_rng",
+    "registered_rngs",
+    "unregister_rng",
+]
+
+SOURCES: tuple[Source, ...] = (
+    PythonRandomSource(),
+    NumpyGlobalSource(),
+    TorchCPUSource(),
+    *accelerator_sources(),
+    TorchFlagsSource(),
+    EnvironSource(),
+    UserRngSource(),
+)
+
+
+def apply_all(settings: Settings, sources: tuple[Source, ...] | None = None) -> None:
+    """Apply the block's settings to every source (the caller rolls back on error)."""
+    for source in SOURCES if sources is None else sources:
+        source.apply(settings)

@@ -1,0 +1,187 @@
+"""User-owned RNG objects registered with :func:`register_rng`.
+
+Each registered object is captured, seeded and restored with every block.
+Its seed inside a block is ``derive_seed(block_seed, "user", key)``: stable
+across runs as long as the key is, and unrelated to the seed of any other
+object.  The key is the one given to ``register_rng`` or, by default, the
+registration ordinal (``"0"``, ``"1"``, …).
+
+``random.Random`` and ``torch.Generator`` are held by weak reference.  NumPy
+generators and bit generators cannot be weakly referenced (their C types
+lack ``__weakref__``), so they are held until :func:`unregister_rng`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from .._seed import derive_seed
+from .._settings import Settings
+
+__all__ = ["UserRngSource", "register_rng", "registered_rngs", "unregister_rng"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Kind:
+    name: str
+    get: Callable[[Any], Any]
+    set: Callable[[Any, Any], None]
+    seed: Callable[[Any, int], None]
+    bits: int
+
+
+def _np_generator_seed(gen: np.random.Generator, seed: int) -> None:
+    bg = gen.bit_generator
+    bg.state = type(bg)(seed).state
+
+
+_KINDS: tuple[tuple[type, _Kind], ...] = (
+    (
+        random.Random,
+        _Kind("random.Random", lambda r: r.getstate(), lambda r, s: r.setstate(s),
+              lambda r, s: r.seed(s), 64),
+    ),
+    (
+        np.random.Generator,
+        _Kind("numpy.random.Generator", lambda g: g.bit_generator.state,
+              lambda g, s: setattr(g.bit_generator, "state", s), _np_generator_seed, 64),
+    ),
+    (
+        np.random.RandomState,
+        _Kind("numpy.random.RandomState", lambda r: r.get_state(legacy=False),
+              lambda r, s: r.set_state(s), lambda r, s: r.seed(s), 32),
+    ),
+    (
+        torch.Generator,
+        _Kind("torch.Generator", lambda g: g.get_state(), lambda g, s: g.set_state(s),
+              lambda g, s: g.manual_seed(s), 64),
+    ),
+)
+
+
+def _kind_of(obj: object) -> _Kind:
+    for cls, kind in _KINDS:
+        if isinstance(obj, cls):
+            return kind
+    accepted = ", ".join(k.name for _, k in _KINDS)
+    raise TypeError(f"register_rng() cannot manage {type(obj).__qualname__} {obj!r}; accepted: {accepted}")
+
+
+class _Entry:
+    __slots__ = ("_ref", "key", "kind")
+
+    def __init__(self, obj: object, key: str, kind: _Kind) -> None:
+        try:
+            self._ref: Callable[[], Any] = weakref.ref(obj)
+        except TypeError:
+            self._ref = lambda obj=obj: obj  # type: ignore[misc]  # see module docstring
+        self.key = key
+        self.kind = kind
+
+    def get(self) -> Any:
+        return self._ref()
+
+
+_lock = threading.Lock()
+_entries: list[_Entry] = []
+_counter = itertools.count()
+
+
+def register_rng(obj: T, *, key: str | None = None) -> T:
+    """Manage a user-owned RNG in every deterministic block; returns ``obj``.
+
+    Accepted: ``random.Random``, ``numpy.random.Generator``,
+    ``numpy.random.RandomState`` and ``torch.Generator`` (any device).  Inside a
+    block the object is seeded with ``derive_seed(seed, "user", key)``; on exit
+    its state is restored.  Registering the same object again is a no-op.
+
+    Example:
+        >>> import random
+        >>> from deterministic_ctx import deterministic, register_rng, unregister_rng
+        >>> augment = register_rng(random.Random(), key="augment")
+        >>> with deterministic(seed=0):
+        ...     a = augment.random()
+        >>> with deterministic(seed=0):
+        ...     b = augment.random()
+        >>> a == b
+        True
+        >>> unregister_rng(augment)
+    """
+    kind = _kind_of(obj)
+    if key is not None and not isinstance(key, str):
+        raise TypeError(f"key must be a str or None, got {type(key).__name__} {key!r}")
+    with _lock:
+        if any(e.get() is obj for e in _entries):
+            return obj
+        _entries.append(_Entry(obj, key if key is not None else str(next(_counter)), kind))
+    return obj
+
+
+def unregister_rng(obj: object) -> None:
+    """Stop managing ``obj``; ``ValueError`` if it was not registered.
+
+    Example:
+        >>> import random
+        >>> from deterministic_ctx import register_rng, unregister_rng
+        >>> rng = register_rng(random.Random(1))
+        >>> unregister_rng(rng)
+    """
+    with _lock:
+        for i, entry in enumerate(_entries):
+            if entry.get() is obj:
+                del _entries[i]
+                return
+    raise ValueError(f"unregister_rng(): {obj!r} is not registered")
+
+
+def registered_rngs() -> list[tuple[str, object]]:
+    """``(key, object)`` for every live registered RNG, in registration order.
+
+    Example:
+        >>> registered_rngs()
+        []
+    """
+    with _lock:
+        live = [(e.key, e.get()) for e in _entries]
+    return [(k, o) for k, o in live if o is not None]
+
+
+class UserRngSource:
+    """All registered RNGs: captured, seeded and restored together."""
+
+    name = "user"
+
+    def capture(self) -> tuple[tuple[_Entry, Any, Any], ...]:
+        if not _entries:
+            return ()
+        out = []
+        for entry in tuple(_entries):
+            obj = entry.get()
+            if obj is None:
+                continue
+            out.append((entry, obj, entry.kind.get(obj)))
+        return tuple(out)
+
+    def apply(self, settings: Settings) -> None:
+        for entry in tuple(_entries):
+            obj = entry.get()
+            if obj is not None:
+                bits = entry.kind.bits
+                entry.kind.seed(obj, derive_seed(settings.seed, "user", entry.key, bits=bits))
+
+    def restore(self, state: tuple[tuple[_Entry, Any, Any], ...]) -> None:
+        # The object is kept alive by the snapshot only while the snapshot lives;
+        # an RNG collected meanwhile has no state left to restore.
+        for entry, obj, saved in state:
+            entry.kind.set(obj, saved)
