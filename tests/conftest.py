@@ -1,0 +1,35 @@
+"""Suite-wide guard: every test must leave global random state as it found it.
+
+A test that draws from a global RNG, changes a flag or an environment
+variable, or leaves a lazy CUDA seed queued fails here, naming what leaked.
+Tests that need to change global state on purpose do it inside a block or
+restore it themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests._oracle import World
+
+pytest_plugins = ["pytester"]
+
+
+@pytest.fixture(autouse=True)
+def _no_global_state_leak(request: pytest.FixtureRequest) -> Iterator[None]:
+    if request.node.get_closest_marker("allow_leak") is not None:
+        yield
+        return
+    before = World.now()
+    yield
+    leaked = before.diff(World.now())
+    if leaked:
+        pytest.fail(f"test leaked global state: {', '.join(leaked)}", pytrace=False)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "allow_leak: the test changes global state on purpose and cleans up itself"
+    )

@@ -1,0 +1,168 @@
+"""reproducible on generator functions: a private RNG world swapped at every yield."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deterministic_ctx import deterministic, reproducible
+from tests._oracle import World
+from tests.helpers import draw, solo
+
+
+@reproducible(seed=5)
+def stream(n):
+    for _ in range(n):
+        yield draw()
+
+
+def test_values_equal_solo_whatever_the_caller_draws_between():
+    with deterministic(seed=100):
+        gen = stream(4)
+        values = []
+        for value in gen:
+            values.append(value)
+            draw()
+            draw()
+    assert values == solo(5, 4)
+
+
+def test_caller_stream_is_as_if_generator_never_ran():
+    with deterministic(seed=1):
+        expected = [draw() for _ in range(4)]
+    with deterministic(seed=1):
+        gen = stream(10)
+        got = []
+        for _ in range(4):
+            next(gen)
+            got.append(draw())
+        gen.close()
+    assert got == expected
+
+
+def test_seeded_on_first_next_not_at_creation():
+    with deterministic(seed=1):
+        gen = stream(1)
+        draw()  # between creation and first next()
+        assert next(gen) == solo(5, 1)[0]
+        gen.close()
+
+
+def test_two_interleaved_generators_are_independent():
+    a, b = stream(3), stream(3)
+    out_a, out_b = [], []
+    for _ in range(3):
+        out_a.append(next(a))
+        out_b.append(next(b))
+    assert out_a == out_b == solo(5, 3)
+
+
+def test_send_and_return_value():
+    @reproducible(seed=2)
+    def echo():
+        total = 0
+        while True:
+            received = yield draw()
+            if received is None:
+                return total
+            total += received
+
+    before = World.now()
+    gen = echo()
+    first = next(gen)
+    second = gen.send(10)
+    with pytest.raises(StopIteration) as stop:
+        gen.send(None)
+    assert stop.value.value == 10
+    assert [first, second] == solo(2, 2)
+    assert before.diff(World.now()) == []
+
+
+def test_throw_runs_handler_inside_world_and_caller_untouched():
+    @reproducible(seed=2)
+    def gen():
+        try:
+            yield draw()
+        except KeyError:
+            yield draw()
+
+    before = World.now()
+    g = gen()
+    first = next(g)
+    second = g.throw(KeyError("k"))
+    assert [first, second] == solo(2, 2)
+    g.close()
+    assert before.diff(World.now()) == []
+
+
+def test_close_runs_finally_inside_world():
+    seen = []
+
+    @reproducible(seed=2)
+    def gen():
+        try:
+            yield draw()
+            yield draw()
+        finally:
+            seen.append(draw())
+
+    before = World.now()
+    g = gen()
+    next(g)
+    g.close()
+    assert seen == [solo(2, 2)[1]]
+    assert before.diff(World.now()) == []
+
+
+def test_garbage_collection_of_suspended_generator_leaves_caller_intact():
+    before = World.now()
+    g = stream(5)
+    next(g)
+    del g
+    gc.collect()
+    assert before.diff(World.now()) == []
+
+
+def test_exception_from_body_propagates_and_restores():
+    @reproducible
+    def bad():
+        yield draw()
+        raise RuntimeError("body")
+
+    before = World.now()
+    g = bad()
+    next(g)
+    with pytest.raises(RuntimeError, match="body"):
+        next(g)
+    assert before.diff(World.now()) == []
+
+
+def test_unstarted_generator_close_is_harmless():
+    before = World.now()
+    g = stream(2)
+    g.close()
+    assert before.diff(World.now()) == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from(["caller", "a", "b", "c"]), max_size=30))
+def test_any_interleaving_gives_every_stream_its_solo_values(order):
+    n = 30
+    gens = {"a": stream(n), "b": stream(n), "c": stream(n)}
+    got = {k: [] for k in gens}
+    with deterministic(seed=77):
+        caller = []
+        for who in order:
+            if who == "caller":
+                caller.append(draw())
+            else:
+                got[who].append(next(gens[who]))
+    for g in gens.values():
+        g.close()
+    reference = solo(5, n)
+    for k, values in got.items():
+        assert values == reference[: len(values)]
+    assert caller == solo(77, len(caller))
