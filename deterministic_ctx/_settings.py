@@ -1,28 +1,106 @@
-"""The immutable description of what a block applies."""
+"""The immutable description of what a block applies, and how ranks get their seeds.
+
+Per-rank seeding (``rank=``): Python ``random``, NumPy's global RNG and the
+registered user RNGs are the *data* side of a program (augmentation, sampling
+in user code) and are seeded per rank; torch's generators drive model
+initialization, which must be identical on every rank, and keep the shared
+seed.  Rank 0 uses the seed itself, so a one-process run, ``rank=None`` and
+rank 0 of a multi-process run all draw exactly the classic recipe's numbers;
+any other rank ``r`` uses ``derive_seed(seed, "rank", r)``, which shares no
+structure with other seeds or ranks (unlike ``seed + rank``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import numbers
+import sys
+from dataclasses import dataclass, field
+from typing import Literal, TypeAlias
 
-from ._seed import validate_seed
+import numpy as np
 
-__all__ = ["Settings"]
+from ._seed import derive_seed, validate_seed
+
+__all__ = ["AUTO", "Rank", "Settings", "process_rank", "seed_for_rank", "validate_rank"]
+
+AUTO: Literal["auto"] = "auto"
+
+#: What ``rank=`` accepts once validated.
+Rank: TypeAlias = int | Literal["auto"] | None
 
 
-@dataclass(frozen=True)
+def validate_rank(rank: object) -> Rank:
+    """Return ``rank`` as a plain ``int``, ``"auto"`` or ``None``, or raise.
+
+    Example:
+        >>> validate_rank(np.int64(3))
+        3
+        >>> validate_rank(-1)
+        Traceback (most recent call last):
+        ...
+        ValueError: rank must be a non-negative int, 'auto' or None, got -1
+    """
+    if rank is None:
+        return None
+    if isinstance(rank, str):
+        if rank == AUTO:
+            return AUTO
+        raise ValueError(f"rank must be a non-negative int, 'auto' or None, got {rank!r}")
+    if isinstance(rank, (bool, np.bool_)) or not isinstance(rank, numbers.Integral):
+        raise TypeError(
+            f"rank must be a non-negative int, 'auto' or None, got {type(rank).__name__} {rank!r}"
+        )
+    value = int(rank)
+    if value < 0:
+        raise ValueError(f"rank must be a non-negative int, 'auto' or None, got {value}")
+    return value
+
+
+def process_rank() -> int:
+    """The global rank of this process in torch.distributed's default group, else 0.
+
+    Never imports ``torch.distributed`` itself: if it was never imported, no
+    process group can exist.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return 0
+    return int(dist.get_rank())
+
+
+def seed_for_rank(seed: int, rank: int) -> int:
+    """The per-rank seed: ``seed`` itself on rank 0, a well-mixed sub-seed elsewhere."""
+    return seed if rank == 0 else derive_seed(seed, "rank", rank)
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
-    """What a deterministic block applies on entry: the seed and the flag mode.
+    """What a deterministic block applies on entry: the seed, the flag mode, the rank.
 
     Built (and validated) once, where the user writes ``deterministic(...)`` or
-    ``@reproducible(...)``; every source reads it when a block starts.
+    ``@reproducible(...)``; every source reads it when a block starts.  Sources
+    of per-rank RNGs read :attr:`rank_seed`, the others :attr:`seed`.
     """
 
-    __slots__ = ("seed", "warn_only")
     seed: int
     warn_only: bool
+    rank: Rank = None
+    # ``None`` only for ``rank="auto"``, which is resolved each time a block
+    # starts: a decorator is often built at import, before the process group.
+    _fixed_rank_seed: int | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        fixed = None if self.rank == AUTO else seed_for_rank(self.seed, self.rank or 0)
+        object.__setattr__(self, "_fixed_rank_seed", fixed)
+
+    @property
+    def rank_seed(self) -> int:
+        """The seed of the per-rank RNGs (``random``, NumPy, registered user RNGs)."""
+        fixed = self._fixed_rank_seed
+        return seed_for_rank(self.seed, process_rank()) if fixed is None else fixed
 
     @classmethod
-    def build(cls, seed: object, warn_only: object) -> Settings:
+    def build(cls, seed: object, warn_only: object, rank: object = None) -> Settings:
         if not isinstance(warn_only, bool):
             raise TypeError(f"warn_only must be True or False, got {warn_only!r}")
-        return cls(validate_seed(seed), warn_only)
+        return cls(validate_seed(seed), warn_only, validate_rank(rank))

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from . import sources as _sources
 from ._lock import LOCK
-from ._settings import Settings
+from ._settings import Rank, Settings
 from .snapshot import Snapshot
 
 __all__ = ["deterministic"]
@@ -86,33 +86,56 @@ class _Block:
 _outermost: _Block | None = None
 
 
+#: The state at the moment of a fork made from inside a block, for the child.
+_at_fork: Snapshot | None = None
+
+
+def _before_fork() -> None:
+    global _at_fork
+    # CPython reseeds ``random`` in every forked child.  Inside a block that
+    # breaks reproducibility (NumPy and torch are inherited as they are), so
+    # the child gets back exactly the state the forking thread had.
+    if LOCK.depth and not LOCK.held_by_other_thread():
+        _at_fork = Snapshot.capture()
+
+
+def _after_fork_in_parent() -> None:
+    global _at_fork
+    _at_fork = None
+
+
 def _after_fork_in_child() -> None:
-    global _outermost
+    global _outermost, _at_fork
     other = LOCK.held_by_other_thread()
     outer = _outermost._outer if _outermost is not None else None
     LOCK.reset_after_fork()
+    target, _at_fork = _at_fork, None
     if other:
         # The fork happened while another thread was inside a block: that
         # thread does not exist in the child, so the child continues from the
         # state outside the block, which is the forking thread's view.
         _outermost = None
-        if outer is not None:
-            try:
-                outer.restore()
-            except Exception as exc:
-                warnings.warn(
-                    f"deterministic_ctx: forked while another thread was in a block, and "
-                    f"restoring the state outside it failed in the child: {exc!r}",
-                    RuntimeWarning,
-                    stacklevel=1,
-                )
+        target = outer
+    if target is not None:
+        try:
+            target.restore()
+        except Exception as exc:
+            warnings.warn(
+                f"deterministic_ctx: could not restore the random state in a forked child: {exc!r}",
+                RuntimeWarning,
+                stacklevel=1,
+            )
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(
+        before=_before_fork,
+        after_in_parent=_after_fork_in_parent,
+        after_in_child=_after_fork_in_child,
+    )
 
 
-class deterministic:  # noqa: N801 - used like a function: ``with deterministic(seed=0):``
+class deterministic:  # lowercase: it reads like a function, ``with deterministic(seed=0):``
     """Run a block reproducibly and isolated from the rest of the program.
 
     On entry every RNG (Python ``random``, NumPy's global RNG, torch CPU and
@@ -136,6 +159,14 @@ class deterministic:  # noqa: N801 - used like a function: ``with deterministic(
         seed: an int in ``0 .. 2**32 - 1`` (NumPy integers accepted).
         warn_only: deterministic algorithms warn instead of raising when an
             operation has no deterministic implementation.
+        rank: for multi-process training, the process's rank (a non-negative
+            int), ``"auto"`` for its rank in the initialized
+            ``torch.distributed`` process group (0 without one, looked up each
+            time a block starts), or ``None``.  Python ``random``, NumPy and
+            registered user RNGs then get a well-mixed per-rank seed, so
+            augmentation differs across ranks; torch's generators keep
+            ``seed`` on every rank, so model initialization is identical.
+            Rank 0 draws exactly what ``rank=None`` draws.
 
     Example:
         >>> import torch
@@ -150,8 +181,8 @@ class deterministic:  # noqa: N801 - used like a function: ``with deterministic(
 
     __slots__ = ("_blocks", "_settings")
 
-    def __init__(self, seed: int, *, warn_only: bool = False) -> None:
-        self._settings = Settings.build(seed, warn_only)
+    def __init__(self, seed: int, *, warn_only: bool = False, rank: Rank = None) -> None:
+        self._settings = Settings.build(seed, warn_only, rank)
         self._blocks: list[_Block] = []
 
     @property
@@ -163,6 +194,11 @@ class deterministic:  # noqa: N801 - used like a function: ``with deterministic(
     def warn_only(self) -> bool:
         """Whether deterministic algorithms only warn inside the block."""
         return self._settings.warn_only
+
+    @property
+    def rank(self) -> Rank:
+        """The ``rank`` given: an int, ``"auto"`` or ``None``."""
+        return self._settings.rank
 
     def __enter__(self) -> deterministic:
         block = _Block(self._settings)
@@ -197,4 +233,5 @@ class deterministic:  # noqa: N801 - used like a function: ``with deterministic(
         return decorate(func, self._settings)
 
     def __repr__(self) -> str:
-        return f"deterministic(seed={self.seed}, warn_only={self.warn_only})"
+        rank = "" if self.rank is None else f", rank={self.rank!r}"
+        return f"deterministic(seed={self.seed}, warn_only={self.warn_only}{rank})"

@@ -16,9 +16,9 @@ import functools
 import inspect
 import unittest
 from collections.abc import Callable, Generator
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, cast, overload
 
-from ._settings import Settings
+from ._settings import Rank, Settings
 from .context import _Block
 
 __all__ = ["DEFAULT_SEED", "decorate", "reproducible"]
@@ -149,7 +149,7 @@ def _decorate_testcase(cls: type[unittest.TestCase], settings: Settings) -> type
     own_setup = cls.__dict__.get("setUp")
     own_setup_class = cls.__dict__.get("setUpClass")
 
-    def setUp(self: unittest.TestCase) -> None:  # noqa: N802 - unittest's name
+    def setUp(self: unittest.TestCase) -> None:
         block = _Block(settings)
         block.resume()
         # The first cleanup registered runs last: after tearDown and every
@@ -158,16 +158,16 @@ def _decorate_testcase(cls: type[unittest.TestCase], settings: Settings) -> type
         if own_setup is not None:
             own_setup(self)
         else:
-            super(cls, self).setUp()
+            cast(Any, super(cls, self)).setUp()
 
-    def setUpClass(klass: type[unittest.TestCase]) -> None:  # noqa: N802
+    def setUpClass(klass: type[unittest.TestCase]) -> None:
         block = _Block(settings)
         block.resume()
         try:
             if own_setup_class is not None:
                 own_setup_class.__func__(klass)
             else:
-                super(cls, klass).setUpClass()
+                cast(Any, super(cls, klass)).setUpClass()
         finally:
             block.finish()
 
@@ -185,7 +185,7 @@ def decorate(obj: C, settings: Settings) -> C:
     generator function, coroutine function, generator function, other callable.
     """
     if isinstance(obj, (staticmethod, classmethod)):
-        return type(obj)(decorate(obj.__func__, settings))  # type: ignore[return-value]
+        return type(obj)(decorate(obj.__func__, settings))
     if isinstance(obj, type):
         if issubclass(obj, unittest.TestCase):
             return _decorate_testcase(obj, settings)  # type: ignore[return-value]
@@ -206,17 +206,19 @@ def decorate(obj: C, settings: Settings) -> C:
         wrapper = _wrap_generator(obj, settings)
     else:
         wrapper = _wrap_function(obj, settings)
-    return wrapper  # type: ignore[return-value]
+    return cast(C, wrapper)
 
 
 @overload
 def reproducible(func: F, /) -> F: ...
 @overload
-def reproducible(*, seed: int = ..., warn_only: bool = ...) -> Callable[[F], F]: ...
+def reproducible(
+    *, seed: int = ..., warn_only: bool = ..., rank: Rank = ...
+) -> Callable[[F], F]: ...
 
 
 def reproducible(
-    func: Any = None, /, *, seed: int = DEFAULT_SEED, warn_only: bool = False
+    func: Any = None, /, *, seed: int = DEFAULT_SEED, warn_only: bool = False, rank: Rank = None
 ) -> Any:
     """Make every call of a function (or every test of a TestCase) a fresh block.
 
@@ -226,7 +228,9 @@ def reproducible(
     state untouched.  A generator or coroutine gets its own RNG world, seeded
     at its first step and swapped out at every ``yield``/``await``, so the
     values it produces do not depend on what the caller or other tasks draw
-    in between.  ``@deterministic(seed=s)`` is the same decorator.
+    in between.  ``@deterministic(seed=s)`` is the same decorator.  ``rank``
+    is as in :class:`deterministic`; ``"auto"`` is looked up at each call, so
+    decorating at import time, before the process group exists, is fine.
 
     Example:
         >>> import numpy as np
@@ -237,7 +241,7 @@ def reproducible(
         >>> bool((noise(4) == noise(4)).all())
         True
     """
-    settings = Settings.build(seed, warn_only)
+    settings = Settings.build(seed, warn_only, rank)
     if func is None:
         return lambda f: decorate(f, settings)
     return decorate(func, settings)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import sys
 import types
@@ -146,9 +145,7 @@ def test_flags_restore_precision_changed_inside():
     after = source.capture()
     # use_deterministic_algorithms() imports inductor: it stays imported, at its default.
     assert after.inductor_deterministic in (state.inductor_deterministic, False)
-    assert dataclasses.replace(after, inductor_deterministic=None) == dataclasses.replace(
-        state, inductor_deterministic=None
-    )
+    assert after._replace(inductor_deterministic=None) == state._replace(inductor_deterministic=None)
     assert torch.get_float32_matmul_precision() == state.float32_matmul_precision
 
 
