@@ -15,7 +15,7 @@ Example:
 
 from __future__ import annotations
 
-from ._errors import LockWaitWarning, RestoreError
+from ._errors import InvalidSnapshotError, LockWaitWarning, RestoreError
 from ._lock import set_lock_warning
 from ._seed import derive_seed
 from .context import deterministic
@@ -25,6 +25,7 @@ from .snapshot import Snapshot
 from .sources import register_rng, registered_rngs, unregister_rng
 
 __all__ = [
+    "InvalidSnapshotError",
     "LockWaitWarning",
     "RestoreError",
     "Snapshot",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["LockWaitWarning", "RestoreError"]
+__all__ = ["InvalidSnapshotError", "LockWaitWarning", "RestoreError"]
 
 
 class RestoreError(RuntimeError):
@@ -41,3 +41,33 @@ class LockWaitWarning(RuntimeWarning):
         >>> issubclass(LockWaitWarning, RuntimeWarning)
         True
     """
+
+
+class InvalidSnapshotError(ValueError):
+    """A saved snapshot (a file or a ``state_dict``) cannot be loaded.
+
+    Raised by :meth:`Snapshot.load <deterministic_ctx.Snapshot.load>` and
+    :meth:`Snapshot.from_state_dict <deterministic_ctx.Snapshot.from_state_dict>`
+    for every kind of bad input: a truncated or corrupted file, a file of
+    another kind (a pickle, a ``torch.save`` archive), a format version newer
+    than this library reads, a field of the wrong type or out of range, and,
+    with ``strict_devices=True``, device generators that do not match this
+    machine.  Nothing from the input is ever executed.  ``origin`` names the
+    file (or ``"state_dict"``) and ``problem`` says what is wrong.
+
+    Example:
+        >>> err = InvalidSnapshotError("file 'rng.snap'", "truncated")
+        >>> str(err)
+        "invalid snapshot file 'rng.snap': truncated"
+        >>> isinstance(err, ValueError)
+        True
+    """
+
+    def __init__(self, origin: str, problem: str) -> None:
+        self.origin = origin
+        self.problem = problem
+        super().__init__(f"invalid snapshot {origin}: {problem}")
+
+    def __reduce__(self) -> tuple[type[InvalidSnapshotError], tuple[str, str]]:
+        # Crosses process boundaries (multiprocessing) with its two fields intact.
+        return type(self), (self.origin, self.problem)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from . import checkpoint as _checkpoint
 from . import sources as _sources
 from ._errors import RestoreError
 from .sources import Source
@@ -53,8 +55,9 @@ class Snapshot:
     @classmethod
     def _build(cls, sources: tuple[Source, ...], states: tuple[Any, ...]) -> Snapshot:
         snap = object.__new__(cls)
-        object.__setattr__(snap, "_sources", sources)
-        object.__setattr__(snap, "_states", states)
+        # Slot descriptors bypass the immutability guard in __setattr__.
+        _SET_SOURCES(snap, sources)
+        _SET_STATES(snap, states)
         return snap
 
     def restore(self) -> None:
@@ -74,7 +77,7 @@ class Snapshot:
         """
         failures: dict[str, BaseException] | None = None
         interrupt: BaseException | None = None
-        for source, state in zip(reversed(self._sources), reversed(self._states)):
+        for source, state in zip(reversed(self._sources), reversed(self._states), strict=True):
             try:
                 source.restore(state)
             except Exception as exc:
@@ -104,10 +107,102 @@ class Snapshot:
             >>> Snapshot.capture().state_of("environ") is not None
             True
         """
-        for source, state in zip(self._sources, self._states):
+        for source, state in zip(self._sources, self._states, strict=True):
             if source.name == name:
                 return state
         raise KeyError(f"no source named {name!r}; captured: {', '.join(self.sources)}")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The snapshot as plain data, to put into any checkpoint.
+
+        Only dicts, lists, strings, ints, floats and uint8 tensors: safe to
+        ``torch.save`` beside a model and to read back with
+        ``torch.load(..., weights_only=True)``.  Rebuild it with
+        :meth:`from_state_dict`.  A device that was not initialized when the
+        snapshot was taken is saved as such (queued lazy seeds are code, not
+        data); see the README's "Checkpoints and resuming".  Raises
+        ``ValueError`` if two registered RNGs share a key.
+
+        Example:
+            >>> import random
+            >>> state = Snapshot.capture().state_dict()
+            >>> first = random.random()
+            >>> Snapshot.from_state_dict(state).restore()
+            >>> random.random() == first
+            True
+        """
+        return _checkpoint.to_state_dict(self._sources, self._states)
+
+    @classmethod
+    def from_state_dict(cls, state_dict: object, *, strict_devices: bool = False) -> Snapshot:
+        """Rebuild a snapshot from :meth:`state_dict`'s output, checking every field.
+
+        Every registered RNG in the snapshot must be registered here under the
+        same key (``register_rng(obj, key=...)``) before this is called.
+        Device generators are matched by type and index: where the snapshot
+        holds N and this machine has M, the first min(N, M) are restored and a
+        ``RuntimeWarning`` names the difference, or, with
+        ``strict_devices=True``, :class:`InvalidSnapshotError` is raised.
+        Any other problem raises :class:`InvalidSnapshotError` too.  The
+        returned snapshot restores every source or raises.
+
+        Example:
+            >>> import numpy as np
+            >>> state = Snapshot.capture().state_dict()
+            >>> a = np.random.rand()
+            >>> Snapshot.from_state_dict(state).restore()
+            >>> float(np.random.rand()) == a
+            True
+        """
+        if not isinstance(strict_devices, bool):
+            raise TypeError(f"strict_devices must be True or False, got {strict_devices!r}")
+        return cls._build(
+            *_checkpoint.from_state_dict(state_dict, "state_dict", strict_devices=strict_devices)
+        )
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the snapshot to ``path`` atomically, in a format that never unpickles.
+
+        The file is replaced by a rename once the new one is complete and
+        flushed to disk: a crash leaves the previous file intact (and maybe a
+        ``.NAME.*.tmp`` file beside it).  See :mod:`deterministic_ctx.checkpoint`
+        for the format.
+
+        Example:
+            >>> import random, tempfile
+            >>> with tempfile.TemporaryDirectory() as tmp:
+            ...     Snapshot.capture().save(f"{tmp}/rng.snapshot")
+            ...     first = random.random()
+            ...     Snapshot.load(f"{tmp}/rng.snapshot").restore()
+            >>> random.random() == first
+            True
+        """
+        _checkpoint.write(path, _checkpoint.encode(self.state_dict()))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], *, strict_devices: bool = False) -> Snapshot:
+        """Read a snapshot written by :meth:`save`; nothing in the file is executed.
+
+        A file that is truncated, corrupted, of another kind, of a newer
+        format version, or that holds a bad field raises
+        :class:`InvalidSnapshotError` naming the file and the problem.  Device
+        generators follow the same policy as :meth:`from_state_dict`.  A
+        missing file raises ``FileNotFoundError``, as ``open`` does.
+
+        Example:
+            >>> import tempfile
+            >>> with tempfile.TemporaryDirectory() as tmp:
+            ...     Snapshot.capture().save(f"{tmp}/rng.snapshot")
+            ...     "torch.cpu" in Snapshot.load(f"{tmp}/rng.snapshot").sources
+            True
+        """
+        if not isinstance(strict_devices, bool):
+            raise TypeError(f"strict_devices must be True or False, got {strict_devices!r}")
+        origin = _checkpoint.origin_of(path)
+        state = _checkpoint.decode(_checkpoint.read(path), origin)
+        return cls._build(
+            *_checkpoint.from_state_dict(state, origin, strict_devices=strict_devices)
+        )
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("Snapshot is immutable")
@@ -117,3 +212,7 @@ class Snapshot:
 
     def __repr__(self) -> str:
         return f"Snapshot(sources={list(self.sources)})"
+
+
+_SET_SOURCES = Snapshot._sources.__set__  # type: ignore[attr-defined,misc]
+_SET_STATES = Snapshot._states.__set__  # type: ignore[attr-defined,misc]

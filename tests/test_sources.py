@@ -314,3 +314,19 @@ def test_real_cuda_module_is_never_initialized_by_sources():
             source.apply(S0)
             source.restore(state)
     assert not torch.cuda.is_initialized()
+
+
+def test_flags_capture_survives_a_raising_matmul_precision_getter(monkeypatch):
+    import deterministic_ctx.sources.flags as flags_module
+
+    def raising():
+        raise RuntimeError("mix of the legacy and new APIs")
+
+    monkeypatch.setattr(flags_module._C, "_get_float32_matmul_precision", raising)
+    source = TorchFlagsSource()
+    state = source.capture()
+    assert state.float32_matmul_precision is None
+    source.apply(S0)
+    source.restore(state)  # restores through the per-op entries, never raises
+    with pytest.raises(ValueError, match="cannot be saved"):
+        source.export_state(state)

@@ -21,6 +21,7 @@ import random
 import struct
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -63,7 +64,7 @@ def _probe_random() -> MTLayout | None:
         a.random()  # move the index away from its seeded value
         raw = layout.read(a)
         index, *words = struct.unpack(f"=i{_MT_WORDS}I", raw)
-        if tuple(words) + (index,) != a.getstate()[1]:
+        if (*words, index) != a.getstate()[1]:
             return None
         b = random.Random(7)
         layout.write(b, raw)
@@ -91,12 +92,12 @@ class NumpyGaussLayout:
         ctypes.memmove(id(rs) + self.offset, raw, 16)
 
 
-def read_mt19937(bit_generator: np.random.MT19937) -> bytes:
+def read_mt19937(bit_generator: Any) -> bytes:
     """The ``key[624], pos`` record of an MT19937 bit generator."""
     return ctypes.string_at(bit_generator.ctypes.state_address, MT_BYTES)
 
 
-def write_mt19937(bit_generator: np.random.MT19937, raw: bytes) -> None:
+def write_mt19937(bit_generator: Any, raw: bytes) -> None:
     ctypes.memmove(bit_generator.ctypes.state_address, raw, MT_BYTES)
 
 

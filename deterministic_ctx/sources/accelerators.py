@@ -21,32 +21,49 @@ the captured queue: a fresh generator, then the captured queued calls.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .._settings import Settings
+from . import _plain
 
-__all__ = ["LazyAcceleratorSource", "MPSSource", "accelerator_sources"]
+__all__ = [
+    "LazyAcceleratorSource",
+    "MPSSource",
+    "SavedState",
+    "accelerator_sources",
+    "device_mismatch",
+    "device_states_from_plain",
+]
 
 _NOTE = ["  (seed queued by deterministic_ctx on entry to a deterministic block)\n"]
+_RESTORE_NOTE = ["  (generator states queued by deterministic_ctx restoring a loaded snapshot)\n"]
+#: More devices than any machine has; bounds what a crafted checkpoint can declare.
+_MAX_DEVICES = 4096
 _REQUIRED = ("is_initialized", "_lazy_seed_tracker", "_queued_calls", "default_generators")
 _TRACKER_FIELDS = ("manual_seed_all_cb", "manual_seed_cb", "call_order")
 
 
-@dataclass(frozen=True)
-class LiveState:
+class LiveState(NamedTuple):
     states: tuple[torch.Tensor, ...]
 
 
-@dataclass(frozen=True)
-class LazyState:
+class LazyState(NamedTuple):
     seed_all: Any
     seed_one: Any
     call_order: tuple[Any, ...]
     queued: tuple[Any, ...]
+
+
+class SavedState(NamedTuple):
+    """Generator states read from a checkpoint, one per device, already matched
+    to this machine's device count; empty if the device was not initialized
+    where the snapshot was taken.  ``strict`` is the loader's ``strict_devices``."""
+
+    states: tuple[torch.Tensor, ...]
+    strict: bool
 
 
 def _is_rng_call(entry: Any) -> bool:
@@ -71,6 +88,12 @@ class LazyAcceleratorSource:
         self._m = module
         self._device_type = device_type
         self._fresh_state = fresh_state or self._torch_fresh_state
+        # A build without this device can never initialize it, so a seed
+        # queued for it would never be used: entering a block skips it.  Its
+        # tracker is still captured and restored, because ``torch.manual_seed``
+        # inside the block queues there anyway.
+        compiled = getattr(module, "_is_compiled", None)
+        self._can_initialize = bool(compiled()) if compiled is not None else True
 
     def _torch_fresh_state(self, index: int) -> torch.Tensor:
         return torch.Generator(device=torch.device(self._device_type, index)).get_state()
@@ -90,7 +113,7 @@ class LazyAcceleratorSource:
 
     def apply(self, settings: Settings) -> None:
         m = self._m
-        if self._bad_fork():
+        if not self._can_initialize or self._bad_fork():
             return  # like torch.manual_seed: the device cannot be used in this process
         seed = settings.seed
         if m.is_initialized():
@@ -104,15 +127,20 @@ class LazyAcceleratorSource:
 
         m._lazy_seed_tracker.queue_seed_all(seed_all, _NOTE)
 
-    def restore(self, state: LiveState | LazyState) -> None:
+    def restore(self, state: LiveState | LazyState | SavedState) -> None:
         m = self._m
+        if isinstance(state, SavedState):
+            self._restore_saved(state)
+            return
         if isinstance(state, LiveState):
+            if self._bad_fork():
+                return  # a forked child cannot use the device at all
             if len(m.default_generators) != len(state.states):
                 raise RuntimeError(
                     f"{self.name}: {len(state.states)} device generator(s) captured, "
                     f"{len(m.default_generators)} present"
                 )
-            for gen, saved in zip(m.default_generators, state.states):
+            for gen, saved in zip(m.default_generators, state.states, strict=True):
                 gen.set_state(saved)
             return
         self._restore_tracker(state)
@@ -145,6 +173,78 @@ class LazyAcceleratorSource:
         if tuple(t.call_order) != state.call_order:
             t.call_order = list(state.call_order)
 
+    @property
+    def device_type(self) -> str:
+        """``"cuda"``, ``"xpu"`` or ``"mtia"``: the key of this device in a checkpoint."""
+        return self._device_type
+
+    def export_state(self, state: LiveState | LazyState | SavedState) -> dict[str, Any]:
+        """The state as plain data: ``{"initialized": bool, "states": [uint8 tensor per device]}``.
+
+        A device that was not initialized has no generator yet, only queued
+        callbacks, which are code and are not saved (see :meth:`_restore_saved`).
+        """
+        states = () if isinstance(state, LazyState) else state.states
+        return {"initialized": bool(states), "states": [s.clone() for s in states]}
+
+    def import_state(self, data: object, path: str, *, strict: bool) -> SavedState | None:
+        """Check saved data (``None``: the checkpoint has no entry for this device)
+        and match it to the devices here; ``None`` if nothing is left to restore.
+
+        N saved generators, M devices here, N != M: ``ValueError`` if ``strict``,
+        else a warning and the first min(N, M) devices are restored.  Before
+        the device is initialized, M is ``device_count()`` (as
+        ``torch.cuda.is_available()`` does, this asks the driver, but does not
+        initialize torch's CUDA state); it is only asked when N > 0.
+        """
+        states = () if data is None else device_states_from_plain(data, path)
+        if states:
+            m = self._m
+            here = len(m.default_generators) if m.is_initialized() else int(m.device_count())
+            if len(states) != here:
+                device_mismatch(path, self.name, len(states), here, strict=strict)
+                states = states[:here]
+                if not states:
+                    return None
+        return SavedState(states, strict)
+
+    def _restore_saved(self, state: SavedState) -> None:
+        m = self._m
+        if self._bad_fork():
+            return  # a forked child cannot use the device at all
+        if not state.states:
+            # Not initialized where it was saved: nothing drew from it there.
+            # If it is not initialized here either, what torch has queued here
+            # (e.g. the script's own ``torch.manual_seed``) is kept.
+            if m.is_initialized():
+                problem = (
+                    f"{self.name}: the snapshot was taken before the device was initialized, "
+                    f"so it has no generator state for the devices in use here"
+                )
+                if state.strict:
+                    raise RuntimeError(f"{problem} (strict_devices=True)")
+                _plain.warn(f"{problem}; they keep their current state")
+            return
+        if m.is_initialized():
+            # The device count was matched at load: zip stops at the shorter.
+            for gen, saved in zip(m.default_generators, state.states, strict=False):
+                gen.set_state(saved)
+            return
+        # Not initialized: like ``torch.cuda.set_rng_state``, apply it at
+        # initialization, and drop queued seeds, which the restore supersedes
+        # (torch runs them after the queued calls).  The callback's name marks
+        # it as an RNG call, so a block around this restore drops it on exit.
+        states = state.states
+
+        def set_rng_states() -> None:
+            for gen, saved in zip(m.default_generators, states, strict=False):
+                gen.set_state(saved)
+
+        tracker = m._lazy_seed_tracker
+        tracker.manual_seed_all_cb = tracker.manual_seed_cb = None
+        tracker.call_order = []
+        m._queued_calls.append((set_rng_states, _RESTORE_NOTE))
+
 
 class MPSSource:
     """Apple's MPS generator (one device, no lazy initialization)."""
@@ -159,6 +259,21 @@ class MPSSource:
 
     def apply(self, settings: Settings) -> None:
         torch.mps.manual_seed(settings.seed)
+
+    device_type = "mps"
+
+    def export_state(self, state: torch.Tensor) -> dict[str, Any]:
+        """The state as plain data, in the same form as the lazy devices'."""
+        return {"initialized": True, "states": [state.clone()]}
+
+    def import_state(self, data: object, path: str, *, strict: bool) -> torch.Tensor | None:
+        """Check saved data (``None``: no entry) against the one MPS device here."""
+        states = () if data is None else device_states_from_plain(data, path)
+        if len(states) != 1:
+            device_mismatch(path, self.name, len(states), 1, strict=strict)
+            if not states:
+                return None
+        return _plain.byte_tensor(states[0], f"{path}.states[0]", numel=self.capture().numel())
 
 
 def _usable(module: Any) -> bool:
@@ -190,3 +305,27 @@ def accelerator_sources() -> Sequence[LazyAcceleratorSource | MPSSource]:
     if getattr(torch._C, "_has_mps", False) and torch.backends.mps.is_available():
         found.append(MPSSource())
     return found
+
+
+def device_states_from_plain(data: object, path: str) -> tuple[torch.Tensor, ...]:
+    """The checked generator states of one device type, as saved by ``export_state``."""
+    d = _plain.fields(data, path, ["initialized", "states"])
+    initialized = _plain.flag(d["initialized"], f"{path}.initialized")
+    states = d["states"]
+    if type(states) is not list or len(states) > _MAX_DEVICES or initialized != bool(states):
+        raise ValueError(
+            f"{path}.states: expected a list of at most {_MAX_DEVICES} generator states, "
+            f"empty exactly when the device was not initialized"
+        )
+    return tuple(_plain.byte_tensor(s, f"{path}.states[{i}]") for i, s in enumerate(states))
+
+
+def device_mismatch(path: str, name: str, saved: int, here: int, *, strict: bool) -> None:
+    """Saved generators and devices here differ: raise if ``strict``, else warn."""
+    problem = (
+        f"{path}: the snapshot holds {saved} {name} generator state(s), "
+        f"this process has {here} such device(s)"
+    )
+    if strict:
+        raise ValueError(f"{problem} (strict_devices=True)")
+    _plain.warn(f"{problem}: restoring the first {min(saved, here)}")

@@ -17,6 +17,7 @@ import os
 from collections.abc import MutableMapping
 
 from .._settings import Settings
+from . import _plain
 
 __all__ = ["CUBLAS_VALID", "EnvironSource"]
 
@@ -48,10 +49,21 @@ class EnvironSource:
 
     def restore(self, state: tuple[str | None, ...]) -> None:
         env = self._env
-        for name, value in zip(_NAMES, state):
+        for name, value in zip(_NAMES, state, strict=True):
             if env.get(name) == value:
                 continue
             if value is None:
                 del env[name]
             else:
                 env[name] = value
+
+    def export_state(self, state: tuple[str | None, ...]) -> dict[str, str]:
+        """The state as plain data: ``{name: value}``, an unset variable left out."""
+        return {name: value for name, value in zip(_NAMES, state, strict=True) if value is not None}
+
+    def import_state(self, data: object, path: str) -> tuple[str | None, ...]:
+        """Check saved data and rebuild a state; ``ValueError`` names the bad field."""
+        d = _plain.fields(data, path, (), _NAMES)
+        return tuple(
+            _plain.text(d[name], f"{path}.{name}") if name in d else None for name in _NAMES
+        )

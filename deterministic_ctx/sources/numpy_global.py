@@ -8,19 +8,27 @@ gaussian cache (``has_gauss``/``gauss``), which changes what the next
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .._settings import Settings
+from . import _plain
 from ._memory import NUMPY_LAYOUT, NumpyGaussLayout, read_mt19937, write_mt19937
 
-__all__ = ["NumpyGlobalSource", "NumpyState"]
+__all__ = [
+    "NumpyGlobalSource",
+    "NumpyState",
+    "bit_generator_state_from_plain",
+    "legacy_state_from_plain",
+    "numpy_state_to_plain",
+]
+
+# Public since NumPy 1.25, missing from its type stubs.
+_set_bit_generator: Any = np.random.set_bit_generator  # type: ignore[attr-defined]
 
 
-@dataclass(frozen=True)
-class NumpyState:
+class NumpyState(NamedTuple):
     """``raw`` holds ``(mt19937 record, gauss record)`` on the fast path, else
     the dict of ``RandomState.get_state(legacy=False)``."""
 
@@ -58,7 +66,7 @@ class NumpyGlobalSource:
     def restore(self, state: NumpyState) -> None:
         rs = self._rs
         if rs._bit_generator is not state.bit_generator:
-            np.random.set_bit_generator(state.bit_generator)
+            _set_bit_generator(state.bit_generator)
         bg = state.bit_generator
         if isinstance(state.raw, tuple):
             layout = self._fast(bg)
@@ -77,8 +85,8 @@ class NumpyGlobalSource:
             # ``np.random.seed`` only works on MT19937; inside a block the global
             # RNG is exactly the classic legacy-seeded one.  Restore reinstalls
             # the user's bit generator.
-            np.random.set_bit_generator(np.random.MT19937(0))
-        rs.seed(settings.seed)  # legacy seeding; also clears the gaussian cache
+            _set_bit_generator(np.random.MT19937(0))
+        rs.seed(settings.rank_seed)  # legacy seeding; also clears the gaussian cache
 
     def to_public(self, state: NumpyState) -> dict[str, Any]:
         """The state in ``RandomState.get_state(legacy=False)`` form."""
@@ -96,3 +104,104 @@ class NumpyGlobalSource:
             "has_gauss": has_gauss,
             "gauss": value,
         }
+
+    def export_state(self, state: NumpyState) -> dict[str, Any]:
+        """The state as plain data for a checkpoint: ``get_state(legacy=False)``
+        with arrays as lists of ints."""
+        return numpy_state_to_plain(self.to_public(state))
+
+    def import_state(self, data: object, path: str) -> NumpyState:
+        """Check saved data and rebuild a state; ``ValueError`` names the bad field.
+
+        The bit generator installed now is kept if it is of the saved type
+        (others may hold it through ``np.random.get_bit_generator()``);
+        otherwise a new one of that type is installed on restore.  The state
+        is kept in dict form, so ``restore`` goes through ``set_state``.
+        """
+        public = legacy_state_from_plain(data, path)
+        cls = getattr(np.random, public["bit_generator"])  # a name from _BIT_GENERATORS
+        current = self._rs._bit_generator
+        return NumpyState(current if type(current) is cls else cls(), public)
+
+
+_U32, _U64, _U128 = 2**32 - 1, 2**64 - 1, 2**128 - 1
+#: field -> (array length, or None for a scalar int; largest value)
+_Fields = dict[str, tuple[int | None, int]]
+_BUFFERED: _Fields = {"has_uint32": (None, 1), "uinteger": (None, _U32)}
+#: The state of each bit generator that NumPy ships: ``(state["state"], the rest)``.
+#: ``pos`` and ``buffer_pos`` index C arrays, and NumPy's setters do not check
+#: them: out of range, the next draw reads outside the generator's memory.
+_BIT_GENERATORS: dict[str, tuple[_Fields, _Fields]] = {
+    "MT19937": ({"key": (624, _U32), "pos": (None, 624)}, {}),
+    "PCG64": ({"state": (None, _U128), "inc": (None, _U128)}, _BUFFERED),
+    "PCG64DXSM": ({"state": (None, _U128), "inc": (None, _U128)}, _BUFFERED),
+    "Philox": (
+        {"counter": (4, _U64), "key": (2, _U64)},
+        {"buffer": (4, _U64), "buffer_pos": (None, 4), **_BUFFERED},
+    ),
+    "SFC64": ({"state": (4, _U64)}, _BUFFERED),
+}
+_LEGACY: _Fields = {"has_gauss": (None, 1)}
+
+
+def numpy_state_to_plain(state: dict[str, Any]) -> dict[str, Any]:
+    """A bit generator's ``state`` dict (or ``RandomState.get_state(legacy=False)``)
+    with arrays turned into lists of ints and NumPy scalars into Python ones."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, np.ndarray):
+            return [int(x) for x in value.tolist()]
+        if isinstance(value, np.integer):
+            return int(value)
+        if isinstance(value, np.floating):
+            return float(value)
+        return value
+
+    result: dict[str, Any] = plain(state)
+    return result
+
+
+def _read(data: object, path: str, spec: _Fields, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    d = _plain.fields(data, path, [*spec, *extra])
+    out: dict[str, Any] = {}
+    for name, (length, hi) in spec.items():
+        where = f"{path}.{name}"
+        if length is None:
+            out[name] = _plain.integer(d[name], where, 0, hi)
+        else:
+            values = _plain.integers(d[name], where, length, 0, hi)
+            out[name] = np.array(values, dtype=np.uint32 if hi == _U32 else np.uint64)
+    return out
+
+
+def bit_generator_state_from_plain(
+    data: object, path: str, *, legacy: bool = False
+) -> dict[str, Any]:
+    """The checked inverse of :func:`numpy_state_to_plain`, ready for
+    ``bit_generator.state = ...`` (or, with ``legacy``, ``RandomState.set_state``)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a dict, got {type(data).__name__}")
+    name = _plain.text(data.get("bit_generator"), f"{path}.bit_generator", choices=_BIT_GENERATORS)
+    inner, outer = _BIT_GENERATORS[name]
+    outer = {**outer, **_LEGACY} if legacy else outer
+    extra = ("bit_generator", "state", "gauss") if legacy else ("bit_generator", "state")
+    rest = _read(data, path, outer, extra)  # checks the whole key set
+    public = {"bit_generator": name, "state": _read(data["state"], f"{path}.state", inner), **rest}
+    if legacy:
+        public["gauss"] = _plain.real(data["gauss"], f"{path}.gauss")
+    try:  # NumPy's own checks, on a throw-away generator
+        probe = getattr(np.random, name)()
+        if legacy:
+            np.random.RandomState(probe).set_state(public)
+        else:
+            probe.state = public
+    except (ValueError, TypeError, KeyError, OverflowError) as exc:
+        raise ValueError(f"{path}: NumPy rejects the {name} state ({exc})") from exc
+    return public
+
+
+def legacy_state_from_plain(data: object, path: str) -> dict[str, Any]:
+    """A checked ``RandomState.get_state(legacy=False)`` dict (adds the gaussian cache)."""
+    return bit_generator_state_from_plain(data, path, legacy=True)

@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import functools
 import random
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._settings import Settings
+from . import _plain
 from ._memory import RANDOM_LAYOUT, MTLayout
 
-__all__ = ["PythonRandomSource", "PythonRandomState"]
+__all__ = [
+    "PythonRandomSource",
+    "PythonRandomState",
+    "random_state_from_plain",
+    "random_state_to_plain",
+]
+
+_MT_WORDS = 624
 
 
-@dataclass(frozen=True)
-class PythonRandomState:
+class PythonRandomState(NamedTuple):
     """``raw`` is the 2500-byte C record (fast path) or ``getstate()[1]``."""
 
     raw: bytes | tuple[int, ...]
@@ -32,17 +38,20 @@ class PythonRandomSource:
 
     name = "random"
 
-    def __init__(self, rng: random.Random | None = None, layout: MTLayout | None = RANDOM_LAYOUT):
+    def __init__(
+        self, rng: random.Random | None = None, layout: MTLayout | None = RANDOM_LAYOUT
+    ) -> None:
         # Module-level functions are bound methods of this instance, so it is the
         # one to manage even if someone rebinds ``random._inst``.
-        self._rng: random.Random = rng if rng is not None else random.random.__self__  # type: ignore[assignment]
+        bound: random.Random = getattr(random.random, "__self__")  # noqa: B009 - untyped attribute
+        self._rng = rng if rng is not None else bound
         self._layout = layout if isinstance(self._rng, random.Random) else None
 
     def capture(self) -> PythonRandomState:
         rng = self._rng
         if self._layout is not None:
             return PythonRandomState(self._layout.read(rng), rng.gauss_next)  # type: ignore[attr-defined]
-        version, internal, gauss_next = rng.getstate()
+        _version, internal, gauss_next = rng.getstate()
         return PythonRandomState(internal, gauss_next)
 
     def restore(self, state: PythonRandomState) -> None:
@@ -57,10 +66,10 @@ class PythonRandomSource:
 
     def apply(self, settings: Settings) -> None:
         if self._layout is not None:
-            self._layout.write(self._rng, _seeded_raw(self._layout, settings.seed))
+            self._layout.write(self._rng, _seeded_raw(self._layout, settings.rank_seed))
             self._rng.gauss_next = None  # type: ignore[attr-defined]
         else:
-            self._rng.seed(settings.seed)
+            self._rng.seed(settings.rank_seed)
 
     def to_public(self, state: PythonRandomState) -> tuple[Any, ...]:
         """The state in ``random.getstate()`` form, whichever path captured it."""
@@ -70,3 +79,42 @@ class PythonRandomSource:
             index, *words = struct.unpack("=i624I", state.raw)
             return (3, (*words, index), state.gauss_next)
         return (3, state.raw, state.gauss_next)
+
+    def export_state(self, state: PythonRandomState) -> dict[str, Any]:
+        """The state as plain data for a checkpoint (see :func:`random_state_to_plain`)."""
+        return random_state_to_plain(self.to_public(state))
+
+    def import_state(self, data: object, path: str) -> PythonRandomState:
+        """Check saved data and rebuild a state; ``ValueError`` names the bad field.
+
+        The state is kept in ``getstate()`` form, so ``restore`` goes through
+        ``random.setstate``, which checks it again, never through raw memory.
+        """
+        _version, internal, gauss_next = random_state_from_plain(data, path)
+        return PythonRandomState(internal, gauss_next)
+
+
+def random_state_to_plain(public: tuple[Any, ...]) -> dict[str, Any]:
+    """``random.getstate()`` as ``{"state": [625 ints], "gauss_next": float}``.
+
+    ``gauss_next`` is left out when it is ``None`` (a checkpoint holds no ``None``).
+    """
+    _version, internal, gauss_next = public
+    out: dict[str, Any] = {"state": list(internal)}
+    if gauss_next is not None:
+        out["gauss_next"] = float(gauss_next)
+    return out
+
+
+def random_state_from_plain(data: object, path: str) -> tuple[Any, ...]:
+    """The checked inverse of :func:`random_state_to_plain`, in ``getstate()`` form."""
+    d = _plain.fields(data, path, ["state"], ["gauss_next"])
+    words = _plain.integers(d["state"], f"{path}.state", _MT_WORDS + 1, 0, 2**32 - 1)
+    _plain.integer(words[-1], f"{path}.state[{_MT_WORDS}] (the index)", 0, _MT_WORDS)
+    gauss = _plain.real(d["gauss_next"], f"{path}.gauss_next") if "gauss_next" in d else None
+    public = (3, tuple(words), gauss)
+    try:  # CPython's own check, on a throw-away generator
+        random.Random().setstate(public)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise ValueError(f"{path}: random.setstate() rejects the state ({exc})") from exc
+    return public

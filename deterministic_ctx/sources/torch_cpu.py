@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .._settings import Settings
+from . import _plain
 
-__all__ = ["TorchCPUSource"]
+__all__ = ["TorchCPUSource", "generator_state_from_plain"]
 
 
 class TorchCPUSource:
@@ -27,3 +30,28 @@ class TorchCPUSource:
         # What ``torch.manual_seed`` does for the CPU; accelerators are their
         # own sources so that no lazy seed with a formatted stack is queued.
         self._gen.manual_seed(settings.seed)
+
+    def export_state(self, state: torch.Tensor) -> dict[str, Any]:
+        """The state as plain data for a checkpoint: ``{"state": uint8 tensor}``."""
+        return {"state": state.clone()}
+
+    def import_state(self, data: object, path: str) -> torch.Tensor:
+        """Check saved data and rebuild a state; ``ValueError`` names the bad field."""
+        d = _plain.fields(data, path, ["state"])
+        return generator_state_from_plain(d["state"], f"{path}.state", self._gen)
+
+
+def generator_state_from_plain(value: object, path: str, like: torch.Generator) -> torch.Tensor:
+    """A checked state for the generator ``like``: a uint8 tensor of its size.
+
+    A CPU state is also set on a throw-away generator first: torch checks the
+    Mersenne Twister's fields there (a bad ``left``/``next`` is "Invalid mt19937
+    state"), so a crafted state fails here, not at restore.
+    """
+    state = _plain.byte_tensor(value, path, numel=like.get_state().numel())
+    if like.device.type == "cpu":
+        try:
+            torch.Generator().set_state(state)
+        except RuntimeError as exc:
+            raise ValueError(f"{path}: torch rejects the generator state ({exc})") from exc
+    return state

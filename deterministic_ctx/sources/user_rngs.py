@@ -3,8 +3,10 @@
 Each registered object is captured, seeded and restored with every block.
 Its seed inside a block is ``derive_seed(block_seed, "user", key)``: stable
 across runs as long as the key is, and unrelated to the seed of any other
-object.  The key is the one given to ``register_rng`` or, by default, the
-registration ordinal (``"0"``, ``"1"``, …).
+object.  Under ``rank=`` the block's per-rank seed takes the place of
+``block_seed`` (user RNGs are data-side, like ``random`` and NumPy).  The key
+is the one given to ``register_rng`` or, by default, the registration
+ordinal (``"0"``, ``"1"``, …).
 
 ``random.Random`` and ``torch.Generator`` are held by weak reference.  NumPy
 generators and bit generators cannot be weakly referenced (their C types
@@ -26,6 +28,10 @@ import torch
 
 from .._seed import derive_seed
 from .._settings import Settings
+from . import _plain
+from .numpy_global import bit_generator_state_from_plain, numpy_state_to_plain
+from .python_random import random_state_from_plain, random_state_to_plain
+from .torch_cpu import generator_state_from_plain
 
 __all__ = ["UserRngSource", "register_rng", "registered_rngs", "unregister_rng"]
 
@@ -75,7 +81,9 @@ def _kind_of(obj: object) -> _Kind:
         if isinstance(obj, cls):
             return kind
     accepted = ", ".join(k.name for _, k in _KINDS)
-    raise TypeError(f"register_rng() cannot manage {type(obj).__qualname__} {obj!r}; accepted: {accepted}")
+    raise TypeError(
+        f"register_rng() cannot manage {type(obj).__qualname__} {obj!r}; accepted: {accepted}"
+    )
 
 
 class _Entry:
@@ -174,14 +182,111 @@ class UserRngSource:
         return tuple(out)
 
     def apply(self, settings: Settings) -> None:
+        if not _entries:
+            return
+        seed = settings.rank_seed  # user RNGs are per rank, like ``random`` and NumPy
         for entry in tuple(_entries):
             obj = entry.get()
             if obj is not None:
-                bits = entry.kind.bits
-                entry.kind.seed(obj, derive_seed(settings.seed, "user", entry.key, bits=bits))
+                entry.kind.seed(obj, derive_seed(seed, "user", entry.key, bits=entry.kind.bits))
 
     def restore(self, state: tuple[tuple[_Entry, Any, Any], ...]) -> None:
         # The object is kept alive by the snapshot only while the snapshot lives;
         # an RNG collected meanwhile has no state left to restore.
         for entry, obj, saved in state:
             entry.kind.set(obj, saved)
+
+    def export_state(self, state: tuple[tuple[_Entry, Any, Any], ...]) -> list[dict[str, Any]]:
+        """The state as plain data: ``[{"key", "kind", "state"}, ...]``.
+
+        Raises ``ValueError`` if two registered RNGs share a key: a loaded
+        snapshot finds each RNG by its key, so it could not tell them apart.
+        """
+        out: list[dict[str, Any]] = []
+        for entry, obj, saved in state:
+            if any(item["key"] == entry.key for item in out):
+                raise ValueError(
+                    f"two registered RNGs share the key {entry.key!r}, so a saved snapshot "
+                    f"could not tell them apart: register them with distinct keys"
+                )
+            plain = _CODECS[entry.kind.name][0](obj, saved)
+            out.append({"key": entry.key, "kind": entry.kind.name, "state": plain})
+        return out
+
+    def import_state(self, data: object, path: str) -> tuple[tuple[_Entry, Any, Any], ...]:
+        """Bind each saved state to the RNG registered here under the same key.
+
+        Every saved RNG must be registered (``register_rng(obj, key=...)``)
+        before loading, with the same kind: otherwise ``ValueError``, since its
+        state could not be restored.  RNGs registered here but absent from the
+        snapshot are left alone, as by any snapshot taken before they existed.
+        """
+        if type(data) is not list:
+            raise ValueError(f"{path}: expected a list, got {type(data).__name__}")
+        with _lock:
+            live = [(e, e.get()) for e in _entries]
+        out: list[tuple[_Entry, Any, Any]] = []
+        for i, item in enumerate(data):
+            where = f"{path}[{i}]"
+            d = _plain.fields(item, where, ["key", "kind", "state"])
+            key = _plain.text(d["key"], f"{where}.key")
+            kind = _plain.text(d["kind"], f"{where}.kind", choices=_CODECS)
+            if any(e.key == key for e, _obj, _s in out):
+                raise ValueError(f"{where}.key: {key!r} is saved twice")
+            found = [(e, obj) for e, obj in live if obj is not None and e.key == key]
+            if len(found) != 1:
+                raise ValueError(
+                    f"{where}: the snapshot holds user RNG {key!r} ({kind}), and "
+                    + (
+                        f"no RNG is registered with that key here: call "
+                        f"register_rng(rng, key={key!r}) before loading"
+                        if not found
+                        else f"{len(found)} RNGs are registered with that key here"
+                    )
+                )
+            entry, obj = found[0]
+            if entry.kind.name != kind:
+                raise ValueError(
+                    f"{where}.kind: saved a {kind}, but the RNG registered here with key "
+                    f"{key!r} is a {entry.kind.name}"
+                )
+            out.append((entry, obj, _CODECS[kind][1](obj, d["state"], f"{where}.state")))
+        return tuple(out)
+
+
+def _bit_generator_name(obj: np.random.Generator | np.random.RandomState) -> str:
+    bg = obj.bit_generator if isinstance(obj, np.random.Generator) else obj._bit_generator
+    return type(bg).__name__
+
+
+def _numpy_from_plain(obj: Any, data: object, path: str) -> dict[str, Any]:
+    legacy = isinstance(obj, np.random.RandomState)
+    state = bit_generator_state_from_plain(data, path, legacy=legacy)
+    if state["bit_generator"] != _bit_generator_name(obj):
+        raise ValueError(
+            f"{path}.bit_generator: saved {state['bit_generator']}, but the registered RNG "
+            f"uses {_bit_generator_name(obj)}"
+        )
+    return state
+
+
+def _torch_from_plain(obj: torch.Generator, data: object, path: str) -> torch.Tensor:
+    d = _plain.fields(data, path, ["device", "state"])
+    _plain.text(d["device"], f"{path}.device", choices=(str(obj.device),))
+    return generator_state_from_plain(d["state"], f"{path}.state", obj)
+
+
+#: kind name -> (state to plain data, checked plain data to state) for checkpoints.
+_CODECS: dict[str, tuple[Callable[[Any, Any], Any], Callable[[Any, object, str], Any]]] = {
+    "random.Random": (
+        lambda _obj, s: random_state_to_plain(s),
+        lambda _obj, d, p: random_state_from_plain(d, p),
+    ),
+    "numpy.random.Generator": (lambda _obj, s: numpy_state_to_plain(s), _numpy_from_plain),
+    "numpy.random.RandomState": (lambda _obj, s: numpy_state_to_plain(s), _numpy_from_plain),
+    "torch.Generator": (
+        lambda obj, s: {"device": str(obj.device), "state": s.clone()},
+        _torch_from_plain,
+    ),
+}
+assert set(_CODECS) == {kind.name for _cls, kind in _KINDS}, "every kind needs a codec"
