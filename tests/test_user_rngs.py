@@ -115,3 +115,30 @@ def test_unmanageable_object_and_bad_key():
         register_rng(random.Random(), key=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="is not registered"):
         unregister_rng(random.Random())
+
+
+def test_exact_random_uses_fast_path_and_subclasses_use_their_own_methods():
+    class Counting(random.Random):
+        seeds: list = []
+
+        def seed(self, a=None, version=2):
+            Counting.seeds.append(a)
+            super().seed(a, version)
+
+    fast = register_rng(random.Random(1), key="fast")
+    sub = register_rng(Counting(1), key="sub")
+    try:
+        Counting.seeds.clear()
+        with deterministic(seed=2):
+            inside_fast, inside_sub = fast.random(), sub.random()
+        assert Counting.seeds == [derive_seed(2, "user", "sub", bits=64)]
+        assert inside_fast == random.Random(derive_seed(2, "user", "fast", bits=64)).random()
+        assert inside_sub == random.Random(derive_seed(2, "user", "sub", bits=64)).random()
+    finally:
+        unregister_rng(fast)
+        unregister_rng(sub)
+
+
+def test_system_random_is_rejected():
+    with pytest.raises(TypeError, match="cannot manage random.SystemRandom"):
+        register_rng(random.SystemRandom())

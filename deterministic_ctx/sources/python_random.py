@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import random
+import struct
 from typing import Any, NamedTuple
 
 from .._settings import Settings
@@ -13,8 +14,13 @@ from ._memory import RANDOM_LAYOUT, MTLayout
 __all__ = [
     "PythonRandomSource",
     "PythonRandomState",
+    "capture_rng",
+    "fast_layout_for",
+    "public_state",
     "random_state_from_plain",
     "random_state_to_plain",
+    "restore_rng",
+    "seed_rng",
 ]
 
 _MT_WORDS = 624
@@ -33,6 +39,48 @@ def _seeded_raw(layout: MTLayout, seed: int) -> bytes:
     return layout.read(random.Random(seed))
 
 
+def public_state(state: PythonRandomState) -> tuple[Any, ...]:
+    """The state in ``random.getstate()`` form, whichever path captured it."""
+    if isinstance(state.raw, bytes):
+        index, *words = struct.unpack("=i624I", state.raw)
+        return (3, (*words, index), state.gauss_next)
+    return (3, state.raw, state.gauss_next)
+
+
+def capture_rng(rng: random.Random, layout: MTLayout | None) -> PythonRandomState:
+    """Capture ``rng``: the C record when ``layout`` is given, else ``getstate()``."""
+    if layout is not None:
+        return PythonRandomState(layout.read(rng), rng.gauss_next)  # type: ignore[attr-defined]
+    _version, internal, gauss_next = rng.getstate()
+    return PythonRandomState(internal, gauss_next)
+
+
+def restore_rng(rng: random.Random, layout: MTLayout | None, state: PythonRandomState) -> None:
+    """Put ``state`` back: raw bytes by ``memmove``, ``getstate()`` form by ``setstate``."""
+    if isinstance(state.raw, bytes):
+        if layout is None:
+            raise ValueError("random state was captured through the fast path, which is off")
+        layout.write(rng, state.raw)
+        rng.gauss_next = state.gauss_next  # type: ignore[attr-defined]
+    else:
+        rng.setstate((3, state.raw, state.gauss_next))
+
+
+def seed_rng(rng: random.Random, layout: MTLayout | None, seed: int) -> None:
+    """Exactly ``rng.seed(seed)`` for an int seed."""
+    if layout is not None:
+        layout.write(rng, _seeded_raw(layout, seed))
+        rng.gauss_next = None  # type: ignore[attr-defined]
+    else:
+        rng.seed(seed)
+
+
+def fast_layout_for(rng: object) -> MTLayout | None:
+    """The proven layout, for exact ``random.Random`` instances only: a subclass
+    may override ``random()`` or ``seed()`` and must go through its own methods."""
+    return RANDOM_LAYOUT if type(rng) is random.Random else None
+
+
 class PythonRandomSource:
     """The hidden ``random.Random`` instance behind ``random.random()`` & co."""
 
@@ -48,37 +96,17 @@ class PythonRandomSource:
         self._layout = layout if isinstance(self._rng, random.Random) else None
 
     def capture(self) -> PythonRandomState:
-        rng = self._rng
-        if self._layout is not None:
-            return PythonRandomState(self._layout.read(rng), rng.gauss_next)  # type: ignore[attr-defined]
-        _version, internal, gauss_next = rng.getstate()
-        return PythonRandomState(internal, gauss_next)
+        return capture_rng(self._rng, self._layout)
 
     def restore(self, state: PythonRandomState) -> None:
-        rng = self._rng
-        if isinstance(state.raw, bytes):
-            if self._layout is None:
-                raise ValueError("random state was captured through the fast path, which is off")
-            self._layout.write(rng, state.raw)
-            rng.gauss_next = state.gauss_next  # type: ignore[attr-defined]
-        else:
-            rng.setstate((3, state.raw, state.gauss_next))
+        restore_rng(self._rng, self._layout, state)
 
     def apply(self, settings: Settings) -> None:
-        if self._layout is not None:
-            self._layout.write(self._rng, _seeded_raw(self._layout, settings.rank_seed))
-            self._rng.gauss_next = None  # type: ignore[attr-defined]
-        else:
-            self._rng.seed(settings.rank_seed)
+        seed_rng(self._rng, self._layout, settings.rank_seed)
 
     def to_public(self, state: PythonRandomState) -> tuple[Any, ...]:
         """The state in ``random.getstate()`` form, whichever path captured it."""
-        if isinstance(state.raw, bytes):
-            import struct
-
-            index, *words = struct.unpack("=i624I", state.raw)
-            return (3, (*words, index), state.gauss_next)
-        return (3, state.raw, state.gauss_next)
+        return public_state(state)
 
     def export_state(self, state: PythonRandomState) -> dict[str, Any]:
         """The state as plain data for a checkpoint (see :func:`random_state_to_plain`)."""

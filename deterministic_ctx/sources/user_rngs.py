@@ -30,7 +30,16 @@ from .._seed import derive_seed
 from .._settings import Settings
 from . import _plain
 from .numpy_global import bit_generator_state_from_plain, numpy_state_to_plain
-from .python_random import random_state_from_plain, random_state_to_plain
+from .python_random import (
+    PythonRandomState,
+    capture_rng,
+    fast_layout_for,
+    public_state,
+    random_state_from_plain,
+    random_state_to_plain,
+    restore_rng,
+    seed_rng,
+)
 from .torch_cpu import generator_state_from_plain
 
 __all__ = ["UserRngSource", "register_rng", "registered_rngs", "unregister_rng"]
@@ -77,6 +86,11 @@ _KINDS: tuple[tuple[type, _Kind], ...] = (
 
 
 def _kind_of(obj: object) -> _Kind:
+    if isinstance(obj, random.SystemRandom):
+        raise TypeError(
+            "register_rng() cannot manage random.SystemRandom: it draws from the OS and "
+            "has no state to seed or restore"
+        )
     for cls, kind in _KINDS:
         if isinstance(obj, cls):
             return kind
@@ -87,7 +101,7 @@ def _kind_of(obj: object) -> _Kind:
 
 
 class _Entry:
-    __slots__ = ("_ref", "key", "kind")
+    __slots__ = ("_memo", "_ref", "key", "kind", "layout")
 
     def __init__(self, obj: object, key: str, kind: _Kind) -> None:
         try:
@@ -96,9 +110,20 @@ class _Entry:
             self._ref = lambda obj=obj: obj  # type: ignore[misc]  # see module docstring
         self.key = key
         self.kind = kind
+        # Exact random.Random instances share the global ``random``'s proven
+        # memory fast path (~1 µs instead of ~15 µs per block).
+        self.layout = fast_layout_for(obj)
+        self._memo: tuple[int, int] | None = None
 
     def get(self) -> Any:
         return self._ref()
+
+    def derived_seed(self, seed: int) -> int:
+        # Blocks in a loop reuse one seed: skip the SeedSequence on repeats.
+        memo = self._memo
+        if memo is None or memo[0] != seed:
+            memo = self._memo = (seed, derive_seed(seed, "user", self.key, bits=self.kind.bits))
+        return memo[1]
 
 
 _lock = threading.Lock()
@@ -178,7 +203,10 @@ class UserRngSource:
             obj = entry.get()
             if obj is None:
                 continue
-            out.append((entry, obj, entry.kind.get(obj)))
+            if entry.layout is not None:
+                out.append((entry, obj, capture_rng(obj, entry.layout)))
+            else:
+                out.append((entry, obj, entry.kind.get(obj)))
         return tuple(out)
 
     def apply(self, settings: Settings) -> None:
@@ -187,14 +215,21 @@ class UserRngSource:
         seed = settings.rank_seed  # user RNGs are per rank, like ``random`` and NumPy
         for entry in tuple(_entries):
             obj = entry.get()
-            if obj is not None:
-                entry.kind.seed(obj, derive_seed(seed, "user", entry.key, bits=entry.kind.bits))
+            if obj is None:
+                continue
+            if entry.layout is not None:
+                seed_rng(obj, entry.layout, entry.derived_seed(seed))
+            else:
+                entry.kind.seed(obj, entry.derived_seed(seed))
 
     def restore(self, state: tuple[tuple[_Entry, Any, Any], ...]) -> None:
         # The object is kept alive by the snapshot only while the snapshot lives;
         # an RNG collected meanwhile has no state left to restore.
         for entry, obj, saved in state:
-            entry.kind.set(obj, saved)
+            if type(saved) is PythonRandomState:
+                restore_rng(obj, entry.layout, saved)
+            else:
+                entry.kind.set(obj, saved)
 
     def export_state(self, state: tuple[tuple[_Entry, Any, Any], ...]) -> list[dict[str, Any]]:
         """The state as plain data: ``[{"key", "kind", "state"}, ...]``.
@@ -279,7 +314,9 @@ def _torch_from_plain(obj: torch.Generator, data: object, path: str) -> torch.Te
 #: kind name -> (state to plain data, checked plain data to state) for checkpoints.
 _CODECS: dict[str, tuple[Callable[[Any, Any], Any], Callable[[Any, object, str], Any]]] = {
     "random.Random": (
-        lambda _obj, s: random_state_to_plain(s),
+        lambda _obj, s: random_state_to_plain(
+            public_state(s) if type(s) is PythonRandomState else s
+        ),
         lambda _obj, d, p: random_state_from_plain(d, p),
     ),
     "numpy.random.Generator": (lambda _obj, s: numpy_state_to_plain(s), _numpy_from_plain),
