@@ -1,0 +1,190 @@
+"""Cost of locate_divergence and assert_reproducible on small models, and of one fingerprint.
+
+Run:  python benchmarks/bench_locate.py [--device cpu|cuda] [--repeats N] [--threads N]
+
+For each model and workload it prints the median wall time (ms) of:
+
+* ``1 run``: the workload once inside a ``deterministic`` block (the unit of cost);
+* ``assert_reproducible``: two runs and an exact comparison of the results;
+* ``locate``: ``locate_divergence`` with forward hooks (two runs that agree);
+* ``locate+bw``: the same with gradient fingerprints (``backward=True``);
+
+then the hook overhead per module call: (locate - 2 x one run) / (2 x calls).  A last
+table compares one fingerprint with copying the tensor (``clone``, and ``.cpu()`` on a
+GPU), by tensor size.  Rows are interleaved across repeats so machine noise hits all
+alike; on a shared machine, ``--threads 1`` gives steadier numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from deterministic_ctx import deterministic
+from deterministic_ctx.locate import _fingerprint, locate_divergence
+from deterministic_ctx.verify import assert_reproducible
+
+
+class MLP(nn.Module):
+    """Pre-norm residual MLP: 6 blocks of LayerNorm, Linear, GELU, Dropout (26 module calls)."""
+
+    def __init__(self, width: int = 256, depth: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Linear(32, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU(), nn.Dropout(0.1))
+            for _ in range(depth)
+        )
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+class CNN(nn.Module):
+    """6 conv blocks (Conv2d, BatchNorm2d, ReLU in place), pooling, a linear head."""
+
+    def __init__(self, channels: int = 32, depth: int = 6) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(depth):
+            layers += [
+                nn.Conv2d(3 if i == 0 else channels, channels, 3, padding=1),
+                nn.BatchNorm2d(channels),
+                nn.ReLU(inplace=True),
+            ]
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+def workloads(device: torch.device) -> list[tuple[str, nn.Module, Callable[[], object]]]:
+    out = []
+    for name, model, x in (
+        ("mlp 256x6, batch 128", MLP(), torch.randn(128, 32)),
+        ("cnn 32ch x6, 16x3x32x32", CNN(), torch.randn(16, 3, 32, 32)),
+    ):
+        model, x = model.to(device), x.to(device)
+        target = torch.randint(0, 10, (x.shape[0],), device=device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+        def forward(model=model, x=x):
+            with torch.no_grad():
+                return model(x)
+
+        def train_step(model=model, x=x, target=target, opt=opt):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), target)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        out.append((f"{name}, forward", model, forward))
+        out.append((f"{name}, train step", (model, opt), train_step))
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def bench_workloads(device: torch.device, repeats: int) -> None:
+    print(
+        f"{'workload':<38} {'calls':>5} {'1 run':>8} {'assert_r':>9} {'locate':>8} "
+        f"{'locate+bw':>10} {'µs/call':>8} {'µs/call bw':>10}"
+    )
+    for name, state, fn in workloads(device):
+        reset = list(state) if isinstance(state, tuple) else [state]
+        block = deterministic(seed=0)
+
+        def one_run(fn=fn, block=block):
+            with block:
+                fn()
+
+        rows: dict[str, Callable[[], object]] = {
+            "1 run": one_run,
+            "assert_r": lambda fn=fn, reset=reset: assert_reproducible(fn, reset=reset),
+            "locate": lambda fn=fn, reset=reset: locate_divergence(fn, reset=reset),
+            "locate+bw": lambda fn=fn, reset=reset: locate_divergence(
+                fn, reset=reset, backward=True
+            ),
+        }
+        report = locate_divergence(fn, reset=reset, backward=True)
+        assert report.agree, report
+        for row in rows.values():  # warm up: lazy imports, allocator, kernels
+            row()
+        samples: dict[str, list[float]] = {k: [] for k in rows}
+        for _ in range(repeats):
+            for key, row in rows.items():
+                samples[key].append(timed(row, device))
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        calls = report.calls
+        per_call = (med["locate"] - 2 * med["1 run"]) / (2 * calls) * 1e3
+        per_call_bw = (med["locate+bw"] - 2 * med["1 run"]) / (2 * calls) * 1e3
+        print(
+            f"{name:<38} {calls:>5} {med['1 run']:>8.2f} {med['assert_r']:>9.2f} "
+            f"{med['locate']:>8.2f} {med['locate+bw']:>10.2f} "
+            f"{per_call:>8.0f} {per_call_bw:>10.0f}"
+        )
+
+
+def bench_fingerprint(device: torch.device, repeats: int) -> None:
+    print()
+    print(f"{'float32 elements':>16} {'fingerprint µs':>15} {'clone µs':>10} {'.cpu() µs':>10}")
+    for numel in (1_000, 100_000, 1_000_000, 10_000_000):
+        t = torch.randn(numel, device=device)
+        rows: dict[str, Callable[[], object]] = {
+            "fingerprint": lambda t=t: _fingerprint(t),
+            "clone": t.clone,
+            "cpu": t.cpu,
+        }
+        for row in rows.values():
+            row()
+        samples: dict[str, list[float]] = {k: [] for k in rows}
+        for _ in range(repeats):
+            for key, row in rows.items():
+                samples[key].append(timed(row, device) * 1e3)
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        cpu = f"{med['cpu']:>10.0f}" if device.type != "cpu" else f"{'-':>10}"
+        print(f"{numel:>16,} {med['fingerprint']:>15.0f} {med['clone']:>10.0f} {cpu}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    print(
+        f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} CPU threads, "
+        f"medians of {args.repeats} repeats (ms unless marked)"
+    )
+    with deterministic(seed=0):  # model initialization and inputs: the same every time
+        bench_workloads(device, args.repeats)
+        bench_fingerprint(device, args.repeats)
+
+
+if __name__ == "__main__":
+    main()

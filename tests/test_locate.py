@@ -1,0 +1,461 @@
+"""locate_divergence: the first module call where two runs differ, and fingerprints."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules import module as nn_module
+
+from deterministic_ctx import deterministic, register_rng, unregister_rng
+from deterministic_ctx.locate import _COLUMNS, _fingerprint, locate_divergence
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Noise(nn.Module):
+    """Adds noise from its own generator: a stream no block manages (the planted bug)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1e-3 * torch.randn(x.shape, generator=self.generator, device=x.device)
+
+
+SHARED = torch.Generator()
+
+
+class SharedNoise(nn.Module):
+    """Noise from a module-level generator, which outlives every model built."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1e-3 * torch.randn(x.shape, generator=SHARED)
+
+
+class NoisyGrad(torch.autograd.Function):
+    """Identity forward; backward adds noise from an unmanaged generator."""
+
+    generator = torch.Generator()
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad + 1e-3 * torch.randn(grad.shape, generator=NoisyGrad.generator)
+
+
+class BackwardNoise(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return NoisyGrad.apply(x)
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, extra: nn.Module | None = None) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.act = nn.ReLU(inplace=True)  # in-place: gradient hooks must cope
+        self.extra = extra if extra is not None else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.extra(self.act(self.linear(x)))
+
+
+class Net(nn.Module):
+    def __init__(
+        self, depth: int = 6, planted: int | None = None, extra: type[nn.Module] = Noise
+    ) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            Block(16, extra() if i == planted else None) for i in range(depth)
+        )
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build(**kwargs) -> tuple[Net, torch.Tensor]:
+    with deterministic(seed=1):
+        return Net(**kwargs), torch.randn(8, 16)
+
+
+# Per call of Block: linear, act, extra, then the block itself, in the order calls start.
+def call_index(block: int, part: int) -> int:
+    return block * 4 + 1 + part
+
+
+# --- the planted module -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("planted", [0, 3, 5])
+def test_names_the_planted_module_and_not_an_earlier_one(planted):
+    model, x = build(planted=planted)
+    report = locate_divergence(model, x)
+    d = report.divergence
+    assert not report.agree and d is not None
+    assert (d.phase, d.kind, d.module, d.module_type, d.root) == (
+        "forward",
+        "values",
+        f"blocks.{planted}.extra",
+        "Noise",
+        "Net",
+    )
+    assert d.call_index == call_index(planted, 3)
+    assert d.what == "output" and d.shapes == ((8, 16),) and d.run == 2
+    assert d.index == (0, 0) and d.max_abs_diff is not None and 0 < d.max_abs_diff < 0.1
+    # Every earlier module call agreed: linear, act and extra of each earlier block, plus the
+    # block itself, then this block's linear and act.
+    assert report.compared == 4 * planted + 2
+    text = str(report)
+    assert f"module call #{d.call_index}, blocks.{planted}.extra (Noise), forward output" in text
+    assert "max abs difference" in text
+
+
+def test_deterministic_model_agrees_forward_and_backward():
+    model, x = build()
+
+    def step():
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss.detach()
+
+    report = locate_divergence(step, reset=[model], backward=True)
+    assert report.agree and report.divergence is None
+    assert report.calls == 1 + 6 * 4 + 1
+    assert str(report).startswith("Runs agree (seed=0, 2 runs): 26 module calls per run")
+    assert all(p.grad is None for p in model.parameters())  # reset put the gradients back
+    assert locate_divergence(model, x, runs=3).agree
+
+
+def test_registering_the_generator_fixes_the_divergence():
+    model, x = build(planted=2)
+    gen = register_rng(model.blocks[2].extra.generator, key="locate-test")
+    try:
+        assert locate_divergence(model, x).agree
+    finally:
+        unregister_rng(gen)
+
+
+def test_backward_nondeterminism_is_found_with_backward_hooks():
+    model, x = build(planted=3, extra=BackwardNoise)
+
+    def step():
+        model.zero_grad()
+        model(x).sum().backward()
+
+    # Forward only: every output agrees; the gradients after fn returned differ.
+    report = locate_divergence(step, reset=[model])
+    d = report.divergence
+    assert d is not None and d.phase == "final"
+    # Gradients are compared last layer first: the first that differs is nearest the cause.
+    assert d.what == "gradient of parameter 'bias' after fn returned"
+    assert d.module == "blocks.3.linear"
+
+    # With backward hooks: the gradient flowing into the planted module's input.
+    report = locate_divergence(step, reset=[model], backward=True)
+    d = report.divergence
+    assert d is not None and (d.phase, d.module, d.module_type) == (
+        "backward",
+        "blocks.3.extra",
+        "BackwardNoise",
+    )
+    assert d.what == "gradient w.r.t. input[0]"
+    assert d.call_index == call_index(3, 3)
+    assert d.max_abs_diff is not None
+
+
+def test_training_step_with_optimizer_passed_as_arguments():
+    model, x = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def train_step(model, opt, x):
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    assert locate_divergence(train_step, model, opt, x, backward=True).agree
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert opt.state_dict()["state"] == {}
+
+
+def test_optimizer_side_nondeterminism_shows_in_the_final_parameters():
+    model, x = build()
+    leak = torch.Generator()
+
+    def train_step():
+        model(x).sum().backward()
+        with torch.no_grad():
+            model.head.bias.add_(torch.rand(2, generator=leak))  # outside any module call
+        model.zero_grad(set_to_none=True)
+
+    report = locate_divergence(train_step, reset=[model])
+    d = report.divergence
+    assert d is not None and (d.phase, d.module, d.what) == (
+        "final",
+        "head",
+        "parameter 'bias' after fn returned",
+    )
+    assert d.index == (0,) and d.max_abs_diff is not None
+
+
+def test_difference_in_the_return_value_outside_modules():
+    model, x = build()
+    leak = torch.Generator()
+    report = locate_divergence(lambda: {"out": model(x), "noise": torch.rand(1, generator=leak)})
+    d = report.divergence
+    assert d is not None and (d.phase, d.what, d.module) == ("result", 'result["noise"]', None)
+    assert d.index == (0,)
+    assert 'the return value at result["noise"]' in str(report)
+
+
+def test_control_flow_divergence_is_a_call_difference():
+    model, x = build()
+    leak = torch.Generator().manual_seed(3)
+
+    def branchy():
+        h = model.blocks[0](x)
+        if torch.rand(1, generator=leak).item() < 0.5:
+            h = model.blocks[1](h)
+        return model.head(h)
+
+    report = None
+    for _ in range(20):  # until the two runs take different branches
+        report = locate_divergence(branchy, reset=[model])
+        if not report.agree:
+            break
+    d = report.divergence
+    assert d is not None and (d.phase, d.kind, d.what) == ("forward", "call", "call")
+    assert d.call_index == 4  # the first call after blocks.0 and its three children
+    assert {d.module, "head", "blocks.1"} == {"head", "blocks.1"}
+    assert "blocks.1 (Block)" in d.detail and "head (Linear)" in d.detail
+
+
+def test_model_built_inside_fn_is_named_from_its_root():
+    x = torch.ones(2, 16)
+
+    def fresh():
+        return Net(depth=5, planted=4, extra=SharedNoise)(x)  # weights from the block's seed
+
+    d = locate_divergence(fresh).divergence
+    assert d is not None and (d.root, d.module, d.module_type) == (
+        "Net",
+        "blocks.4.extra",
+        "SharedNoise",
+    )
+    assert d.call_index == call_index(4, 3)
+    # A fresh torch.Generator() starts from torch's fixed default seed: this one agrees.
+    assert locate_divergence(lambda: Net(depth=5, planted=4)(x)).agree
+
+
+def test_multi_output_module_names_the_output():
+    class Split(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gen = torch.Generator()
+
+        def forward(self, x):
+            return x * 2, {"noisy": x + torch.rand(x.shape, generator=self.gen)}
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre = nn.Linear(3, 3)
+            self.split = Split()
+
+        def forward(self, x):
+            return self.split(self.pre(x))
+
+    with deterministic(seed=0):
+        model = Model()
+    report = locate_divergence(model, torch.ones(1, 3))
+    d = report.divergence
+    assert d is not None and (d.module, d.what) == ("split", 'output[1]["noisy"]')
+    assert d.shapes == ((1, 3), (1, 3))
+
+
+def test_calls_from_other_threads_are_ignored():
+    model, x = build(depth=5)
+    with deterministic(seed=0):
+        other = nn.Linear(16, 16)
+
+    def fn():
+        worker = threading.Thread(target=lambda: other(x))
+        worker.start()
+        worker.join()
+        return model(x)
+
+    report = locate_divergence(fn)
+    assert report.agree and report.calls == 1 + 5 * 4 + 1
+
+
+def test_hooks_are_removed_even_when_fn_raises():
+    model, x = build(depth=5)
+    before = (dict(nn_module._global_forward_hooks), dict(nn_module._global_forward_pre_hooks))
+
+    def broken():
+        model(x)
+        raise RuntimeError("in the step")
+
+    with pytest.raises(RuntimeError, match="in the step"):
+        locate_divergence(broken, backward=True)
+    assert (
+        dict(nn_module._global_forward_hooks),
+        dict(nn_module._global_forward_pre_hooks),
+    ) == before
+    locate_divergence(model, x, backward=True)
+    assert (
+        dict(nn_module._global_forward_hooks),
+        dict(nn_module._global_forward_pre_hooks),
+    ) == before
+    assert all(not p._backward_hooks for p in model.parameters())
+
+
+def test_report_to_dict_is_json():
+    model, x = build(planted=1)
+    data = locate_divergence(model, x).to_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert data["agree"] is False
+    assert data["divergence"]["location"] == "blocks.1.extra (Noise)"
+    assert data["divergence"]["shapes"] == [[8, 16]]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"backward": 1}, TypeError, "backward must be True or False, got 1"),
+        ({"runs": 1}, ValueError, "runs must be an int >= 2, got 1"),
+        ({"seed": 2**40}, ValueError, "seed must be in 0 .. 4294967295"),
+        ({"reset": ["model"]}, TypeError, "reset must contain modules"),
+    ],
+)
+def test_invalid_arguments(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        locate_divergence(lambda: None, **kwargs)
+
+
+# --- fingerprints -------------------------------------------------------------------------------
+
+
+def host(t: torch.Tensor) -> tuple[int, int]:
+    pair = _fingerprint(t)
+    assert pair is not None
+    return int(pair[0]), int(pair[1])
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+    ],
+)
+@pytest.mark.parametrize(
+    "numel", [0, 1, 1000, 3 * _COLUMNS + 17], ids=["empty", "one", "small", "chunked"]
+)
+def test_fingerprint_detects_any_single_change(dtype, numel):
+    base = torch.arange(numel) % 7
+    a = (base % 2).bool() if dtype == torch.bool else base.to(dtype)
+    assert host(a) == host(a.clone())
+    if numel == 0:
+        return
+    for position in {0, numel // 2, numel - 1}:
+        b = a.clone()
+        b[position] = ~a[position] if dtype == torch.bool else a[position] + 1
+        assert host(a) != host(b)
+
+
+def test_fingerprint_catches_permutations_and_sign_of_zero():
+    a = torch.arange(2 * _COLUMNS + 5, dtype=torch.float32)
+    for i, j in (
+        (3, _COLUMNS + 3),
+        (3, 4),
+        (1, 2 * _COLUMNS + 2),
+        (2 * _COLUMNS, 2 * _COLUMNS + 4),
+    ):
+        swapped = a.clone()  # same column, same row, table and tail, within the tail
+        swapped[[i, j]] = swapped[[j, i]]
+        assert host(a)[0] == host(swapped)[0] and host(a) != host(swapped)
+    rolled = torch.roll(a, 1)
+    assert host(a)[0] == host(rolled)[0] and host(a) != host(rolled)
+    assert host(torch.zeros(4)) != host(torch.tensor([0.0, -0.0, 0.0, 0.0]))
+
+
+def test_fingerprint_sees_values_not_layout():
+    a = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    assert host(a.t()) == host(a.t().contiguous())
+    assert host(a[:, ::2]) == host(a[:, ::2].contiguous())
+    c = torch.complex(a, a)
+    assert host(c.conj()) == host(c.conj().resolve_conj())
+    assert _fingerprint(torch.empty(3, device="meta")) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.backends.cuda.is_built() or not torch.cuda.is_available(), reason="needs CUDA"
+)
+def test_fingerprint_on_cuda_equals_cpu_and_stays_on_device():
+    a = torch.randn(5 * _COLUMNS + 3, generator=torch.Generator().manual_seed(0))
+    on_gpu = _fingerprint(a.cuda())
+    assert on_gpu is not None and on_gpu[0].device.type == "cuda"
+    assert tuple(int(t) for t in on_gpu) == host(a)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.backends.cuda.is_built() or not torch.cuda.is_available(), reason="needs CUDA"
+)
+def test_locate_on_cuda_names_the_planted_module():
+    model, x = build(planted=3)
+    with deterministic(seed=0):
+        model, x = model.cuda(), x.cuda()
+        for block in model.blocks:  # keep the planted generator on the model's device
+            if isinstance(block.extra, Noise):
+                block.extra.generator = torch.Generator(device="cuda")
+    report = locate_divergence(model, x, backward=True)
+    assert report.divergence is not None and report.divergence.module == "blocks.3.extra"
+
+
+# --- the example ----------------------------------------------------------------------------------
+
+
+def test_example_finds_the_planted_module():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "find_divergence.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "not reproducible" in out
+    assert "blocks.3.act (NoisyGELU)" in out
+    assert "Runs agree" in out
+    assert np.char.count(out, "Runs diverge").item() == 1
