@@ -104,7 +104,10 @@ def lightning_cases() -> dict[str, Callable[[], None]]:
         with isolate_rng():
             seed_everything(0, verbose=False)
 
-    return {"lightning isolate_rng": isolate, "lightning isolate_rng+seed_everything": isolate_and_seed}
+    return {
+        "lightning isolate_rng": isolate,
+        "lightning isolate_rng+seed_everything": isolate_and_seed,
+    }
 
 
 def measure(cases: dict[str, Callable[[], None]], repeats: int, number: int) -> dict[str, float]:
@@ -147,6 +150,13 @@ def snapshot_bytes() -> int:
     return size // 100
 
 
+def _ratio(label: str, ratio: float, target: float | None) -> None:
+    line = f"  {label:<36}{ratio:6.3f}"
+    if target is not None:
+        line += f"  (target <= {target:.3f}) {'ok' if ratio <= target else 'MISSED'}"
+    print(line)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
@@ -177,18 +187,21 @@ def main(argv: list[str] | None = None) -> int:
     if lit_full is not None and lit_iso is not None:
         r1 = block / lit_full
         r2 = medians["Snapshot.capture()+restore()"] / lit_iso
-        print(f"  block / lightning isolate+seed      {r1:6.3f}  (target <= 0.100) {'ok' if r1 <= 0.1 else 'MISSED'}")
-        print(f"  snapshot / lightning isolate_rng    {r2:6.3f}  (target <= 0.250) {'ok' if r2 <= 0.25 else 'MISSED'}")
+        _ratio("block / lightning isolate+seed", r1, 0.1)
+        _ratio("snapshot / lightning isolate_rng", r2, 0.25)
     else:
         print("  lightning not installed: pip install -e .[bench] for the Lightning baselines")
     r3 = medians["@reproducible no-op call"] / block
-    print(f"  decorated call / block             {r3:6.3f}  (target <= 1.100) {'ok' if r3 <= 1.1 else 'MISSED'}")
-    print(f"  block / naive recipe                {block / medians['naive recipe (get/seed/set)']:6.3f}")
+    _ratio("decorated call / block", r3, 1.1)
+    naive = block / medians["naive recipe (get/seed/set)"]
+    _ratio("block / naive recipe", naive, None)
 
     small = max(3, args.repeats // 3)
     print("\nscaling (reused block, µs):")
-    print("  nesting depth   " + "  ".join(f"{d:>2}: {depth_cost(d, small, args.number):6.2f}" for d in (1, 4, 16)))
-    print("  user RNGs       " + "  ".join(f"{n:>2}: {user_rng_cost(n, small, args.number // 4):6.2f}" for n in (0, 4, 16)))
+    depths = [f"{d:>2}: {depth_cost(d, small, args.number):6.2f}" for d in (1, 4, 16)]
+    rngs = [f"{n:>2}: {user_rng_cost(n, small, args.number // 4):6.2f}" for n in (0, 4, 16)]
+    print("  nesting depth   " + "  ".join(depths))
+    print("  user RNGs       " + "  ".join(rngs))
     print(f"\nmemory per snapshot: {snapshot_bytes()} bytes (tracemalloc, Python-side)")
     return 0
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from deterministic_ctx import deterministic
-from deterministic_ctx._lock import LOCK
 from deterministic_ctx import sources as sources_module
+from deterministic_ctx._lock import LOCK
 from tests._oracle import World
 
 

@@ -145,8 +145,8 @@ def test_any_schedule_gives_solo_values(schedule):
 
 
 def test_awaitable_object_steps_are_isolated():
-    from deterministic_ctx.context import _Block
     from deterministic_ctx._settings import Settings
+    from deterministic_ctx.context import _Block
     from deterministic_ctx.decorate import _Isolated
 
     @types.coroutine

@@ -130,7 +130,7 @@ def test_bad_arguments_fail_at_decoration(kwargs, exc, message):
 
 
 def test_non_callables_and_plain_classes_rejected():
-    with pytest.raises(TypeError, match="expects a callable.*got int 3"):
+    with pytest.raises(TypeError, match=r"expects a callable.*got int 3"):
         reproducible(3)
 
     with pytest.raises(TypeError, match=r"cannot decorate class .*Plain: only functions"):

@@ -163,6 +163,6 @@ def test_any_interleaving_gives_every_stream_its_solo_values(order):
     for g in gens.values():
         g.close()
     reference = solo(5, n)
-    for k, values in got.items():
+    for values in got.values():
         assert values == reference[: len(values)]
     assert caller == solo(77, len(caller))

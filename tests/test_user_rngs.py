@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import gc
 import random
+from typing import ClassVar
 
 import numpy as np
 import pytest
 import torch
 
-from deterministic_ctx import deterministic, derive_seed, register_rng, registered_rngs, unregister_rng
+from deterministic_ctx import (
+    derive_seed,
+    deterministic,
+    register_rng,
+    registered_rngs,
+    unregister_rng,
+)
 
 
 def _draw(rng):
@@ -109,7 +116,7 @@ def test_weakly_held_objects_disappear():
 
 
 def test_unmanageable_object_and_bad_key():
-    with pytest.raises(TypeError, match="cannot manage list.*accepted: random.Random"):
+    with pytest.raises(TypeError, match=r"cannot manage list.*accepted: random\.Random"):
         register_rng([1, 2])
     with pytest.raises(TypeError, match="key must be a str or None, got int 3"):
         register_rng(random.Random(), key=3)  # type: ignore[arg-type]
@@ -119,7 +126,7 @@ def test_unmanageable_object_and_bad_key():
 
 def test_exact_random_uses_fast_path_and_subclasses_use_their_own_methods():
     class Counting(random.Random):
-        seeds: list = []
+        seeds: ClassVar[list] = []
 
         def seed(self, a=None, version=2):
             Counting.seeds.append(a)
@@ -140,5 +147,5 @@ def test_exact_random_uses_fast_path_and_subclasses_use_their_own_methods():
 
 
 def test_system_random_is_rejected():
-    with pytest.raises(TypeError, match="cannot manage random.SystemRandom"):
+    with pytest.raises(TypeError, match=r"cannot manage random\.SystemRandom"):
         register_rng(random.SystemRandom())
