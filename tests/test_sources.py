@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 import types
@@ -330,3 +331,43 @@ def test_flags_capture_survives_a_raising_matmul_precision_getter(monkeypatch):
     source.restore(state)  # restores through the per-op entries, never raises
     with pytest.raises(ValueError, match="cannot be saved"):
         source.export_state(state)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 12345, 2**32 - 1])
+def test_numpy_fast_seeding_equals_legacy_seed(seed):
+    fast_rs = np.random.RandomState(np.random.MT19937(3))
+    fast_rs.standard_normal()  # a cached gaussian that seeding must clear
+    exact_rs = np.random.RandomState(np.random.MT19937(3))
+    exact_rs.standard_normal()
+    NumpyGlobalSource(fast_rs).apply(Settings(seed, False))
+    NumpyGlobalSource(exact_rs, layout=None).apply(Settings(seed, False))
+    fast, exact = fast_rs.get_state(legacy=False), exact_rs.get_state(legacy=False)
+    np.testing.assert_array_equal(fast["state"]["key"], exact["state"]["key"])
+    assert (fast["state"]["pos"], fast["has_gauss"], fast["gauss"]) == (
+        exact["state"]["pos"], exact["has_gauss"], exact["gauss"]
+    )
+    assert fast_rs.standard_normal(3).tolist() == exact_rs.standard_normal(3).tolist()
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**32 - 1])
+def test_torch_cpu_cached_seeding_equals_manual_seed(seed):
+    fast, exact = torch.Generator(), torch.Generator()
+    torch.randn(3, generator=fast)
+    TorchCPUSource(fast).apply(Settings(seed, False))
+    exact.manual_seed(seed)
+    assert fast.initial_seed() == exact.initial_seed() == seed
+    assert torch.equal(fast.get_state(), exact.get_state())
+    assert torch.equal(torch.randn(5, generator=fast), torch.randn(5, generator=exact))
+
+
+def test_environ_fast_reader_agrees_with_os_environ(monkeypatch):
+    from deterministic_ctx.sources.environ import _fast_reader
+
+    get = _fast_reader(os.environ)
+    assert get is not None  # proven on this platform
+    for value in ("", ":16:8", "ünïcode"):
+        monkeypatch.setenv("PYTHONHASHSEED", value)
+        assert get("PYTHONHASHSEED") == os.environ["PYTHONHASHSEED"] == value
+    monkeypatch.delenv("PYTHONHASHSEED")
+    assert get("PYTHONHASHSEED") is None
+    assert _fast_reader({}) is None  # any other mapping: the public API

@@ -8,6 +8,7 @@ gaussian cache (``has_gauss``/``gauss``), which changes what the next
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -26,6 +27,16 @@ __all__ = [
 
 # Public since NumPy 1.25, missing from its type stubs.
 _set_bit_generator: Any = np.random.set_bit_generator  # type: ignore[attr-defined]
+
+
+_NO_GAUSS = bytes(16)  # has_gauss = 0, padding, gauss = 0.0
+
+
+@functools.lru_cache(maxsize=64)
+def _legacy_seeded_record(seed: int) -> bytes:
+    bg = np.random.MT19937(0)
+    bg._legacy_seeding(seed)
+    return read_mt19937(bg)
 
 
 class NumpyState(NamedTuple):
@@ -86,7 +97,16 @@ class NumpyGlobalSource:
             # RNG is exactly the classic legacy-seeded one.  Restore reinstalls
             # the user's bit generator.
             _set_bit_generator(np.random.MT19937(0))
-        rs.seed(settings.rank_seed)  # legacy seeding; also clears the gaussian cache
+        bg = rs._bit_generator
+        layout = self._fast(bg)
+        if layout is None:
+            rs.seed(settings.rank_seed)  # legacy seeding; also clears the gaussian cache
+            return
+        # The record legacy seeding produces, cached per seed, and a cleared
+        # gaussian cache: what ``np.random.seed`` does, as two memmoves.
+        with bg.lock:
+            write_mt19937(bg, _legacy_seeded_record(settings.rank_seed))
+            layout.write(rs, _NO_GAUSS)
 
     def to_public(self, state: NumpyState) -> dict[str, Any]:
         """The state in ``RandomState.get_state(legacy=False)`` form."""
