@@ -33,6 +33,8 @@ def validate_seed(seed: object, *, name: str = "seed") -> int:
         ...
         ValueError: seed must be in 0 .. 4294967295 (NumPy's legacy RNG accepts no more), got -1
     """
+    if type(seed) is int and 0 <= seed <= MAX_SEED:  # the common case, without ABC checks
+        return seed
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
         raise TypeError(
             f"{name} must be an int in 0 .. {MAX_SEED} (NumPy integers accepted), "
