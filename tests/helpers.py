@@ -7,6 +7,21 @@ import random
 import numpy as np
 import torch
 
+#: Every tensor dtype the verification tools must compare bit for bit.
+TENSOR_DTYPES = (
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+)
+
 
 def draw() -> tuple[float, float, float]:
     """One draw from each global RNG."""

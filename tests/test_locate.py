@@ -17,6 +17,7 @@ from torch.nn.modules import module as nn_module
 
 from deterministic_ctx import deterministic, register_rng, unregister_rng
 from deterministic_ctx.locate import _COLUMNS, _fingerprint, locate_divergence
+from tests.helpers import TENSOR_DTYPES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -359,21 +360,7 @@ def host(t: torch.Tensor) -> tuple[int, int]:
     return int(pair[0]), int(pair[1])
 
 
-@pytest.mark.parametrize(
-    "dtype",
-    [
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.complex64,
-    ],
-)
+@pytest.mark.parametrize("dtype", TENSOR_DTYPES, ids=str)
 @pytest.mark.parametrize(
     "numel", [0, 1, 1000, 3 * _COLUMNS + 17], ids=["empty", "one", "small", "chunked"]
 )

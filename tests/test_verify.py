@@ -20,6 +20,7 @@ from hypothesis.extra import numpy as hnp
 from deterministic_ctx import Snapshot, deterministic, register_rng, unregister_rng
 from deterministic_ctx.verify import NotReproducibleError, _first_difference, assert_reproducible
 from tests._oracle import World
+from tests.helpers import TENSOR_DTYPES
 
 
 def alternating(*values):
@@ -260,22 +261,7 @@ def test_metadata_differences_are_named(first, second, what):
     assert f"at result: {what}" in str(info.value)
 
 
-@pytest.mark.parametrize(
-    "dtype",
-    [
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.complex64,
-        torch.complex128,
-    ],
-)
+@pytest.mark.parametrize("dtype", TENSOR_DTYPES, ids=str)
 def test_every_tensor_dtype_compares_bitwise(dtype):
     base = (
         torch.arange(12).reshape(3, 4) % 2
