@@ -99,6 +99,13 @@ class Settings:
         fixed = self._fixed_rank_seed
         return seed_for_rank(self.seed, process_rank()) if fixed is None else fixed
 
+    def resolved(self) -> Settings:
+        """These settings with ``rank="auto"`` looked up now: a block starting
+        resolves it once, not once per source that reads :attr:`rank_seed`."""
+        if self._fixed_rank_seed is not None:
+            return self
+        return Settings(self.seed, self.warn_only, process_rank())
+
     @classmethod
     def build(cls, seed: object, warn_only: object, rank: object = None) -> Settings:
         if not isinstance(warn_only, bool):

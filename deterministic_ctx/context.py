@@ -62,6 +62,15 @@ class _Block:
         if LOCK.depth == 1:
             _outermost = self
 
+    def commit(self) -> None:
+        """Keep the block's state as the process's own: the caller's snapshot
+        is dropped, not restored (``seed_everything``)."""
+        global _outermost
+        self._outer = None
+        if LOCK.depth == 1:
+            _outermost = None
+        LOCK.release()
+
     def suspend(self) -> None:
         try:
             self._inner = Snapshot.capture()

@@ -37,6 +37,7 @@ def _steps(it: Any, block: _Block, *, final: bool) -> Generator[Any, Any, Any]:
     ``final``: the block ends with ``it`` (generators, coroutines); otherwise
     it is suspended, because more steps of the same world follow (async gens).
     """
+    end = block.finish if final else block.suspend
     send_value: Any = None
     to_throw: BaseException | None = None
     while True:
@@ -48,10 +49,10 @@ def _steps(it: Any, block: _Block, *, final: bool) -> Generator[Any, Any, Any]:
             else:
                 value = it.send(send_value)
         except StopIteration as stop:
-            block.finish() if final else block.suspend()
+            end()
             return stop.value
         except BaseException:
-            block.finish() if final else block.suspend()
+            end()
             raise
         block.suspend()
         try:
@@ -62,7 +63,7 @@ def _steps(it: Any, block: _Block, *, final: bool) -> Generator[Any, Any, Any]:
             try:
                 it.close()
             finally:
-                block.finish() if final else block.suspend()
+                end()
             raise
         except BaseException as exc:
             to_throw, send_value = exc, None

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from . import sources as _sources
-from ._lock import LOCK
 from ._seed import validate_seed
 from ._settings import AUTO, Rank, Settings, process_rank, validate_rank
-from .snapshot import Snapshot
+from .context import _Block
 
 __all__ = ["seed_everything"]
 
@@ -75,16 +73,9 @@ def seed_everything(
         else:
             seed = distributed._draw_seed()
     settings = Settings.build(seed, warn_only, rank)
-    LOCK.acquire()
-    try:
-        before = Snapshot.capture()
-        try:
-            _sources.apply_all(settings)
-        except BaseException:
-            before.restore()
-            raise
-    finally:
-        LOCK.release()
+    block = _Block(settings)
+    block.resume()  # applies, or rolls back to the previous state and raises
+    block.commit()
     _log.info(
         "seed_everything: seed %d%s, rank %s",
         settings.seed,

@@ -38,5 +38,6 @@ SOURCES: tuple[Source, ...] = (
 
 def apply_all(settings: Settings, sources: tuple[Source, ...] | None = None) -> None:
     """Apply the block's settings to every source (the caller rolls back on error)."""
+    settings = settings.resolved()
     for source in SOURCES if sources is None else sources:
         source.apply(settings)

@@ -35,6 +35,19 @@ __all__ = ["FlagState", "TorchFlagsSource"]
 
 _C: Any = torch._C
 
+_get_precision = getattr(_C, "_get_fp32_precision_getter", None)
+
+
+def _supported(pair: tuple[str, str]) -> bool:
+    if _get_precision is None:
+        return False
+    try:
+        _get_precision(*pair)
+    except Exception:
+        return False
+    return True
+
+
 _PRECISION_OPS: tuple[tuple[str, str], ...] = tuple(
     pair
     for pair in (
@@ -48,27 +61,15 @@ _PRECISION_OPS: tuple[tuple[str, str], ...] = tuple(
         ("mkldnn", "conv"),
         ("mkldnn", "rnn"),
     )
-    if hasattr(_C, "_get_fp32_precision_getter")
+    if _supported(pair)
 )
-
-
-def _supported(pair: tuple[str, str]) -> bool:
-    try:
-        _C._get_fp32_precision_getter(*pair)
-    except Exception:
-        return False
-    return True
-
-
-_PRECISION_OPS = tuple(p for p in _PRECISION_OPS if _supported(p))
 # Read with one ``map`` over a C function: no Python frame per op.
 _PRECISION_BACKENDS = tuple(b for b, _ in _PRECISION_OPS)
 _PRECISION_OPNAMES = tuple(o for _, o in _PRECISION_OPS)
-_get_precision = getattr(_C, "_get_fp32_precision_getter", None)
 
 
 def _precisions() -> tuple[str, ...]:
-    if _get_precision is None:
+    if _get_precision is None:  # a torch without the fp32_precision API
         return ()
     return tuple(map(_get_precision, _PRECISION_BACKENDS, _PRECISION_OPNAMES))
 
