@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import gc
+import os
 import random
+import threading
+import time
 from typing import ClassVar
 
 import numpy as np
@@ -17,6 +20,7 @@ from deterministic_ctx import (
     registered_rngs,
     unregister_rng,
 )
+from deterministic_ctx.sources import user_rngs
 
 
 def _draw(rng):
@@ -149,3 +153,273 @@ def test_exact_random_uses_fast_path_and_subclasses_use_their_own_methods():
 def test_system_random_is_rejected():
     with pytest.raises(TypeError, match=r"cannot manage random\.SystemRandom"):
         register_rng(random.SystemRandom())
+
+
+# -- the registry: dead entries leave at once, costs stay flat ------------------------
+
+
+def _count() -> int:
+    """Entries the registry holds, dead or alive (an internal count, not time)."""
+    return len(user_rngs._entries)
+
+
+def _sizes() -> tuple[int, ...]:
+    """Every internal table's length: none may grow with dead registrations."""
+    return tuple(
+        len(table) for table in (getattr(user_rngs, name, ()) for name in ("_entries", "_by_id"))
+    )
+
+
+def test_collected_rngs_leave_the_registry_at_once():
+    before = _sizes()
+    for _ in range(2000):
+        register_rng(random.Random())  # nothing else holds it: collected at once
+    for _ in range(200):
+        register_rng(torch.Generator())
+    assert _sizes() == before
+    assert _count() == before[0]
+
+
+def test_collected_cycles_leave_the_registry_after_a_collection():
+    before = _count()
+
+    class Cyclic(random.Random):
+        pass
+
+    for _ in range(100):
+        rng = Cyclic()
+        rng.me = rng  # a reference cycle: only the cyclic GC frees it
+        register_rng(rng)
+    del rng
+    assert _count() == before + 100
+    gc.collect()
+    assert _count() == before
+
+
+def test_registration_order_and_default_keys_survive_collections():
+    a, b = register_rng(random.Random()), register_rng(random.Random())
+    try:
+        for _ in range(50):
+            register_rng(random.Random())
+        c = register_rng(random.Random())
+        del a
+        d = register_rng(random.Random(), key="d")
+        mine = [(k, o) for k, o in registered_rngs() if any(o is x for x in (b, c, d))]
+        assert [o for _, o in mine] == [b, c, d]
+        kb, kc = int(mine[0][0]), int(mine[1][0])
+        assert kc == kb + 51  # every default key consumed an ordinal, collected or not
+        assert mine[2][0] == "d"
+    finally:
+        for rng in (b, c, d):
+            unregister_rng(rng)
+
+
+def test_reregistering_is_a_no_op_and_unregister_finds_the_object():
+    rng = random.Random()
+    before = _count()
+    register_rng(rng, key="x")
+    register_rng(rng, key="y")  # already registered: kept under its first key
+    assert _count() == before + 1
+    assert [k for k, o in registered_rngs() if o is rng] == ["x"]
+    unregister_rng(rng)
+    assert _count() == before
+    with pytest.raises(ValueError, match="is not registered"):
+        unregister_rng(rng)
+
+
+def test_a_new_object_at_a_dead_objects_address_is_a_new_registration():
+    before = _count()
+    for _ in range(200):  # CPython reuses the freed memory: ids repeat
+        register_rng(random.Random(), key="reused")
+        rng = register_rng(random.Random(3), key="live")
+        assert [k for k, o in registered_rngs() if o is rng] == ["live"]
+        unregister_rng(rng)
+    assert _count() == before
+
+
+def test_an_entry_kept_by_a_snapshot_does_not_remove_a_later_registration():
+    from deterministic_ctx import Snapshot
+
+    before, live = _count(), len(user_rngs.UserRngSource().capture())
+    rng = register_rng(random.Random(1), key="old")
+    snap = Snapshot.capture()  # holds the old entry and the object
+    unregister_rng(rng)
+    register_rng(rng, key="new")
+    assert [k for k, o in registered_rngs() if o is rng] == ["new"]
+    del rng
+    del snap  # the object dies now: both weak references call back
+    assert _count() == before
+    assert len(user_rngs.UserRngSource().capture()) == live
+
+
+def test_strong_references_are_kept_until_unregistered():
+    before = _count()
+    register_rng(np.random.default_rng(1), key="numpy")  # cannot be weakly referenced
+    gc.collect()
+    assert _count() == before + 1
+    (obj,) = [o for k, o in registered_rngs() if k == "numpy"]
+    unregister_rng(obj)
+    assert _count() == before
+
+
+def test_blocks_seed_the_same_after_many_register_collect_cycles():
+    rng = register_rng(random.Random(), key="steady")
+    try:
+        with deterministic(seed=1):
+            first = rng.random()
+        sizes = _sizes()
+        for _ in range(20_000):
+            register_rng(random.Random())
+        with deterministic(seed=1):
+            assert rng.random() == first
+        assert _sizes() == sizes  # nothing dead left behind
+        assert _count() == len(registered_rngs())
+    finally:
+        unregister_rng(rng)
+
+
+class _DropsOthersWhenCaptured(random.Random):
+    """A subclass (so the source calls its ``getstate``) that drops the last
+    reference to other registered RNGs in the middle of a block's capture."""
+
+    victims: ClassVar[list[object]] = []
+    trigger: ClassVar[bool] = False
+
+    def getstate(self):
+        if _DropsOthersWhenCaptured.trigger:
+            _DropsOthersWhenCaptured.trigger = False
+            _DropsOthersWhenCaptured.victims.clear()  # refcount deaths: callbacks run here
+            gc.collect()  # and the cyclic ones
+        return super().getstate()
+
+
+def test_collection_inside_a_blocks_capture_loop():
+    before = _count()
+    dropper = register_rng(_DropsOthersWhenCaptured(5), key="dropper")
+    cyclic = random.Random(6)
+    cyclic.me = cyclic  # type: ignore[attr-defined]
+    victims = [random.Random(i) for i in range(20)] + [cyclic]
+    _DropsOthersWhenCaptured.victims[:] = victims
+    for i, v in enumerate(victims):  # registered after the dropper: captured after it
+        register_rng(v, key=f"victim-{i}")
+    del victims, cyclic, v
+    survivor = register_rng(random.Random(7), key="survivor")
+    try:
+        fresh = random.Random()
+        fresh.setstate(survivor.getstate())
+        _DropsOthersWhenCaptured.trigger = True
+        with deterministic(seed=0):
+            inside = survivor.random()
+        assert not _DropsOthersWhenCaptured.trigger  # the capture did run the drop
+        assert inside == random.Random(derive_seed(0, "user", "survivor", bits=64)).random()
+        assert survivor.random() == fresh.random()  # restored
+        assert _count() == before + 2
+    finally:
+        unregister_rng(dropper)
+        unregister_rng(survivor)
+    assert _count() == before
+
+
+def test_a_callback_while_this_thread_holds_the_registry_lock_does_not_deadlock():
+    rng = register_rng(random.Random())
+    before = _count()
+    holder = [rng]
+    del rng
+    done = threading.Event()
+
+    def run() -> None:
+        with user_rngs._lock:
+            holder.clear()  # the callback runs here, inside the lock, in this thread
+            gc.collect()
+        done.set()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout=30)
+    assert done.is_set(), "the weak-reference callback deadlocked on the registry lock"
+    assert _count() == before - 1
+
+
+def test_registrations_and_collections_in_many_threads():
+    before = _count()
+    errors: list[BaseException] = []
+    steady = register_rng(random.Random(2), key="steady-threads")
+    handoff: list[object] = []
+    lock = threading.Lock()
+
+    def churn(n: int) -> None:
+        try:
+            for i in range(n):
+                rng = register_rng(random.Random(i) if i % 3 else torch.Generator())
+                with lock:
+                    handoff.append(rng)  # often collected by another thread
+                    if len(handoff) > 8:
+                        del handoff[:4]
+                del rng
+                if i % 50 == 0:
+                    registered_rngs()
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    def blocks(n: int) -> None:
+        try:
+            for _ in range(n):
+                with deterministic(seed=4):
+                    steady.random()
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=churn, args=(1500,)) for _ in range(3)]
+    threads += [threading.Thread(target=blocks, args=(300,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with lock:
+        handoff.clear()
+    gc.collect()
+    try:
+        assert errors == []
+        assert _count() == before + 1
+        assert _sizes()[0] == _count()
+    finally:
+        unregister_rng(steady)
+    assert _count() == before
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_while_another_thread_registers_can_register():
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with user_rngs._lock:  # as a thread inside register_rng at the moment of the fork
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(30)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: the holding thread does not exist here
+            code = 1
+            try:
+                rng = register_rng(random.Random(1), key="in-child")
+                unregister_rng(rng)
+                code = 0
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the child deadlocked on the registry lock")
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        release.set()
+        t.join()

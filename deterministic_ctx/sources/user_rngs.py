@@ -11,11 +11,22 @@ ordinal (``"0"``, ``"1"``, …).
 ``random.Random`` and ``torch.Generator`` are held by weak reference.  NumPy
 generators and bit generators cannot be weakly referenced (their C types
 lack ``__weakref__``), so they are held until :func:`unregister_rng`.
+
+The registry stays as small as the set of live RNGs, however many were
+registered and collected: each weak reference's callback removes its entry
+the moment the object dies, and the duplicate check in ``register_rng`` and
+``unregister_rng`` is a dict lookup by ``id``, not a scan.  A callback can run
+at any moment a reference count drops to zero or a collection runs: in the
+middle of a block's capture loop, while this thread holds ``_lock``, or in
+another thread.  So callbacks take no lock and do nothing but single dict
+operations (atomic under the GIL), and every loop runs over an immutable
+tuple of the entries, rebuilt only when the registry has changed since.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import threading
 import weakref
@@ -64,23 +75,43 @@ def _np_generator_seed(gen: np.random.Generator, seed: int) -> None:
 _KINDS: tuple[tuple[type, _Kind], ...] = (
     (
         random.Random,
-        _Kind("random.Random", lambda r: r.getstate(), lambda r, s: r.setstate(s),
-              lambda r, s: r.seed(s), 64),
+        _Kind(
+            "random.Random",
+            lambda r: r.getstate(),
+            lambda r, s: r.setstate(s),
+            lambda r, s: r.seed(s),
+            64,
+        ),
     ),
     (
         np.random.Generator,
-        _Kind("numpy.random.Generator", lambda g: g.bit_generator.state,
-              lambda g, s: setattr(g.bit_generator, "state", s), _np_generator_seed, 64),
+        _Kind(
+            "numpy.random.Generator",
+            lambda g: g.bit_generator.state,
+            lambda g, s: setattr(g.bit_generator, "state", s),
+            _np_generator_seed,
+            64,
+        ),
     ),
     (
         np.random.RandomState,
-        _Kind("numpy.random.RandomState", lambda r: r.get_state(legacy=False),
-              lambda r, s: r.set_state(s), lambda r, s: r.seed(s), 32),
+        _Kind(
+            "numpy.random.RandomState",
+            lambda r: r.get_state(legacy=False),
+            lambda r, s: r.set_state(s),
+            lambda r, s: r.seed(s),
+            32,
+        ),
     ),
     (
         torch.Generator,
-        _Kind("torch.Generator", lambda g: g.get_state(), lambda g, s: g.set_state(s),
-              lambda g, s: g.manual_seed(s), 64),
+        _Kind(
+            "torch.Generator",
+            lambda g: g.get_state(),
+            lambda g, s: g.set_state(s),
+            lambda g, s: g.manual_seed(s),
+            64,
+        ),
     ),
 )
 
@@ -100,23 +131,42 @@ def _kind_of(obj: object) -> _Kind:
     )
 
 
-class _Entry:
-    __slots__ = ("_memo", "_ref", "key", "kind", "layout")
+class _Ref(weakref.ref[Any]):
+    """A weak reference that knows its registry entry's token and the object's id,
+    so its callback finds what to remove without holding the entry (no cycle)."""
 
-    def __init__(self, obj: object, key: str, kind: _Kind) -> None:
+    __slots__ = ("oid", "token")
+    oid: int
+    token: int
+
+    def __new__(cls, obj: object, callback: Callable[[_Ref], None], token: int) -> _Ref:
+        self = super().__new__(cls, obj, callback)
+        self.token = token
+        self.oid = id(obj)
+        return self
+
+    def __init__(self, obj: object, callback: Callable[[_Ref], None], token: int) -> None:
+        # ``weakref.ref.__init__`` only checks its two arguments; all is done in __new__.
+        pass
+
+
+class _Entry:
+    __slots__ = ("_memo", "get", "key", "kind", "layout", "token")
+
+    def __init__(self, obj: object, key: str, kind: _Kind, token: int) -> None:
+        # ``get()`` returns the object, or ``None`` once it has been collected.
+        self.get: Callable[[], Any]
         try:
-            self._ref: Callable[[], Any] = weakref.ref(obj)
-        except TypeError:
-            self._ref = lambda obj=obj: obj  # type: ignore[misc]  # see module docstring
+            self.get = _Ref(obj, _on_collect, token)
+        except TypeError:  # NumPy's types lack __weakref__: held (see the module docstring)
+            self.get = _strong(obj)
+        self.token = token
         self.key = key
         self.kind = kind
         # Exact random.Random instances share the global ``random``'s proven
         # memory fast path (~1 µs instead of ~15 µs per block).
         self.layout = fast_layout_for(obj)
         self._memo: tuple[int, int] | None = None
-
-    def get(self) -> Any:
-        return self._ref()
 
     def derived_seed(self, seed: int) -> int:
         # Blocks in a loop reuse one seed: skip the SeedSequence on repeats.
@@ -126,9 +176,96 @@ class _Entry:
         return memo[1]
 
 
+def _strong(obj: object) -> Callable[[], object]:
+    return lambda: obj
+
+
+#: Serializes ``register_rng`` / ``unregister_rng`` against each other.  Never
+#: taken by a weak-reference callback, which may run while this thread holds it.
 _lock = threading.Lock()
-_entries: list[_Entry] = []
+#: token -> entry, in registration order (tokens only grow; dicts keep insertion order).
+_entries: dict[int, _Entry] = {}
+#: id(object) -> token of its entry: the O(1) duplicate check.
+_by_id: dict[int, int] = {}
+_tokens = itertools.count()
+#: Default keys: the ordinal among registrations without ``key=`` (never reused).
 _counter = itertools.count()
+#: Bumped after every change to ``_entries``; ``_cache`` is valid while it matches.
+_versions = itertools.count(1)
+_version = 0
+_cache: tuple[int, tuple[_Entry, ...]] = (0, ())
+
+
+def _changed() -> None:
+    # ``next()`` on a C counter is atomic: racing bumps never produce one value
+    # twice, so a cache built before a change never matches after it.
+    global _version
+    _version = next(_versions)
+
+
+def _on_collect(
+    ref: _Ref,
+    _entries: dict[int, _Entry] = _entries,
+    _by_id: dict[int, int] = _by_id,
+) -> None:
+    """Drop a collected RNG's entry.  Runs wherever the object died (see the
+    module docstring): no lock, single dict operations only.  The tables are
+    bound as defaults so that a callback at interpreter shutdown still finds them."""
+    if _entries.pop(ref.token, None) is None:
+        return  # unregistered before it died (a snapshot kept the entry alive)
+    # The dying object still occupies its address until this returns, so no
+    # other object can have registered under the same id meanwhile.
+    if _by_id.get(ref.oid) == ref.token:
+        _by_id.pop(ref.oid, None)
+    _changed()
+
+
+def _live() -> tuple[_Entry, ...]:
+    """The entries in registration order, as an immutable tuple to iterate over."""
+    global _cache
+    version, entries = _cache
+    if version == _version:
+        return entries
+    while True:
+        version = _version  # read before copying: a change after it makes a mismatch
+        try:
+            # ``dict.copy`` runs no Python code and no collection, so no callback
+            # can change the dict halfway; the retry is a guard, not a path.
+            entries = tuple(_entries.copy().values())
+        except RuntimeError:  # pragma: no cover - "dictionary changed size"
+            continue
+        _cache = (version, entries)
+        return entries
+
+
+def _after_fork_in_child() -> None:
+    """A thread that was inside ``register_rng`` when another thread forked does
+    not exist in the child: give the child a free lock, and rebuild the id
+    index from the entries, which a registration cut short may have left
+    without its id."""
+    global _lock
+    _lock = threading.Lock()
+    _by_id.clear()
+    for entry in tuple(_entries.copy().values()):
+        obj = entry.get()
+        if obj is not None:
+            _by_id[id(obj)] = entry.token
+    _changed()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _find(obj: object) -> _Entry | None:
+    """The live entry of ``obj``, or ``None``.  Caller holds ``_lock``."""
+    token = _by_id.get(id(obj))
+    if token is None:
+        return None
+    entry = _entries.get(token)
+    # ``is``: an entry whose object died and whose callback has not run yet
+    # (it is on its way) has the same id but another object, or none.
+    return entry if entry is not None and entry.get() is obj else None
 
 
 def register_rng(obj: T, *, key: str | None = None) -> T:
@@ -138,6 +275,9 @@ def register_rng(obj: T, *, key: str | None = None) -> T:
     ``numpy.random.RandomState`` and ``torch.Generator`` (any device).  Inside a
     block the object is seeded with ``derive_seed(seed, "user", key)``; on exit
     its state is restored.  Registering the same object again is a no-op.
+    ``random.Random`` and ``torch.Generator`` are held by weak reference and
+    leave the registry when collected; NumPy's types are held until
+    :func:`unregister_rng`.
 
     Example:
         >>> import random
@@ -155,9 +295,13 @@ def register_rng(obj: T, *, key: str | None = None) -> T:
     if key is not None and not isinstance(key, str):
         raise TypeError(f"key must be a str or None, got {type(key).__name__} {key!r}")
     with _lock:
-        if any(e.get() is obj for e in _entries):
+        if _find(obj) is not None:
             return obj
-        _entries.append(_Entry(obj, key if key is not None else str(next(_counter)), kind))
+        token = next(_tokens)
+        entry = _Entry(obj, key if key is not None else str(next(_counter)), kind, token)
+        _entries[token] = entry
+        _by_id[id(obj)] = token
+        _changed()
     return obj
 
 
@@ -171,10 +315,13 @@ def unregister_rng(obj: object) -> None:
         >>> unregister_rng(rng)
     """
     with _lock:
-        for i, entry in enumerate(_entries):
-            if entry.get() is obj:
-                del _entries[i]
-                return
+        entry = _find(obj)
+        if entry is not None:
+            _entries.pop(entry.token, None)
+            if _by_id.get(id(obj)) == entry.token:
+                _by_id.pop(id(obj), None)
+            _changed()
+            return
     raise ValueError(f"unregister_rng(): {obj!r} is not registered")
 
 
@@ -185,8 +332,7 @@ def registered_rngs() -> list[tuple[str, object]]:
         >>> registered_rngs()
         []
     """
-    with _lock:
-        live = [(e.key, e.get()) for e in _entries]
+    live = [(e.key, e.get()) for e in _live()]
     return [(k, o) for k, o in live if o is not None]
 
 
@@ -196,12 +342,13 @@ class UserRngSource:
     name = "user"
 
     def capture(self) -> tuple[tuple[_Entry, Any, Any], ...]:
-        if not _entries:
+        entries = _live()
+        if not entries:
             return ()
         out = []
-        for entry in tuple(_entries):
+        for entry in entries:
             obj = entry.get()
-            if obj is None:
+            if obj is None:  # collected after the tuple was made: its callback has run
                 continue
             if entry.layout is not None:
                 out.append((entry, obj, capture_rng(obj, entry.layout)))
@@ -210,10 +357,11 @@ class UserRngSource:
         return tuple(out)
 
     def apply(self, settings: Settings) -> None:
-        if not _entries:
+        entries = _live()
+        if not entries:
             return
         seed = settings.rank_seed  # user RNGs are per rank, like ``random`` and NumPy
-        for entry in tuple(_entries):
+        for entry in entries:
             obj = entry.get()
             if obj is None:
                 continue
@@ -238,12 +386,14 @@ class UserRngSource:
         snapshot finds each RNG by its key, so it could not tell them apart.
         """
         out: list[dict[str, Any]] = []
+        keys: set[str] = set()
         for entry, obj, saved in state:
-            if any(item["key"] == entry.key for item in out):
+            if entry.key in keys:
                 raise ValueError(
                     f"two registered RNGs share the key {entry.key!r}, so a saved snapshot "
                     f"could not tell them apart: register them with distinct keys"
                 )
+            keys.add(entry.key)
             plain = _CODECS[entry.kind.name][0](obj, saved)
             out.append({"key": entry.key, "kind": entry.kind.name, "state": plain})
         return out
@@ -258,17 +408,22 @@ class UserRngSource:
         """
         if type(data) is not list:
             raise ValueError(f"{path}: expected a list, got {type(data).__name__}")
-        with _lock:
-            live = [(e, e.get()) for e in _entries]
+        by_key: dict[str, list[tuple[_Entry, Any]]] = {}
+        for e in _live():
+            obj = e.get()
+            if obj is not None:
+                by_key.setdefault(e.key, []).append((e, obj))
         out: list[tuple[_Entry, Any, Any]] = []
+        seen: set[str] = set()
         for i, item in enumerate(data):
             where = f"{path}[{i}]"
             d = _plain.fields(item, where, ["key", "kind", "state"])
             key = _plain.text(d["key"], f"{where}.key")
             kind = _plain.text(d["kind"], f"{where}.kind", choices=_CODECS)
-            if any(e.key == key for e, _obj, _s in out):
+            if key in seen:
                 raise ValueError(f"{where}.key: {key!r} is saved twice")
-            found = [(e, obj) for e, obj in live if obj is not None and e.key == key]
+            seen.add(key)
+            found = by_key.get(key, [])
             if len(found) != 1:
                 raise ValueError(
                     f"{where}: the snapshot holds user RNG {key!r} ({kind}), and "
