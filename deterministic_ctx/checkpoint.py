@@ -5,7 +5,11 @@
     {"format": "deterministic_ctx.snapshot",
      "version": 1,
      "sources": {"random": {...}, "numpy": {...}, "torch.cpu": {...},
-                 "torch.flags": {...}, "environ": {...}, "user": [...]},
+                 "torch.flags": {...},
+                 "torch.defaults": {"dtype": "float32", "tensor_type": "cpu",
+                                    "threads": 8, "flush_denormal": false,
+                                    "device": "cuda:0"},       # device: only when set
+                 "environ": {...}, "user": [...]},
      "devices": {"cuda": {"initialized": bool, "states": [uint8 tensor per device]},
                  "xpu": {...}, "mtia": {...}}}
 
@@ -13,6 +17,13 @@ It holds only dicts with string keys, lists, strings, ints (``bool`` among
 them), floats and 1-D uint8 CPU tensors, so ``torch.load(...,
 weights_only=True)`` accepts it inside any checkpoint.  Each source writes and
 checks its own entry (``export_state`` / ``import_state``).
+
+Entries of sources added after version 1 was first written (see
+:data:`OPTIONAL_SOURCES`, today only ``"torch.defaults"``) may be missing: a
+state dict or file written before they existed still loads, and the loaded
+snapshot leaves that source alone, as it leaves alone a device it holds no
+state for.  Every other source's entry is required, and no unknown entry is
+accepted.
 
 **File** (``Snapshot.save``), format version 1, integers little-endian::
 
@@ -57,6 +68,7 @@ __all__ = [
     "FORMAT",
     "MAGIC",
     "MAX_FILE_BYTES",
+    "OPTIONAL_SOURCES",
     "VERSION",
     "decode",
     "encode",
@@ -79,6 +91,9 @@ MAX_FILE_BYTES = 64 << 20
 _MAX_TENSORS = 1 << 16
 _MAX_DEPTH = 16
 _TENSOR = "$tensor"
+#: Sources whose entry a version-1 state dict may lack: they were added after
+#: files of that version existed.  A missing one is left alone on restore.
+OPTIONAL_SOURCES = frozenset({"torch.defaults"})
 
 StateDict = dict[str, Any]
 
@@ -132,7 +147,12 @@ def _import(data: object, strict: bool) -> tuple[tuple[Source, ...], tuple[Any, 
     _plain.integer(version, "version", VERSION, VERSION)
     here = _sources.SOURCES
     names = [s.name for s in here if _device_type(s) is None]
-    saved = _plain.fields(top["sources"], "sources", names)
+    saved = _plain.fields(
+        top["sources"],
+        "sources",
+        [n for n in names if n not in OPTIONAL_SOURCES],
+        [n for n in names if n in OPTIONAL_SOURCES],
+    )
     devices = _plain.mapping(top["devices"], "devices")
     known = {_device_type(s) for s in here}
     for name, entry in devices.items():  # every entry is checked, known here or not
@@ -146,6 +166,8 @@ def _import(data: object, strict: bool) -> tuple[tuple[Source, ...], tuple[Any, 
         load: Callable[..., Any] = getattr(source, "import_state")  # noqa: B009 - not on Source
         device = _device_type(source)
         if device is None:
+            if source.name not in saved:  # an optional entry a file predating it lacks
+                continue
             state = load(saved[source.name], f"sources.{source.name}")
         else:
             state = load(devices.get(device), f"devices.{device}", strict=strict)
@@ -244,7 +266,9 @@ def _attach(header: object, blob: memoryview) -> StateDict:
     for i, shape in enumerate(sizes):
         (n,) = _plain.integers(shape, f"header.tensors[{i}]", 1, 0, len(blob) - offset)
         chunk = bytearray(blob[offset : offset + n])  # frombuffer wants a writable buffer
-        empty = torch.empty(0, dtype=torch.uint8)  # frombuffer refuses an empty one
+        # frombuffer refuses an empty buffer; the device is explicit because the
+        # caller's default device (torch.set_default_device) may be another.
+        empty = torch.empty(0, dtype=torch.uint8, device="cpu")
         tensors.append(torch.frombuffer(chunk, dtype=torch.uint8) if n else empty)
         offset += n
     if offset != len(blob):

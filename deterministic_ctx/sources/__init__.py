@@ -14,6 +14,7 @@ from .flags import TorchFlagsSource
 from .numpy_global import NumpyGlobalSource
 from .python_random import PythonRandomSource
 from .torch_cpu import TorchCPUSource
+from .torch_defaults import TorchDefaultsSource
 from .user_rngs import UserRngSource, register_rng, registered_rngs, unregister_rng
 
 __all__ = [
@@ -31,6 +32,7 @@ SOURCES: tuple[Source, ...] = (
     TorchCPUSource(),
     *accelerator_sources(),
     TorchFlagsSource(),
+    TorchDefaultsSource(),
     EnvironSource(),
     UserRngSource(),
 )
