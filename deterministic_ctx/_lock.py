@@ -11,8 +11,16 @@ one :class:`LockWaitWarning` naming the thread that holds the lock and for how
 long it has held it, which is what one needs to debug a stall or a deadlock
 (a block that joins a thread which itself waits to enter a block).
 
+Interrupts: the C ``RLock`` is the only record of how many levels a thread
+holds (:meth:`ProcessLock.depth` reads its count).  Acquiring or releasing is
+one C call, so an exception raised by a signal handler (``KeyboardInterrupt``)
+can arrive before or after it, never half-way, and a caller that is
+interrupted finds out what happened by reading the count: nothing is kept in
+Python variables that an interrupt could leave out of step.  ``owner`` and
+``since`` only describe the holder in warnings and reports.
+
 Fork: in the child only the forking thread survives.  If it held the lock, it
-still holds it at the same depth; otherwise the lock is free.
+still holds it at the same depth; otherwise the lock is made free.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 from ._errors import LockWaitWarning
 
@@ -29,20 +39,25 @@ DEFAULT_WARN_AFTER = 10.0
 
 
 class ProcessLock:
-    __slots__ = ("_rlock", "depth", "owner", "owner_name", "since", "warn_after")
+    __slots__ = ("_count", "_rlock", "owner", "owner_name", "since", "warn_after")
 
     def __init__(self) -> None:
-        self._rlock = threading.RLock()
-        self.depth = 0
+        self._rlock: Any = _new_rlock()
+        self._count: Callable[[], int] = _counter(self._rlock)
         self.owner: int | None = None
         self.owner_name = ""
         self.since = 0.0
         self.warn_after: float | None = DEFAULT_WARN_AFTER
 
+    @property
+    def depth(self) -> int:
+        """How many levels the *calling* thread holds (0: none)."""
+        return self._count()
+
     def acquire(self) -> None:
         rlock = self._rlock
         wait = self.warn_after
-        if wait is None:
+        if wait is None or self._count():
             rlock.acquire()
         elif not rlock.acquire(True, wait):
             held = time.monotonic() - self.since
@@ -54,29 +69,78 @@ class ProcessLock:
                 stacklevel=4,
             )
             rlock.acquire()
-        self.depth += 1
-        if self.depth == 1:
+        if self._count() == 1:
             self.owner = threading.get_ident()
             self.owner_name = threading.current_thread().name
             self.since = time.monotonic()
 
-    def release(self) -> None:
-        self.depth -= 1
-        if self.depth == 0:
-            self.owner = None
-        self._rlock.release()
+    def release_to(self, depth: int) -> None:
+        """Release the calling thread's levels above ``depth``.
+
+        Idempotent, so a caller interrupted half-way through a release can
+        simply call it again.
+        """
+        count, release = self._count, self._rlock.release
+        while count() > depth:
+            if count() == 1:
+                self.owner = None
+            release()
 
     def held_by_other_thread(self) -> bool:
-        return self.owner is not None and self.owner != threading.get_ident()
+        if self._count():
+            return False
+        if self._rlock.acquire(False):
+            self._rlock.release()
+            return False
+        return True
 
     def reset_after_fork(self) -> None:
-        mine = self.owner is not None and self.owner == threading.get_ident()
+        """In a forked child: free the lock unless the forking thread holds it."""
+        if not self._count():
+            self._rlock._at_fork_reinit()
+            self.owner = None
+
+
+def _counter(rlock: Any) -> Callable[[], int]:
+    """``rlock``'s recursion count for the calling thread (0 if it does not own it)."""
+    count: Callable[[], int] | None = getattr(rlock, "_recursion_count", None)
+    if count is None:  # only CPython 3.11+ exposes it; see _CountingRLock
+        count = rlock.count
+    return count
+
+
+class _CountingRLock:
+    """An ``RLock`` that counts its owner's levels in Python, for interpreters
+    without ``RLock._recursion_count`` (CPython 3.10).  An interrupt that lands
+    between the C call and the count update is not recovered there."""
+
+    __slots__ = ("_depth", "_rlock")
+
+    def __init__(self) -> None:
         self._rlock = threading.RLock()
-        if mine:
-            for _ in range(self.depth):
-                self._rlock.acquire()
-        else:
-            self.depth, self.owner = 0, None
+        self._depth = 0
+
+    def count(self) -> int:
+        return self._depth if self._rlock._is_owned() else 0  # type: ignore[attr-defined]
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        got = self._rlock.acquire(blocking, timeout)
+        if got:
+            self._depth += 1
+        return got
+
+    def release(self) -> None:
+        self._depth -= 1
+        self._rlock.release()
+
+    def _at_fork_reinit(self) -> None:
+        self._rlock._at_fork_reinit()  # type: ignore[attr-defined]
+        self._depth = 0
+
+
+def _new_rlock() -> Any:
+    rlock = threading.RLock()
+    return rlock if hasattr(rlock, "_recursion_count") else _CountingRLock()
 
 
 LOCK = ProcessLock()
@@ -97,4 +161,3 @@ def set_lock_warning(seconds: float | None) -> None:
     ):
         raise ValueError(f"seconds must be a positive number or None, got {seconds!r}")
     LOCK.warn_after = None if seconds is None else float(seconds)
-

@@ -15,12 +15,15 @@ This module knows nothing of torch: sources do the work.
 from __future__ import annotations
 
 import os
+import sys
+import time
 import warnings
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
 
 from . import sources as _sources
+from ._errors import RestoreError
 from ._lock import LOCK
 from ._settings import Rank, Settings
 from .snapshot import Snapshot
@@ -31,68 +34,247 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class _Block:
-    __slots__ = ("_inner", "_outer", "_settings")
+    """One isolated RNG world: entered, left, suspended and resumed.
+
+    **Any exit order.**  ``_active`` lists the open blocks of the thread that
+    holds the lock, in the order they were entered; each one's ``_outer`` is
+    the state at its entry, which is the world of the block below it.  The
+    top block leaves by restoring its ``_outer``.  A block that leaves while
+    a later one is still open (interleaved ``async with`` tasks, a generator
+    closed inside another block) restores nothing: the later block's world is
+    the live one, so the leaving block hands its ``_outer`` to the block
+    above it, which restores it when it leaves in turn.  Once every block has
+    left, the state is exactly the one before the first.
+
+    **Suspension.**  Blocks entered during a step of a decorated generator or
+    coroutine and still open at its ``yield``/``await`` belong to its world:
+    they are *carried* (taken off ``_active`` with it) and put back when it
+    resumes.
+
+    **Interrupts.**  Each operation is either rolled back (entry) or completed
+    (exit) when an exception — ``KeyboardInterrupt`` from a signal handler,
+    say — interrupts it at any line: entry registers the block in ``_active``
+    before it applies anything, exits are idempotent steps that are simply
+    run again, and the lock's depth is read back from the lock itself
+    (:meth:`ProcessLock.release_to`).
+    """
+
+    __slots__ = ("_carried", "_carrier", "_inner", "_outer", "_settings", "_started")
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
-        self._outer: Snapshot | None = None
-        self._inner: Snapshot | None = None
+        self._outer: Snapshot | None = None  # the caller's state, while the block is open
+        self._inner: Snapshot | None = None  # the block's own state, while it is suspended
+        self._started = False
+        self._carried: tuple[_Block, ...] = ()  # blocks opened inside this one's suspended step
+        self._carrier: _Block | None = None  # the suspended block carrying this one
 
     def resume(self) -> None:
-        global _outermost
-        LOCK.acquire()
+        """Take the lock, capture the caller's state and enter the block's world.
+
+        On any exception nothing is left applied and the lock is back at the
+        caller's depth; then the exception propagates.
+        """
+        depth = LOCK.depth
         try:
-            outer = Snapshot.capture()
-        except BaseException:
-            LOCK.release()
-            raise
-        try:
-            if self._inner is None:
-                _sources.apply_all(self._settings)
-            else:
+            LOCK.acquire()
+            self._outer = Snapshot.capture()
+            _active.append(self)  # from here on, fork and out-of-order exits see the caller's state
+            if self._started:
+                assert self._inner is not None
                 self._inner.restore()
+                self._uncarry()
+                self._inner = None  # last: until here a retry can still restore it
+            else:
+                _sources.apply_all(self._settings)
+                self._started = True
         except BaseException:
-            # Half-applied: roll back to the caller's state before raising.
-            try:
-                outer.restore()
-            finally:
-                LOCK.release()
+            with _headroom():
+                self._rollback(depth)
             raise
-        self._outer = outer
-        if LOCK.depth == 1:
-            _outermost = self
+
+    def _rollback(self, depth: int) -> None:
+        i = _position(self)
+        if i is not None:
+            if not self._carried:  # carried blocks that were being put back go back again
+                self._carried = tuple(_active[i + 1 :])
+            del _active[i:]
+            outer, self._outer = self._outer, None
+            try:
+                if outer is not None:
+                    outer.restore()
+            finally:
+                LOCK.release_to(depth)
+        else:
+            self._outer = None
+            LOCK.release_to(depth)
+
+    def _uncarry(self) -> None:
+        carried = self._carried
+        if carried:
+            for _ in carried:  # each open block holds one level of the lock
+                LOCK.acquire()
+            _active.extend(carried)
+            for block in carried:
+                block._carrier = None
+            self._carried = ()
+
+    @property
+    def suspended(self) -> bool:
+        """Left at a suspension point, with its own state saved to resume from."""
+        return self._inner is not None and _position(self) is None
+
+    def suspend(self) -> None:
+        """Save the block's state, restore the caller's and drop the lock.
+
+        Completed even if interrupted; the interrupt propagates afterwards.
+        """
+        _run_to_completion(self._suspend)
+
+    def _suspend(self) -> None:
+        i = _position(self)
+        if i is not None:
+            if self._inner is None:  # not captured yet in this suspension
+                self._inner = Snapshot.capture()
+            if i + 1 < len(_active):  # blocks opened in this step stay in its world
+                carried = tuple(_active[i + 1 :])
+                self._carried = carried
+                for block in carried:
+                    block._carrier = self
+                del _active[i + 1 :]
+            assert self._outer is not None
+            self._outer.restore()
+            del _active[i]
+            self._outer = None
+        LOCK.release_to(len(_active))
+
+    def finish(self) -> None:
+        """Leave the block: restore the caller's state (or hand it on) and drop the lock.
+
+        Idempotent, and completed even if interrupted; the interrupt (or a
+        :class:`RestoreError`) propagates afterwards.
+        """
+        _run_to_completion(self._finish)
+
+    def _finish(self) -> None:
+        error: RestoreError | None = None
+        i = _position(self)
+        if i is not None:
+            if i + 1 == len(_active):
+                assert self._outer is not None
+                try:
+                    self._outer.restore()
+                except RestoreError as exc:  # every other source was restored: leave anyway
+                    error = exc
+            else:  # a later block is open: its world is the live one (class docstring)
+                _active[i + 1]._outer = self._outer
+            del _active[i]
+            self._outer = None
+        elif self._carrier is not None:
+            self._leave_carrier()
+        LOCK.release_to(len(_active))
+        if error is not None:
+            raise error
+
+    def _leave_carrier(self) -> None:
+        carrier = self._carrier
+        assert carrier is not None
+        carried = carrier._carried
+        i = next(k for k, block in enumerate(carried) if block is self)
+        if i + 1 == len(carried):
+            carrier._inner = self._outer  # the carrier's world as it was before this block
+        else:
+            carried[i + 1]._outer = self._outer
+        carrier._carried = carried[:i] + carried[i + 1 :]
+        self._carrier = self._outer = None
 
     def commit(self) -> None:
         """Keep the block's state as the process's own: the caller's snapshot
         is dropped, not restored (``seed_everything``)."""
-        global _outermost
-        self._outer = None
-        if LOCK.depth == 1:
-            _outermost = None
-        LOCK.release()
-
-    def suspend(self) -> None:
-        try:
-            self._inner = Snapshot.capture()
-        finally:
-            self.finish()
-
-    def finish(self) -> None:
-        global _outermost
-        outer, self._outer = self._outer, None
-        if outer is None:
-            raise RuntimeError("deterministic block exited without being entered")
-        try:
-            outer.restore()
-        finally:
-            if LOCK.depth == 1:
-                _outermost = None
-            LOCK.release()
+        i = _position(self)
+        if i is not None:
+            del _active[i]
+            self._outer = None
+        LOCK.release_to(len(_active))
 
 
-#: The block that took the lock first, so a forked child can leave another
-#: thread's block (see ``_after_fork_in_child``).
-_outermost: _Block | None = None
+#: The open blocks of the thread that holds the lock, in entry order.
+_active: list[_Block] = []
+
+
+def _position(block: _Block) -> int | None:
+    for i, other in enumerate(_active):
+        if other is block:
+            return i
+    return None
+
+
+_ATTEMPTS = 4
+
+
+def _run_to_completion(step: Callable[[], None]) -> None:
+    """Run the idempotent ``step``; if an interrupt stops it, run it again
+    until it completes, then re-raise the first interrupt.
+
+    An ordinary exception from ``step`` (``RestoreError``) is raised once the
+    step has done its bookkeeping, so it is not retried.
+    """
+    try:
+        step()
+    except BaseException:
+        with _headroom():
+            for _ in range(_ATTEMPTS):
+                try:
+                    step()
+                    break
+                except Exception:
+                    break
+                except BaseException:
+                    continue
+        raise
+
+
+class _headroom:
+    """Room on the stack to finish an exit or a roll-back.
+
+    A decorated function that recursed to the limit fails to enter its block
+    with ``RecursionError``; putting the caller's state back needs a few
+    frames more.  The limit is raised by a little for as long as that takes
+    (only on this error path).
+    """
+
+    __slots__ = ("_limit",)
+
+    def __enter__(self) -> None:
+        self._limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(self._limit + 100)
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setrecursionlimit(self._limit)
+
+
+#: A call of a C function: CPython runs pending signal handlers after it.
+_drain = time.perf_counter
+
+
+def _leave_anyway(blocks: dict[object, list[_Block]], task: object) -> None:
+    """Complete an interrupted ``__exit__``: its block's ``finish()`` is idempotent."""
+    stack = blocks.get(task)
+    if not stack:
+        raise RuntimeError("deterministic block exited without being entered") from None
+    stack[-1].finish()
+    del stack[-1]
+
+
+def _current_task() -> object:
+    """The running asyncio task, or ``None``: never imports asyncio itself."""
+    asyncio = sys.modules.get("asyncio")
+    if asyncio is None:
+        return None
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no running event loop (another framework drives the coroutine)
+        return None
 
 
 #: The state at the moment of a fork made from inside a block, for the child.
@@ -104,7 +286,7 @@ def _before_fork() -> None:
     # CPython reseeds ``random`` in every forked child.  Inside a block that
     # breaks reproducibility (NumPy and torch are inherited as they are), so
     # the child gets back exactly the state the forking thread had.
-    if LOCK.depth and not LOCK.held_by_other_thread():
+    if LOCK.depth:
         _at_fork = Snapshot.capture()
 
 
@@ -114,17 +296,17 @@ def _after_fork_in_parent() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _outermost, _at_fork
-    other = LOCK.held_by_other_thread()
-    outer = _outermost._outer if _outermost is not None else None
-    LOCK.reset_after_fork()
+    global _at_fork
     target, _at_fork = _at_fork, None
-    if other:
-        # The fork happened while another thread was inside a block: that
-        # thread does not exist in the child, so the child continues from the
-        # state outside the block, which is the forking thread's view.
-        _outermost = None
-        target = outer
+    if not LOCK.depth:
+        # Forked outside every block.  If another thread was inside (or
+        # entering, or leaving) one, that thread does not exist here: the
+        # child continues from the state outside its blocks, which is the
+        # forking thread's view.  ``_active[0]`` holds it from before the
+        # first change is applied until after the last one is undone.
+        target = _active[0]._outer if _active else None
+        del _active[:]
+        LOCK.reset_after_fork()
     if target is not None:
         try:
             target.restore()
@@ -192,7 +374,9 @@ class deterministic:  # lowercase: it reads like a function, ``with deterministi
 
     def __init__(self, seed: int, *, warn_only: bool = False, rank: Rank = None) -> None:
         self._settings = Settings.build(seed, warn_only, rank)
-        self._blocks: list[_Block] = []
+        # The open blocks of this object, by the asyncio task of an ``async
+        # with`` (``None`` for a ``with``), in the order they were entered.
+        self._blocks: dict[object, list[_Block]] = {}
 
     @property
     def seed(self) -> int:
@@ -210,10 +394,7 @@ class deterministic:  # lowercase: it reads like a function, ``with deterministi
         return self._settings.rank
 
     def __enter__(self) -> deterministic:
-        block = _Block(self._settings)
-        block.resume()
-        self._blocks.append(block)
-        return self
+        return self._enter(None)
 
     def __exit__(
         self,
@@ -221,10 +402,18 @@ class deterministic:  # lowercase: it reads like a function, ``with deterministi
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._blocks.pop().finish()
+        # Written out, not shared with ``__aexit__``: every call is a point
+        # where a signal handler can raise, so the exit starts protected.
+        try:
+            stack = self._blocks[None]
+            stack[-1].finish()
+            del stack[-1]  # last, and no call after it: an interrupt lands before it or never
+        except BaseException:
+            _leave_anyway(self._blocks, None)
+            raise
 
     async def __aenter__(self) -> deterministic:
-        return self.__enter__()
+        return self._enter(_current_task())
 
     async def __aexit__(
         self,
@@ -232,7 +421,33 @@ class deterministic:  # lowercase: it reads like a function, ``with deterministi
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.__exit__(exc_type, exc, tb)
+        # Each task leaves its own block, whatever the order the tasks leave in.
+        try:
+            stack = self._blocks[_current_task()]
+            stack[-1].finish()
+            del stack[-1]
+        except BaseException:
+            _leave_anyway(self._blocks, _current_task())
+            raise
+
+    def _enter(self, task: object) -> deterministic:
+        blocks = self._blocks
+        if len(blocks) > 1:  # drop the emptied stacks of finished tasks
+            for done in [t for t, stack in blocks.items() if t is not None and not stack]:
+                del blocks[done]
+        block = _Block(self._settings)
+        stack = blocks.setdefault(task, [])
+        try:
+            stack.append(block)  # recorded first: an interrupt below still finds it
+            block.resume()
+            _drain()
+            return self
+        except BaseException:
+            # ``with`` calls ``__exit__`` only if ``__enter__`` returned: leave now.
+            if stack and stack[-1] is block:
+                del stack[-1]
+            block.finish()
+            raise
 
     def __call__(self, func: F) -> F:
         # The decorator layer sits above this one; imported here, not at module

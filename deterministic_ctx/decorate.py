@@ -16,7 +16,7 @@ import functools
 import inspect
 import unittest
 from collections.abc import Callable, Generator
-from typing import Any, TypeVar, cast, overload
+from typing import Any, NoReturn, TypeVar, cast, overload
 
 from ._settings import Rank, Settings
 from .context import _Block
@@ -30,43 +30,92 @@ C = TypeVar("C")
 DEFAULT_SEED = 0
 
 
+def _send(it: Any, value: Any, to_throw: BaseException | None) -> tuple[Any, bool, Any]:
+    """One step of ``it``: ``(value, finished, exception)``, never raising.
+
+    A function of its own, not an inner ``try``: CPython gives no exception
+    handler to the line of a ``try:`` statement, so an interrupt there would
+    skip the caller's handler; here it propagates to the caller's ``try``.
+    """
+    try:
+        if to_throw is not None:
+            return it.throw(to_throw), False, None
+        return it.send(value), False, None
+    except StopIteration as stop:
+        return stop.value, True, None
+    except BaseException as exc:
+        return None, True, exc
+
+
 def _steps(it: Any, block: _Block, *, final: bool) -> Generator[Any, Any, Any]:
+    """Drive ``it`` step by step in ``block`` (:func:`_drive`); whatever ends the
+    driving with an exception, ``it`` is closed in its own world first."""
+    end = block.finish if final else block.suspend
+    try:
+        return (yield from _drive(it, block, end))
+    except BaseException:
+        _abandon(it, block, end)
+        raise
+
+
+def _drive(it: Any, block: _Block, end: Callable[[], None]) -> Generator[Any, Any, Any]:
     """Drive ``it`` (generator, coroutine, or awaitable iterator) step by step,
     resuming ``block`` around each step.
 
-    ``final``: the block ends with ``it`` (generators, coroutines); otherwise
-    it is suspended, because more steps of the same world follow (async gens).
+    ``end`` leaves the block when ``it`` is done: ``finish`` (generators,
+    coroutines), or ``suspend`` when more steps of the same world follow
+    (async generators).  Each step enters and leaves the block inside one ``try`` whose handler
+    leaves it again (``finish``/``suspend`` are idempotent), so an interrupt
+    at any point of the step still leaves the caller's state restored.
     """
-    end = block.finish if final else block.suspend
     send_value: Any = None
     to_throw: BaseException | None = None
     while True:
-        block.resume()
         try:
-            if to_throw is not None:
-                exc, to_throw = to_throw, None
-                value = it.throw(exc)
+            block.resume()
+            value, done, error = _send(it, send_value, to_throw)
+            to_throw = None
+            if done:
+                end()
             else:
-                value = it.send(send_value)
-        except StopIteration as stop:
-            end()
-            return stop.value
+                block.suspend()
         except BaseException:
-            end()
+            # Interrupted: keep the body's world (``_steps`` closes the body in
+            # it); a no-op if the block already left.
+            block.suspend()
             raise
-        block.suspend()
+        if error is not None:
+            _reraise(error)
+        if done:
+            return value
         try:
             send_value = yield value
         except GeneratorExit:
             # close() or garbage collection: run the body's cleanup in its own world.
-            block.resume()
             try:
+                block.resume()
                 it.close()
-            finally:
                 end()
+            except BaseException:
+                block.suspend()  # as above: ``_steps`` finishes the closing
+                raise
             raise
         except BaseException as exc:
             to_throw, send_value = exc, None
+
+
+def _abandon(it: Any, block: _Block, end: Callable[[], None]) -> None:
+    """An interrupt stopped the driver of ``it`` (the exit it stopped has
+    completed itself): close ``it`` in its own world, so its cleanup neither
+    runs later, outside every block, nor is lost."""
+    try:
+        if block.suspended:
+            block.resume()
+        it.close()
+        end()
+    except BaseException:
+        end()
+        raise
 
 
 class _Isolated:
@@ -84,15 +133,42 @@ class _Isolated:
         return _steps(it, self._block, final=self._final)
 
 
+def _reraise(error: BaseException) -> NoReturn:
+    """Raise the body's exception again once the block is left, without
+    listing the wrapper twice in its traceback."""
+    tb = error.__traceback__
+    try:
+        raise error.with_traceback(tb.tb_next if tb is not None else None)
+    finally:
+        del error, tb  # no reference cycle through this frame
+
+
+def _call(func: Callable[..., Any], args: Any, kwargs: Any) -> tuple[Any, BaseException | None]:
+    """``(result, None)`` or ``(None, exception)``: see :func:`_send` for why a function."""
+    try:
+        return func(*args, **kwargs), None
+    except BaseException as exc:
+        return None, exc
+
+
 def _wrap_function(func: Callable[..., Any], settings: Settings) -> Callable[..., Any]:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         block = _Block(settings)
-        block.resume()
+        # The block is left inside the ``try``, on both outcomes of the body,
+        # so an interrupt at any line from here on is caught and the exit
+        # completed (``finish`` is idempotent); the body's own exception is
+        # raised only once the block is left.
         try:
-            return func(*args, **kwargs)
-        finally:
+            block.resume()
+            result, error = _call(func, args, kwargs)
             block.finish()
+        except BaseException:
+            block.finish()
+            raise
+        if error is not None:
+            _reraise(error)
+        return result
 
     return wrapper
 
@@ -146,32 +222,78 @@ def _wrap_async_generator(func: Callable[..., Any], settings: Settings) -> Calla
     return wrapper
 
 
+#: Set on the ``setUp``/``setUpClass`` a decorated TestCase gets: the class's
+#: own method it wraps, or ``None`` if it had none (the inherited one runs).
+_WRAPPED = "__deterministic_ctx_wraps__"
+
+
+def _inherited(cls: type, name: str) -> Callable[..., Any]:
+    """The first ``name`` after ``cls`` in its MRO, as a plain function, with the
+    block of a decorated base taken off: the closest decoration wins, so a
+    decorated subclass runs its base's setUp in its own block, not in two."""
+    for base in cls.__mro__[1:]:
+        found = base.__dict__.get(name)
+        if found is None:
+            continue
+        func = found.__func__ if isinstance(found, classmethod) else found
+        wrapped = getattr(func, _WRAPPED, func)
+        if wrapped is not None:
+            return cast(Callable[..., Any], wrapped)
+    raise AttributeError(name)  # unreachable: unittest.TestCase defines both
+
+
+def _closest(klass: type, name: str) -> type | None:
+    """The class nearest to ``klass`` in its MRO whose ``name`` is a decorated wrapper."""
+    for base in klass.__mro__:
+        found = base.__dict__.get(name)
+        func = found.__func__ if isinstance(found, classmethod) else found
+        if func is not None and hasattr(func, _WRAPPED):
+            return base
+    return None
+
+
 def _decorate_testcase(cls: type[unittest.TestCase], settings: Settings) -> type[unittest.TestCase]:
     own_setup = cls.__dict__.get("setUp")
     own_setup_class = cls.__dict__.get("setUpClass")
+    own_setup = getattr(own_setup, _WRAPPED, own_setup)  # decorated twice: the closest wins
+    if own_setup_class is not None:
+        own_setup_class = getattr(own_setup_class.__func__, _WRAPPED, own_setup_class.__func__)
 
     def setUp(self: unittest.TestCase) -> None:
+        setup = own_setup or _inherited(cls, "setUp")
+        if _closest(type(self), "setUp") is not cls:
+            # ``super().setUp()`` from a decorated subclass: its block is open.
+            setup(self)
+            return
         block = _Block(settings)
-        block.resume()
-        # The first cleanup registered runs last: after tearDown and every
-        # other cleanup, and also when setUp itself fails.
-        self.addCleanup(block.finish)
-        if own_setup is not None:
-            own_setup(self)
-        else:
-            cast(Any, super(cls, self)).setUp()
+        try:
+            block.resume()
+            # The first cleanup registered runs last: after tearDown and every
+            # other cleanup, and also when setUp itself fails.
+            self.addCleanup(block.finish)
+        except BaseException:
+            block.finish()
+            raise
+        setup(self)
 
     def setUpClass(klass: type[unittest.TestCase]) -> None:
+        setup_class = own_setup_class or _inherited(cls, "setUpClass")
+        if _closest(klass, "setUpClass") is not cls:
+            setup_class(klass)
+            return
         block = _Block(settings)
-        block.resume()
         try:
-            if own_setup_class is not None:
-                own_setup_class.__func__(klass)
-            else:
-                cast(Any, super(cls, klass)).setUpClass()
-        finally:
+            block.resume()
+            _result, error = _call(setup_class, (klass,), {})
             block.finish()
+        except BaseException:
+            block.finish()
+            raise
+        if error is not None:
+            _reraise(error)
 
+    setattr(setUp, _WRAPPED, own_setup)
+    setattr(setUpClass, _WRAPPED, own_setup_class)
     setUp.__qualname__ = f"{cls.__qualname__}.setUp"
     setUpClass.__qualname__ = f"{cls.__qualname__}.setUpClass"
     cls.setUp = setUp  # type: ignore[method-assign]

@@ -74,8 +74,12 @@ def seed_everything(
             seed = distributed._draw_seed()
     settings = Settings.build(seed, warn_only, rank)
     block = _Block(settings)
-    block.resume()  # applies, or rolls back to the previous state and raises
-    block.commit()
+    try:
+        block.resume()  # applies, or rolls back to the previous state and raises
+        block.commit()
+    except BaseException:
+        block.finish()  # interrupted before the commit: nothing stays applied
+        raise
     _log.info(
         "seed_everything: seed %d%s, rank %s",
         settings.seed,

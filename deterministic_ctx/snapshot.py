@@ -64,8 +64,10 @@ class Snapshot:
         """Put every captured source back; raise :class:`RestoreError` on failure.
 
         Sources are restored in reverse capture order.  A ``KeyboardInterrupt``
-        raised while restoring does not stop the others from being restored;
-        it is re-raised afterwards.
+        (or any exception a signal handler raises) while restoring does not
+        leave a source half-restored or stop the others: the interrupted
+        source is restored again, then the rest, and the interrupt is
+        re-raised afterwards.  A source that fails twice in a row has failed.
 
         Example:
             >>> import numpy as np
@@ -80,11 +82,20 @@ class Snapshot:
         for source, state in zip(reversed(self._sources), reversed(self._states), strict=True):
             try:
                 source.restore(state)
-            except Exception as exc:
-                failures = failures or {}
-                failures[source.name] = exc
-            except BaseException as exc:  # KeyboardInterrupt: finish restoring first
-                interrupt = interrupt or exc
+            except BaseException as exc:
+                # A failure, or an exception a signal handler raised half-way
+                # (``KeyboardInterrupt``, a timeout): restores are idempotent,
+                # so try once more.  If that works, the first one was an
+                # interruption, re-raised once everything is back.
+                try:
+                    source.restore(state)
+                except Exception as again:
+                    failures = failures or {}
+                    failures[source.name] = again
+                except BaseException as again:  # interrupted again: go on with the others
+                    interrupt = interrupt or again
+                else:
+                    interrupt = interrupt or exc
         if interrupt is not None:
             raise interrupt
         if failures:

@@ -8,13 +8,30 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-ENV_NAMES = ("CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED")
+#: Every environment variable a block must put back (the README's list), written
+#: out here rather than read from the library, so the guard stays independent.
+ENV_NAMES = (
+    "CUBLAS_WORKSPACE_CONFIG",
+    "PYTHONHASHSEED",
+    "PL_GLOBAL_SEED",
+    "PL_SEED_WORKERS",
+    "FLASH_ATTENTION_DETERMINISTIC",
+    "HCCL_DETERMINISTIC",
+    "CUDA_LAUNCH_BLOCKING",
+    "ASCEND_LAUNCH_BLOCKING",
+    "NVTE_ALLOW_NONDETERMINISTIC_ALGO",
+    "TF_DETERMINISTIC_OPS",
+    "TF_CUDNN_DETERMINISTIC",
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+)
 
 
 def _np_state() -> tuple[Any, ...]:
@@ -44,10 +61,27 @@ def _flags() -> tuple[Any, ...]:
         torch.utils.deterministic.fill_uninitialized_memory,
         torch.backends.mkldnn.deterministic,
         # An import cannot be undone: "not imported" counts as its default.
-        (os.getenv("TORCHINDUCTOR_DETERMINISTIC") == "1") if inductor is None else inductor.deterministic,
+        (os.getenv("TORCHINDUCTOR_DETERMINISTIC") == "1")
+        if inductor is None
+        else inductor.deterministic,
+        # Default-ness too: inductor's compile-cache keys depend on it.
+        True if inductor is None else inductor._is_default("deterministic"),
         torch.get_float32_matmul_precision(),
         torch.backends.cuda.matmul.fp32_precision,
         torch.backends.mkldnn.fp32_precision,
+    )
+
+
+def _defaults() -> tuple[Any, ...]:
+    slot = torch._GLOBAL_DEVICE_CONTEXT
+    ctx = slot.__dict__.get("device_context", "absent") if isinstance(slot, threading.local) else slot
+    return (
+        torch.get_default_dtype(),
+        torch.get_default_device(),
+        ctx if ctx in ("absent", None) else id(ctx),  # never set / None / which context object
+        torch._C._get_default_device(),  # the legacy set_default_tensor_type device
+        torch.get_num_threads(),
+        (torch.tensor([1e-310], dtype=torch.float64, device="cpu") * 1.0).item() == 0.0,  # flush
     )
 
 
@@ -59,12 +93,16 @@ class World:
     cuda: Any
     flags: Any
     env: Any
+    defaults: Any
 
     @classmethod
     def now(cls) -> World:
         cuda: Any
         if torch.cuda.is_initialized():
-            cuda = tuple(torch.cuda.get_rng_state(i).numpy().tobytes() for i in range(torch.cuda.device_count()))
+            cuda = tuple(
+                torch.cuda.get_rng_state(i).numpy().tobytes()
+                for i in range(torch.cuda.device_count())
+            )
         else:
             cuda = (_lazy(torch.cuda), _lazy(torch.xpu), _lazy(torch.mtia))
         return cls(
@@ -74,11 +112,12 @@ class World:
             cuda,
             _flags(),
             tuple(os.environ.get(n) for n in ENV_NAMES),
+            _defaults(),
         )
 
     def diff(self, other: World) -> list[str]:
         return [
             name
-            for name in ("random", "numpy", "torch_cpu", "cuda", "flags", "env")
+            for name in ("random", "numpy", "torch_cpu", "cuda", "flags", "env", "defaults")
             if getattr(self, name) != getattr(other, name)
         ]

@@ -135,3 +135,71 @@ def test_isolated_asyncio_test_case():
     assert _run(Case).wasSuccessful()
     assert results == solo(2, 1)
     assert before.diff(World.now()) == []
+
+
+def test_closest_decoration_wins_for_a_decorated_subclass():
+    # The subclass's seed, not the base's, in one block for the inherited
+    # setUp, setUpClass, the test and tearDown.
+    record: dict[str, object] = {}
+
+    @reproducible(seed=3)
+    class Base(unittest.TestCase):
+        @classmethod
+        def setUpClass(cls):
+            record["class"] = draw()
+
+        def setUp(self):
+            self.values = [draw()]
+
+        def tearDown(self):
+            self.values.append(draw())
+            record[type(self).__name__] = self.values
+
+        def test_it(self):
+            self.values.append(draw())
+
+    @reproducible(seed=5)
+    class Sub(Base):
+        pass
+
+    before = World.now()
+    assert _run(Sub).wasSuccessful()
+    assert record["Sub"] == solo(5, 3)
+    assert record["class"] == solo(5, 1)[0]
+    assert _run(Base).wasSuccessful()
+    assert record["Base"] == solo(3, 3)
+    assert record["class"] == solo(3, 1)[0]
+    assert before.diff(World.now()) == []
+
+
+def test_subclass_with_its_own_setup_calling_super():
+    @reproducible(seed=3)
+    class Base(unittest.TestCase):
+        def setUp(self):
+            self.values = [draw()]
+
+    @reproducible(seed=5)
+    class Sub(Base):
+        def setUp(self):
+            super().setUp()
+            self.values.append(draw())
+
+        def test_it(self):
+            self.values.append(draw())
+            self.assertEqual(self.values, solo(5, 3))
+
+    result = _run(Sub)
+    assert result.wasSuccessful(), result.errors + result.failures
+
+
+def test_undecorated_subclass_inherits_the_base_decoration():
+    @reproducible(seed=3)
+    class Base(unittest.TestCase):
+        pass
+
+    class Sub(Base):
+        def test_it(self):
+            self.assertEqual([draw()], solo(3, 1))
+
+    result = _run(Sub)
+    assert result.wasSuccessful(), result.errors + result.failures
