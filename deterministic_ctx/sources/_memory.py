@@ -25,7 +25,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["NUMPY_LAYOUT", "RANDOM_LAYOUT", "MTLayout", "NumpyGaussLayout"]
+__all__ = [
+    "NUMPY_LAYOUT",
+    "RANDOM_LAYOUT",
+    "MTLayout",
+    "NumpyGaussLayout",
+    "mt19937_view",
+    "read_mt19937",
+    "view",
+    "write_mt19937",
+]
 
 _MT_WORDS = 624
 #: ``int index; uint32_t state[624]`` (CPython) and ``uint32_t key[624]; int pos``
@@ -41,17 +50,34 @@ def _is_cpython() -> bool:
     return sys.implementation.name == "cpython" and not free_threaded
 
 
+def view(address: int, size: int) -> memoryview:
+    """A writable byte view of ``size`` bytes at ``address``.
+
+    Reading (``bytes(view)``) and writing (``view[:] = raw``) are single C
+    copies that hold the GIL: no Python thread can draw half-way through one,
+    a fork cannot split one, and unlike ``ctypes.memmove`` (which releases the
+    GIL and converts its arguments in Python, failing with ``ArgumentError``
+    near the recursion limit) no Python code runs.  The view does not keep
+    the object alive: only use it while something else does.
+    """
+    return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+
+
 @dataclass(frozen=True)
 class MTLayout:
     """Where a CPython ``random.Random`` keeps its Mersenne Twister state."""
 
     offset: int
 
+    def view(self, rng: random.Random) -> memoryview:
+        """The 2500-byte record of ``rng`` (see :func:`view`)."""
+        return view(id(rng) + self.offset, MT_BYTES)
+
     def read(self, rng: random.Random) -> bytes:
-        return ctypes.string_at(id(rng) + self.offset, MT_BYTES)
+        return bytes(self.view(rng))
 
     def write(self, rng: random.Random, raw: bytes) -> None:
-        ctypes.memmove(id(rng) + self.offset, raw, MT_BYTES)
+        self.view(rng)[:] = raw
 
 
 def _probe_random() -> MTLayout | None:
@@ -85,20 +111,28 @@ class NumpyGaussLayout:
 
     offset: int
 
+    def view(self, rs: np.random.RandomState) -> memoryview:
+        """The 16-byte record of ``rs`` (see :func:`view`)."""
+        return view(id(rs) + self.offset, 16)
+
     def read(self, rs: np.random.RandomState) -> bytes:
-        return ctypes.string_at(id(rs) + self.offset, 16)
+        return bytes(self.view(rs))
 
     def write(self, rs: np.random.RandomState, raw: bytes) -> None:
-        ctypes.memmove(id(rs) + self.offset, raw, 16)
+        self.view(rs)[:] = raw
+
+
+def mt19937_view(bit_generator: Any) -> memoryview:
+    """The ``key[624], pos`` record of an MT19937 bit generator (see :func:`view`)."""
+    return view(bit_generator.ctypes.state_address, MT_BYTES)
 
 
 def read_mt19937(bit_generator: Any) -> bytes:
-    """The ``key[624], pos`` record of an MT19937 bit generator."""
-    return ctypes.string_at(bit_generator.ctypes.state_address, MT_BYTES)
+    return bytes(mt19937_view(bit_generator))
 
 
 def write_mt19937(bit_generator: Any, raw: bytes) -> None:
-    ctypes.memmove(bit_generator.ctypes.state_address, raw, MT_BYTES)
+    mt19937_view(bit_generator)[:] = raw
 
 
 def _gauss_record(has_gauss: int, gauss: float) -> tuple[bytes, bytes]:

@@ -9,13 +9,14 @@ gaussian cache (``has_gauss``/``gauss``), which changes what the next
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from .._settings import Settings
 from . import _plain
-from ._memory import NUMPY_LAYOUT, NumpyGaussLayout, read_mt19937, write_mt19937
+from ._memory import NUMPY_LAYOUT, NumpyGaussLayout, mt19937_view, read_mt19937
 
 __all__ = [
     "NumpyGlobalSource",
@@ -47,6 +48,28 @@ class NumpyState(NamedTuple):
     raw: tuple[bytes, bytes] | dict[str, Any]
 
 
+def _free_global_lock_in_child() -> None:
+    """Free the global bit generator's lock in a forked child if a thread that
+    does not exist there held it at the fork (it was drawing, or a block was
+    copying its state): otherwise the child's first draw would wait forever.
+
+    Registered with ``os.register_at_fork`` when this module is imported,
+    before the block engine registers its own hook, so it runs first: that
+    hook may restore NumPy's state, which takes this lock.
+    """
+    lock = getattr(np.random.mtrand._rand._bit_generator, "lock", None)
+    if lock is None or not hasattr(lock, "_at_fork_reinit") or lock._is_owned():
+        return
+    if lock.acquire(False):
+        lock.release()
+    else:
+        lock._at_fork_reinit()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_free_global_lock_in_child)
+
+
 class NumpyGlobalSource:
     """The ``RandomState`` singleton behind the ``np.random.*`` functions."""
 
@@ -59,19 +82,32 @@ class NumpyGlobalSource:
     ) -> None:
         self._rs: np.random.RandomState = rs if rs is not None else np.random.mtrand._rand
         self._layout = layout if type(self._rs) is np.random.RandomState else None
+        # The RandomState lives as long as this source: one view for good.
+        self._gauss = self._layout.view(self._rs) if self._layout is not None else None
+        self._cache: tuple[Any, memoryview, memoryview] | None = None
 
     def _fast(self, bit_generator: Any) -> NumpyGaussLayout | None:
         return self._layout if type(bit_generator) is np.random.MT19937 else None
 
+    def _views(self, bit_generator: Any) -> tuple[memoryview, memoryview]:
+        # Views over the bit generator's and the RandomState's records, made
+        # once per bit generator; the cache holds the bit generator, so the
+        # memory under the view stays alive.
+        cached = self._cache
+        if cached is None or cached[0] is not bit_generator:
+            assert self._gauss is not None
+            cached = self._cache = (bit_generator, mt19937_view(bit_generator), self._gauss)
+        return cached[1], cached[2]
+
     def capture(self) -> NumpyState:
         rs = self._rs
         bg = rs._bit_generator
-        layout = self._fast(bg)
-        if layout is not None:
+        if self._fast(bg) is not None:
+            mt, gauss = self._views(bg)
             # The bit generator's lock keeps a draw in another thread (NumPy
             # releases the GIL for large fills) from tearing the copy.
             with bg.lock:
-                return NumpyState(bg, (read_mt19937(bg), layout.read(rs)))
+                return NumpyState(bg, (bytes(mt), bytes(gauss)))
         return NumpyState(bg, rs.get_state(legacy=False))
 
     def restore(self, state: NumpyState) -> None:
@@ -80,13 +116,11 @@ class NumpyGlobalSource:
             _set_bit_generator(state.bit_generator)
         bg = state.bit_generator
         if isinstance(state.raw, tuple):
-            layout = self._fast(bg)
-            if layout is None:
+            if self._fast(bg) is None:
                 raise ValueError("NumPy state was captured through the fast path, which is off")
-            mt, gauss = state.raw
+            mt, gauss = self._views(bg)
             with bg.lock:
-                write_mt19937(bg, mt)
-                layout.write(rs, gauss)
+                mt[:], gauss[:] = state.raw
         else:
             rs.set_state(state.raw)
 
@@ -98,15 +132,15 @@ class NumpyGlobalSource:
             # the user's bit generator.
             _set_bit_generator(np.random.MT19937(0))
         bg = rs._bit_generator
-        layout = self._fast(bg)
-        if layout is None:
+        if self._fast(bg) is None:
             rs.seed(settings.rank_seed)  # legacy seeding; also clears the gaussian cache
             return
         # The record legacy seeding produces, cached per seed, and a cleared
-        # gaussian cache: what ``np.random.seed`` does, as two memmoves.
+        # gaussian cache: what ``np.random.seed`` does, as two copies.
+        mt, gauss = self._views(bg)
         with bg.lock:
-            write_mt19937(bg, _legacy_seeded_record(settings.rank_seed))
-            layout.write(rs, _NO_GAUSS)
+            mt[:] = _legacy_seeded_record(settings.rank_seed)
+            gauss[:] = _NO_GAUSS
 
     def to_public(self, state: NumpyState) -> dict[str, Any]:
         """The state in ``RandomState.get_state(legacy=False)`` form."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import random
 import struct
+import warnings
 from typing import Any, NamedTuple
 
 from .._settings import Settings
@@ -94,15 +95,56 @@ class PythonRandomSource:
         bound: random.Random = getattr(random.random, "__self__")  # noqa: B009 - untyped attribute
         self._rng = rng if rng is not None else bound
         self._layout = layout if isinstance(self._rng, random.Random) else None
+        # Exact instances only (like ``fast_layout_for``); the instance lives
+        # as long as this source, so its view stays valid.
+        self._view = (
+            self._layout.view(self._rng)
+            if self._layout is not None and type(self._rng) is random.Random
+            else None
+        )
+        # Only the module's own generator is checked for being rebound.
+        self._warned: object = self._rng if rng is None else None
 
     def capture(self) -> PythonRandomState:
+        view = self._view
+        if view is not None:
+            return PythonRandomState(bytes(view), self._rng.gauss_next)  # type: ignore[attr-defined]
         return capture_rng(self._rng, self._layout)
 
     def restore(self, state: PythonRandomState) -> None:
-        restore_rng(self._rng, self._layout, state)
+        view = self._view
+        if view is not None and isinstance(state.raw, bytes):
+            view[:] = state.raw
+            self._rng.gauss_next = state.gauss_next  # type: ignore[attr-defined]
+        else:
+            restore_rng(self._rng, self._layout, state)
 
     def apply(self, settings: Settings) -> None:
-        seed_rng(self._rng, self._layout, settings.rank_seed)
+        self._check_binding()
+        view = self._view
+        if view is not None:
+            assert self._layout is not None
+            view[:] = _seeded_raw(self._layout, settings.rank_seed)
+            self._rng.gauss_next = None  # type: ignore[attr-defined]
+        else:
+            seed_rng(self._rng, self._layout, settings.rank_seed)
+
+    def _check_binding(self) -> None:
+        # ``random.random = other.random`` (a test double, a library's own
+        # instance) makes ``random.random()`` draw from an object blocks do
+        # not seed, so every later block would silently stop being
+        # reproducible: say so, once per rebinding.
+        bound = getattr(random.random, "__self__", None)
+        if self._warned is not None and bound is not self._rng and bound is not self._warned:
+            self._warned = bound
+            warnings.warn(
+                "random.random is no longer a method of the random module's own generator, "
+                "so deterministic blocks do not seed or restore what it draws; put it back "
+                "(random.random = random._inst.random) or register the new generator with "
+                "register_rng()",
+                RuntimeWarning,
+                stacklevel=5,
+            )
 
     def to_public(self, state: PythonRandomState) -> tuple[Any, ...]:
         """The state in ``random.getstate()`` form, whichever path captured it."""
