@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 
-__all__ = ["MAX_SEED", "derive_seed", "validate_seed"]
+__all__ = ["MAX_SEED", "derive_seed", "show_int", "validate_seed"]
 
 #: NumPy's legacy global RNG (``np.random.seed``) accepts ``0 .. 2**32 - 1``;
 #: torch accepts 64 bits.  A block seeds both, so the narrower range wins.
@@ -38,14 +38,31 @@ def validate_seed(seed: object, *, name: str = "seed") -> int:
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
         raise TypeError(
             f"{name} must be an int in 0 .. {MAX_SEED} (NumPy integers accepted), "
-            f"got {type(seed).__name__} {seed!r}"
+            f"got {type(seed).__name__} {_show(seed)}"
         )
     value = int(seed)
     if not 0 <= value <= MAX_SEED:
         raise ValueError(
-            f"{name} must be in 0 .. {MAX_SEED} (NumPy's legacy RNG accepts no more), got {value}"
+            f"{name} must be in 0 .. {MAX_SEED} (NumPy's legacy RNG accepts no more), "
+            f"got {show_int(value)}"
         )
     return value
+
+
+def show_int(value: int) -> str:
+    """``value`` for an error message: its digits, or its size when printing
+    it would be slow or refused (``int`` → ``str`` is capped at 4300 digits)."""
+    if value.bit_length() <= 256:
+        return str(value)
+    return f"a{' negative' if value < 0 else 'n'} int of {value.bit_length()} bits"
+
+
+def _show(value: object) -> str:
+    try:
+        text = repr(value)
+    except Exception as exc:  # a huge int subclass, a repr that raises, ...
+        return f"(unprintable: {type(exc).__name__})"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _key_word(key: int | str) -> int:

@@ -19,7 +19,7 @@ from typing import Literal, TypeAlias
 
 import numpy as np
 
-from ._seed import derive_seed, validate_seed
+from ._seed import derive_seed, show_int, validate_seed
 
 __all__ = ["AUTO", "Rank", "Settings", "process_rank", "seed_for_rank", "validate_rank"]
 
@@ -48,11 +48,12 @@ def validate_rank(rank: object) -> Rank:
         raise ValueError(f"rank must be a non-negative int, 'auto' or None, got {rank!r}")
     if isinstance(rank, (bool, np.bool_)) or not isinstance(rank, numbers.Integral):
         raise TypeError(
-            f"rank must be a non-negative int, 'auto' or None, got {type(rank).__name__} {rank!r}"
+            f"rank must be a non-negative int, 'auto' or None, got {type(rank).__name__} "
+            f"{rank!r:.80}"
         )
     value = int(rank)
     if value < 0:
-        raise ValueError(f"rank must be a non-negative int, 'auto' or None, got {value}")
+        raise ValueError(f"rank must be a non-negative int, 'auto' or None, got {show_int(value)}")
     return value
 
 

@@ -7,6 +7,7 @@ import gc
 import os
 import random
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from deterministic_ctx import deterministic
 from deterministic_ctx import sources as sources_module
 from deterministic_ctx._lock import LOCK
 from tests._oracle import World
+from tests.helpers import draw
 
 
 def _draws() -> tuple:
@@ -228,3 +230,58 @@ def test_soak_ten_thousand_blocks_flat_memory_and_queue():
     assert _tracker() == tracker_before
     # A leak of one object per block would show as >= 10 000 blocks.
     assert grown < 500, f"{grown} more allocated blocks after 10 000 blocks"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "message"),
+    [
+        (
+            {"seed": 10**5000},
+            ValueError,
+            r"seed must be in 0 \.\. 4294967295.*got an int of 16610 bits",
+        ),
+        ({"seed": -(10**5000)}, ValueError, r"seed must be .*got a negative int of 16610 bits"),
+        (
+            {"seed": 0, "rank": -(10**5000)},
+            ValueError,
+            r"rank must be .*got a negative int of 16610 bits",
+        ),
+        ({"seed": np.uint64(2**64 - 1)}, ValueError, r"seed must be .*got 18446744073709551615"),
+    ],
+)
+def test_integers_of_any_size_get_an_error_naming_the_argument(kwargs, exc, message):
+    # int -> str refuses more than 4300 digits: the message must not need it.
+    with pytest.raises(exc, match=message):
+        deterministic(**kwargs)
+
+
+def test_huge_rank_is_a_valid_rank():
+    with deterministic(seed=0, rank=10**5000):
+        a = draw()
+    with deterministic(seed=0, rank=10**5000):
+        assert draw() == a
+
+
+def test_rebinding_random_random_in_a_block_warns_at_the_next_block():
+    # ``random.random = other.random`` makes blocks stop seeding what
+    # ``random.random()`` draws: silent irreproducibility, so it warns.
+    original = random.random
+    other = random.Random(5)
+    try:
+        with deterministic(seed=0):
+            random.random = other.random
+        with (
+            pytest.warns(RuntimeWarning, match="random.random is no longer a method"),
+            deterministic(seed=0),
+        ):
+            pass
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with deterministic(seed=0):  # said once per rebinding
+                pass
+    finally:
+        random.random = original
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with deterministic(seed=0):
+            pass
