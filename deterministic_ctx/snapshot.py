@@ -18,7 +18,8 @@ class Snapshot:
 
     ``Snapshot.capture()`` records Python's ``random``, NumPy's global RNG,
     torch's CPU and accelerator generators (without initializing CUDA), the
-    determinism and precision flags, the relevant environment variables and
+    determinism and precision flags, the relevant environment variables,
+    torch's defaults (dtype, default device, thread count, denormal mode) and
     every registered user RNG.  ``restore()`` puts all of it back, bit for
     bit, and can be called any number of times.  It knows nothing of seeds.
 
