@@ -118,8 +118,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         dest="deterministic_leaks",
         choices=_LEAK_MODES,
         default="warn",
-        help="what to do when a test leaves torch determinism flags or CUBLAS_WORKSPACE_CONFIG/"
-        "PYTHONHASHSEED changed: off, warn (default) or error (fail the test at teardown).",
+        help="what to do when a test leaves torch determinism flags or the environment variables "
+        "deterministic-ctx manages (CUBLAS_WORKSPACE_CONFIG, PYTHONHASHSEED, PL_GLOBAL_SEED, ...; "
+        "see managed_env_vars()) changed: off, warn (default) or error (fail the test at "
+        "teardown).",
     )
 
 
@@ -311,7 +313,8 @@ def _leak_guard(item: pytest.Item, mode: str) -> Iterator[None]:
         for name, was in before.items()
         # None: a torch flag whose module was not imported yet (inductor's), which a test may
         # import; for an environment variable it means unset, and setting it is a change.
-        if after[name] != was and (was is not None or name.startswith("$"))
+        # A name missing after the test was unregistered by it (only tests do that).
+        if name in after and after[name] != was and (was is not None or name.startswith("$"))
     ]
     if not changed:
         return
@@ -327,12 +330,14 @@ def _leak_guard(item: pytest.Item, mode: str) -> Iterator[None]:
 
 def _managed_state() -> dict[str, Any]:
     """The flags and environment variables the library manages, by name."""
-    from deterministic_ctx.sources.environ import CUBLAS, HASHSEED
+    from deterministic_ctx import managed_env_vars
     from deterministic_ctx.sources.flags import TorchFlagsSource
 
     # Only the flags: RNG draws are normal in a test and are not leaks.
     flags = TorchFlagsSource().capture()
     state = {f"torch.{name}": value for name, value in flags._asdict().items()}
-    for name in (CUBLAS, HASHSEED):
+    # Every variable a block restores (names registered with register_env_var too), so that
+    # the guard reports exactly what a block would have put back.
+    for name in managed_env_vars():
         state[f"${name}"] = os.environ.get(name)
     return state

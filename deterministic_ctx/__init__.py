@@ -30,6 +30,7 @@ from .report import report as determinism_report
 from .seeding import seed_everything
 from .snapshot import Snapshot
 from .sources import register_rng, registered_rngs, unregister_rng
+from .sources.environ import managed_env_vars, register_env_var
 from .verify import NotReproducibleError, assert_reproducible
 
 __all__ = [
@@ -47,7 +48,9 @@ __all__ = [
     "determinism_report",
     "deterministic",
     "locate_divergence",
+    "managed_env_vars",
     "rank_seed",
+    "register_env_var",
     "register_rng",
     "registered_rngs",
     "reproducible",

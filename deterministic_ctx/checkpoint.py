@@ -9,9 +9,15 @@
                  "torch.defaults": {"dtype": "float32", "tensor_type": "cpu",
                                     "threads": 8, "flush_denormal": false,
                                     "device": "cuda:0"},       # device: only when set
-                 "environ": {...}, "user": [...]},
+                 "environ": {"set": {name: value}, "unset": [name, ...]},
+                 "user": [...]},
      "devices": {"cuda": {"initialized": bool, "states": [uint8 tensor per device]},
                  "xpu": {...}, "mtia": {...}}}
+
+Version-1 files may hold the earlier ``environ`` entry, ``{name: value}`` of
+``CUBLAS_WORKSPACE_CONFIG`` / ``PYTHONHASHSEED`` only (an unset one left
+out): it still loads and restores just those two.  Every environment name in
+a snapshot must be managed where it is loaded (``register_env_var`` first).
 
 It holds only dicts with string keys, lists, strings, ints (``bool`` among
 them), floats and 1-D uint8 CPU tensors, so ``torch.load(...,

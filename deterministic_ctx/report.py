@@ -28,16 +28,30 @@ __all__ = ["DeterminismReport", "Problem", "RngStatus", "report"]
 
 #: torch's fixed default seed of a fresh generator (CUDA default generators start from it).
 TORCH_DEFAULT_SEED = 67280421310721
-_ENV_NAMES = (
-    "CUBLAS_WORKSPACE_CONFIG",
-    "PYTHONHASHSEED",
+#: Shown after the managed variables: not restored by blocks (they choose devices, threads and
+#: precision, read once at start-up), but they explain results.
+_EXTRA_ENV_NAMES = (
     "CUDA_VISIBLE_DEVICES",
-    "CUDA_LAUNCH_BLOCKING",
     "NVIDIA_TF32_OVERRIDE",
     "OMP_NUM_THREADS",
     "MKL_NUM_THREADS",
 )
-_STARTUP_NAMES = ("CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED")
+
+
+def _env_names() -> tuple[str, ...]:
+    """The environment section: every variable blocks manage (``managed_env_vars()``, registered
+    ones included), then :data:`_EXTRA_ENV_NAMES`."""
+    from .sources.environ import managed_env_vars
+
+    managed = managed_env_vars()
+    return (*managed, *(n for n in _EXTRA_ENV_NAMES if n not in managed))
+
+
+def _startup_names() -> tuple[str, ...]:
+    """The variables whose values at process start the report reads: the managed ones."""
+    from .sources.environ import managed_env_vars
+
+    return managed_env_vars()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,12 +179,13 @@ def _startup_env() -> dict[str, str | None] | None:
             raw = f.read()
     except OSError:
         return None
-    found: dict[str, str | None] = dict.fromkeys(_STARTUP_NAMES)
+    found: dict[str, str | None] = dict.fromkeys(_startup_names())
     for entry in raw.split(b"\0"):
         name, sep, value = entry.partition(b"=")
-        key = name.decode("utf-8", "replace")
+        # Decoded as os.environ decodes, so that a value compares equal to os.environ's.
+        key = os.fsdecode(name)
         if sep and key in found:
-            found[key] = value.decode("utf-8", "replace")
+            found[key] = os.fsdecode(value)
     return found
 
 
@@ -482,7 +497,7 @@ def report() -> DeterminismReport:
     snapshot = Snapshot.capture()
     in_block = _in_block()
     flags = _flags(torch, snapshot)
-    env = {name: os.environ.get(name) for name in _ENV_NAMES}
+    env = {name: os.environ.get(name) for name in _env_names()}
     cuda = _cuda(torch)
     method, explicit = _start_method()
     rngs = _rngs(torch, np, snapshot, in_block)

@@ -661,7 +661,12 @@ _NP = ("sources", "numpy")
         (("sources", "random", "state", 0), -1, r"random\.state\[0\]: expected an int"),
         (("sources", "random", "state", 0), 2**10000, "an int of 10001 bits"),
         (("sources", "random", "gauss_next"), None, "gauss_next: expected a float"),
-        (("sources", "environ", "PYTHONHASHSEED"), "1\x002", "PYTHONHASHSEED: expected a string"),
+        (
+            ("sources", "environ", "set", "PYTHONHASHSEED"),
+            "1\x002",
+            r"environ\.set\.PYTHONHASHSEED: expected a string",
+        ),
+        (("sources", "environ", "set", "PYTHONHASHSEED"), "\ud800", "cannot be encoded"),
         (("sources", "environ", "LD_PRELOAD"), "x.so", "unexpected field"),
         (
             ("sources", "torch.flags", "cudnn_benchmark"),

@@ -376,6 +376,61 @@ def test_leak_warning_can_be_filtered_by_category(
     result.assert_outcomes(passed=5, errors=2)
 
 
+LEAKY_ENV = """
+import os
+
+import pytest
+
+from deterministic_ctx import register_env_var
+
+register_env_var("DCTX_TEST_GUARDED")
+
+
+def test_leaves_lightning_seed():
+    os.environ["PL_GLOBAL_SEED"] = "123"
+
+
+def test_removes_flash_attention_determinism():
+    del os.environ["FLASH_ATTENTION_DETERMINISTIC"]
+
+
+def test_leaves_registered_name():
+    os.environ["DCTX_TEST_GUARDED"] = "1"
+
+
+@pytest.mark.deterministic
+def test_marked_test_is_restored_by_its_block():
+    os.environ["PL_SEED_WORKERS"] = "1"
+    os.environ["DCTX_TEST_GUARDED"] = "2"
+"""
+
+
+def test_leak_guard_covers_every_managed_variable(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from deterministic_ctx.sources import environ as environ_mod
+
+    # The inner run registers a name in this very process: put the registry back afterwards.
+    monkeypatch.setattr(environ_mod, "_MANAGED", environ_mod._MANAGED)
+    monkeypatch.setattr(environ_mod, "_MANAGED_SET", environ_mod._MANAGED_SET)
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "DCTX_TEST_GUARDED"):
+        monkeypatch.setenv(name, "outer")  # recorded, so the undo removes what the tests leave
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", "1")
+    pytester.makepyfile(LEAKY_ENV)
+    result = run(pytester, "--deterministic-leaks=error")
+    result.assert_outcomes(passed=4, errors=3)
+    result.stdout.fnmatch_lines(
+        [
+            "*test_leaves_lightning_seed changed $PL_GLOBAL_SEED (None -> '123')*",
+            "*test_removes_flash_attention_determinism changed $FLASH_ATTENTION_DETERMINISTIC "
+            "('1' -> None)*",
+            "*test_leaves_registered_name changed $DCTX_TEST_GUARDED (None -> '1')*",
+        ]
+    )
+    assert "test_marked_test_is_restored_by_its_block changed" not in result.stdout.str()
+
+
 # -- other kinds of tests ---------------------------------------------------------------------
 
 

@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from deterministic_ctx import Snapshot, deterministic, register_rng, seed_everything, unregister_rng
+from deterministic_ctx import (
+    Snapshot,
+    deterministic,
+    managed_env_vars,
+    register_env_var,
+    register_rng,
+    seed_everything,
+    unregister_rng,
+)
 from deterministic_ctx.report import (
     DeterminismReport,
     Problem,
@@ -21,6 +29,7 @@ from deterministic_ctx.report import (
     _startup_env,
     report,
 )
+from deterministic_ctx.sources import environ as environ_mod
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,6 +61,7 @@ def test_structure_json_and_text():
     assert data["flags"]["deterministic_algorithms"] == torch.are_deterministic_algorithms_enabled()
     assert data["flags"]["cudnn_benchmark"] == torch.backends.cudnn.benchmark
     assert "CUBLAS_WORKSPACE_CONFIG" in data["env"] and "PYTHONHASHSEED" in data["env"]
+    assert set(managed_env_vars()) <= set(data["env"])  # every variable blocks restore
     assert {"random", "numpy", "torch.cpu"} <= {s["name"] for s in data["rngs"]}
     assert data["cuda"]["initialized"] == torch.cuda.is_initialized()
     text = str(r)
@@ -179,10 +189,26 @@ def test_reading_the_start_method_does_not_fix_it():
 @pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="Linux only")
 def test_environment_at_start_is_read_from_proc():
     startup = _startup_env()
-    assert startup is not None and set(startup) == {"CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED"}
+    assert startup is not None and set(startup) == set(managed_env_vars())
     # Changing os.environ now does not change what the process started with.
     with deterministic(seed=3):
         assert _startup_env() == startup
+
+
+def test_env_section_covers_the_managed_list_and_registered_names(monkeypatch):
+    # Registrations are process-wide: put the registry back after the test.
+    monkeypatch.setattr(environ_mod, "_MANAGED", environ_mod._MANAGED)
+    monkeypatch.setattr(environ_mod, "_MANAGED_SET", environ_mod._MANAGED_SET)
+    monkeypatch.setenv("DCTX_TEST_REPORTED", "on")
+    monkeypatch.setenv("PL_GLOBAL_SEED", "123")
+    register_env_var("DCTX_TEST_REPORTED")
+    r = report()
+    assert tuple(r.env)[: len(managed_env_vars())] == managed_env_vars()
+    assert r.env["DCTX_TEST_REPORTED"] == "on" and r.env["PL_GLOBAL_SEED"] == "123"
+    assert "CUDA_VISIBLE_DEVICES" in r.env  # shown, though blocks do not manage it
+    assert "PL_GLOBAL_SEED" in str(r)
+    if r.process["env_at_start"] is not None:  # Linux: read from /proc/self/environ
+        assert set(r.process["env_at_start"]) == set(managed_env_vars())
 
 
 def test_importing_and_calling_report_stays_cheap():

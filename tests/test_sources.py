@@ -361,13 +361,14 @@ def test_torch_cpu_cached_seeding_equals_manual_seed(seed):
 
 
 def test_environ_fast_reader_agrees_with_os_environ(monkeypatch):
-    from deterministic_ctx.sources.environ import _fast_reader
+    from deterministic_ctx.sources.environ import _Access, _fast_access
 
-    get = _fast_reader(os.environ)
-    assert get is not None  # proven on this platform
+    access = _Access(os.environ)
+    assert _fast_access(os.environ) is not None  # proven on this platform
+    key = access.encodekey("PYTHONHASHSEED")
     for value in ("", ":16:8", "ünïcode"):
         monkeypatch.setenv("PYTHONHASHSEED", value)
-        assert get("PYTHONHASHSEED") == os.environ["PYTHONHASHSEED"] == value
+        assert access.decode(access.get(key)) == os.environ["PYTHONHASHSEED"] == value
     monkeypatch.delenv("PYTHONHASHSEED")
-    assert get("PYTHONHASHSEED") is None
-    assert _fast_reader({}) is None  # any other mapping: the public API
+    assert access.get(key) is None
+    assert _fast_access({}) is None  # any other mapping: the public API

@@ -22,6 +22,8 @@ import torch
 
 __all__ = [
     "byte_tensor",
+    "env_problem",
+    "env_text",
     "fields",
     "flag",
     "integer",
@@ -115,6 +117,50 @@ def text(
         allowed = tuple(choices)
         if value not in allowed:
             raise ValueError(f"{path}: expected one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
+#: Far above any real environment variable, far below trouble (Linux refuses to
+#: pass a single one longer than 128 KiB to a child process anyway).
+MAX_ENV_CHARS = 1 << 20
+
+
+def env_problem(value: str, *, name: bool = False) -> str | None:
+    """Why ``value`` cannot be an environment variable's value (or, with
+    ``name=True``, name), or ``None`` if it can.
+
+    The environment holds bytes without NUL; ``os.environ`` encodes a str with
+    ``os.fsencode``'s rules (the file-system encoding and ``surrogateescape``),
+    which refuse surrogates other than the escaped bytes ``\\udc80``-``\\udcff``.
+    A name must be non-empty and hold no ``=``.
+    """
+    if "\0" in value:
+        return "it holds a NUL character"
+    if name and not value:
+        return "it is empty"
+    if name and "=" in value:
+        return "it holds '='"
+    try:
+        os.fsencode(value)
+    except UnicodeEncodeError as exc:
+        return f"it cannot be encoded ({exc.reason} at index {exc.start})"
+    return None
+
+
+def env_text(value: object, path: str, *, name: bool = False) -> str:
+    """A ``str`` that the environment can hold, as a value (or, with ``name=True``,
+    a name): see :func:`env_problem`."""
+    what = "an environment variable name" if name else "an environment variable value"
+    if type(value) is not str or len(value) > MAX_ENV_CHARS:
+        raise ValueError(
+            f"{path}: expected a string (at most {MAX_ENV_CHARS} characters) as {what}, "
+            f"got {_got(value)}"
+        )
+    problem = env_problem(value, name=name)
+    if problem is not None:
+        raise ValueError(
+            f"{path}: expected a string usable as {what}, got {_got(value)}; {problem}"
+        )
     return value
 
 

@@ -1,4 +1,6 @@
-"""Environment variables that decide determinism.
+"""Environment variables that decide seeding or determinism.
+
+Two of them are *set* inside a block:
 
 * ``CUBLAS_WORKSPACE_CONFIG``: cuBLAS is only deterministic with ``:4096:8``
   or ``:16:8``; a valid user value is kept, anything else is replaced inside
@@ -8,103 +10,348 @@
   the block (``spawn`` DataLoader workers, subprocesses) hash strings
   reproducibly.  It cannot change the running interpreter.
 
+Every other name of :data:`ENV_VARS`, and every name given to
+:func:`register_env_var`, is only captured and restored: seeding functions of
+other libraries export their state there (Lightning's ``PL_GLOBAL_SEED``,
+transformers' ``enable_full_determinism``), and a block must not leak it.
 A variable that was absent is absent again after the block.
+
+Cost: a capture reads one dict entry per managed name (``os.environ`` keeps
+its values in a plain dict under encoded keys), whatever the size of the
+environment; a restore reads them again, compares two tuples and writes only
+the names that differ, through the public API.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, MutableMapping
+from itertools import compress
+from operator import ne
+from typing import Any
 
 from .._settings import Settings
 from . import _plain
 
-__all__ = ["CUBLAS_VALID", "EnvironSource"]
+__all__ = [
+    "CUBLAS_VALID",
+    "ENV_VARS",
+    "EnvironSource",
+    "managed_env_vars",
+    "register_env_var",
+]
 
 CUBLAS = "CUBLAS_WORKSPACE_CONFIG"
 HASHSEED = "PYTHONHASHSEED"
 CUBLAS_VALID = (":4096:8", ":16:8")
-_NAMES = (CUBLAS, HASHSEED)
+
+#: The variables every block captures and restores, each with why: the ones
+#: that PyTorch, its accelerator and collective libraries, Lightning,
+#: transformers and the training stacks built on them read or write to decide
+#: seeds or whether results are deterministic.  Only the first two are changed
+#: on entry.  (Thread counts, ``CUDA_VISIBLE_DEVICES`` and TF32 overrides are
+#: left out: they choose resources or precision, and are read once at start-up;
+#: the report shows them.)
+ENV_VARS: tuple[tuple[str, str], ...] = (
+    (CUBLAS, "cuBLAS is deterministic only with :4096:8 or :16:8 (set in a block)"),
+    (HASHSEED, "str hash seed of child processes, spawn workers too (set in a block)"),
+    ("PL_GLOBAL_SEED", "Lightning's exported seed: later seed_everything()/reset_seed() reuse it"),
+    ("PL_SEED_WORKERS", "Lightning: every later Trainer adds its seeding worker_init_fn"),
+    ("FLASH_ATTENTION_DETERMINISTIC", "transformers: deterministic flash-attention backward"),
+    ("HCCL_DETERMINISTIC", "Ascend HCCL collectives in a fixed order (transformers sets it)"),
+    ("CUDA_LAUNCH_BLOCKING", "synchronous CUDA launches (transformers' full determinism sets it)"),
+    ("ASCEND_LAUNCH_BLOCKING", "synchronous Ascend launches, for its deterministic mode"),
+    ("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "Transformer Engine: 0 forbids nondeterministic kernels"),
+    ("TF_DETERMINISTIC_OPS", "TensorFlow's deterministic kernels, in mixed TF/PyTorch stacks"),
+    ("TF_CUDNN_DETERMINISTIC", "TensorFlow picks only deterministic cuDNN algorithms"),
+    ("NCCL_ALGO", "NCCL's algorithm (Ring, Tree, NVLS) fixes the all-reduce summation order"),
+    ("NCCL_PROTO", "NCCL's protocol (LL, LL128, Simple) changes how reductions are summed"),
+    ("NCCL_NVLS_ENABLE", "NVLink SHARP reduces in the switch, in no fixed order"),
+    ("NCCL_COLLNET_ENABLE", "CollNet (in-network SHARP) reductions, in no fixed order"),
+    ("TORCHINDUCTOR_DETERMINISTIC", "default of inductor's deterministic flag at its first import"),
+    ("MKL_CBWR", "Intel MKL's conditional numerical reproducibility (torch's x86 CPU BLAS)"),
+)
+
+_lock = threading.Lock()
+#: The managed names now: ``ENV_VARS``'s, then the registered ones.  Only ever
+#: replaced (under ``_lock``), never mutated, so a capture that read it holds a
+#: consistent tuple, and comparing by identity tells whether it changed.
+_MANAGED: tuple[str, ...] = tuple(name for name, _ in ENV_VARS)
+_MANAGED_SET = frozenset(_MANAGED)
 
 
-def _fast_reader(env: object) -> Callable[[str], str | None] | None:
-    """A reader of ``os.environ`` that does not raise internally for absent names.
+def _new_lock_in_child() -> None:
+    # A fork while another thread registers would leave the child's lock held forever.
+    global _lock
+    _lock = threading.Lock()
 
-    ``os.environ.get`` goes through ``Mapping.get``, which raises and catches a
-    ``KeyError`` for every absent variable (~0.7 µs, six times per block, and
-    these variables are usually absent).  ``os._Environ`` keeps its values in
-    a plain dict, ``_data``, under encoded keys: reading that is ~0.1 µs.  It
-    is used only after proving, on a probe variable set and deleted through
-    the public API, that it reads what ``os.environ`` reads; writes always go
-    through the public API.
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
+def _check_name(name: object) -> str:
+    """``name`` if the environment can hold it, else ``TypeError``/``ValueError``."""
+    if not isinstance(name, str):
+        raise TypeError(f"an environment variable name must be a str, got {type(name).__name__}")
+    name = str.__str__(name)  # an exact str: a subclass's methods could say anything later
+    problem = _plain.env_problem(name, name=True)
+    if problem is not None:
+        raise ValueError(f"{name!r} cannot be an environment variable name: {problem}")
+    return name
+
+
+def register_env_var(name: str) -> None:
+    """Capture and restore the environment variable ``name`` in every block from now on.
+
+    For variables that decide seeding or determinism in your own code or in a
+    library not covered by :func:`managed_env_vars`.  Inside a block the
+    variable is left as it is; after the block it is exactly as before (absent
+    if it was absent).  Registering a name twice does nothing; a snapshot taken
+    before the registration restores only the names it captured.  Raises
+    ``TypeError`` if ``name`` is not a str and ``ValueError`` if it is empty or
+    holds ``=``, NUL or characters the environment cannot encode.
+
+    Example:
+        >>> import os
+        >>> from deterministic_ctx import deterministic, managed_env_vars, register_env_var
+        >>> register_env_var("MY_APP_SEED")
+        >>> "MY_APP_SEED" in managed_env_vars()
+        True
+        >>> with deterministic(seed=0):
+        ...     os.environ["MY_APP_SEED"] = "42"
+        >>> "MY_APP_SEED" in os.environ
+        False
     """
-    if type(env) is not os._Environ:
+    global _MANAGED, _MANAGED_SET
+    name = _check_name(name)
+    with _lock:
+        if name not in _MANAGED_SET:
+            _MANAGED = (*_MANAGED, name)
+            _MANAGED_SET = _MANAGED_SET | {name}
+
+
+def managed_env_vars() -> tuple[str, ...]:
+    """The environment variables every block captures and restores, in capture order.
+
+    The names of :data:`ENV_VARS` (see its reasons), then those given to
+    :func:`register_env_var`.  Only ``CUBLAS_WORKSPACE_CONFIG`` and
+    ``PYTHONHASHSEED`` are changed inside a block.
+
+    Example:
+        >>> from deterministic_ctx import managed_env_vars
+        >>> managed_env_vars()[:2]
+        ('CUBLAS_WORKSPACE_CONFIG', 'PYTHONHASHSEED')
+        >>> "PL_GLOBAL_SEED" in managed_env_vars()
+        True
+    """
+    return _MANAGED
+
+
+# A captured state: the names, and each one's raw value (``None`` if unset) in
+# the form the environment stores it (bytes in ``os.environ`` on POSIX).
+EnvState = tuple[tuple[str, ...], tuple[Any, ...]]
+
+
+class _Access:
+    """How a source reads and writes one environment mapping.
+
+    For ``os.environ`` (an ``os._Environ``), raw values are read straight from
+    its ``_data`` dict under encoded keys: ``os.environ.get`` goes through
+    ``Mapping.get``, which raises and catches a ``KeyError`` for every absent
+    variable (~0.7 µs, and these variables are usually absent), while
+    ``_data.get`` is ~0.05 µs and runs in C under ``map``.  That path is used
+    only after proving, on a probe variable set and deleted through the public
+    API, that it reads what ``os.environ`` reads and encodes values the way
+    ``os.environ`` stores them.  Writes always go through the public API.  Any
+    other mapping is read through its own ``get``, its values as they are.
+    """
+
+    __slots__ = ("decode", "encode", "encodekey", "get")
+
+    def __init__(self, env: MutableMapping[str, str]) -> None:
+        fast = _fast_access(env)
+        if fast is None:
+            self.get: Callable[[Any], Any] = env.get
+            self.encodekey: Callable[[str], Any] = str
+            self.encode: Callable[[str], Any] = str
+            self.decode: Callable[[Any], str] = str
+        else:
+            self.get, self.encodekey, self.encode, self.decode = fast
+
+    def keys(self, names: tuple[str, ...]) -> tuple[Any, ...]:
+        return tuple(map(self.encodekey, names))
+
+
+_PROBE = "DETERMINISTIC_CTX_ENV_PROBE"
+_PROBE_VALUE = "probe value é \udcff"  # non-ASCII, and a byte only surrogateescape carries
+
+
+_FastAccess = tuple[
+    Callable[[Any], Any], Callable[[str], Any], Callable[[str], Any], Callable[[Any], str]
+]
+
+
+def _fast_access(env: object) -> _FastAccess | None:
+    """``(data.get, encodekey, encodevalue, decodevalue)`` of a proven ``os._Environ``,
+    else ``None``."""
+    if not isinstance(env, os._Environ) or type(env) is not os._Environ:
         return None
     data = getattr(env, "_data", None)
     encodekey = getattr(env, "encodekey", None)
+    encodevalue = getattr(env, "encodevalue", None)
     decodevalue = getattr(env, "decodevalue", None)
-    if type(data) is not dict or not callable(encodekey) or not callable(decodevalue):
+    if type(data) is not dict or not all(map(callable, (encodekey, encodevalue, decodevalue))):
         return None
-    keys = {name: encodekey(name) for name in (*_NAMES, _PROBE)}
-
-    def get(name: str) -> str | None:
-        value = data.get(keys[name])
-        return None if value is None else str(decodevalue(value))
-
+    assert encodekey is not None
+    assert encodevalue is not None
+    assert decodevalue is not None
     try:
-        env[_PROBE] = "probe value é"
-        seen = get(_PROBE)
+        key = encodekey(_PROBE)
+        env[_PROBE] = _PROBE_VALUE
+        raw = data.get(key)
+        proven = raw == encodevalue(_PROBE_VALUE) and decodevalue(raw) == _PROBE_VALUE
         del env[_PROBE]
-        proven = seen == "probe value é" and get(_PROBE) is None
-        proven = proven and all(get(n) == env.get(n) for n in _NAMES)
+        proven = proven and data.get(key) is None
+        for name in _MANAGED:
+            raw = data.get(encodekey(name))
+            seen = None if raw is None else decodevalue(raw)
+            proven = proven and seen == env.get(name)
     except Exception:
         return None
     finally:
         env.pop(_PROBE, None)
-    return get if proven else None
-
-
-_PROBE = "DETERMINISTIC_CTX_ENV_PROBE"
+    if not proven:
+        return None
+    return data.get, encodekey, encodevalue, decodevalue
 
 
 class EnvironSource:
-    """``CUBLAS_WORKSPACE_CONFIG`` and ``PYTHONHASHSEED`` in ``os.environ``."""
+    """The managed environment variables (:func:`managed_env_vars`) of ``os.environ``.
+
+    Example:
+        >>> source = EnvironSource({"PL_GLOBAL_SEED": "7"})
+        >>> names, values = source.capture()
+        >>> dict(zip(names, values))["PL_GLOBAL_SEED"]
+        '7'
+    """
 
     name = "environ"
 
     def __init__(self, environ: MutableMapping[str, str] | None = None) -> None:
         self._env = environ if environ is not None else os.environ
-        self._get: Callable[[str], str | None] = _fast_reader(self._env) or self._env.get
+        self._access = access = _Access(self._env)
+        # (names, their keys): replaced as a whole when a name is registered.
+        self._cache: tuple[tuple[str, ...], tuple[Any, ...]] = (_MANAGED, access.keys(_MANAGED))
+        self._cublas_key = access.encodekey(CUBLAS)
+        self._hash_key = access.encodekey(HASHSEED)
+        self._cublas_valid = tuple(map(access.encode, CUBLAS_VALID))
 
-    def capture(self) -> tuple[str | None, ...]:
-        get = self._get
-        return (get(CUBLAS), get(HASHSEED))
+    def capture(self) -> EnvState:
+        names, keys = self._cache
+        if names is not _MANAGED:  # a name was registered since the last capture
+            names = _MANAGED
+            keys = self._access.keys(names)
+            self._cache = (names, keys)
+        return names, tuple(map(self._access.get, keys))
 
     def apply(self, settings: Settings) -> None:
-        env, get = self._env, self._get
-        if get(CUBLAS) not in CUBLAS_VALID:
+        env, get = self._env, self._access.get
+        if get(self._cublas_key) not in self._cublas_valid:
             env[CUBLAS] = CUBLAS_VALID[0]
         seed = str(settings.seed)
-        if get(HASHSEED) != seed:
+        raw = get(self._hash_key)
+        if raw is None or self._access.decode(raw) != seed:
             env[HASHSEED] = seed
 
-    def restore(self, state: tuple[str | None, ...]) -> None:
-        env, get = self._env, self._get
-        for name, value in zip(_NAMES, state, strict=True):
-            if get(name) == value:
-                continue
-            if value is None:
-                del env[name]
-            else:
-                env[name] = value
+    def restore(self, state: EnvState) -> None:
+        names, saved = state
+        access = self._access
+        cached, keys = self._cache
+        if names is not cached:  # captured before a registration, or loaded from a checkpoint
+            keys = access.keys(names)
+        now = tuple(map(access.get, keys))
+        if now == saved:
+            return
+        env, decode = self._env, access.decode
+        error: Exception | None = None
+        # Only the names that differ, picked in C: a block usually changed two of them.
+        for name, was in compress(zip(names, saved, strict=True), map(ne, saved, now)):
+            try:  # one name that fails must not keep the others from being restored
+                if was is None:
+                    del env[name]
+                else:
+                    env[name] = decode(was)
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
 
-    def export_state(self, state: tuple[str | None, ...]) -> dict[str, str]:
-        """The state as plain data: ``{name: value}``, an unset variable left out."""
-        return {name: value for name, value in zip(_NAMES, state, strict=True) if value is not None}
+    def export_state(self, state: EnvState) -> dict[str, Any]:
+        """The state as plain data: ``{"set": {name: value}, "unset": [name, ...]}``.
 
-    def import_state(self, data: object, path: str) -> tuple[str | None, ...]:
-        """Check saved data and rebuild a state; ``ValueError`` names the bad field."""
-        d = _plain.fields(data, path, (), _NAMES)
-        return tuple(
-            _plain.text(d[name], f"{path}.{name}") if name in d else None for name in _NAMES
+        Every captured name is in exactly one of the two, so a restore knows
+        which variables to remove.
+        """
+        names, saved = state
+        decode = self._access.decode
+        return {
+            "set": {n: decode(v) for n, v in zip(names, saved, strict=True) if v is not None},
+            "unset": [n for n, v in zip(names, saved, strict=True) if v is None],
+        }
+
+    def import_state(self, data: object, path: str) -> EnvState:
+        """Check saved data and rebuild a state; ``ValueError`` names the bad field.
+
+        Accepts this version's ``{"set": ..., "unset": ...}`` and the first
+        format, ``{name: value}`` of ``CUBLAS_WORKSPACE_CONFIG`` and
+        ``PYTHONHASHSEED`` only, an unset one left out (so that file restores
+        those two and nothing else).  Every name must be managed here and every
+        value must be one the environment can hold: a loaded snapshot restores
+        fully or is refused here, never half-way.
+        """
+        d = _plain.mapping(data, path)
+        if "set" in d or "unset" in d:
+            d = _plain.fields(d, path, ("set", "unset"))
+            values = _plain.mapping(d["set"], f"{path}.set")
+            unset = d["unset"]
+            if type(unset) is not list:
+                raise ValueError(
+                    f"{path}.unset: expected a list of names, got a {type(unset).__name__}"
+                )
+            base = f"{path}.set"
+        else:  # format 1
+            values = _plain.fields(d, path, (), (CUBLAS, HASHSEED))
+            unset = [n for n in (CUBLAS, HASHSEED) if n not in values]
+            base = path
+        managed = _MANAGED
+        captured: dict[str, Any] = {}
+        encode = self._access.encode
+        for i, name in enumerate(unset):
+            self._managed_name(name, f"{path}.unset[{i}]", managed)
+            if name in captured:
+                raise ValueError(f"{path}.unset[{i}]: {name!r} is listed twice")
+            captured[name] = None
+        for name, value in values.items():
+            self._managed_name(name, f"{base} (a key)", managed)
+            raw = encode(_plain.env_text(value, f"{base}.{name}"))
+            if name in captured:
+                raise ValueError(f"{base}.{name}: {name!r} is also listed as unset")
+            captured[name] = raw
+        # In capture order; the very tuple of this process when it holds them all,
+        # so restoring takes the cached keys.
+        names = (
+            managed if len(captured) == len(managed) else tuple(n for n in managed if n in captured)
         )
+        return names, tuple(captured[n] for n in names)
+
+    @staticmethod
+    def _managed_name(value: object, path: str, managed: tuple[str, ...]) -> None:
+        name = _plain.env_text(value, path, name=True)
+        if name not in managed:
+            shown = repr(name) if len(name) <= 60 else f"{name[:57]!r}..."
+            raise ValueError(
+                f"{path}: {shown} is not an environment variable managed here; "
+                f"call register_env_var({shown}) before loading"
+            )
