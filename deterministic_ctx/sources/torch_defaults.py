@@ -229,8 +229,8 @@ class TorchDefaultsSource:
     def import_state(self, data: object, path: str) -> DefaultsState:
         """Check saved data and rebuild a state; ``ValueError`` names the bad field.
 
-        ``device`` may be absent or ``None`` (no default device: the loaded
-        snapshot sets ``None``).  Nothing here initializes a device: a CUDA
+        ``device`` may be absent (no default device: the loaded snapshot
+        leaves none set, as in a thread that never set one).  Nothing here initializes a device: a CUDA
         default device is a parsed ``torch.device``, used only by the next
         factory call, as after ``torch.set_default_device("cuda")``.
         """
@@ -253,7 +253,7 @@ class TorchDefaultsSource:
                 f"{path}.flush_denormal: the snapshot flushes denormals, and "
                 f"torch.set_flush_denormal cannot on this CPU"
             )
-        context: Any = None
+        context: Any = _ABSENT
         device = d.get("device")
         if device is not None:
             text = _plain.text(device, f"{path}.device", max_len=64)
