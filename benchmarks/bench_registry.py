@@ -21,11 +21,11 @@ import resource
 import statistics
 import sys
 import time
-import timeit
 from collections.abc import Callable
 
 import numpy as np
 import torch
+from bench_blocks import measure  # the same interleaved medians as every block benchmark
 
 from deterministic_ctx import deterministic, register_rng, unregister_rng
 from deterministic_ctx.sources import user_rngs
@@ -56,17 +56,6 @@ def rss_kib() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
     except OSError:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
-def measure(cases: dict[str, Callable[[], None]], repeats: int, number: int) -> dict[str, float]:
-    samples: dict[str, list[float]] = {name: [] for name in cases}
-    for fn in cases.values():  # warm up: imports, caches, the registry's tuple
-        for _ in range(200):
-            fn()
-    for _ in range(repeats):
-        for name, fn in cases.items():
-            samples[name].append(timeit.timeit(fn, number=number) / number * 1e6)
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def unregister_cost(repeats: int, number: int) -> float:
