@@ -14,6 +14,11 @@
      "devices": {"cuda": {"initialized": bool, "states": [uint8 tensor per device]},
                  "xpu": {...}, "mtia": {...}}}
 
+``torch.flags`` holds each ``fp32_precision`` entry's own value (``"none"``:
+inherits) and, optionally, ``cudnn_allow_tf32``, ``onednn_allow_tf32`` and
+``inductor_deterministic`` (present only when a user set it); version-1 files
+without them still load.
+
 Version-1 files may hold the earlier ``environ`` entry, ``{name: value}`` of
 ``CUBLAS_WORKSPACE_CONFIG`` / ``PYTHONHASHSEED`` only (an unset one left
 out): it still loads and restores just those two.  Every environment name in

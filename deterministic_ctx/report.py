@@ -215,6 +215,11 @@ def _flags(torch: Any, snapshot: Any) -> dict[str, Any]:
     state = snapshot.state_of("torch.flags")  # a named tuple or dataclass of flag values
     flags = dict(state._asdict()) if hasattr(state, "_asdict") else dataclasses.asdict(state)
     precision = flags.pop("fp32_precision", ())
+    # What restoring needs, not what a reader asks: the entries' own values
+    # (the effective ones are shown below) and inductor's raw override (its
+    # value is ``inductor_deterministic``).
+    flags.pop("fp32_precision_own", None)
+    flags.pop("inductor_override", None)
     flags["cudnn_enabled"] = bool(torch.backends.cudnn.enabled)
     flags["fp32_precision"] = {
         f"{backend}.{op}": v for (backend, op), v in zip(_PRECISION_OPS, precision, strict=False)

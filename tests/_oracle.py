@@ -70,10 +70,27 @@ def _flags() -> tuple[Any, ...]:
         else inductor.deterministic,
         # Default-ness too: inductor's compile-cache keys depend on it.
         True if inductor is None else inductor._is_default("deterministic"),
-        torch.get_float32_matmul_precision(),
+        _read(torch.get_float32_matmul_precision),
+        _read(lambda: torch.backends.cuda.matmul.allow_tf32),
+        _read(lambda: torch.backends.cudnn.allow_tf32),
+        torch.backends.fp32_precision,
         torch.backends.cuda.matmul.fp32_precision,
+        torch.backends.cudnn.fp32_precision,
+        torch.backends.cudnn.conv.fp32_precision,
+        torch.backends.cudnn.rnn.fp32_precision,
         torch.backends.mkldnn.fp32_precision,
+        torch.backends.mkldnn.matmul.fp32_precision,
+        torch.backends.mkldnn.conv.fp32_precision,
+        torch.backends.mkldnn.rnn.fp32_precision,
     )
+
+
+def _read(get: Any) -> Any:
+    # Some getters raise after mixed use of the legacy and new precision APIs.
+    try:
+        return get()
+    except RuntimeError as exc:
+        return f"raises {type(exc).__name__}"
 
 
 def _defaults() -> tuple[Any, ...]:

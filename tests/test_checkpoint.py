@@ -708,8 +708,7 @@ def test_precision_combinations_torch_refuses_are_refused_at_load():
     c: Any = torch._C
     source = TorchFlagsSource()
     fresh = source.export_state(source.capture())
-    legacy_before = torch.get_float32_matmul_precision()
-    before = [(o, c._get_fp32_precision_getter(*o)) for o in _PRECISION_OPS]
+    saved = source.capture()
     checked = 0
     try:
         for legacy in ("highest", "high", "medium"):
@@ -736,12 +735,8 @@ def test_precision_combinations_torch_refuses_are_refused_at_load():
                     refused = True
                 assert accepted != refused, (legacy, dict(zip(ops, values, strict=True)))
                 checked += 1
-    finally:  # by hand: a refused combination makes the flags source's capture raise
-        for op, value in before:
-            c._set_fp32_precision_setter(*op, value)
-        torch.set_float32_matmul_precision(legacy_before)
-        for op, value in before:
-            c._set_fp32_precision_setter(*op, value)
+    finally:  # exact, own values included, even from a state torch refuses to read
+        source.restore(saved)
     assert checked == 3 * 4 ** len(ops)
 
 

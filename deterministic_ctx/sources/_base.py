@@ -16,7 +16,9 @@ class Source(Protocol):
     A source is the only code that knows the API behind its state.  It must:
 
     * ``capture()`` return an object describing the state now, never mutated
-      afterwards (a snapshot may restore it many times), without side effects;
+      afterwards (a snapshot may restore it many times), without lasting side
+      effects (a source may write for a moment to read what torch does not
+      report, and puts it back before returning);
     * ``restore(state)`` put that state back exactly;
     * ``apply(settings)`` set the reproducible state a block starts from.
     """

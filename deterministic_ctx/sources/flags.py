@@ -1,4 +1,4 @@
-"""torch determinism and precision flags.
+"""torch determinism and precision flags, restored exactly.
 
 Applied inside a block (they choose *which* algorithm runs):
 
@@ -10,11 +10,54 @@ Applied inside a block (they choose *which* algorithm runs):
   already imported*: ``use_deterministic_algorithms`` imports it (~1.2 s) to
   set this; we call the C setter directly and never import it ourselves.
 
-Captured and restored but never changed (they choose precision, and TF32
-results are themselves deterministic): ``torch.get_float32_matmul_precision()``
-and the ``fp32_precision`` of every backend/op.  They are read through the
-new ``fp32_precision`` getters because the legacy ``allow_tf32`` getters raise
-once the two APIs have been mixed.
+**Inductor.**  Its config tells a value from a default (``_is_default``), and
+its compile-cache keys see the difference, so the state is the entry's *user
+override* (torch's sentinel when nobody set it), read and written the way
+torch's own ``_make_closure_patcher`` does, with the hash and ``get_dict``
+caches marked dirty.  That is also cheaper than ``config.deterministic``
+(~1.2 µs per read, 0.8 µs per write).  Overrides are per thread (a
+``ContextVar`` in torch), so a block restores the calling thread's.  If
+inductor is first imported inside a block, the override is cleared on exit:
+as if the block had never touched it, the flag is at its default, which
+``TORCHINDUCTOR_DETERMINISTIC`` chose at import.
+
+**Precision** is captured and restored but never changed (it trades
+precision, and TF32 results are themselves deterministic).  In torch ≥ 2.9
+(``aten/src/ATen/Context.cpp``) it is this state:
+
+* nine ``fp32_precision`` entries: ``generic.all``; ``all``, ``matmul``,
+  ``conv``, ``rnn`` of ``cuda`` and of ``mkldnn``.  Each holds its *own*
+  value, ``"none"`` meaning "inherit", and the getters report the resolved
+  one: own value, else the backend's ``all``, else ``generic.all`` (``bf16``
+  reads ``"none"`` for cuda).  cuDNN conv and rnn start in a fourth state
+  that no setter accepts (torch 2.13's ``DEFAULT``): they read ``"tf32"``
+  while no parent is set and follow a parent once one is.  Here it is
+  written ``"default"``.  The setters write one entry each, nothing else.
+* the legacy ``float32_matmul_precision`` (highest/high/medium), a separate
+  field.  ``set_float32_matmul_precision`` writes it and both matmul entries
+  (ieee/ieee, tf32/tf32, tf32/bf16); ``cuda.matmul.allow_tf32`` writes it
+  (high/highest) and ``cuda.matmul`` (tf32/ieee).  Its getter raises ("mix
+  of the legacy and new APIs") when the resolved matmul entries contradict
+  it; the field is then inferred from which getters raise.
+* the legacy cuDNN ``allow_tf32`` flag, a separate field, written with conv
+  and rnn (tf32 or none) by ``cudnn.allow_tf32``.  Its getter answers only
+  while conv and rnn both resolve to tf32 or both not, and raises when the
+  flag disagrees with them: when they disagree with each other it is read
+  by making them agree for one call.
+* the oneDNN ``allow_tf32`` flag (XPU builds; elsewhere torch ignores it).
+
+Because the getters report resolved values, an entry that inherits ``tf32``
+and one set to ``tf32`` read alike, and differ once the parent changes.
+Where any parent is set, a capture therefore finds each entry's own value by
+unsetting the parents for a moment and putting them back (a few µs; captures
+and restores in other threads wait for it, but torch ops running in other
+threads at that moment see the unset parents); where none is set, the
+resolved values *are* the own values and nothing is written.  A restore
+writes the legacy fields first (their setters overwrite entries), then each
+entry whose own value differs.  cuDNN's initial state cannot be written back:
+if the body overwrote it, the restore writes the value that behaves the same
+under the restored parents (``"tf32"`` with no parent set, else ``"none"``),
+which differs only once the parents change between "none" and set.
 
 ``torch.backends.cudnn.flags()`` is not used: it defaults to ``enabled=False``
 and would turn cuDNN off.
@@ -23,7 +66,9 @@ and would turn cuDNN off.
 from __future__ import annotations
 
 import os
+import re
 import sys
+import threading
 from typing import Any, NamedTuple
 
 import torch
@@ -36,6 +81,7 @@ __all__ = ["FlagState", "TorchFlagsSource"]
 _C: Any = torch._C
 
 _get_precision = getattr(_C, "_get_fp32_precision_getter", None)
+_set_precision = getattr(_C, "_set_fp32_precision_setter", None)
 
 
 def _supported(pair: tuple[str, str]) -> bool:
@@ -66,6 +112,60 @@ _PRECISION_OPS: tuple[tuple[str, str], ...] = tuple(
 # Read with one ``map`` over a C function: no Python frame per op.
 _PRECISION_BACKENDS = tuple(b for b, _ in _PRECISION_OPS)
 _PRECISION_OPNAMES = tuple(o for _, o in _PRECISION_OPS)
+_CHILD_BACKENDS = tuple(b for b, o in _PRECISION_OPS if o != "all")
+_CHILD_OPNAMES = tuple(o for _, o in _PRECISION_OPS if o != "all")
+
+# Positions in _PRECISION_OPS (when all nine exist).
+_GENERIC, _CUDA, _CUDA_MATMUL, _CONV, _RNN, _MKLDNN, _MKLDNN_MATMUL = range(7)
+_CHILDREN = (2, 3, 4, 6, 7, 8)
+#: Each entry's backend ``all`` (``generic.all`` for itself).
+_BACKEND_ALL = (0, 1, 1, 1, 1, 5, 5, 5, 5)
+#: cuDNN's initial conv/rnn state, which no setter accepts (see the docstring).
+_DEFAULT = "default"
+
+
+def _version(text: str) -> tuple[int, int]:
+    found = re.match(r"(\d+)\.(\d+)", text)
+    return (int(found[1]), int(found[2])) if found else (0, 0)
+
+
+#: The nine entries with "none" meaning "inherit" (torch >= 2.9): own values
+#: can be found and written back.  Older torches had other values and rules;
+#: there the resolved values are captured and written back as they are.
+_EXACT = len(_PRECISION_OPS) == 9 and _version(torch.__version__) >= (2, 9)
+
+#: What set_float32_matmul_precision writes to cuda.matmul and mkldnn.matmul.
+_MATMUL_ENTRIES = {
+    "highest": ("ieee", "ieee"),
+    "high": ("tf32", "tf32"),
+    "medium": ("tf32", "bf16"),
+}
+
+_get_onednn = getattr(_C, "_get_onednn_allow_tf32", None)
+#: Only XPU builds keep the oneDNN TF32 flag: elsewhere the getter returns
+#: None and the setter warns and ignores it.
+_ONEDNN = _get_onednn is not None and isinstance(_get_onednn(), bool)
+
+
+#: Taken by whoever writes the precision state here: a probe (which unsets
+#: parents for a moment, see the docstring) or a restore.  Held only around
+#: torch's C calls, so it cannot deadlock.
+_lock = threading.Lock()
+#: Odd while the holder of ``_lock`` writes.  Reading needs no lock: a reader
+#: that saw it odd, or changed by the end, reads again under the lock, so it
+#: never records a probe's passing state (a seqlock; the GIL orders the reads).
+_writes = 0
+
+
+def _new_lock_in_child() -> None:
+    # A fork while another thread held it would leave the child's lock held forever.
+    global _lock, _writes
+    _lock = threading.Lock()
+    _writes = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def _precisions() -> tuple[str, ...]:
@@ -74,8 +174,346 @@ def _precisions() -> tuple[str, ...]:
     return tuple(map(_get_precision, _PRECISION_BACKENDS, _PRECISION_OPNAMES))
 
 
+def _resolve(own: tuple[str, ...], i: int) -> str:
+    """What torch reports for entry ``i`` when the entries hold ``own``
+    (``Context::float32Precision``)."""
+    value = own[i]
+    if value == _DEFAULT:
+        value = own[_BACKEND_ALL[i]]
+        if value in ("none", _DEFAULT):
+            value = own[_GENERIC]
+            if value in ("none", _DEFAULT):
+                value = "tf32"
+    elif value == "none":
+        value = own[_BACKEND_ALL[i]]
+        if value == "none":
+            value = own[_GENERIC]
+    if _CUDA <= i <= _RNN and value == "bf16":
+        return "none"  # cuda has no bf16
+    return value
+
+
+def _closest(own: tuple[str, ...]) -> str:
+    """The writable value that behaves like cuDNN's initial state under the
+    parents in ``own``: it follows a set parent like "none", and reads "tf32"
+    without one."""
+    return "none" if own[_CUDA] != "none" or own[_GENERIC] != "none" else "tf32"
+
+
+_Hidden = tuple[tuple[str, ...], tuple[str, ...], str | None, bool | None]
+
+
+def _read(find_default: bool = False) -> _Hidden:
+    """The resolved values torch reports, each entry's own value, the legacy
+    matmul precision and the legacy cuDNN flag.
+
+    With no parent set, an entry resolves to its own value, except that
+    cuDNN's initial state reads "tf32" like an explicit "tf32"; they behave
+    alike until a parent is set, so they are told apart only for
+    ``find_default``.  Otherwise the parents are unset for a moment (under
+    ``_lock``).
+    """
+    global _writes
+    seen = _writes
+    if not seen & 1:
+        found = _quick(_precisions(), find_default)
+        if found is not None and _writes == seen:
+            return found
+    with _lock:
+        _writes += 1
+        try:
+            return _probe(_precisions(), find_default)
+        finally:
+            _writes += 1
+
+
+def _quick(eff: tuple[str, ...], find_default: bool) -> _Hidden | None:
+    """:func:`_read` by reading alone; ``None`` where that cannot tell."""
+    if _EXACT and (
+        eff[_GENERIC] != "none"
+        or eff[_CUDA] != "none"
+        or eff[_MKLDNN] != "none"
+        or (find_default and "tf32" in (eff[_CONV], eff[_RNN]))
+    ):
+        return None
+    legacy: str | None
+    cudnn: bool | None
+    try:
+        legacy = _C._get_float32_matmul_precision()
+    except RuntimeError:
+        legacy = _refused_matmul_precision(eff)
+    try:
+        cudnn = _C._get_cudnn_allow_tf32()
+    except RuntimeError:
+        if not _EXACT:
+            cudnn = None
+        elif (eff[_CONV] == "tf32") == (eff[_RNN] == "tf32"):
+            cudnn = eff[_CONV] != "tf32"  # it raises exactly when the flag disagrees with both
+        else:
+            return None  # conv and rnn disagree: only a probe can tell
+    return eff, eff, legacy, cudnn
+
+
+def _probe(eff: tuple[str, ...], find_default: bool) -> _Hidden:
+    """:func:`_read` where reading alone cannot tell: the parents are unset for
+    a moment and put back.  The caller holds ``_lock``."""
+    if not _EXACT:
+        return eff, eff, *_legacy(eff, eff)
+    found = _quick(eff, find_default)
+    if found is not None:  # the read without the lock only met another thread's write
+        return found
+    assert _get_precision is not None
+    assert _set_precision is not None
+    get, put = _get_precision, _set_precision
+    own = list(eff)
+    undo: list[tuple[str, str]] = []  # (backend, value) of each "all" to write back, last first
+    try:
+        if eff[_GENERIC] != "none":
+            undo.append(("generic", eff[_GENERIC]))
+            put("generic", "all", "none")
+            # With generic.all unset, a backend's "all" reads as its own value.
+            own[_CUDA] = get("cuda", "all")
+            own[_MKLDNN] = get("mkldnn", "all")
+        for i, backend in ((_CUDA, "cuda"), (_MKLDNN, "mkldnn")):
+            if own[i] != "none":
+                undo.append((backend, own[i]))
+                put(backend, "all", "none")
+        # Every parent unset: each child reads as its own value (cuDNN's initial
+        # state as "tf32", see below).
+        for i, value in zip(_CHILDREN, map(get, _CHILD_BACKENDS, _CHILD_OPNAMES), strict=True):
+            own[i] = value
+        # The legacy getters raise when the matmul (or conv and rnn) entries
+        # contradict the legacy fields; a parent set through the new API alone
+        # does that on every read (19 µs per raise), the entries alone rarely.
+        window = ("none", "none", *own[2:5], "none", *own[6:])
+        legacy, cudnn = _legacy(window, window)
+        # cuDNN's initial state reads "tf32" but follows a parent: set one.  (With
+        # no parent set it behaves as "tf32" and is written so, as by _quick.)
+        if (undo or find_default) and "tf32" in (own[_CONV], own[_RNN]):
+            if own[_CUDA] == "none":
+                undo.append(("cuda", "none"))
+            put("cuda", "all", "ieee")
+            for i, op in ((_CONV, "conv"), (_RNN, "rnn")):
+                if own[i] == "tf32" and get("cuda", op) == "ieee":
+                    own[i] = _DEFAULT
+    finally:
+        for backend, value in reversed(undo):
+            put(backend, "all", value)
+    return eff, tuple(own), legacy, cudnn
+
+
+def _matmul_refused(legacy: str, cuda: str, mkldnn: str) -> bool:
+    """Whether torch's float32_matmul_precision getter raises, given the legacy
+    value and the resolved matmul entries (``Context::float32MatmulPrecision``)."""
+    return (
+        (cuda == "tf32" and legacy == "highest")
+        or (mkldnn == "bf16" and legacy != "medium")
+        or (mkldnn == "tf32" and legacy != "high")
+    )
+
+
+def _legacy(eff: tuple[str, ...], own: tuple[str, ...]) -> tuple[str | None, bool | None]:
+    """The legacy matmul precision and cuDNN TF32 flag, also where torch's
+    getters refuse to report them (``None``: cannot be known)."""
+    legacy: str | None
+    cudnn: bool | None
+    try:
+        legacy = _C._get_float32_matmul_precision()
+    except RuntimeError:
+        legacy = _refused_matmul_precision(eff)
+    try:
+        cudnn = _C._get_cudnn_allow_tf32()
+    except RuntimeError:
+        cudnn = _refused_cudnn_allow_tf32(eff, own)
+    return legacy, cudnn
+
+
+#: For the resolved (cuda.matmul, mkldnn.matmul): the legacy values torch's
+#: getter refuses to report.  Where it raised, the field is one of these.
+_REFUSING = {
+    (cuda, mkldnn): tuple(
+        v for v in ("highest", "high", "medium") if _matmul_refused(v, cuda, mkldnn)
+    )
+    for cuda in ("none", "ieee", "tf32")
+    for mkldnn in ("none", "ieee", "tf32", "bf16")
+}
+
+
+def _refused_matmul_precision(eff: tuple[str, ...]) -> str | None:
+    """The legacy matmul precision where its getter raised, with ``eff`` in force."""
+    if not _EXACT:
+        return None
+    cuda = eff[_CUDA_MATMUL]
+    found = _REFUSING.get((cuda, eff[_MKLDNN_MATMUL]), ())
+    if len(found) > 1:
+        # The cuBLAS getter tells "highest" apart: it raises exactly when the
+        # field's TF32 and cuda.matmul's disagree.
+        try:
+            _C._get_cublas_allow_tf32()
+            cublas_refused = False
+        except RuntimeError:
+            cublas_refused = True
+        found = tuple(v for v in found if ((v != "highest") != (cuda == "tf32")) == cublas_refused)
+    return found[0] if len(found) == 1 else None
+
+
+def _refused_cudnn_allow_tf32(eff: tuple[str, ...], own: tuple[str, ...]) -> bool | None:
+    """The legacy cuDNN TF32 flag where its getter raised, with ``eff`` in force."""
+    if not _EXACT:
+        return None
+    conv, rnn = eff[_CONV] == "tf32", eff[_RNN] == "tf32"
+    if conv == rnn:
+        return not conv  # it raises exactly when the flag disagrees with both
+    # conv and rnn disagree, which hides the flag: make them agree for one call
+    # through an entry whose own value is known and writable (not "default").
+    i, value = (_CONV, "tf32") if not conv else (_RNN, "tf32")
+    if own[i] == _DEFAULT:
+        i, value = (_RNN if i == _CONV else _CONV), "ieee"
+    assert _set_precision is not None
+    _set_precision("cuda", _PRECISION_OPNAMES[i], value)
+    try:
+        _C._get_cudnn_allow_tf32()
+        agrees = True
+    except RuntimeError:
+        agrees = False
+    finally:
+        _set_precision("cuda", _PRECISION_OPNAMES[i], own[i])
+    return (value == "tf32") == agrees
+
+
+def _onednn_allow_tf32() -> bool | None:
+    return bool(_get_onednn()) if _get_onednn is not None else None
+
+
+# -- inductor ------------------------------------------------------------------
+
+_INDUCTOR = "torch._inductor.config"
+_KEY = "deterministic"
+
+
+class _AtDefault:
+    """Inductor's flag as nobody set it: at its default, or not imported yet."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _AtDefault)
+
+    def __hash__(self) -> int:
+        return hash(_AtDefault)
+
+    def __repr__(self) -> str:
+        return "default"
+
+    def __reduce__(self) -> str:
+        return "AT_DEFAULT"
+
+
+AT_DEFAULT = _AtDefault()
+_NOT_IMPORTED = (None, AT_DEFAULT)
+
+
+class _Inductor(NamedTuple):
+    config: Any
+    #: The ``deterministic`` entry; None where torch's config layout is not the
+    #: one this module knows (then the value itself is read and written).
+    entry: Any
+    #: torch's "no user override" sentinel.
+    unset: object
+    #: The value is the override, else the entry's default (no alias, env
+    #: variable or justknob in between): no need for the costly getattr.
+    plain: bool
+
+
+_inductor_cache: _Inductor | None = None
+
+
+def _inductor() -> _Inductor | None:
+    global _inductor_cache
+    config = sys.modules.get(_INDUCTOR)
+    if config is None:
+        return None
+    cached = _inductor_cache
+    if cached is None or cached.config is not config:
+        cached = _inductor_cache = _inspect(config)
+    return cached
+
+
+def _inspect(config: Any) -> _Inductor:
+    entries = getattr(config, "_config", None)
+    entry = entries.get(_KEY) if isinstance(entries, dict) else None
+    override = getattr(entry, "user_override", None)
+    unset = getattr(sys.modules.get("torch.utils._config_module"), "_UNSET_SENTINEL", None)
+    if not (
+        unset is not None
+        and callable(getattr(override, "get", None))
+        and callable(getattr(override, "set", None))
+        and callable(getattr(config, "_mark_get_dict_dirty", None))
+        and hasattr(config, "_hash_dirty_var")
+    ):
+        return _Inductor(config, None, None, False)
+    plain = (
+        getattr(entry, "alias", None) is None
+        and getattr(entry, "justknob", None) is None
+        and getattr(entry, "env_value_force", None) is unset
+        and getattr(entry, "env_value_default", None) is unset
+        and isinstance(getattr(entry, "default", None), bool)
+    )
+    return _Inductor(config, entry, unset, plain)
+
+
+def _read_inductor() -> tuple[bool | None, object]:
+    """(the value, the override or AT_DEFAULT); (None, AT_DEFAULT) if not imported."""
+    found = _inductor()
+    if found is None:
+        return None, AT_DEFAULT
+    if found.entry is None:
+        value = getattr(found.config, _KEY)
+        return bool(value), value
+    override = found.entry.user_override.get()
+    if override is found.unset:
+        value = found.entry.default if found.plain else getattr(found.config, _KEY)
+        return bool(value), AT_DEFAULT
+    value = override if found.plain else getattr(found.config, _KEY)
+    return bool(value), override
+
+
+def _default_value(config: Any) -> bool:
+    entry = getattr(config, "_config", {}).get(_KEY)
+    if entry is not None and hasattr(entry, "default"):
+        return bool(entry.default)
+    return os.getenv("TORCHINDUCTOR_DETERMINISTIC") == "1"
+
+
+def _restore_inductor(want: object) -> None:
+    found = _inductor()
+    if found is None:
+        return
+    if found.entry is None:
+        setattr(found.config, _KEY, _default_value(found.config) if want == AT_DEFAULT else want)
+        return
+    target = found.unset if want == AT_DEFAULT else want
+    if found.entry.user_override.get() is not target:
+        found.entry.user_override.set(target)
+        # The caches of the compile-cache key and of get_dict (torch's own patcher does this).
+        found.config._hash_dirty_var.set(True)
+        found.config._mark_get_dict_dirty(_KEY)
+
+
+# -- the source ----------------------------------------------------------------
+
+
 class FlagState(NamedTuple):
-    """Every flag value; ``inductor_deterministic`` is ``None`` if not imported."""
+    """Every flag value.
+
+    ``fp32_precision`` holds what the getters report (resolved values),
+    ``fp32_precision_own`` what each entry holds itself (see the module
+    docstring); ``float32_matmul_precision`` and ``cudnn_allow_tf32`` are the
+    legacy fields, also where torch's getters refuse to report them (``None``:
+    unknown, left alone by a restore).  ``inductor_deterministic`` is the
+    value (``None`` if inductor is not imported), ``inductor_override`` what
+    restoring writes: :data:`AT_DEFAULT` or the value someone set.
+    """
 
     cudnn_deterministic: bool
     cudnn_benchmark: bool
@@ -84,42 +522,23 @@ class FlagState(NamedTuple):
     fill_uninitialized_memory: bool
     mkldnn_deterministic: bool
     inductor_deterministic: bool | None
-    float32_matmul_precision: str | None  # None: torch cannot report it (mixed APIs)
+    float32_matmul_precision: str | None
     fp32_precision: tuple[str, ...]
-
-
-def _inductor_config() -> Any:
-    return sys.modules.get("torch._inductor.config")
-
-
-def _matmul_precision() -> str | None:
-    # The getter raises once some mixes of the legacy and new precision APIs
-    # were used; a snapshot must still be possible.  The per-op fp32_precision
-    # entries, read separately, hold the same information for restoring.
-    try:
-        return str(_C._get_float32_matmul_precision())
-    except RuntimeError:
-        return None
-
-
-def _inductor_default(config: Any) -> bool:
-    entry = getattr(config, "_config", {}).get("deterministic")
-    if entry is not None and hasattr(entry, "default"):
-        return bool(entry.default)
-    return os.getenv("TORCHINDUCTOR_DETERMINISTIC") == "1"
+    fp32_precision_own: tuple[str, ...]
+    cudnn_allow_tf32: bool | None
+    onednn_allow_tf32: bool | None
+    inductor_override: object
 
 
 class TorchFlagsSource:
-    """Algorithm-selection flags of torch, cuDNN, oneDNN and inductor."""
+    """Algorithm-selection flags of torch, cuDNN, oneDNN and inductor, and the
+    TF32/precision flags, restored exactly."""
 
     name = "torch.flags"
 
     def capture(self) -> FlagState:
-        inductor = _inductor_config()
-        return self._read(None if inductor is None else bool(inductor.deterministic))
-
-    @staticmethod
-    def _read(inductor_deterministic: bool | None) -> FlagState:
+        inductor, override = _read_inductor() if _INDUCTOR in sys.modules else _NOT_IMPORTED
+        eff, own, legacy, cudnn = _read()
         return FlagState(
             _C._get_cudnn_deterministic(),
             _C._get_cudnn_benchmark(),
@@ -127,9 +546,13 @@ class TorchFlagsSource:
             _C._get_deterministic_algorithms_warn_only(),
             _C._get_deterministic_fill_uninitialized_memory(),
             _C._get_mkldnn_deterministic(),
-            inductor_deterministic,
-            _matmul_precision(),
-            _precisions(),
+            inductor,
+            legacy,
+            eff,
+            own,
+            cudnn,
+            _onednn_allow_tf32() if _ONEDNN else None,
+            override,
         )
 
     def apply(self, settings: Settings) -> None:
@@ -138,85 +561,114 @@ class TorchFlagsSource:
         _C._set_deterministic_algorithms(True, warn_only=settings.warn_only)
         _C._set_deterministic_fill_uninitialized_memory(True)
         _C._set_mkldnn_deterministic(True)
-        inductor = _inductor_config()
-        if inductor is not None:
-            inductor.deterministic = True
+        found = _inductor()
+        if found is not None and not (
+            found.plain and found.entry.user_override.get() is True  # nested: already set
+        ):
+            found.config.deterministic = True
 
     def restore(self, state: FlagState) -> None:
-        inductor = _inductor_config()
-        if inductor is not None:
-            # Inductor's config object makes a read (~1.2 µs) dearer than a
-            # write (~0.8 µs): write the value back without reading it.
-            if state.inductor_deterministic is not None:
-                inductor.deterministic = state.inductor_deterministic
-            else:
-                # First imported inside the block: put back the value it would
-                # have had without the block, its declared default.
-                inductor.deterministic = _inductor_default(inductor)
-        # Only what differs is written: cheap, and it never mixes the legacy
-        # and new precision APIs behind the user's back.
-        now = self._read(state.inductor_deterministic)
-        if now == state:
-            return
-        if now.cudnn_deterministic != state.cudnn_deterministic:
+        if _INDUCTOR in sys.modules:
+            _restore_inductor(state.inductor_override)
+        if _C._get_cudnn_deterministic() != state.cudnn_deterministic:
             _C._set_cudnn_deterministic(state.cudnn_deterministic)
-        if now.cudnn_benchmark != state.cudnn_benchmark:
+        if _C._get_cudnn_benchmark() != state.cudnn_benchmark:
             _C._set_cudnn_benchmark(state.cudnn_benchmark)
-        if (now.deterministic_algorithms, now.deterministic_warn_only) != (
-            state.deterministic_algorithms,
-            state.deterministic_warn_only,
+        if (
+            _C._get_deterministic_algorithms() != state.deterministic_algorithms
+            or _C._get_deterministic_algorithms_warn_only() != state.deterministic_warn_only
         ):
             _C._set_deterministic_algorithms(
                 state.deterministic_algorithms, warn_only=state.deterministic_warn_only
             )
-        if now.fill_uninitialized_memory != state.fill_uninitialized_memory:
+        if _C._get_deterministic_fill_uninitialized_memory() != state.fill_uninitialized_memory:
             _C._set_deterministic_fill_uninitialized_memory(state.fill_uninitialized_memory)
-        if now.mkldnn_deterministic != state.mkldnn_deterministic:
+        if _C._get_mkldnn_deterministic() != state.mkldnn_deterministic:
             _C._set_mkldnn_deterministic(state.mkldnn_deterministic)
-        current = now.fp32_precision
+        want = state.fp32_precision_own
+        # A "tf32" read with no parent set may be cuDNN's initial state: that
+        # matters where the target sets a cuda parent (they differ under it) or holds it.
+        find_default = _EXACT and (
+            want[_GENERIC] != "none"
+            or want[_CUDA] != "none"
+            or _DEFAULT in (want[_CONV], want[_RNN])
+        )
+        _, own, legacy, cudnn = _read(find_default)
         if (
-            state.float32_matmul_precision is not None
-            and now.float32_matmul_precision != state.float32_matmul_precision
+            own == want
+            and state.float32_matmul_precision in (None, legacy)
+            and state.cudnn_allow_tf32 in (None, cudnn)
+            and not _ONEDNN
         ):
-            # Drives the matmul entries of fp32_precision: read them again after.
-            torch.set_float32_matmul_precision(state.float32_matmul_precision)
-            current = _precisions()
-        for op, was, is_ in zip(_PRECISION_OPS, state.fp32_precision, current, strict=True):
-            if was != is_:
-                _C._set_fp32_precision_setter(*op, was)
+            return  # the common case: the body changed no precision
+        global _writes
+        with _lock:
+            _writes += 1
+            try:
+                # Read again: another thread may have written since.
+                _, own, legacy, cudnn = _probe(_precisions(), find_default)
+                _write_precision(state, own, legacy, cudnn)
+            finally:
+                _writes += 1
 
     def export_state(self, state: FlagState) -> dict[str, Any]:
         """The state as plain data: one entry per field, ``fp32_precision`` as
-        ``{"backend.op": value}``, ``inductor_deterministic`` left out if ``None``."""
+        ``{"backend.op": own value}`` (cuDNN's initial state as the value that
+        behaves the same), ``inductor_deterministic`` only if someone set it,
+        ``cudnn_allow_tf32`` if known, ``onednn_allow_tf32`` on builds that have it.
+        """
         out: dict[str, Any] = {f: getattr(state, f) for f in _BOOLS}
-        if state.inductor_deterministic is not None:
-            out["inductor_deterministic"] = state.inductor_deterministic
-        if state.float32_matmul_precision is None:
+        override = state.inductor_override
+        if override != AT_DEFAULT:
+            if type(override) is not bool:
+                raise ValueError(
+                    f"torch._inductor.config.deterministic holds {override!r}, not True or "
+                    f"False, so these flags cannot be saved"
+                )
+            out["inductor_deterministic"] = override
+        own = state.fp32_precision_own
+        legacy = state.float32_matmul_precision
+        if legacy is None or (
+            _EXACT
+            and _matmul_refused(legacy, _resolve(own, _CUDA_MATMUL), _resolve(own, _MKLDNN_MATMUL))
+        ):
             raise ValueError(
                 "torch cannot report its float32 matmul precision (the legacy allow_tf32 and "
                 "the new fp32_precision APIs were mixed), so these flags cannot be saved; "
                 "set them through one API only"
             )
-        out["float32_matmul_precision"] = state.float32_matmul_precision
-        out["fp32_precision"] = dict(zip(_PRECISION_KEYS, state.fp32_precision, strict=True))
+        out["float32_matmul_precision"] = legacy
+        if _EXACT:  # cuDNN's initial state cannot be loaded: save what behaves the same
+            closest = _closest(own)
+            own = tuple(closest if value == _DEFAULT else value for value in own)
+        out["fp32_precision"] = dict(zip(_PRECISION_KEYS, own, strict=True))
+        if state.cudnn_allow_tf32 is not None:
+            out["cudnn_allow_tf32"] = state.cudnn_allow_tf32
+        if state.onednn_allow_tf32 is not None:
+            out["onednn_allow_tf32"] = state.onednn_allow_tf32
         return out
 
     def import_state(self, data: object, path: str) -> FlagState:
         """Check saved data and rebuild a state; ``ValueError`` names the bad field.
 
-        The saved ``fp32_precision`` entries must be exactly this torch's: a
-        flag that could not be restored is an error, not a skip.
+        The saved ``fp32_precision`` entries must be exactly this torch's, each
+        a value its setter accepts: a flag that could not be restored is an
+        error, not a skip.  Files written before ``cudnn_allow_tf32`` was saved
+        load too: that flag is then left as it is.
         """
         d = _plain.fields(
             data,
             path,
             [*_BOOLS, "float32_matmul_precision", "fp32_precision"],
-            ["inductor_deterministic"],
+            ["inductor_deterministic", "cudnn_allow_tf32", "onednn_allow_tf32"],
         )
         precision = _plain.fields(d["fp32_precision"], f"{path}.fp32_precision", _PRECISION_KEYS)
 
         def flag(name: str) -> bool:
             return _plain.flag(d[name], f"{path}.{name}")
+
+        def optional(name: str) -> bool | None:
+            return flag(name) if name in d else None
 
         legacy = _plain.text(
             d["float32_matmul_precision"],
@@ -227,19 +679,28 @@ class TorchFlagsSource:
             value = _plain.text(
                 precision[key], f"{path}.fp32_precision.{key}", choices=_FP32_VALUES
             )
-            if (key.split(".")[0], value) in _SET_REFUSED:
+            if key.startswith("cuda.") and value == "bf16":
                 raise ValueError(f"{path}.fp32_precision.{key}: torch refuses {value!r} there")
-        for backend in ("cuda", "mkldnn"):
-            # "none" inherits: the op's value, else the backend's "all", else "generic.all".
-            chain = (f"{backend}.matmul", f"{backend}.all", "generic.all")
-            effective = next(
-                (precision[k] for k in chain if precision.get(k, "none") != "none"), "none"
-            )
-            if (legacy, backend, effective) in _READ_REFUSED:
+        own = tuple(precision[key] for key in _PRECISION_KEYS)
+        eff = tuple(_resolve(own, i) for i in range(len(own))) if _EXACT else own
+        if _EXACT:
+            cuda, mkldnn = eff[_CUDA_MATMUL], eff[_MKLDNN_MATMUL]
+            if _matmul_refused(legacy, cuda, mkldnn):
+                # torch sets this but then refuses to read it back ("mix of the
+                # legacy and new APIs"); saving refuses it too.
+                effective = mkldnn if mkldnn in ("tf32", "bf16") else cuda
+                backend = "mkldnn" if mkldnn in ("tf32", "bf16") else "cuda"
                 raise ValueError(
                     f"{path}.fp32_precision: torch refuses {backend} matmul precision "
                     f"{effective!r} together with float32_matmul_precision={legacy!r}"
                 )
+        onednn = optional("onednn_allow_tf32")
+        if onednn is not None and not _ONEDNN:
+            raise ValueError(
+                f"{path}.onednn_allow_tf32: this torch build has no oneDNN TF32 flag "
+                f"(only XPU builds keep it), so it cannot be restored"
+            )
+        inductor = optional("inductor_deterministic")
         return FlagState(
             cudnn_deterministic=flag("cudnn_deterministic"),
             cudnn_benchmark=flag("cudnn_benchmark"),
@@ -247,12 +708,61 @@ class TorchFlagsSource:
             deterministic_warn_only=flag("deterministic_warn_only"),
             fill_uninitialized_memory=flag("fill_uninitialized_memory"),
             mkldnn_deterministic=flag("mkldnn_deterministic"),
-            inductor_deterministic=(
-                flag("inductor_deterministic") if "inductor_deterministic" in d else None
-            ),
+            inductor_deterministic=inductor,
             float32_matmul_precision=legacy,
-            fp32_precision=tuple(precision[key] for key in _PRECISION_KEYS),
+            fp32_precision=eff,
+            fp32_precision_own=own,
+            cudnn_allow_tf32=optional("cudnn_allow_tf32"),
+            onednn_allow_tf32=onednn,
+            inductor_override=AT_DEFAULT if inductor is None else inductor,
         )
+
+
+def _write_precision(
+    state: FlagState, own: tuple[str, ...], legacy: str | None, cudnn: bool | None
+) -> None:
+    """Write what differs between ``state`` and the current ``own``, ``legacy``
+    and ``cudnn``.  The caller holds ``_lock``."""
+    want = state.fp32_precision_own
+    entries = list(own)
+    # The legacy setters first: they overwrite entries, which are fixed after.
+    if state.float32_matmul_precision not in (None, legacy):
+        _C._set_float32_matmul_precision(state.float32_matmul_precision)
+        if _EXACT:
+            entries[_CUDA_MATMUL], entries[_MKLDNN_MATMUL] = _MATMUL_ENTRIES[
+                state.float32_matmul_precision
+            ]
+        else:
+            entries = list(_precisions())
+    if state.cudnn_allow_tf32 not in (None, cudnn):
+        _C._set_cudnn_allow_tf32(state.cudnn_allow_tf32)
+        if _EXACT:
+            entries[_CONV] = entries[_RNN] = "tf32" if state.cudnn_allow_tf32 else "none"
+        else:
+            entries = list(_precisions())
+    if _ONEDNN and state.onednn_allow_tf32 not in (None, _onednn_allow_tf32()):
+        _C._set_onednn_allow_tf32(state.onednn_allow_tf32)
+    if tuple(entries) == want:
+        return
+    assert _set_precision is not None
+    if not _EXACT:
+        # Older rules: write every resolved value, parents first.
+        for op, value in zip(_PRECISION_OPS, want, strict=True):
+            _set_precision(*op, value)
+        return
+    # Entries are separate cells: once the legacy fields are written, the
+    # order of these writes does not matter.
+    closest = _closest(want)
+    for op, target, have in zip(_PRECISION_OPS, want, entries, strict=True):
+        if target == have:
+            continue
+        if have == _DEFAULT and target == closest:
+            continue  # keep it: it behaves as the target under the target's parents
+        if target == _DEFAULT:
+            target = closest  # no setter takes it
+            if target == have:
+                continue
+        _set_precision(*op, target)
 
 
 _BOOLS = (
@@ -265,16 +775,3 @@ _BOOLS = (
 )
 _PRECISION_KEYS = tuple(f"{backend}.{op}" for backend, op in _PRECISION_OPS)
 _FP32_VALUES = ("none", "ieee", "tf32", "bf16")
-#: (backend, value) that torch's setter refuses.
-_SET_REFUSED = {("cuda", "bf16")}
-#: (float32_matmul_precision, backend, effective matmul precision) that torch
-#: sets but then refuses to read back ("mix of the legacy and new APIs",
-#: ``Context::float32MatmulPrecision``): restoring one would make every later
-#: capture of the flags raise.  A test checks this against the installed torch.
-_READ_REFUSED = {
-    ("highest", "cuda", "tf32"),
-    ("highest", "mkldnn", "tf32"),
-    ("medium", "mkldnn", "tf32"),
-    ("highest", "mkldnn", "bf16"),
-    ("high", "mkldnn", "bf16"),
-}

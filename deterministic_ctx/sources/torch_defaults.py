@@ -230,9 +230,10 @@ class TorchDefaultsSource:
         """Check saved data and rebuild a state; ``ValueError`` names the bad field.
 
         ``device`` may be absent (no default device: the loaded snapshot
-        leaves none set, as in a thread that never set one).  Nothing here initializes a device: a CUDA
-        default device is a parsed ``torch.device``, used only by the next
-        factory call, as after ``torch.set_default_device("cuda")``.
+        leaves none set, as in a thread that never set one).  Nothing here
+        initializes a device: a CUDA default device is a parsed
+        ``torch.device``, used only by the next factory call, as after
+        ``torch.set_default_device("cuda")``.
         """
         d = _plain.fields(
             data, path, ["dtype", "tensor_type", "threads", "flush_denormal"], ["device"]
