@@ -98,6 +98,8 @@ class _Block:
         if i is not None:
             if not self._carried:  # carried blocks that were being put back go back again
                 self._carried = tuple(_active[i + 1 :])
+            for block in self._carried:
+                block._carrier = self
             del _active[i:]
             outer, self._outer = self._outer, None
             try:
@@ -180,7 +182,10 @@ class _Block:
         carrier = self._carrier
         assert carrier is not None
         carried = carrier._carried
-        i = next(k for k, block in enumerate(carried) if block is self)
+        i = next((k for k, block in enumerate(carried) if block is self), None)
+        if i is None:  # a retry after the carrier was already updated
+            self._carrier = self._outer = None
+            return
         if i + 1 == len(carried):
             carrier._inner = self._outer  # the carrier's world as it was before this block
         else:

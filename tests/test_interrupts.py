@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 
 import deterministic_ctx
@@ -172,7 +173,15 @@ BODIES = {"returns": _body_ok, "raises": _body_raises}
 
 
 def _clean(before: World) -> bool:
-    return LOCK.depth == 0 and not LOCK.held_by_other_thread() and World.now() == before
+    # NumPy's bit-generator lock too: a copy interrupted between taking and
+    # releasing it would leave it held, and the next thread to draw would hang.
+    numpy_lock = np.random.mtrand._rand._bit_generator.lock
+    return (
+        LOCK.depth == 0
+        and not LOCK.held_by_other_thread()
+        and not numpy_lock._is_owned()
+        and World.now() == before
+    )
 
 
 @pytest.mark.slow

@@ -297,9 +297,23 @@ def _probe(eff: tuple[str, ...], find_default: bool) -> _Hidden:
                 if own[i] == "tf32" and get("cuda", op) == "ieee":
                     own[i] = _DEFAULT
     finally:
-        for backend, value in reversed(undo):
-            put(backend, "all", value)
+        _put_back(put, undo)
     return eff, tuple(own), legacy, cudnn
+
+
+def _put_back(put: Any, undo: list[tuple[str, str]]) -> None:
+    """Write back every parent :func:`_probe` unset, last first, even if a signal
+    handler raises after one of the writes (each C call is a point where it
+    can): that write is made again, the rest follow, then the exception."""
+    pending: BaseException | None = None
+    for backend, value in reversed(undo):
+        try:
+            put(backend, "all", value)
+        except BaseException as exc:
+            pending = pending or exc
+            put(backend, "all", value)
+    if pending is not None:
+        raise pending
 
 
 def _matmul_refused(legacy: str, cuda: str, mkldnn: str) -> bool:

@@ -105,9 +105,12 @@ class NumpyGlobalSource:
         if self._fast(bg) is not None:
             mt, gauss = self._views(bg)
             # The bit generator's lock keeps a draw in another thread (NumPy
-            # releases the GIL for large fills) from tearing the copy.
-            with bg.lock:
-                return NumpyState(bg, (bytes(mt), bytes(gauss)))
+            # releases the GIL for large fills) from tearing the copy.  Each
+            # locked copy is a one-line ``with``: CPython gives the exit of a
+            # ``with`` the statement's line, so with the body on another line
+            # a tracer (or debugger) raising at that line event would skip the
+            # release and leave NumPy's lock held for good.
+            with bg.lock: return NumpyState(bg, (bytes(mt), bytes(gauss)))  # noqa: E701  # fmt: skip
         return NumpyState(bg, rs.get_state(legacy=False))
 
     def restore(self, state: NumpyState) -> None:
@@ -119,8 +122,8 @@ class NumpyGlobalSource:
             if self._fast(bg) is None:
                 raise ValueError("NumPy state was captured through the fast path, which is off")
             mt, gauss = self._views(bg)
-            with bg.lock:
-                mt[:], gauss[:] = state.raw
+            raw_mt, raw_gauss = state.raw
+            with bg.lock: mt[:], gauss[:] = raw_mt, raw_gauss  # noqa: E701  # fmt: skip
         else:
             rs.set_state(state.raw)
 
@@ -138,9 +141,8 @@ class NumpyGlobalSource:
         # The record legacy seeding produces, cached per seed, and a cleared
         # gaussian cache: what ``np.random.seed`` does, as two copies.
         mt, gauss = self._views(bg)
-        with bg.lock:
-            mt[:] = _legacy_seeded_record(settings.rank_seed)
-            gauss[:] = _NO_GAUSS
+        seeded = _legacy_seeded_record(settings.rank_seed)
+        with bg.lock: mt[:], gauss[:] = seeded, _NO_GAUSS  # noqa: E701  # fmt: skip
 
     def to_public(self, state: NumpyState) -> dict[str, Any]:
         """The state in ``RandomState.get_state(legacy=False)`` form."""
