@@ -111,7 +111,9 @@ def _abandon(it: Any, block: _Block, end: Callable[[], None]) -> None:
     try:
         if block.suspended:
             block.resume()
-        it.close()
+        close = getattr(it, "close", None)  # an ``__await__`` iterator may have none
+        if close is not None:
+            close()
         end()
     except BaseException:
         end()
