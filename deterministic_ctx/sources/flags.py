@@ -69,7 +69,8 @@ import os
 import re
 import sys
 import threading
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -155,6 +156,7 @@ _lock = threading.Lock()
 #: that saw it odd, or changed by the end, reads again under the lock, so it
 #: never records a probe's passing state (a seqlock; the GIL orders the reads).
 _writes = 0
+_T = TypeVar("_T")
 
 
 def _new_lock_in_child() -> None:
@@ -213,18 +215,31 @@ def _read(find_default: bool = False) -> _Hidden:
     ``find_default``.  Otherwise the parents are unset for a moment (under
     ``_lock``).
     """
-    global _writes
     seen = _writes
     if not seen & 1:
         found = _quick(_precisions(), find_default)
         if found is not None and _writes == seen:
             return found
-    with _lock:
+    return _exclusively(lambda: _probe(_precisions(), find_default))
+
+
+def _exclusively(step: Callable[[], _T]) -> _T:
+    """Run ``step`` holding ``_lock``, with ``_writes`` odd meanwhile.
+
+    The ``with`` is one line: CPython gives a ``with``'s exit the statement's
+    own line, so with the body on another line a tracer raising at that line
+    event would skip the release and leave the lock held for good.
+    """
+    with _lock: return _counted(step)  # noqa: E701  # fmt: skip
+
+
+def _counted(step: Callable[[], _T]) -> _T:
+    global _writes
+    _writes += 1
+    try:
+        return step()
+    finally:
         _writes += 1
-        try:
-            return _probe(_precisions(), find_default)
-        finally:
-            _writes += 1
 
 
 def _quick(eff: tuple[str, ...], find_default: bool) -> _Hidden | None:
@@ -615,15 +630,13 @@ class TorchFlagsSource:
             and not _ONEDNN
         ):
             return  # the common case: the body changed no precision
-        global _writes
-        with _lock:
-            _writes += 1
-            try:
-                # Read again: another thread may have written since.
-                _, own, legacy, cudnn = _probe(_precisions(), find_default)
-                _write_precision(state, own, legacy, cudnn)
-            finally:
-                _writes += 1
+
+        def write() -> None:
+            # Read again: another thread may have written since.
+            _, own, legacy, cudnn = _probe(_precisions(), find_default)
+            _write_precision(state, own, legacy, cudnn)
+
+        _exclusively(write)
 
     def export_state(self, state: FlagState) -> dict[str, Any]:
         """The state as plain data: one entry per field, ``fp32_precision`` as
