@@ -330,11 +330,10 @@ def _leak_guard(item: pytest.Item, mode: str) -> Iterator[None]:
 
 def _managed_state() -> dict[str, Any]:
     """The flags and environment variables the library manages, by name."""
-    from deterministic_ctx import managed_env_vars
-    from deterministic_ctx.sources.flags import TorchFlagsSource
+    from deterministic_ctx.internal import managed_env_vars, source_named
 
     # Only the flags: RNG draws are normal in a test and are not leaks.
-    flags = TorchFlagsSource().capture()
+    flags = source_named("torch.flags").capture()
     state = {f"torch.{name}": value for name, value in flags._asdict().items()}
     # Every variable a block restores (names registered with register_env_var too), so that
     # the guard reports exactly what a block would have put back.

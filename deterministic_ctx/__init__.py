@@ -3,6 +3,12 @@
 ``with deterministic(seed=0):`` seeds every RNG and turns on deterministic
 algorithms for a block, then restores everything bit for bit on exit.
 
+``import deterministic_ctx`` imports neither torch nor NumPy: each public
+name is loaded when it is first used (PEP 562), the engine with the first of
+them, an integration (verification, reports, checkpoints) only with its own
+names.  So ``deterministic-ctx run`` restarts the interpreter before torch is
+loaded, and a test suite that never uses a report never imports it.
+
 Example:
     >>> import random
     >>> from deterministic_ctx import deterministic
@@ -15,23 +21,25 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from ._errors import InvalidSnapshotError, LockWaitWarning, RestoreError
-from ._lock import set_lock_warning
-from ._seed import derive_seed
-from .context import deterministic
-from .data import chain_worker_init, seed_worker, seeded_generator
-from .decorate import reproducible
-from .distributed import broadcast_seed, rank_seed
-from .locate import DivergenceReport, locate_divergence
-from .report import DeterminismReport
-from .report import report as determinism_report
-from .seeding import seed_everything
-from .snapshot import Snapshot
-from .sources import register_rng, registered_rngs, unregister_rng
-from .sources.environ import managed_env_vars, register_env_var
-from .verify import NotReproducibleError, assert_reproducible
+if TYPE_CHECKING:  # what the names below resolve to, for type checkers and readers
+    from ._errors import InvalidSnapshotError, LockWaitWarning, RestoreError
+    from ._lock import set_lock_warning
+    from ._seed import derive_seed
+    from .context import deterministic
+    from .data import chain_worker_init, seed_worker, seeded_generator
+    from .decorate import reproducible
+    from .distributed import broadcast_seed, rank_seed
+    from .locate import DivergenceReport, locate_divergence
+    from .report import DeterminismReport
+    from .report import report as determinism_report
+    from .seeding import seed_everything
+    from .snapshot import Snapshot
+    from .sources import register_rng, registered_rngs, unregister_rng
+    from .sources.environ import managed_env_vars, register_env_var
+    from .verify import NotReproducibleError, assert_reproducible
 
 __all__ = [
     "DeterminismReport",
@@ -62,6 +70,49 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+#: Where each public name lives: ``(module, attribute)``.
+_WHERE: dict[str, tuple[str, str]] = {
+    "DeterminismReport": (".report", "DeterminismReport"),
+    "DivergenceReport": (".locate", "DivergenceReport"),
+    "InvalidSnapshotError": ("._errors", "InvalidSnapshotError"),
+    "LockWaitWarning": ("._errors", "LockWaitWarning"),
+    "NotReproducibleError": (".verify", "NotReproducibleError"),
+    "RestoreError": ("._errors", "RestoreError"),
+    "Snapshot": (".snapshot", "Snapshot"),
+    "assert_reproducible": (".verify", "assert_reproducible"),
+    "broadcast_seed": (".distributed", "broadcast_seed"),
+    "chain_worker_init": (".data", "chain_worker_init"),
+    "derive_seed": ("._seed", "derive_seed"),
+    "determinism_report": (".report", "report"),
+    "deterministic": (".context", "deterministic"),
+    "locate_divergence": (".locate", "locate_divergence"),
+    "managed_env_vars": (".sources.environ", "managed_env_vars"),
+    "rank_seed": (".distributed", "rank_seed"),
+    "register_env_var": (".sources.environ", "register_env_var"),
+    "register_rng": (".sources", "register_rng"),
+    "registered_rngs": (".sources", "registered_rngs"),
+    "reproducible": (".decorate", "reproducible"),
+    "seed_everything": (".seeding", "seed_everything"),
+    "seed_worker": (".data", "seed_worker"),
+    "seeded_generator": (".data", "seeded_generator"),
+    "set_lock_warning": ("._lock", "set_lock_warning"),
+    "unregister_rng": (".sources", "unregister_rng"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = where
+    value = getattr(importlib.import_module(module, __name__), attribute)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -27,7 +27,8 @@ a snapshot must be managed where it is loaded (``register_env_var`` first).
 It holds only dicts with string keys, lists, strings, ints (``bool`` among
 them), floats and 1-D uint8 CPU tensors, so ``torch.load(...,
 weights_only=True)`` accepts it inside any checkpoint.  Each source writes and
-checks its own entry (``export_state`` / ``import_state``).
+checks its own entry (``export_state`` / ``import_state`` of the
+:class:`~deterministic_ctx.sources.Source` contract).
 
 Entries of sources added after version 1 was first written (see
 :data:`OPTIONAL_SOURCES`, today only ``"torch.defaults"``) may be missing: a
@@ -65,15 +66,15 @@ import json
 import os
 import secrets
 import struct
-from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from . import sources as _sources
 from ._errors import InvalidSnapshotError
-from .sources import Source, _plain
-from .sources.accelerators import device_mismatch, device_states_from_plain
+from .sources import DeviceSource, Source, _plain
+from .sources.accelerators import check_foreign_devices
+from .world import World
 
 __all__ = [
     "FORMAT",
@@ -112,28 +113,20 @@ StateDict = dict[str, Any]
 # -- state dict ----------------------------------------------------------------
 
 
-def _device_type(source: Source) -> str | None:
-    device: str | None = getattr(source, "device_type", None)
-    return device
-
-
-def to_state_dict(sources: tuple[Source, ...], states: tuple[Any, ...]) -> StateDict:
-    """The plain state dict of a snapshot (see the module docstring)."""
+def to_state_dict(world: World) -> StateDict:
+    """The plain state dict of a captured world (see the module docstring)."""
     saved: dict[str, Any] = {}
     devices: dict[str, Any] = {}
-    for source, state in zip(sources, states, strict=True):
-        export: Callable[[Any], Any] = getattr(source, "export_state")  # noqa: B009 - not on Source
-        device = _device_type(source)
+    for source, state in zip(world.sources, world.states, strict=True):
+        device = source.device_type
         if device is None:
-            saved[source.name] = export(state)
+            saved[source.name] = source.export_state(state)
         else:
-            devices[device] = export(state)
+            devices[device] = source.export_state(state)
     return {"format": FORMAT, "version": VERSION, "sources": saved, "devices": devices}
 
 
-def from_state_dict(
-    data: object, origin: str, *, strict_devices: bool
-) -> tuple[tuple[Source, ...], tuple[Any, ...]]:
+def from_state_dict(data: object, origin: str, *, strict_devices: bool) -> World:
     """Check a state dict and rebuild, for every source of this process, the
     state to restore.  Raises :class:`InvalidSnapshotError` naming ``origin``."""
     try:
@@ -146,7 +139,7 @@ def from_state_dict(
         raise InvalidSnapshotError(origin, f"{type(exc).__name__}: {exc}") from exc
 
 
-def _import(data: object, strict: bool) -> tuple[tuple[Source, ...], tuple[Any, ...]]:
+def _import(data: object, strict: bool) -> World:
     top = _plain.fields(data, "state_dict", ["format", "version", "sources", "devices"])
     _plain.text(top["format"], "format", choices=(FORMAT,))
     version = top["version"]
@@ -157,7 +150,7 @@ def _import(data: object, strict: bool) -> tuple[tuple[Source, ...], tuple[Any, 
         )
     _plain.integer(version, "version", VERSION, VERSION)
     here = _sources.SOURCES
-    names = [s.name for s in here if _device_type(s) is None]
+    names = [s.name for s in here if s.device_type is None]
     saved = _plain.fields(
         top["sources"],
         "sources",
@@ -165,28 +158,25 @@ def _import(data: object, strict: bool) -> tuple[tuple[Source, ...], tuple[Any, 
         [n for n in names if n in OPTIONAL_SOURCES],
     )
     devices = _plain.mapping(top["devices"], "devices")
-    known = {_device_type(s) for s in here}
-    for name, entry in devices.items():  # every entry is checked, known here or not
-        path = f"devices.{_plain.text(name, 'devices (a key)', max_len=64)}"
-        saved_states = device_states_from_plain(entry, path)
-        if name not in known and saved_states:  # a device type this torch build lacks
-            device_mismatch(path, f"torch.{name}", len(saved_states), 0, strict=strict)
+    # Every entry is checked, known here or not.
+    check_foreign_devices(devices, {t for s in here if (t := s.device_type)}, strict=strict)
     sources: list[Source] = []
     states: list[Any] = []
     for source in here:
-        load: Callable[..., Any] = getattr(source, "import_state")  # noqa: B009 - not on Source
-        device = _device_type(source)
+        device = source.device_type
         if device is None:
             if source.name not in saved:  # an optional entry a file predating it lacks
                 continue
-            state = load(saved[source.name], f"sources.{source.name}")
+            state = source.import_state(saved[source.name], f"sources.{source.name}")
         else:
-            state = load(devices.get(device), f"devices.{device}", strict=strict)
+            state = cast(DeviceSource, source).import_state(
+                devices.get(device), f"devices.{device}", strict=strict
+            )
             if state is None:  # nothing of it can be restored here (it warned or raised)
                 continue
         sources.append(source)
         states.append(state)
-    return tuple(sources), tuple(states)
+    return World(tuple(sources), tuple(states))
 
 
 # -- bytes ---------------------------------------------------------------------

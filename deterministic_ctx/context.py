@@ -1,273 +1,33 @@
-"""``deterministic``: capture → apply → (body) → restore, serialized across threads.
+"""``deterministic``: the ``with`` / ``async with`` block, and the decorator.
 
-A :class:`_Block` is one isolated RNG world.  Its three operations are the
-whole engine; plain blocks, decorated functions, generators, coroutines and
-async generators are all made of them:
-
-* ``resume()``: take the lock, capture the caller's state, then either apply
-  the block's settings (first time) or restore the block's own saved state;
-* ``suspend()``: save the block's state, restore the caller's, drop the lock;
-* ``finish()``: restore the caller's state, drop the lock.
-
-This module knows nothing of torch: sources do the work.
+Each ``with`` is one :class:`~deterministic_ctx.engine.Block`; this module
+only validates the arguments, keeps each object's open blocks (per asyncio
+task for ``async with``) and makes sure an interrupted ``__exit__`` still
+leaves.  As a decorator, ``deterministic`` is :func:`~deterministic_ctx.decorate.reproducible`.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-import time
-import warnings
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
 
-from . import sources as _sources
-from ._errors import RestoreError
-from ._lock import LOCK
 from ._settings import Rank, Settings
-from .snapshot import Snapshot
+from .decorate import decorate
+from .engine import Block, drain_signals
 
 __all__ = ["deterministic"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class _Block:
-    """One isolated RNG world: entered, left, suspended and resumed.
-
-    **Any exit order.**  ``_active`` lists the open blocks of the thread that
-    holds the lock, in the order they were entered; each one's ``_outer`` is
-    the state at its entry, which is the world of the block below it.  The
-    top block leaves by restoring its ``_outer``.  A block that leaves while
-    a later one is still open (interleaved ``async with`` tasks, a generator
-    closed inside another block) restores nothing: the later block's world is
-    the live one, so the leaving block hands its ``_outer`` to the block
-    above it, which restores it when it leaves in turn.  Once every block has
-    left, the state is exactly the one before the first.
-
-    **Suspension.**  Blocks entered during a step of a decorated generator or
-    coroutine and still open at its ``yield``/``await`` belong to its world:
-    they are *carried* (taken off ``_active`` with it) and put back when it
-    resumes.
-
-    **Interrupts.**  Each operation is either rolled back (entry) or completed
-    (exit) when an exception — ``KeyboardInterrupt`` from a signal handler,
-    say — interrupts it at any line: entry registers the block in ``_active``
-    before it applies anything, exits are idempotent steps that are simply
-    run again, and the lock's depth is read back from the lock itself
-    (:meth:`ProcessLock.release_to`).
-    """
-
-    __slots__ = ("_carried", "_carrier", "_inner", "_outer", "_settings", "_started")
-
-    def __init__(self, settings: Settings) -> None:
-        self._settings = settings
-        self._outer: Snapshot | None = None  # the caller's state, while the block is open
-        self._inner: Snapshot | None = None  # the block's own state, while it is suspended
-        self._started = False
-        self._carried: tuple[_Block, ...] = ()  # blocks opened inside this one's suspended step
-        self._carrier: _Block | None = None  # the suspended block carrying this one
-
-    def resume(self) -> None:
-        """Take the lock, capture the caller's state and enter the block's world.
-
-        On any exception nothing is left applied and the lock is back at the
-        caller's depth; then the exception propagates.
-        """
-        depth = LOCK.depth
-        try:
-            LOCK.acquire()
-            self._outer = Snapshot.capture()
-            _active.append(self)  # from here on, fork and out-of-order exits see the caller's state
-            if self._started:
-                assert self._inner is not None
-                self._inner.restore()
-                self._uncarry()
-                self._inner = None  # last: until here a retry can still restore it
-            else:
-                _sources.apply_all(self._settings)
-                self._started = True
-        except BaseException:
-            with _headroom():
-                self._rollback(depth)
-            raise
-
-    def _rollback(self, depth: int) -> None:
-        i = _position(self)
-        if i is not None:
-            if not self._carried:  # carried blocks that were being put back go back again
-                self._carried = tuple(_active[i + 1 :])
-            for block in self._carried:
-                block._carrier = self
-            del _active[i:]
-            outer, self._outer = self._outer, None
-            try:
-                if outer is not None:
-                    outer.restore()
-            finally:
-                LOCK.release_to(depth)
-        else:
-            self._outer = None
-            LOCK.release_to(depth)
-
-    def _uncarry(self) -> None:
-        carried = self._carried
-        if carried:
-            for _ in carried:  # each open block holds one level of the lock
-                LOCK.acquire()
-            _active.extend(carried)
-            for block in carried:
-                block._carrier = None
-            self._carried = ()
-
-    @property
-    def suspended(self) -> bool:
-        """Left at a suspension point, with its own state saved to resume from."""
-        return self._inner is not None and _position(self) is None
-
-    def suspend(self) -> None:
-        """Save the block's state, restore the caller's and drop the lock.
-
-        Completed even if interrupted; the interrupt propagates afterwards.
-        """
-        _run_to_completion(self._suspend)
-
-    def _suspend(self) -> None:
-        i = _position(self)
-        if i is not None:
-            if self._inner is None:  # not captured yet in this suspension
-                self._inner = Snapshot.capture()
-            if i + 1 < len(_active):  # blocks opened in this step stay in its world
-                carried = tuple(_active[i + 1 :])
-                self._carried = carried
-                for block in carried:
-                    block._carrier = self
-                del _active[i + 1 :]
-            assert self._outer is not None
-            self._outer.restore()
-            del _active[i]
-            self._outer = None
-        LOCK.release_to(len(_active))
-
-    def finish(self) -> None:
-        """Leave the block: restore the caller's state (or hand it on) and drop the lock.
-
-        Idempotent, and completed even if interrupted; the interrupt (or a
-        :class:`RestoreError`) propagates afterwards.
-        """
-        _run_to_completion(self._finish)
-
-    def _finish(self) -> None:
-        error: RestoreError | None = None
-        i = _position(self)
-        if i is not None:
-            if i + 1 == len(_active):
-                assert self._outer is not None
-                try:
-                    self._outer.restore()
-                except RestoreError as exc:  # every other source was restored: leave anyway
-                    error = exc
-            else:  # a later block is open: its world is the live one (class docstring)
-                _active[i + 1]._outer = self._outer
-            del _active[i]
-            self._outer = None
-        elif self._carrier is not None:
-            self._leave_carrier()
-        LOCK.release_to(len(_active))
-        if error is not None:
-            raise error
-
-    def _leave_carrier(self) -> None:
-        carrier = self._carrier
-        assert carrier is not None
-        carried = carrier._carried
-        i = next((k for k, block in enumerate(carried) if block is self), None)
-        if i is None:  # a retry after the carrier was already updated
-            self._carrier = self._outer = None
-            return
-        if i + 1 == len(carried):
-            carrier._inner = self._outer  # the carrier's world as it was before this block
-        else:
-            carried[i + 1]._outer = self._outer
-        carrier._carried = carried[:i] + carried[i + 1 :]
-        self._carrier = self._outer = None
-
-    def commit(self) -> None:
-        """Keep the block's state as the process's own: the caller's snapshot
-        is dropped, not restored (``seed_everything``)."""
-        i = _position(self)
-        if i is not None:
-            del _active[i]
-            self._outer = None
-        LOCK.release_to(len(_active))
-
-
-#: The open blocks of the thread that holds the lock, in entry order.
-_active: list[_Block] = []
-
-
-def _position(block: _Block) -> int | None:
-    for i, other in enumerate(_active):
-        if other is block:
-            return i
-    return None
-
-
-_ATTEMPTS = 4
-
-
-def _run_to_completion(step: Callable[[], None]) -> None:
-    """Run the idempotent ``step``; if an interrupt stops it, run it again
-    until it completes, then re-raise the first interrupt.
-
-    An ordinary exception from ``step`` (``RestoreError``) is raised once the
-    step has done its bookkeeping, so it is not retried.
-    """
-    try:
-        step()
-    except BaseException:
-        with _headroom():
-            for _ in range(_ATTEMPTS):
-                try:
-                    step()
-                    break
-                except Exception:
-                    break
-                except BaseException:
-                    continue
-        raise
-
-
-class _headroom:
-    """Room on the stack to finish an exit or a roll-back.
-
-    A decorated function that recursed to the limit fails to enter its block
-    with ``RecursionError``; putting the caller's state back needs a few
-    frames more.  The limit is raised by a little for as long as that takes
-    (only on this error path).
-    """
-
-    __slots__ = ("_limit",)
-
-    def __enter__(self) -> None:
-        self._limit = sys.getrecursionlimit()
-        sys.setrecursionlimit(self._limit + 100)
-
-    def __exit__(self, *exc: object) -> None:
-        sys.setrecursionlimit(self._limit)
-
-
-#: A call of a C function: CPython runs pending signal handlers after it.
-_drain = time.perf_counter
-
-
-def _leave_anyway(blocks: dict[object, list[_Block]], task: object) -> None:
-    """Complete an interrupted ``__exit__``: its block's ``finish()`` is idempotent."""
+def _leave_anyway(blocks: dict[object, list[Block]], task: object) -> None:
+    """Complete an interrupted ``__exit__``: its block's ``stop()`` is idempotent."""
     stack = blocks.get(task)
     if not stack:
         raise RuntimeError("deterministic block exited without being entered") from None
-    stack[-1].finish()
+    stack[-1].stop()
     del stack[-1]
 
 
@@ -280,55 +40,6 @@ def _current_task() -> object:
         return asyncio.current_task()
     except RuntimeError:  # no running event loop (another framework drives the coroutine)
         return None
-
-
-#: The state at the moment of a fork made from inside a block, for the child.
-_at_fork: Snapshot | None = None
-
-
-def _before_fork() -> None:
-    global _at_fork
-    # CPython reseeds ``random`` in every forked child.  Inside a block that
-    # breaks reproducibility (NumPy and torch are inherited as they are), so
-    # the child gets back exactly the state the forking thread had.
-    if LOCK.depth:
-        _at_fork = Snapshot.capture()
-
-
-def _after_fork_in_parent() -> None:
-    global _at_fork
-    _at_fork = None
-
-
-def _after_fork_in_child() -> None:
-    global _at_fork
-    target, _at_fork = _at_fork, None
-    if not LOCK.depth:
-        # Forked outside every block.  If another thread was inside (or
-        # entering, or leaving) one, that thread does not exist here: the
-        # child continues from the state outside its blocks, which is the
-        # forking thread's view.  ``_active[0]`` holds it from before the
-        # first change is applied until after the last one is undone.
-        target = _active[0]._outer if _active else None
-        del _active[:]
-        LOCK.reset_after_fork()
-    if target is not None:
-        try:
-            target.restore()
-        except Exception as exc:
-            warnings.warn(
-                f"deterministic_ctx: could not restore the random state in a forked child: {exc!r}",
-                RuntimeWarning,
-                stacklevel=1,
-            )
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(
-        before=_before_fork,
-        after_in_parent=_after_fork_in_parent,
-        after_in_child=_after_fork_in_child,
-    )
 
 
 class deterministic:  # lowercase: it reads like a function, ``with deterministic(seed=0):``
@@ -381,7 +92,7 @@ class deterministic:  # lowercase: it reads like a function, ``with deterministi
         self._settings = Settings.build(seed, warn_only, rank)
         # The open blocks of this object, by the asyncio task of an ``async
         # with`` (``None`` for a ``with``), in the order they were entered.
-        self._blocks: dict[object, list[_Block]] = {}
+        self._blocks: dict[object, list[Block]] = {}
 
     @property
     def seed(self) -> int:
@@ -411,7 +122,7 @@ class deterministic:  # lowercase: it reads like a function, ``with deterministi
         # where a signal handler can raise, so the exit starts protected.
         try:
             stack = self._blocks[None]
-            stack[-1].finish()
+            stack[-1].stop()
             del stack[-1]  # last, and no call after it: an interrupt lands before it or never
         except BaseException:
             _leave_anyway(self._blocks, None)
@@ -429,7 +140,7 @@ class deterministic:  # lowercase: it reads like a function, ``with deterministi
         # Each task leaves its own block, whatever the order the tasks leave in.
         try:
             stack = self._blocks[_current_task()]
-            stack[-1].finish()
+            stack[-1].stop()
             del stack[-1]
         except BaseException:
             _leave_anyway(self._blocks, _current_task())
@@ -440,25 +151,21 @@ class deterministic:  # lowercase: it reads like a function, ``with deterministi
         if len(blocks) > 1:  # drop the emptied stacks of finished tasks
             for done in [t for t, stack in blocks.items() if t is not None and not stack]:
                 del blocks[done]
-        block = _Block(self._settings)
+        block = Block(self._settings)
         stack = blocks.setdefault(task, [])
         try:
             stack.append(block)  # recorded first: an interrupt below still finds it
-            block.resume()
-            _drain()
+            block.start()
+            drain_signals()
             return self
         except BaseException:
             # ``with`` calls ``__exit__`` only if ``__enter__`` returned: leave now.
             if stack and stack[-1] is block:
                 del stack[-1]
-            block.finish()
+            block.stop()
             raise
 
     def __call__(self, func: F) -> F:
-        # The decorator layer sits above this one; imported here, not at module
-        # level, so the arrows still point one way (decorate -> context).
-        from .decorate import decorate
-
         return decorate(func, self._settings)
 
     def __repr__(self) -> str:

@@ -32,12 +32,17 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from ._seed import MAX_SEED, derive_seed
-from ._settings import Rank, Settings, validate_rank
 from .context import deterministic
 from .distributed import rank_seed, resolve_rank
-from .sources import register_rng, registered_rngs
-from .sources.user_rngs import UserRngSource
+from .internal import (
+    MAX_SEED,
+    Rank,
+    derive_seed,
+    register_rng,
+    registered_rngs,
+    seed_registered_rngs,
+    validate_rank,
+)
 
 __all__ = ["chain_worker_init", "seed_worker", "seeded_generator"]
 
@@ -107,7 +112,7 @@ def _seed_this_worker(rank: int) -> None:
     torch.manual_seed(int(words[0]))
     random.seed(int(words[1]))
     np.random.seed(int(words[2]) & MAX_SEED)  # the legacy RNG takes 32 bits
-    UserRngSource().apply(Settings(int(words[3]) & MAX_SEED, False))
+    seed_registered_rngs(int(words[3]) & MAX_SEED)
 
 
 def _portable_rngs() -> tuple[tuple[str, object], ...]:

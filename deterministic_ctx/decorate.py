@@ -3,7 +3,7 @@
 A sync context manager around a generator or coroutine function exits before
 the body runs (the bug of ``contextlib.ContextDecorator``, ``mock.patch``,
 ``np.errstate`` on coroutines).  Here each call gets its own
-:class:`~deterministic_ctx.context._Block`; for generators, coroutines and
+:class:`~deterministic_ctx.engine.Block`; for generators, coroutines and
 async generators the block is *resumed* before every step of the body and
 *suspended* at every ``yield``/``await`` suspension, so callers and
 interleaved tasks never see each other's streams.  Nothing here depends on
@@ -19,7 +19,7 @@ from collections.abc import Callable, Generator
 from typing import Any, NoReturn, TypeVar, cast, overload
 
 from ._settings import Rank, Settings
-from .context import _Block
+from .engine import Block
 
 __all__ = ["DEFAULT_SEED", "decorate", "reproducible"]
 
@@ -47,10 +47,10 @@ def _send(it: Any, value: Any, to_throw: BaseException | None) -> tuple[Any, boo
         return None, True, exc
 
 
-def _steps(it: Any, block: _Block, *, final: bool) -> Generator[Any, Any, Any]:
+def _steps(it: Any, block: Block, *, final: bool) -> Generator[Any, Any, Any]:
     """Drive ``it`` step by step in ``block`` (:func:`_drive`); whatever ends the
     driving with an exception, ``it`` is closed in its own world first."""
-    end = block.finish if final else block.suspend
+    end = block.stop if final else block.suspend
     try:
         return (yield from _drive(it, block, end))
     except BaseException:
@@ -58,21 +58,21 @@ def _steps(it: Any, block: _Block, *, final: bool) -> Generator[Any, Any, Any]:
         raise
 
 
-def _drive(it: Any, block: _Block, end: Callable[[], None]) -> Generator[Any, Any, Any]:
+def _drive(it: Any, block: Block, end: Callable[[], None]) -> Generator[Any, Any, Any]:
     """Drive ``it`` (generator, coroutine, or awaitable iterator) step by step,
     resuming ``block`` around each step.
 
-    ``end`` leaves the block when ``it`` is done: ``finish`` (generators,
+    ``end`` leaves the block when ``it`` is done: ``stop`` (generators,
     coroutines), or ``suspend`` when more steps of the same world follow
     (async generators).  Each step enters and leaves the block inside one ``try`` whose handler
-    leaves it again (``finish``/``suspend`` are idempotent), so an interrupt
+    leaves it again (``stop``/``suspend`` are idempotent), so an interrupt
     at any point of the step still leaves the caller's state restored.
     """
     send_value: Any = None
     to_throw: BaseException | None = None
     while True:
         try:
-            block.resume()
+            block.start()
             value, done, error = _send(it, send_value, to_throw)
             to_throw = None
             if done:
@@ -93,7 +93,7 @@ def _drive(it: Any, block: _Block, end: Callable[[], None]) -> Generator[Any, An
         except GeneratorExit:
             # close() or garbage collection: run the body's cleanup in its own world.
             try:
-                block.resume()
+                block.start()
                 it.close()
                 end()
             except BaseException:
@@ -104,13 +104,13 @@ def _drive(it: Any, block: _Block, end: Callable[[], None]) -> Generator[Any, An
             to_throw, send_value = exc, None
 
 
-def _abandon(it: Any, block: _Block, end: Callable[[], None]) -> None:
+def _abandon(it: Any, block: Block, end: Callable[[], None]) -> None:
     """An interrupt stopped the driver of ``it`` (the exit it stopped has
     completed itself): close ``it`` in its own world, so its cleanup neither
     runs later, outside every block, nor is lost."""
     try:
         if block.suspended:
-            block.resume()
+            block.start()
         close = getattr(it, "close", None)  # an ``__await__`` iterator may have none
         if close is not None:
             close()
@@ -125,7 +125,7 @@ class _Isolated:
 
     __slots__ = ("_awaitable", "_block", "_final")
 
-    def __init__(self, awaitable: Any, block: _Block, final: bool) -> None:
+    def __init__(self, awaitable: Any, block: Block, final: bool) -> None:
         self._awaitable, self._block, self._final = awaitable, block, final
 
     def __await__(self) -> Generator[Any, Any, Any]:
@@ -156,17 +156,17 @@ def _call(func: Callable[..., Any], args: Any, kwargs: Any) -> tuple[Any, BaseEx
 def _wrap_function(func: Callable[..., Any], settings: Settings) -> Callable[..., Any]:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        block = _Block(settings)
+        block = Block(settings)
         # The block is left inside the ``try``, on both outcomes of the body,
         # so an interrupt at any line from here on is caught and the exit
-        # completed (``finish`` is idempotent); the body's own exception is
+        # completed (``stop`` is idempotent); the body's own exception is
         # raised only once the block is left.
         try:
-            block.resume()
+            block.start()
             result, error = _call(func, args, kwargs)
-            block.finish()
+            block.stop()
         except BaseException:
-            block.finish()
+            block.stop()
             raise
         if error is not None:
             _reraise(error)
@@ -180,7 +180,7 @@ def _wrap_generator(func: Callable[..., Any], settings: Settings) -> Callable[..
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         # Creating the generator runs none of its code; the block is seeded on
         # the first next().
-        return (yield from _steps(func(*args, **kwargs), _Block(settings), final=True))
+        return (yield from _steps(func(*args, **kwargs), Block(settings), final=True))
 
     return wrapper
 
@@ -188,7 +188,7 @@ def _wrap_generator(func: Callable[..., Any], settings: Settings) -> Callable[..
 def _wrap_coroutine(func: Callable[..., Any], settings: Settings) -> Callable[..., Any]:
     @functools.wraps(func)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return await _Isolated(func(*args, **kwargs), _Block(settings), final=True)
+        return await _Isolated(func(*args, **kwargs), Block(settings), final=True)
 
     return wrapper
 
@@ -197,7 +197,7 @@ def _wrap_async_generator(func: Callable[..., Any], settings: Settings) -> Calla
     @functools.wraps(func)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
         agen = func(*args, **kwargs)
-        block = _Block(settings)
+        block = Block(settings)
         send_value: Any = None
         to_throw: BaseException | None = None
         try:
@@ -267,14 +267,14 @@ def _decorate_testcase(cls: type[unittest.TestCase], settings: Settings) -> type
             # ``super().setUp()`` from a decorated subclass: its block is open.
             setup(self)
             return
-        block = _Block(settings)
+        block = Block(settings)
         try:
-            block.resume()
+            block.start()
             # The first cleanup registered runs last: after tearDown and every
             # other cleanup, and also when setUp itself fails.
-            self.addCleanup(block.finish)
+            self.addCleanup(block.stop)
         except BaseException:
-            block.finish()
+            block.stop()
             raise
         setup(self)
 
@@ -283,13 +283,13 @@ def _decorate_testcase(cls: type[unittest.TestCase], settings: Settings) -> type
         if _closest(klass, "setUpClass") is not cls:
             setup_class(klass)
             return
-        block = _Block(settings)
+        block = Block(settings)
         try:
-            block.resume()
+            block.start()
             _result, error = _call(setup_class, (klass,), {})
-            block.finish()
+            block.stop()
         except BaseException:
-            block.finish()
+            block.stop()
             raise
         if error is not None:
             _reraise(error)

@@ -28,10 +28,9 @@ import secrets
 
 import torch.distributed as dist
 
-from ._seed import validate_seed
-from ._settings import Rank, process_rank, seed_for_rank, validate_rank
+from .internal import Rank, process_rank, seed_for_rank, validate_rank, validate_seed
 
-__all__ = ["broadcast_seed", "rank_seed", "resolve_rank"]
+__all__ = ["broadcast_seed", "draw_seed", "rank_seed", "resolve_rank", "world_size"]
 
 
 def resolve_rank(rank: Rank = "auto") -> int:
@@ -66,14 +65,15 @@ def rank_seed(seed: int, rank: Rank = "auto") -> int:
     return seed_for_rank(validate_seed(seed), resolve_rank(rank))
 
 
-def _world_size() -> int:
-    """The size of the initialized default process group, 1 without one."""
+def world_size() -> int:
+    """The size of the initialized default process group, 1 without one (internal)."""
     if not dist.is_available() or not dist.is_initialized():
         return 1
     return int(dist.get_world_size())
 
 
-def _draw_seed() -> int:
+def draw_seed() -> int:
+    """A fresh 32-bit seed (internal: ``seed_everything(None)`` draws with it)."""
     # From the OS, never from a global RNG: inside a block that would repeat
     # the block's seed and shift its streams.
     return secrets.randbits(32)
@@ -97,11 +97,11 @@ def broadcast_seed(seed: int | None = None) -> int:
     """
     if seed is not None:
         seed = validate_seed(seed)
-    if _world_size() == 1:
-        return _draw_seed() if seed is None else seed
+    if world_size() == 1:
+        return draw_seed() if seed is None else seed
     box: list[int | None] = [None]
     if dist.get_rank() == 0:
-        box[0] = _draw_seed() if seed is None else seed
+        box[0] = draw_seed() if seed is None else seed
     # broadcast_object_list picks the device the backend needs (CPU for gloo,
     # the current CUDA device for NCCL).
     dist.broadcast_object_list(box, src=0)

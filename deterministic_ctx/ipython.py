@@ -29,8 +29,8 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
-from ._seed import MAX_SEED, validate_seed
 from .context import deterministic as _block
+from .internal import MAX_SEED, validate_seed
 
 __all__ = ["DeterministicMagics", "load_ipython_extension", "unload_ipython_extension"]
 

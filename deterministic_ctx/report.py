@@ -210,7 +210,7 @@ def _in_block() -> bool:
 
 
 def _flags(torch: Any, snapshot: Any) -> dict[str, Any]:
-    from .sources.flags import _PRECISION_OPS
+    from .sources.flags import PRECISION_OPS
 
     state = snapshot.state_of("torch.flags")  # a named tuple or dataclass of flag values
     flags = dict(state._asdict()) if hasattr(state, "_asdict") else dataclasses.asdict(state)
@@ -222,7 +222,7 @@ def _flags(torch: Any, snapshot: Any) -> dict[str, Any]:
     flags.pop("inductor_override", None)
     flags["cudnn_enabled"] = bool(torch.backends.cudnn.enabled)
     flags["fp32_precision"] = {
-        f"{backend}.{op}": v for (backend, op), v in zip(_PRECISION_OPS, precision, strict=False)
+        f"{backend}.{op}": v for (backend, op), v in zip(PRECISION_OPS, precision, strict=False)
     }
     return flags
 

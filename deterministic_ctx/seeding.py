@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from ._seed import validate_seed
-from ._settings import AUTO, Rank, Settings, process_rank, validate_rank
-from .context import _Block
+from .internal import AUTO, Block, Rank, Settings, process_rank, validate_rank, validate_seed
 
 __all__ = ["seed_everything"]
 
@@ -65,20 +63,20 @@ def seed_everything(
 
         if broadcast:
             seed = distributed.broadcast_seed(seed)
-        elif distributed._world_size() > 1:
+        elif distributed.world_size() > 1:
             raise ValueError(
                 "seed=None draws a different seed on every rank of the process group; "
                 "pass broadcast=True so that every rank uses rank 0's seed"
             )
         else:
-            seed = distributed._draw_seed()
+            seed = distributed.draw_seed()
     settings = Settings.build(seed, warn_only, rank)
-    block = _Block(settings)
+    block = Block(settings)
     try:
-        block.resume()  # applies, or rolls back to the previous state and raises
+        block.start()  # applies, or rolls back to the previous state and raises
         block.commit()
     except BaseException:
-        block.finish()  # interrupted before the commit: nothing stays applied
+        block.stop()  # interrupted before the commit: nothing stays applied
         raise
     _log.info(
         "seed_everything: seed %d%s, rank %s",

@@ -1,4 +1,9 @@
-"""Snapshot: an immutable capture of every source of global random state."""
+"""Snapshot: an immutable capture of every source of global random state.
+
+The public face of :class:`~deterministic_ctx.world.World` (what the engine
+captures and restores) together with its persistence
+(:mod:`~deterministic_ctx.checkpoint`): it sits above both.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,7 @@ import os
 from typing import Any
 
 from . import checkpoint as _checkpoint
-from . import sources as _sources
-from ._errors import RestoreError
-from .sources import Source
+from .world import World
 
 __all__ = ["Snapshot"]
 
@@ -35,9 +38,8 @@ class Snapshot:
         True
     """
 
-    __slots__ = ("_sources", "_states")
-    _sources: tuple[Source, ...]
-    _states: tuple[Any, ...]
+    __slots__ = ("_world",)
+    _world: World
 
     def __init__(self) -> None:
         raise TypeError("use Snapshot.capture() to take a snapshot")
@@ -50,15 +52,12 @@ class Snapshot:
             >>> isinstance(Snapshot.capture(), Snapshot)
             True
         """
-        sources = _sources.SOURCES
-        return cls._build(sources, tuple([s.capture() for s in sources]))
+        return cls._of(World.capture())
 
     @classmethod
-    def _build(cls, sources: tuple[Source, ...], states: tuple[Any, ...]) -> Snapshot:
+    def _of(cls, world: World) -> Snapshot:
         snap = object.__new__(cls)
-        # Slot descriptors bypass the immutability guard in __setattr__.
-        _SET_SOURCES(snap, sources)
-        _SET_STATES(snap, states)
+        _SET_WORLD(snap, world)  # the slot's descriptor bypasses the guard in __setattr__
         return snap
 
     def restore(self) -> None:
@@ -78,29 +77,7 @@ class Snapshot:
             >>> float(np.random.rand()) == a
             True
         """
-        failures: dict[str, BaseException] | None = None
-        interrupt: BaseException | None = None
-        for source, state in zip(reversed(self._sources), reversed(self._states), strict=True):
-            try:
-                source.restore(state)
-            except BaseException as exc:
-                # A failure, or an exception a signal handler raised half-way
-                # (``KeyboardInterrupt``, a timeout): restores are idempotent,
-                # so try once more.  If that works, the first one was an
-                # interruption, re-raised once everything is back.
-                try:
-                    source.restore(state)
-                except Exception as again:
-                    failures = failures or {}
-                    failures[source.name] = again
-                except BaseException as again:  # interrupted again: go on with the others
-                    interrupt = interrupt or again
-                else:
-                    interrupt = interrupt or exc
-        if interrupt is not None:
-            raise interrupt
-        if failures:
-            raise RestoreError(failures)
+        self._world.restore()
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -110,7 +87,7 @@ class Snapshot:
             >>> "random" in Snapshot.capture().sources
             True
         """
-        return tuple(s.name for s in self._sources)
+        return tuple(s.name for s in self._world.sources)
 
     def state_of(self, name: str) -> Any:
         """The captured state of the source called ``name`` (read-only use).
@@ -119,7 +96,8 @@ class Snapshot:
             >>> Snapshot.capture().state_of("environ") is not None
             True
         """
-        for source, state in zip(self._sources, self._states, strict=True):
+        world = self._world
+        for source, state in zip(world.sources, world.states, strict=True):
             if source.name == name:
                 return state
         raise KeyError(f"no source named {name!r}; captured: {', '.join(self.sources)}")
@@ -143,7 +121,7 @@ class Snapshot:
             >>> random.random() == first
             True
         """
-        return _checkpoint.to_state_dict(self._sources, self._states)
+        return _checkpoint.to_state_dict(self._world)
 
     @classmethod
     def from_state_dict(cls, state_dict: object, *, strict_devices: bool = False) -> Snapshot:
@@ -168,8 +146,8 @@ class Snapshot:
         """
         if not isinstance(strict_devices, bool):
             raise TypeError(f"strict_devices must be True or False, got {strict_devices!r}")
-        return cls._build(
-            *_checkpoint.from_state_dict(state_dict, "state_dict", strict_devices=strict_devices)
+        return cls._of(
+            _checkpoint.from_state_dict(state_dict, "state_dict", strict_devices=strict_devices)
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -212,9 +190,7 @@ class Snapshot:
             raise TypeError(f"strict_devices must be True or False, got {strict_devices!r}")
         origin = _checkpoint.origin_of(path)
         state = _checkpoint.decode(_checkpoint.read(path), origin)
-        return cls._build(
-            *_checkpoint.from_state_dict(state, origin, strict_devices=strict_devices)
-        )
+        return cls._of(_checkpoint.from_state_dict(state, origin, strict_devices=strict_devices))
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("Snapshot is immutable")
@@ -226,5 +202,4 @@ class Snapshot:
         return f"Snapshot(sources={list(self.sources)})"
 
 
-_SET_SOURCES = Snapshot._sources.__set__  # type: ignore[attr-defined,misc]
-_SET_STATES = Snapshot._states.__set__  # type: ignore[attr-defined,misc]
+_SET_WORLD = Snapshot._world.__set__  # type: ignore[attr-defined,misc]

@@ -55,6 +55,7 @@ from deterministic_ctx import (
 )
 from deterministic_ctx.sources import accelerators
 from deterministic_ctx.sources.accelerators import LazyAcceleratorSource, SavedState
+from deterministic_ctx.world import World as Captured
 from tests._oracle import World
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -700,9 +701,9 @@ def test_precision_combinations_torch_refuses_are_refused_at_load():
     # Every combination of the precisions that decide matmul, against what the
     # installed torch does: refuses to set it, or sets it and then refuses to
     # read it back (which would break every later capture).
-    from deterministic_ctx.sources.flags import _PRECISION_OPS, TorchFlagsSource
+    from deterministic_ctx.sources.flags import PRECISION_OPS, TorchFlagsSource
 
-    ops = [o for o in _PRECISION_OPS if o[1] in ("all", "matmul")]
+    ops = [o for o in PRECISION_OPS if o[1] in ("all", "matmul")]
     if not ops:
         pytest.skip("this torch has no fp32_precision API")
     c: Any = torch._C
@@ -1201,7 +1202,7 @@ def test_a_restore_failure_is_reported_not_skipped():
     source = _source(device)
     state = source.import_state(data, "devices.fake", strict=True)
     device.default_generators = (_Broken(),)  # type: ignore[assignment]
-    snap = Snapshot._build((source,), (state,))
+    snap = Captured((source,), (state,))
     with pytest.raises(RestoreError, match=r"torch\.fake"):
         snap.restore()
 

@@ -146,8 +146,8 @@ def test_any_schedule_gives_solo_values(schedule):
 
 def test_awaitable_object_steps_are_isolated():
     from deterministic_ctx._settings import Settings
-    from deterministic_ctx.context import _Block
     from deterministic_ctx.decorate import _Isolated
+    from deterministic_ctx.engine import Block
 
     @types.coroutine
     def gen_coro():
@@ -159,7 +159,7 @@ def test_awaitable_object_steps_are_isolated():
             return gen_coro()
 
     before = World.now()
-    coro = _Isolated(Awaitable(), _Block(Settings(5, False)), final=True).__await__()
+    coro = _Isolated(Awaitable(), Block(Settings(5, False)), final=True).__await__()
     assert next(coro) == "tick"
     with pytest.raises(StopIteration) as stop:
         coro.send(None)

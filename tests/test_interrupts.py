@@ -230,10 +230,10 @@ def test_an_exception_at_any_line_of_entry_or_exit_leaves_nothing_behind(scenari
 
 
 def _leave_open_blocks() -> None:
-    from deterministic_ctx import context
+    from deterministic_ctx import engine
 
-    while context._active:
-        context._active[-1].finish()
+    while engine._active:
+        engine._active[-1].stop()
     LOCK.release_to(0)
 
 

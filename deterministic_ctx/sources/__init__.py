@@ -7,7 +7,7 @@ a flag means adding or changing one module here, nothing above it.
 from __future__ import annotations
 
 from .._settings import Settings
-from ._base import Source
+from ._base import DeviceSource, Source
 from .accelerators import accelerator_sources
 from .environ import EnvironSource
 from .flags import TorchFlagsSource
@@ -15,14 +15,23 @@ from .numpy_global import NumpyGlobalSource
 from .python_random import PythonRandomSource
 from .torch_cpu import TorchCPUSource
 from .torch_defaults import TorchDefaultsSource
-from .user_rngs import UserRngSource, register_rng, registered_rngs, unregister_rng
+from .user_rngs import (
+    UserRngSource,
+    register_rng,
+    registered_rngs,
+    seed_registered_rngs,
+    unregister_rng,
+)
 
 __all__ = [
     "SOURCES",
+    "DeviceSource",
     "Source",
     "apply_all",
     "register_rng",
     "registered_rngs",
+    "seed_registered_rngs",
+    "source_named",
     "unregister_rng",
 ]
 
@@ -43,3 +52,11 @@ def apply_all(settings: Settings, sources: tuple[Source, ...] | None = None) -> 
     settings = settings.resolved()
     for source in SOURCES if sources is None else sources:
         source.apply(settings)
+
+
+def source_named(name: str) -> Source:
+    """The source of :data:`SOURCES` called ``name`` (``"torch.flags"``, ...)."""
+    for source in SOURCES:
+        if source.name == name:
+            return source
+    raise KeyError(f"no source named {name!r}; there are: {', '.join(s.name for s in SOURCES)}")

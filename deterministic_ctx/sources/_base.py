@@ -6,7 +6,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from .._settings import Settings
 
-__all__ = ["Source"]
+__all__ = ["DeviceSource", "Source"]
 
 
 @runtime_checkable
@@ -19,14 +19,47 @@ class Source(Protocol):
       afterwards (a snapshot may restore it many times), without lasting side
       effects (a source may write for a moment to read what torch does not
       report, and puts it back before returning);
-    * ``restore(state)`` put that state back exactly;
-    * ``apply(settings)`` set the reproducible state a block starts from.
+    * ``restore(state)`` put that state back exactly, and be idempotent (an
+      interrupted restore is simply run again);
+    * ``apply(settings)`` set the reproducible state a block starts from;
+    * ``export_state(state)`` turn a captured state into plain data (dicts
+      with string keys, lists, str, int, float, bool, 1-D uint8 CPU tensors)
+      for a checkpoint, and ``import_state(data, path)`` check such data
+      field by field (``ValueError`` naming ``path`` and what is accepted) and
+      turn it back into a state ``restore`` takes.
+
+    ``device_type`` is ``None``, except for generators of a device type
+    (:class:`DeviceSource`), whose entries a checkpoint keeps under
+    ``"devices"`` and matches to the devices present where it is loaded.
     """
 
     name: str
+
+    @property
+    def device_type(self) -> str | None: ...
 
     def capture(self) -> Any: ...
 
     def restore(self, state: Any) -> None: ...
 
     def apply(self, settings: Settings) -> None: ...
+
+    def export_state(self, state: Any) -> Any: ...
+
+    def import_state(self, data: object, path: str) -> Any: ...
+
+
+class DeviceSource(Source, Protocol):
+    """The generators of one device type (``"cuda"``, ``"mps"``, ...).
+
+    ``import_state`` also receives ``None`` when the checkpoint has no entry
+    for the device type, and matches N saved generators to the M devices
+    here: with ``strict`` a mismatch is a ``ValueError``, otherwise a warning
+    and the first min(N, M) are kept.  ``None`` means nothing is left to
+    restore.
+    """
+
+    @property
+    def device_type(self) -> str: ...
+
+    def import_state(self, data: object, path: str, *, strict: bool = False) -> Any: ...

@@ -34,6 +34,7 @@ __all__ = [
     "MPSSource",
     "SavedState",
     "accelerator_sources",
+    "check_foreign_devices",
     "device_mismatch",
     "device_states_from_plain",
 ]
@@ -187,7 +188,7 @@ class LazyAcceleratorSource:
         states = () if isinstance(state, LazyState) else state.states
         return {"initialized": bool(states), "states": [s.clone() for s in states]}
 
-    def import_state(self, data: object, path: str, *, strict: bool) -> SavedState | None:
+    def import_state(self, data: object, path: str, *, strict: bool = False) -> SavedState | None:
         """Check saved data (``None``: the checkpoint has no entry for this device)
         and match it to the devices here; ``None`` if nothing is left to restore.
 
@@ -266,7 +267,7 @@ class MPSSource:
         """The state as plain data, in the same form as the lazy devices'."""
         return {"initialized": True, "states": [state.clone()]}
 
-    def import_state(self, data: object, path: str, *, strict: bool) -> torch.Tensor | None:
+    def import_state(self, data: object, path: str, *, strict: bool = False) -> torch.Tensor | None:
         """Check saved data (``None``: no entry) against the one MPS device here."""
         states = () if data is None else device_states_from_plain(data, path)
         if len(states) != 1:
@@ -318,6 +319,16 @@ def device_states_from_plain(data: object, path: str) -> tuple[torch.Tensor, ...
             f"empty exactly when the device was not initialized"
         )
     return tuple(_plain.byte_tensor(s, f"{path}.states[{i}]") for i, s in enumerate(states))
+
+
+def check_foreign_devices(devices: dict[str, object], known: set[str], *, strict: bool) -> None:
+    """Check every saved device entry, including those of device types this
+    torch build lacks (whose generators cannot be restored here: a mismatch)."""
+    for name, entry in devices.items():
+        path = f"devices.{_plain.text(name, 'devices (a key)', max_len=64)}"
+        saved_states = device_states_from_plain(entry, path)
+        if name not in known and saved_states:
+            device_mismatch(path, f"torch.{name}", len(saved_states), 0, strict=strict)
 
 
 def device_mismatch(path: str, name: str, saved: int, here: int, *, strict: bool) -> None:

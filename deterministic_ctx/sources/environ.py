@@ -238,6 +238,7 @@ class EnvironSource:
     """
 
     name = "environ"
+    device_type: str | None = None  # not a device generator: saved under "sources"
 
     def __init__(self, environ: MutableMapping[str, str] | None = None) -> None:
         self._env = environ if environ is not None else os.environ

@@ -77,7 +77,7 @@ import torch
 from .._settings import Settings
 from . import _plain
 
-__all__ = ["FlagState", "TorchFlagsSource"]
+__all__ = ["PRECISION_OPS", "FlagState", "TorchFlagsSource"]
 
 _C: Any = torch._C
 
@@ -95,7 +95,8 @@ def _supported(pair: tuple[str, str]) -> bool:
     return True
 
 
-_PRECISION_OPS: tuple[tuple[str, str], ...] = tuple(
+#: The ``(backend, op)`` entries of torch's ``fp32_precision`` API that this torch has.
+PRECISION_OPS: tuple[tuple[str, str], ...] = tuple(
     pair
     for pair in (
         ("generic", "all"),
@@ -111,12 +112,12 @@ _PRECISION_OPS: tuple[tuple[str, str], ...] = tuple(
     if _supported(pair)
 )
 # Read with one ``map`` over a C function: no Python frame per op.
-_PRECISION_BACKENDS = tuple(b for b, _ in _PRECISION_OPS)
-_PRECISION_OPNAMES = tuple(o for _, o in _PRECISION_OPS)
-_CHILD_BACKENDS = tuple(b for b, o in _PRECISION_OPS if o != "all")
-_CHILD_OPNAMES = tuple(o for _, o in _PRECISION_OPS if o != "all")
+_PRECISION_BACKENDS = tuple(b for b, _ in PRECISION_OPS)
+_PRECISION_OPNAMES = tuple(o for _, o in PRECISION_OPS)
+_CHILD_BACKENDS = tuple(b for b, o in PRECISION_OPS if o != "all")
+_CHILD_OPNAMES = tuple(o for _, o in PRECISION_OPS if o != "all")
 
-# Positions in _PRECISION_OPS (when all nine exist).
+# Positions in PRECISION_OPS (when all nine exist).
 _GENERIC, _CUDA, _CUDA_MATMUL, _CONV, _RNN, _MKLDNN, _MKLDNN_MATMUL = range(7)
 _CHILDREN = (2, 3, 4, 6, 7, 8)
 #: Each entry's backend ``all`` (``generic.all`` for itself).
@@ -133,7 +134,7 @@ def _version(text: str) -> tuple[int, int]:
 #: The nine entries with "none" meaning "inherit" (torch >= 2.9): own values
 #: can be found and written back.  Older torches had other values and rules;
 #: there the resolved values are captured and written back as they are.
-_EXACT = len(_PRECISION_OPS) == 9 and _version(torch.__version__) >= (2, 9)
+_EXACT = len(PRECISION_OPS) == 9 and _version(torch.__version__) >= (2, 9)
 
 #: What set_float32_matmul_precision writes to cuda.matmul and mkldnn.matmul.
 _MATMUL_ENTRIES = {
@@ -564,6 +565,7 @@ class TorchFlagsSource:
     TF32/precision flags, restored exactly."""
 
     name = "torch.flags"
+    device_type: str | None = None  # not a device generator: saved under "sources"
 
     def capture(self) -> FlagState:
         inductor, override = _read_inductor() if _INDUCTOR in sys.modules else _NOT_IMPORTED
@@ -774,13 +776,13 @@ def _write_precision(
     assert _set_precision is not None
     if not _EXACT:
         # Older rules: write every resolved value, parents first.
-        for op, value in zip(_PRECISION_OPS, want, strict=True):
+        for op, value in zip(PRECISION_OPS, want, strict=True):
             _set_precision(*op, value)
         return
     # Entries are separate cells: once the legacy fields are written, the
     # order of these writes does not matter.
     closest = _closest(want)
-    for op, target, have in zip(_PRECISION_OPS, want, entries, strict=True):
+    for op, target, have in zip(PRECISION_OPS, want, entries, strict=True):
         if target == have:
             continue
         if have == _DEFAULT and target == closest:
@@ -800,5 +802,5 @@ _BOOLS = (
     "fill_uninitialized_memory",
     "mkldnn_deterministic",
 )
-_PRECISION_KEYS = tuple(f"{backend}.{op}" for backend, op in _PRECISION_OPS)
+_PRECISION_KEYS = tuple(f"{backend}.{op}" for backend, op in PRECISION_OPS)
 _FP32_VALUES = ("none", "ieee", "tf32", "bf16")

@@ -74,6 +74,7 @@ class NumpyGlobalSource:
     """The ``RandomState`` singleton behind the ``np.random.*`` functions."""
 
     name = "numpy"
+    device_type: str | None = None  # not a device generator: saved under "sources"
 
     def __init__(
         self,

@@ -86,6 +86,7 @@ class PythonRandomSource:
     """The hidden ``random.Random`` instance behind ``random.random()`` & co."""
 
     name = "random"
+    device_type: str | None = None  # not a device generator: saved under "sources"
 
     def __init__(
         self, rng: random.Random | None = None, layout: MTLayout | None = RANDOM_LAYOUT

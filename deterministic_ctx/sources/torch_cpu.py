@@ -22,6 +22,7 @@ class TorchCPUSource:
     """``torch.default_generator``, used by every CPU op without ``generator=``."""
 
     name = "torch.cpu"
+    device_type: str | None = None  # not a device generator: saved under "sources"
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self._gen = generator if generator is not None else torch.default_generator

@@ -128,6 +128,7 @@ class TorchDefaultsSource:
     """Default dtype, tensor type and device, thread count and denormal mode."""
 
     name = "torch.defaults"
+    device_type: str | None = None  # not a device generator: saved under "sources"
 
     def __init__(self, holder: Any = torch) -> None:
         # ``holder`` is where torch keeps the default device context: the torch

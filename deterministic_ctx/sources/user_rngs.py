@@ -53,7 +53,13 @@ from .python_random import (
 )
 from .torch_cpu import generator_state_from_plain
 
-__all__ = ["UserRngSource", "register_rng", "registered_rngs", "unregister_rng"]
+__all__ = [
+    "UserRngSource",
+    "register_rng",
+    "registered_rngs",
+    "seed_registered_rngs",
+    "unregister_rng",
+]
 
 T = TypeVar("T")
 
@@ -336,10 +342,27 @@ def registered_rngs() -> list[tuple[str, object]]:
     return [(k, o) for k, o in live if o is not None]
 
 
+def seed_registered_rngs(seed: int) -> None:
+    """Seed every registered RNG from ``seed`` as a block seeded with it does
+    (each with ``derive_seed(seed, "user", key)``), without capturing anything."""
+    entries = _live()
+    if not entries:
+        return
+    for entry in entries:
+        obj = entry.get()
+        if obj is None:
+            continue
+        if entry.layout is not None:
+            seed_rng(obj, entry.layout, entry.derived_seed(seed))
+        else:
+            entry.kind.seed(obj, entry.derived_seed(seed))
+
+
 class UserRngSource:
     """All registered RNGs: captured, seeded and restored together."""
 
     name = "user"
+    device_type: str | None = None  # not a device generator: saved under "sources"
 
     def capture(self) -> tuple[tuple[_Entry, Any, Any], ...]:
         entries = _live()
@@ -357,18 +380,7 @@ class UserRngSource:
         return tuple(out)
 
     def apply(self, settings: Settings) -> None:
-        entries = _live()
-        if not entries:
-            return
-        seed = settings.rank_seed  # user RNGs are per rank, like ``random`` and NumPy
-        for entry in entries:
-            obj = entry.get()
-            if obj is None:
-                continue
-            if entry.layout is not None:
-                seed_rng(obj, entry.layout, entry.derived_seed(seed))
-            else:
-                entry.kind.seed(obj, entry.derived_seed(seed))
+        seed_registered_rngs(settings.rank_seed)  # per rank, like ``random`` and NumPy
 
     def restore(self, state: tuple[tuple[_Entry, Any, Any], ...]) -> None:
         # The object is kept alive by the snapshot only while the snapshot lives;

@@ -1,0 +1,72 @@
+"""The internal API: what the integrations use besides the public one.
+
+The integrations (``seeding``, ``data``, ``distributed``, ``verify``,
+``locate``, ``report``, ``cli``, ``ipython`` and the pytest plugin) import
+from the public modules (:mod:`~deterministic_ctx.context`,
+:mod:`~deterministic_ctx.decorate`, :mod:`~deterministic_ctx.snapshot`,
+:mod:`~deterministic_ctx.checkpoint`) and from here, never from the engine,
+the sources or a private module directly; ``lint-imports`` (the
+``[tool.importlinter]`` contracts in ``pyproject.toml``) fails the build
+otherwise.  Changing an integration therefore needs nothing beyond this page,
+and the engine can change behind it.
+
+Not for users: names here may change in any release.
+
+Example:
+    >>> from deterministic_ctx.internal import Block, Settings, inside_block
+    >>> block = Block(Settings.build(0, False))
+    >>> block.start()
+    >>> inside_block()
+    True
+    >>> block.stop()
+    >>> inside_block()
+    False
+"""
+
+from __future__ import annotations
+
+from ._errors import InvalidSnapshotError, LockWaitWarning, RestoreError
+from ._seed import MAX_SEED, derive_seed, show_int, validate_seed
+from ._settings import AUTO, Rank, Settings, process_rank, seed_for_rank, validate_rank
+from .engine import Block, inside_block
+from .sources import (
+    SOURCES,
+    Source,
+    register_rng,
+    registered_rngs,
+    seed_registered_rngs,
+    source_named,
+    unregister_rng,
+)
+from .sources.environ import CUBLAS_VALID, ENV_VARS, managed_env_vars, register_env_var
+from .sources.flags import PRECISION_OPS
+
+__all__ = [
+    "AUTO",
+    "CUBLAS_VALID",
+    "ENV_VARS",
+    "MAX_SEED",
+    "PRECISION_OPS",
+    "SOURCES",
+    "Block",
+    "InvalidSnapshotError",
+    "LockWaitWarning",
+    "Rank",
+    "RestoreError",
+    "Settings",
+    "Source",
+    "derive_seed",
+    "inside_block",
+    "managed_env_vars",
+    "process_rank",
+    "register_env_var",
+    "register_rng",
+    "registered_rngs",
+    "seed_for_rank",
+    "seed_registered_rngs",
+    "show_int",
+    "source_named",
+    "unregister_rng",
+    "validate_rank",
+    "validate_seed",
+]

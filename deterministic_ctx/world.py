@@ -1,0 +1,78 @@
+"""World: the captured state of every source at one moment, and how to put it back.
+
+The engine's unit of state (a block's caller's world, a suspended block's own
+world) and what :class:`~deterministic_ctx.snapshot.Snapshot` wraps.  It knows
+nothing of seeds, blocks or files.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import sources as _sources
+from ._errors import RestoreError
+from .sources import Source
+
+__all__ = ["World"]
+
+
+class World:
+    """The state of each of ``sources`` (``states[i]`` is ``sources[i]``'s).
+
+    Never mutated after it is built: it may be restored any number of times.
+
+    Example:
+        >>> import random
+        >>> world = World.capture()
+        >>> first = random.random()
+        >>> world.restore()
+        >>> random.random() == first
+        True
+    """
+
+    __slots__ = ("sources", "states")
+
+    def __init__(self, sources: tuple[Source, ...], states: tuple[Any, ...]) -> None:
+        self.sources = sources
+        self.states = states
+
+    @classmethod
+    def capture(cls) -> World:
+        """The state of every source of :data:`~deterministic_ctx.sources.SOURCES` now."""
+        sources = _sources.SOURCES
+        return cls(sources, tuple([s.capture() for s in sources]))
+
+    def restore(self) -> None:
+        """Put every captured source back; raise :class:`RestoreError` on failure.
+
+        Sources are restored in reverse capture order.  A ``KeyboardInterrupt``
+        (or any exception a signal handler raises) while restoring does not
+        leave a source half-restored or stop the others: the interrupted
+        source is restored again, then the rest, and the interrupt is
+        re-raised afterwards.  A source that fails twice in a row has failed;
+        every other source is still restored, then :class:`RestoreError`
+        names the ones that failed.
+        """
+        failures: dict[str, BaseException] | None = None
+        interrupt: BaseException | None = None
+        for source, state in zip(reversed(self.sources), reversed(self.states), strict=True):
+            try:
+                source.restore(state)
+            except BaseException as exc:
+                # A failure, or an exception a signal handler raised half-way
+                # (``KeyboardInterrupt``, a timeout): restores are idempotent,
+                # so try once more.  If that works, the first one was an
+                # interruption, re-raised once everything is back.
+                try:
+                    source.restore(state)
+                except Exception as again:
+                    failures = failures or {}
+                    failures[source.name] = again
+                except BaseException as again:  # interrupted again: go on with the others
+                    interrupt = interrupt or again
+                else:
+                    interrupt = interrupt or exc
+        if interrupt is not None:
+            raise interrupt
+        if failures:
+            raise RestoreError(failures)
