@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -34,3 +39,38 @@ def solo(seed: int, n: int) -> list[tuple[float, float, float]]:
 
     with deterministic(seed=seed):
         return [draw() for _ in range(n)]
+
+
+#: The repository root: examples and the package are found from here.
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_python(
+    args: Sequence[str],
+    *,
+    code: str | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 300,
+    check: bool = False,
+) -> subprocess.CompletedProcess[str]:
+    """Run a fresh Python on the checkout: ``python -c code`` or ``python *args``.
+
+    The child imports this checkout's ``deterministic_ctx`` (``PYTHONPATH`` is
+    the repository root, in front of whatever the caller's environment has),
+    runs in the repository root, and its output is captured as text.
+    ``env`` adds or replaces variables of ``os.environ``; ``check`` raises on
+    a non-zero exit status with the child's stderr in the message.
+    """
+    command = [sys.executable, *(("-c", code) if code is not None else ()), *args]
+    merged = {**os.environ, **(env or {})}
+    merged["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), merged.get("PYTHONPATH", "")) if p
+    )
+    proc = subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=merged
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(command)} exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+        )
+    return proc
