@@ -24,6 +24,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._version import __version__ as __version__
+
 if TYPE_CHECKING:  # what the names below resolve to, for type checkers and readers
     from ._errors import InvalidSnapshotError, LockWaitWarning, RestoreError
     from ._lock import set_lock_warning
@@ -68,8 +70,6 @@ __all__ = [
     "set_lock_warning",
     "unregister_rng",
 ]
-
-__version__ = "0.1.0"
 
 #: Where each public name lives: ``(module, attribute)``.
 _WHERE: dict[str, tuple[str, str]] = {

@@ -28,6 +28,7 @@ from __future__ import annotations
 from ._errors import InvalidSnapshotError, LockWaitWarning, RestoreError
 from ._seed import MAX_SEED, derive_seed, show_int, validate_seed
 from ._settings import AUTO, Rank, Settings, process_rank, seed_for_rank, validate_rank
+from ._version import __version__ as VERSION
 from .engine import Block, inside_block
 from .sources import (
     SOURCES,
@@ -48,6 +49,7 @@ __all__ = [
     "MAX_SEED",
     "PRECISION_OPS",
     "SOURCES",
+    "VERSION",
     "Block",
     "InvalidSnapshotError",
     "LockWaitWarning",
