@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from deterministic_ctx import deterministic
-from deterministic_ctx.locate import _fingerprint, locate_divergence
+from deterministic_ctx.fingerprint import fingerprint
+from deterministic_ctx.locate import locate_divergence
 from deterministic_ctx.verify import assert_reproducible
 
 
@@ -153,7 +154,7 @@ def bench_fingerprint(device: torch.device, repeats: int) -> None:
     for numel in (1_000, 100_000, 1_000_000, 10_000_000):
         t = torch.randn(numel, device=device)
         rows: dict[str, Callable[[], object]] = {
-            "fingerprint": lambda t=t: _fingerprint(t),
+            "fingerprint": lambda t=t: fingerprint(t),
             "clone": t.clone,
             "cpu": t.cpu,
         }

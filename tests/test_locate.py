@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,10 +12,9 @@ from torch import nn
 from torch.nn.modules import module as nn_module
 
 from deterministic_ctx import deterministic, register_rng, unregister_rng
-from deterministic_ctx.locate import _COLUMNS, _fingerprint, locate_divergence
-from tests.helpers import TENSOR_DTYPES
-
-ROOT = Path(__file__).resolve().parent.parent
+from deterministic_ctx.fingerprint import COLUMNS, fingerprint
+from deterministic_ctx.locate import locate_divergence
+from tests.helpers import ROOT, TENSOR_DTYPES, run_python
 
 
 class Noise(nn.Module):
@@ -355,14 +350,14 @@ def test_invalid_arguments(kwargs, error, message):
 
 
 def host(t: torch.Tensor) -> tuple[int, int]:
-    pair = _fingerprint(t)
+    pair = fingerprint(t)
     assert pair is not None
     return int(pair[0]), int(pair[1])
 
 
 @pytest.mark.parametrize("dtype", TENSOR_DTYPES, ids=str)
 @pytest.mark.parametrize(
-    "numel", [0, 1, 1000, 3 * _COLUMNS + 17], ids=["empty", "one", "small", "chunked"]
+    "numel", [0, 1, 1000, 3 * COLUMNS + 17], ids=["empty", "one", "small", "chunked"]
 )
 def test_fingerprint_detects_any_single_change(dtype, numel):
     base = torch.arange(numel) % 7
@@ -377,12 +372,12 @@ def test_fingerprint_detects_any_single_change(dtype, numel):
 
 
 def test_fingerprint_catches_permutations_and_sign_of_zero():
-    a = torch.arange(2 * _COLUMNS + 5, dtype=torch.float32)
+    a = torch.arange(2 * COLUMNS + 5, dtype=torch.float32)
     for i, j in (
-        (3, _COLUMNS + 3),
+        (3, COLUMNS + 3),
         (3, 4),
-        (1, 2 * _COLUMNS + 2),
-        (2 * _COLUMNS, 2 * _COLUMNS + 4),
+        (1, 2 * COLUMNS + 2),
+        (2 * COLUMNS, 2 * COLUMNS + 4),
     ):
         swapped = a.clone()  # same column, same row, table and tail, within the tail
         swapped[[i, j]] = swapped[[j, i]]
@@ -398,7 +393,7 @@ def test_fingerprint_sees_values_not_layout():
     assert host(a[:, ::2]) == host(a[:, ::2].contiguous())
     c = torch.complex(a, a)
     assert host(c.conj()) == host(c.conj().resolve_conj())
-    assert _fingerprint(torch.empty(3, device="meta")) is None
+    assert fingerprint(torch.empty(3, device="meta")) is None
 
 
 @pytest.mark.gpu
@@ -406,8 +401,8 @@ def test_fingerprint_sees_values_not_layout():
     not torch.backends.cuda.is_built() or not torch.cuda.is_available(), reason="needs CUDA"
 )
 def test_fingerprint_on_cuda_equals_cpu_and_stays_on_device():
-    a = torch.randn(5 * _COLUMNS + 3, generator=torch.Generator().manual_seed(0))
-    on_gpu = _fingerprint(a.cuda())
+    a = torch.randn(5 * COLUMNS + 3, generator=torch.Generator().manual_seed(0))
+    on_gpu = fingerprint(a.cuda())
     assert on_gpu is not None and on_gpu[0].device.type == "cuda"
     assert tuple(int(t) for t in on_gpu) == host(a)
 
@@ -431,15 +426,7 @@ def test_locate_on_cuda_names_the_planted_module():
 
 
 def test_example_finds_the_planted_module():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "find_divergence.py")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env=env,
-    )
+    proc = run_python([str(ROOT / "examples" / "find_divergence.py")], timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "not reproducible" in out

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from deterministic_ctx import Snapshot, deterministic, register_rng, unregister_rng
-from deterministic_ctx.verify import NotReproducibleError, _first_difference, assert_reproducible
+from deterministic_ctx.compare import first_difference
+from deterministic_ctx.verify import NotReproducibleError, assert_reproducible
 from tests._oracle import World
 from tests.helpers import TENSOR_DTYPES
 
@@ -271,8 +272,8 @@ def test_every_tensor_dtype_compares_bitwise(dtype):
     a = base.to(dtype)
     b = a.clone()
     b[2, 1] = ~a[2, 1] if dtype == torch.bool else 0
-    assert _first_difference(a, a.clone()) is None
-    found = _first_difference(a, b)
+    assert first_difference(a, a.clone()) is None
+    found = first_difference(a, b)
     assert found is not None and found.index == (2, 1) and found.count == 1
     if dtype != torch.bool:
         assert found.max_abs_diff == 9.0
@@ -280,13 +281,13 @@ def test_every_tensor_dtype_compares_bitwise(dtype):
 
 def test_non_contiguous_conjugated_and_sparse_tensors():
     a = torch.arange(12.0).reshape(3, 4).t()
-    assert _first_difference(a, a.contiguous()) is None
+    assert first_difference(a, a.contiguous()) is None
     c = torch.tensor([1 + 2j, 3 - 1j])
-    assert _first_difference(c.conj(), c.conj().resolve_conj()) is None
-    assert _first_difference(c.conj(), c) is not None
+    assert first_difference(c.conj(), c.conj().resolve_conj()) is None
+    assert first_difference(c.conj(), c) is not None
     s = torch.eye(3).to_sparse()
-    assert _first_difference(s, torch.eye(3).to_sparse()) is None
-    found = _first_difference(s, (torch.eye(3) * 2).to_sparse())
+    assert first_difference(s, torch.eye(3).to_sparse()) is None
+    found = first_difference(s, (torch.eye(3) * 2).to_sparse())
     assert found is not None and found.index == (0, 0)
 
 
@@ -294,14 +295,14 @@ def test_numpy_structured_and_object_arrays():
     rec = np.zeros(3, dtype=[("a", "i4"), ("b", "f8")])
     other = rec.copy()
     other["b"][1] = 0.5
-    assert _first_difference(rec, rec.copy()) is None
-    found = _first_difference(rec, other)
+    assert first_difference(rec, rec.copy()) is None
+    found = first_difference(rec, other)
     assert found is not None and found.index == (1,) and found.max_abs_diff is None
     assert found.note == ""  # no numeric notes for structured data
     objs = np.array([{"x": 1}, [torch.zeros(1)]], dtype=object)
     changed = np.array([{"x": 1}, [torch.ones(1)]], dtype=object)
-    assert _first_difference(objs, np.array([{"x": 1}, [torch.zeros(1)]], dtype=object)) is None
-    assert _first_difference(objs, changed).path == "result[1][0]"
+    assert first_difference(objs, np.array([{"x": 1}, [torch.zeros(1)]], dtype=object)) is None
+    assert first_difference(objs, changed).path == "result[1][0]"
 
 
 def test_returned_module_compares_by_state_dict():
@@ -362,9 +363,9 @@ def test_cycles_do_not_recurse_forever():
     st.data(),
 )
 def test_property_a_copy_agrees_and_one_changed_element_is_found(array, data):
-    assert _first_difference(array, array.copy()) is None
+    assert first_difference(array, array.copy()) is None
     tensor = torch.from_numpy(array.copy())
-    assert _first_difference(tensor, tensor.clone()) is None
+    assert first_difference(tensor, tensor.clone()) is None
     if array.size == 0:
         return
     flat = data.draw(st.integers(0, array.size - 1))
@@ -374,7 +375,7 @@ def test_property_a_copy_agrees_and_one_changed_element_is_found(array, data):
     changed = changed.reshape(array.shape)
     index = np.unravel_index(flat, array.shape)
     for a, b in ((array, changed), (torch.from_numpy(array.copy()), torch.from_numpy(changed))):
-        found = _first_difference(a, b)
+        found = first_difference(a, b)
         assert found is not None
         assert found.index == tuple(int(i) for i in index)
         assert found.count == 1
