@@ -409,8 +409,10 @@ def _array_difference(a: np.ndarray, b: np.ndarray, path: str, seen: _Seen) -> D
     if not (np.issubdtype(a.dtype, np.number) or a.dtype == np.bool_):  # structured, str, ...
         return values
     wide = np.complex128 if np.issubdtype(a.dtype, np.complexfloating) else np.float64
-    da, db = fa[neq].astype(wide), fb[neq].astype(wide)
+    # Widening a signalling NaN warns ("invalid value encountered in cast"):
+    # under ``-W error`` that warning would replace the real report.
     with np.errstate(all="ignore"):
+        da, db = fa[neq].astype(wide), fb[neq].astype(wide)
         diff = np.abs(da - db)
     finite = diff[~np.isnan(diff)]
     diff_max = float(finite.max()) if finite.size else None

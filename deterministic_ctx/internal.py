@@ -1,14 +1,14 @@
 """The internal API: what the integrations use besides the public one.
 
 The integrations (``seeding``, ``data``, ``distributed``, ``verify``,
-``locate``, ``report``, ``cli``, ``ipython`` and the pytest plugin) import
-from the public modules (:mod:`~deterministic_ctx.context`,
+``locate`` and their parts, ``report``, ``cli``, ``ipython`` and the pytest
+plugin) import from the public modules (:mod:`~deterministic_ctx.context`,
 :mod:`~deterministic_ctx.decorate`, :mod:`~deterministic_ctx.snapshot`,
 :mod:`~deterministic_ctx.checkpoint`) and from here, never from the engine,
-the sources or a private module directly; ``lint-imports`` (the
-``[tool.importlinter]`` contracts in ``pyproject.toml``) fails the build
-otherwise.  Changing an integration therefore needs nothing beyond this page,
-and the engine can change behind it.
+the sources or a private module directly; ``lint-imports`` (the contracts in
+the repository's ``.importlinter``) fails the build otherwise.  Changing an
+integration therefore needs nothing beyond this page, and the engine can
+change behind it.
 
 Not for users: names here may change in any release.
 

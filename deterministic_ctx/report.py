@@ -11,7 +11,14 @@ Reading the report changes nothing: it never initializes CUDA (device facts
 are read only once ``torch.cuda.is_initialized()``), never imports
 ``torch._inductor``, never draws from an RNG and never fixes the
 multiprocessing start method.  This module imports only the standard library
-at import time.
+at import time: :mod:`deterministic_ctx.internal` imports torch and NumPy, so
+it is imported inside the functions that need it.
+
+The module reads top to bottom as the report is made: the report's types and
+their rendering, the facts (flags, environment, CUDA, process), the RNG
+section (one function per RNG family, listed in :data:`_RNG_FAMILIES`), the
+problems (one function per rule, listed in :data:`_RULES`), and
+:func:`report`, which puts them together.
 """
 
 from __future__ import annotations
@@ -20,7 +27,6 @@ import dataclasses
 import functools
 import os
 import sys
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -38,20 +44,7 @@ _EXTRA_ENV_NAMES = (
 )
 
 
-def _env_names() -> tuple[str, ...]:
-    """The environment section: every variable blocks manage (``managed_env_vars()``, registered
-    ones included), then :data:`_EXTRA_ENV_NAMES`."""
-    from .sources.environ import managed_env_vars
-
-    managed = managed_env_vars()
-    return (*managed, *(n for n in _EXTRA_ENV_NAMES if n not in managed))
-
-
-def _startup_names() -> tuple[str, ...]:
-    """The variables whose values at process start the report reads: the managed ones."""
-    from .sources.environ import managed_env_vars
-
-    return managed_env_vars()
+# --- the report and its rendering ----------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +94,7 @@ class DeterminismReport:
 
     @property
     def warnings(self) -> tuple[Problem, ...]:
+        """The problems of level ``"warning"``, in report order."""
         return tuple(p for p in self.problems if p.level == "warning")
 
     def to_dict(self) -> dict[str, Any]:
@@ -118,6 +112,7 @@ class DeterminismReport:
         return out
 
     def __str__(self) -> str:
+        """The report for people: one titled section per kind of fact, then the problems."""
         lines = ["Determinism report"]
         lines.append("  " + ", ".join(f"{k} {v}" for k, v in self.versions.items() if v))
         lines.append(f"  inside a deterministic block: {'yes' if self.in_block else 'no'}")
@@ -125,28 +120,37 @@ class DeterminismReport:
         lines += _section(
             "Environment", {k: "(unset)" if v is None else v for k, v in self.env.items()}
         )
-        lines.append("RNGs")
-        width = max((len(r.name) for r in self.rngs), default=0)
-        for rng in self.rngs:
-            seeded = {True: "seeded", False: "not seeded", None: "unknown"}[rng.seeded]
-            seed = f" (seed {rng.seed})" if rng.seed is not None else ""
-            lines.append(f"  {rng.name:<{width}}  {seeded}{seed}: {rng.detail}")
+        lines += _rng_section(self.rngs)
         lines += _section("CUDA", self.cuda)
         lines += _section("Process", self.process)
-        counts = [
-            f"{n} {level}(s)"
-            for level in ("warning", "note")
-            if (n := sum(p.level == level for p in self.problems))
-        ]
-        lines.append(f"Problems: {', '.join(counts) if counts else 'none found'}")
-        for p in self.problems:
-            lines.append(f"  {p.level} [{p.code}] {p.message}")
+        lines += _problem_section(self.problems)
         return "\n".join(lines)
 
 
 def _section(title: str, values: Mapping[str, Any]) -> list[str]:
     width = max((len(k) for k in values), default=0)
     return [title] + [f"  {k:<{width}}  {_show(v)}" for k, v in values.items()]
+
+
+def _rng_section(rngs: tuple[RngStatus, ...]) -> list[str]:
+    width = max((len(r.name) for r in rngs), default=0)
+    lines = ["RNGs"]
+    for rng in rngs:
+        seeded = {True: "seeded", False: "not seeded", None: "unknown"}[rng.seeded]
+        seed = f" (seed {rng.seed})" if rng.seed is not None else ""
+        lines.append(f"  {rng.name:<{width}}  {seeded}{seed}: {rng.detail}")
+    return lines
+
+
+def _problem_section(problems: tuple[Problem, ...]) -> list[str]:
+    counts = [
+        f"{n} {level}(s)"
+        for level in ("warning", "note")
+        if (n := sum(p.level == level for p in problems))
+    ]
+    return [f"Problems: {', '.join(counts) if counts else 'none found'}"] + [
+        f"  {p.level} [{p.code}] {p.message}" for p in problems
+    ]
 
 
 def _show(value: Any) -> str:
@@ -172,14 +176,25 @@ def _plain(value: Any) -> Any:
 # --- facts --------------------------------------------------------------------------------------
 
 
+def _env_names() -> tuple[str, ...]:
+    """The environment section: every variable blocks manage (``managed_env_vars()``, registered
+    ones included), then :data:`_EXTRA_ENV_NAMES`."""
+    from .internal import managed_env_vars
+
+    managed = managed_env_vars()
+    return (*managed, *(n for n in _EXTRA_ENV_NAMES if n not in managed))
+
+
 def _startup_env() -> dict[str, str | None] | None:
-    """The relevant variables as the process started with them (Linux), else ``None``."""
+    """The managed variables as the process started with them (Linux), else ``None``."""
+    from .internal import managed_env_vars
+
     try:
         with open("/proc/self/environ", "rb") as f:
             raw = f.read()
     except OSError:
         return None
-    found: dict[str, str | None] = dict.fromkeys(_startup_names())
+    found: dict[str, str | None] = dict.fromkeys(managed_env_vars())
     for entry in raw.split(b"\0"):
         name, sep, value = entry.partition(b"=")
         # Decoded as os.environ decodes, so that a value compares equal to os.environ's.
@@ -203,14 +218,8 @@ def _start_method() -> tuple[str, bool]:
     return multiprocessing.get_all_start_methods()[0], False  # the platform default
 
 
-def _in_block() -> bool:
-    from ._lock import LOCK
-
-    return LOCK.depth > 0 and LOCK.owner == threading.get_ident()
-
-
 def _flags(torch: Any, snapshot: Any) -> dict[str, Any]:
-    from .sources.flags import PRECISION_OPS
+    from .internal import PRECISION_OPS
 
     state = snapshot.state_of("torch.flags")  # a named tuple or dataclass of flag values
     flags = dict(state._asdict()) if hasattr(state, "_asdict") else dataclasses.asdict(state)
@@ -253,6 +262,35 @@ def _cuda(torch: Any) -> dict[str, Any]:
     return facts
 
 
+# --- the RNG section: one function per RNG family -----------------------------------------------
+
+_BLOCK_SEEDED = "seeded on entry to the enclosing deterministic block"
+
+
+@dataclasses.dataclass(frozen=True)
+class _RngFacts:
+    """What every RNG family's status is judged from."""
+
+    torch: Any
+    np: Any
+    snapshot: Any
+    in_block: bool
+    #: ``torch.initial_seed()``: the seed of torch's global generator.
+    cpu_seed: int
+
+    @property
+    def chosen_seed(self) -> int | None:
+        """The CPU seed when a program could have chosen it, else ``None``.
+
+        An unseeded torch starts from a random 64-bit value, which falls in the
+        range ``seed_everything`` and blocks accept (up to ``MAX_SEED``, 32 bits)
+        with odds of 1 in 2**32: a seed in that range was chosen.
+        """
+        from .internal import MAX_SEED
+
+        return self.cpu_seed if self.cpu_seed <= MAX_SEED else None
+
+
 def _fresh_python_state(seed: int) -> bool:
     import random
 
@@ -271,97 +309,311 @@ def _fresh_numpy_state(np: Any, seed: int) -> bool:
     )
 
 
-def _rngs(torch: Any, np: Any, snapshot: Any, in_block: bool) -> tuple[RngStatus, ...]:
-    from ._seed import MAX_SEED
-    from .sources import registered_rngs
+def _mersenne_status(name: str, facts: _RngFacts, fresh: Callable[[int], bool]) -> RngStatus:
+    """Python's or NumPy's global Mersenne Twister.
 
-    block = "seeded on entry to the enclosing deterministic block"
-    cpu_seed = int(torch.initial_seed())
-    small = cpu_seed if cpu_seed <= MAX_SEED else None
-    out: list[RngStatus] = []
+    Its state cannot be traced back to a seed, so the only evidence of seeding
+    is a state equal to the one seeding with torch's seed gives (what
+    ``seed_everything`` does), before any draw.
+    """
+    if facts.in_block:  # seeded with the block's seed, or a per-rank seed derived from it
+        return RngStatus(name, True, None, _BLOCK_SEEDED)
+    seed = facts.chosen_seed
+    if seed is not None and fresh(seed):
+        detail = "in the state seeding with torch's seed gives; no draws since"
+        return RngStatus(name, True, seed, detail)
+    return RngStatus(name, None, None, "its state cannot tell whether or how it was seeded")
 
-    fresh_checks: tuple[tuple[str, Callable[[int], bool]], ...] = (
-        ("random", _fresh_python_state),
-        ("numpy", functools.partial(_fresh_numpy_state, np)),
-    )
-    for name, fresh in fresh_checks:
-        if in_block:  # seeded with the block's seed, or a per-rank seed derived from it
-            out.append(RngStatus(name, True, None, block))
-        elif small is not None and fresh(small):
-            out.append(
-                RngStatus(
-                    name,
-                    True,
-                    small,
-                    "in the state seeding with torch's seed gives; no draws since",
-                )
-            )
-        else:
-            out.append(
-                RngStatus(name, None, None, "its state cannot tell whether or how it was seeded")
-            )
+
+def _python_rng(facts: _RngFacts) -> tuple[RngStatus, ...]:
+    return (_mersenne_status("random", facts, _fresh_python_state),)
+
+
+def _numpy_rng(facts: _RngFacts) -> tuple[RngStatus, ...]:
+    np = facts.np
+    status = _mersenne_status("numpy", facts, functools.partial(_fresh_numpy_state, np))
     if np.random.mtrand._rand._bit_generator.__class__.__name__ != "MT19937":
-        out[-1] = dataclasses.replace(
-            out[-1], detail=out[-1].detail + "; the global bit generator was replaced"
-        )
+        replaced = status.detail + "; the global bit generator was replaced"
+        status = dataclasses.replace(status, detail=replaced)
+    return (status,)
 
-    if in_block or small is not None:
-        detail = block if in_block else "torch.initial_seed() is a seed a program chose"
-        out.append(RngStatus("torch.cpu", True, cpu_seed, detail))
-    else:
-        out.append(
-            RngStatus(
-                "torch.cpu",
-                False,
-                cpu_seed,
-                "torch.initial_seed() is a random 64-bit startup value: never seeded",
-            )
-        )
 
+def _torch_cpu_rng(facts: _RngFacts) -> tuple[RngStatus, ...]:
+    if facts.in_block:
+        return (RngStatus("torch.cpu", True, facts.cpu_seed, _BLOCK_SEEDED),)
+    if facts.chosen_seed is not None:
+        detail = "torch.initial_seed() is a seed a program chose"
+        return (RngStatus("torch.cpu", True, facts.cpu_seed, detail),)
+    detail = "torch.initial_seed() is a random 64-bit startup value: never seeded"
+    return (RngStatus("torch.cpu", False, facts.cpu_seed, detail),)
+
+
+def _cuda_rng(facts: _RngFacts) -> tuple[RngStatus, ...]:
+    """The CUDA default generators: read once CUDA started, else what they will start from.
+
+    Nothing on a build without CUDA.
+    """
+    torch = facts.torch
     if torch.cuda.is_initialized():
-        seeds = [int(g.initial_seed()) for g in torch.cuda.default_generators]
-        seeded = in_block or any(s != TORCH_DEFAULT_SEED for s in seeds)
-        out.append(
-            RngStatus(
-                "torch.cuda",
-                seeded,
-                seeds[0] if seeds and len(set(seeds)) == 1 else None,
-                f"initial seed per device: {seeds}"
-                + ("" if seeded else " (torch's fixed default)"),
-            )
-        )
-    elif torch.backends.cuda.is_built() and "torch.cuda" in snapshot.sources:
-        lazy = snapshot.state_of("torch.cuda")
-        queued = (
-            getattr(lazy, "seed_all", None) is not None
-            or getattr(lazy, "seed_one", None) is not None
-        )
-        if in_block:
-            detail = (
-                "not initialized; if CUDA starts inside the block it starts from the block's seed"
-            )
-        elif queued:
-            detail = "not initialized; a queued seed applies when CUDA starts"
-        else:
-            detail = (
-                "not initialized; it would start from torch's fixed default seed "
-                f"{TORCH_DEFAULT_SEED}"
-            )
-        out.append(RngStatus("torch.cuda", in_block or queued, None, detail))
-
-    for key, obj in registered_rngs():
-        out.append(
-            RngStatus(
-                f"user:{key}",
-                True if in_block else None,
-                None,
-                f"registered {type(obj).__qualname__}, seeded inside every deterministic block",
-            )
-        )
-    return tuple(out)
+        return (_started_cuda_rng(facts),)
+    if torch.backends.cuda.is_built() and "torch.cuda" in facts.snapshot.sources:
+        return (_pending_cuda_rng(facts),)
+    return ()
 
 
-# --- problems ----------------------------------------------------------------------------------
+def _started_cuda_rng(facts: _RngFacts) -> RngStatus:
+    seeds = [int(g.initial_seed()) for g in facts.torch.cuda.default_generators]
+    seeded = facts.in_block or any(s != TORCH_DEFAULT_SEED for s in seeds)
+    detail = f"initial seed per device: {seeds}" + ("" if seeded else " (torch's fixed default)")
+    return RngStatus("torch.cuda", seeded, seeds[0] if len(set(seeds)) == 1 else None, detail)
+
+
+def _pending_cuda_rng(facts: _RngFacts) -> RngStatus:
+    """CUDA not started: reading its generators would start it, so the snapshot tells instead."""
+    lazy = facts.snapshot.state_of("torch.cuda")
+    queued = any(getattr(lazy, name, None) is not None for name in ("seed_all", "seed_one"))
+    if facts.in_block:
+        detail = "not initialized; if CUDA starts inside the block it starts from the block's seed"
+    elif queued:
+        detail = "not initialized; a queued seed applies when CUDA starts"
+    else:
+        detail = (
+            f"not initialized; it would start from torch's fixed default seed {TORCH_DEFAULT_SEED}"
+        )
+    return RngStatus("torch.cuda", facts.in_block or queued, None, detail)
+
+
+def _user_rngs(facts: _RngFacts) -> tuple[RngStatus, ...]:
+    from .internal import registered_rngs
+
+    return tuple(
+        RngStatus(
+            f"user:{key}",
+            True if facts.in_block else None,
+            None,
+            f"registered {type(obj).__qualname__}, seeded inside every deterministic block",
+        )
+        for key, obj in registered_rngs()
+    )
+
+
+#: The RNG section, in report order: each family gives its statuses (none where it does not apply).
+_RNG_FAMILIES: tuple[Callable[[_RngFacts], tuple[RngStatus, ...]], ...] = (
+    _python_rng,
+    _numpy_rng,
+    _torch_cpu_rng,
+    _cuda_rng,
+    _user_rngs,
+)
+
+
+def _rngs(torch: Any, np: Any, snapshot: Any, in_block: bool) -> tuple[RngStatus, ...]:
+    facts = _RngFacts(torch, np, snapshot, in_block, int(torch.initial_seed()))
+    return tuple(status for family in _RNG_FAMILIES for status in family(facts))
+
+
+# --- problems: one function per rule ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Facts:
+    """What the rules read (see :func:`_problems`)."""
+
+    flags: Mapping[str, Any]
+    env: Mapping[str, str | None]
+    startup_env: Mapping[str, str | None] | None
+    cuda: Mapping[str, Any]
+    start_method: str
+    rngs: tuple[RngStatus, ...]
+
+    @property
+    def gpu(self) -> bool:
+        """Whether CUDA can be used here: GPU-only problems are not reported otherwise."""
+        return bool(self.cuda.get("built") or self.cuda.get("initialized"))
+
+    @property
+    def cublas(self) -> str | None:
+        """``CUBLAS_WORKSPACE_CONFIG`` now."""
+        return self.env.get("CUBLAS_WORKSPACE_CONFIG")
+
+
+def _nondeterministic_algorithms(f: _Facts) -> Problem | None:
+    if f.flags["deterministic_algorithms"]:
+        return None
+    return Problem(
+        "warning",
+        "nondeterministic-algorithms",
+        "torch.use_deterministic_algorithms is off: operations with nondeterministic kernels "
+        "(scatter_add_, index_add_, embedding backward, ... mostly on CUDA) may differ run to run",
+    )
+
+
+def _warn_only(f: _Facts) -> Problem | None:
+    # torch reads warn_only only with deterministic algorithms on.
+    if not (f.flags["deterministic_algorithms"] and f.flags["deterministic_warn_only"]):
+        return None
+    return Problem(
+        "note",
+        "warn-only",
+        "nondeterministic operations only warn (warn_only=True) instead of raising",
+    )
+
+
+def _uninitialized_memory(f: _Facts) -> Problem | None:
+    # Like warn_only, torch reads this flag only with deterministic algorithms on; and of
+    # these three rules, only the first that applies reports.
+    flags = f.flags
+    if (
+        not flags["deterministic_algorithms"]
+        or flags["deterministic_warn_only"]
+        or flags["fill_uninitialized_memory"]
+    ):
+        return None
+    return Problem(
+        "note",
+        "uninitialized-memory",
+        "fill_uninitialized_memory is off: torch.empty() may expose whatever the memory held "
+        "before",
+    )
+
+
+def _cudnn_benchmark(f: _Facts) -> Problem | None:
+    if not f.flags["cudnn_benchmark"]:
+        return None
+    return Problem(
+        "warning",
+        "cudnn-benchmark",
+        "torch.backends.cudnn.benchmark is on: cuDNN times several algorithms at first use and "
+        "may choose a different one in each run",
+    )
+
+
+def _cudnn_nondeterministic(f: _Facts) -> Problem | None:
+    # Deterministic algorithms make cuDNN deterministic too, whatever its own flag says.
+    if not f.gpu or f.flags["cudnn_deterministic"] or f.flags["deterministic_algorithms"]:
+        return None
+    return Problem(
+        "warning",
+        "cudnn-nondeterministic",
+        "torch.backends.cudnn.deterministic is off (and deterministic algorithms too): cuDNN may "
+        "pick nondeterministic convolution algorithms",
+    )
+
+
+def _cublas_workspace(f: _Facts) -> Problem | None:
+    from .internal import CUBLAS_VALID
+
+    if not f.gpu or f.cublas in CUBLAS_VALID:
+        return None
+    shown = "unset" if f.cublas is None else repr(f.cublas)
+    return Problem(
+        "warning",
+        "cublas-workspace",
+        f"CUBLAS_WORKSPACE_CONFIG is {shown}: cuBLAS is only deterministic with "
+        f"{' or '.join(CUBLAS_VALID)} (with deterministic algorithms on, cuBLAS calls raise); "
+        "set it before starting Python",
+    )
+
+
+def _cublas_workspace_late(f: _Facts) -> Problem | None:
+    # A valid value that the process did not start with (an invalid one is the rule
+    # above's; initialized CUDA implies f.gpu).  Unknown start environment: no claim.
+    from .internal import CUBLAS_VALID
+
+    if (
+        not f.cuda.get("initialized")
+        or f.cublas not in CUBLAS_VALID
+        or f.startup_env is None
+        or f.startup_env.get("CUBLAS_WORKSPACE_CONFIG") == f.cublas
+    ):
+        return None
+    return Problem(
+        "warning",
+        "cublas-workspace-late",
+        "CUBLAS_WORKSPACE_CONFIG was set after the process started and CUDA is initialized: "
+        "cuBLAS reads it when it creates its first handle, so it may have no effect in this "
+        "process; set it before starting Python",
+    )
+
+
+def _pythonhashseed_spawn(f: _Facts) -> Problem | None:
+    # Forked children inherit the parent's hash secret; spawned ones draw a new one.
+    hashseed = f.env.get("PYTHONHASHSEED")
+    if f.start_method not in ("spawn", "forkserver") or hashseed not in (None, "random"):
+        return None
+    return Problem(
+        "warning",
+        "pythonhashseed-spawn",
+        f"PYTHONHASHSEED is {'unset' if hashseed is None else 'random'} and new processes start "
+        f"with {f.start_method!r}: DataLoader workers and other child processes hash str and "
+        "bytes differently in each run (set iteration order changes); deterministic blocks set "
+        "it for their duration, or set it before starting Python",
+    )
+
+
+def _cuda_bad_fork(f: _Facts) -> Problem | None:
+    if not f.cuda.get("bad_fork"):
+        return None
+    return Problem(
+        "warning",
+        "cuda-bad-fork",
+        "this is a forked child of a process that had initialized CUDA: CUDA cannot be used here",
+    )
+
+
+def _tf32(f: _Facts) -> Problem | None:
+    tf32 = (
+        f.flags["float32_matmul_precision"] != "highest"
+        or "tf32" in f.flags.get("fp32_precision", {}).values()
+    )
+    if not (f.gpu and tf32):
+        return None
+    return Problem(
+        "note",
+        "tf32",
+        "TF32 is allowed for float32 math: deterministic on one GPU model, but results differ "
+        "between GPU generations and from CPU results",
+    )
+
+
+def _inductor(f: _Facts) -> Problem | None:
+    # ``None`` when torch._inductor is not imported: the report never imports it to ask.
+    if f.flags.get("inductor_deterministic") is not False:
+        return None
+    return Problem(
+        "note",
+        "inductor",
+        "torch._inductor.config.deterministic is off: torch.compile may autotune and pick "
+        "different kernels in each run",
+    )
+
+
+def _unseeded(f: _Facts) -> Problem | None:
+    if not any(r.name == "torch.cpu" and r.seeded is False for r in f.rngs):
+        return None
+    return Problem(
+        "note",
+        "unseeded",
+        "torch's global generator was never seeded in this process: use "
+        "deterministic(seed=...) or seed_everything(...)",
+    )
+
+
+#: The rules, in report order: each gives its problem, or ``None`` when the facts are fine.
+_RULES: tuple[Callable[[_Facts], Problem | None], ...] = (
+    _nondeterministic_algorithms,
+    _warn_only,
+    _uninitialized_memory,
+    _cudnn_benchmark,
+    _cudnn_nondeterministic,
+    _cublas_workspace,
+    _cublas_workspace_late,
+    _pythonhashseed_spawn,
+    _cuda_bad_fork,
+    _tf32,
+    _inductor,
+    _unseeded,
+)
 
 
 def _problems(
@@ -374,105 +626,11 @@ def _problems(
     rngs: tuple[RngStatus, ...],
 ) -> tuple[Problem, ...]:
     """Known problems, from the facts alone (a pure function, so each rule is testable)."""
-    from .sources.environ import CUBLAS_VALID
+    facts = _Facts(flags, env, startup_env, cuda, start_method, rngs)
+    return tuple(problem for rule in _RULES if (problem := rule(facts)) is not None)
 
-    out: list[Problem] = []
 
-    def warn(code: str, message: str) -> None:
-        out.append(Problem("warning", code, message))
-
-    def note(code: str, message: str) -> None:
-        out.append(Problem("note", code, message))
-
-    gpu = bool(cuda.get("built") or cuda.get("initialized"))
-    if not flags["deterministic_algorithms"]:
-        warn(
-            "nondeterministic-algorithms",
-            "torch.use_deterministic_algorithms is off: operations with nondeterministic kernels "
-            "(scatter_add_, index_add_, embedding backward, ... mostly on CUDA) may differ run "
-            "to run",
-        )
-    elif flags["deterministic_warn_only"]:
-        note(
-            "warn-only", "nondeterministic operations only warn (warn_only=True) instead of raising"
-        )
-    elif not flags["fill_uninitialized_memory"]:
-        note(
-            "uninitialized-memory",
-            "fill_uninitialized_memory is off: torch.empty() may expose whatever the memory held "
-            "before",
-        )
-    if flags["cudnn_benchmark"]:
-        warn(
-            "cudnn-benchmark",
-            "torch.backends.cudnn.benchmark is on: cuDNN times several algorithms at first use and "
-            "may choose a different one in each run",
-        )
-    if gpu and not flags["cudnn_deterministic"] and not flags["deterministic_algorithms"]:
-        warn(
-            "cudnn-nondeterministic",
-            "torch.backends.cudnn.deterministic is off (and deterministic algorithms too): "
-            "cuDNN may "
-            "pick nondeterministic convolution algorithms",
-        )
-    cublas = env.get("CUBLAS_WORKSPACE_CONFIG")
-    if gpu and cublas not in CUBLAS_VALID:
-        warn(
-            "cublas-workspace",
-            f"CUBLAS_WORKSPACE_CONFIG is {'unset' if cublas is None else repr(cublas)}: cuBLAS is "
-            f"only deterministic with {' or '.join(CUBLAS_VALID)} (with deterministic algorithms "
-            "on, cuBLAS calls raise); set it before starting Python",
-        )
-    elif (
-        cuda.get("initialized")
-        and startup_env is not None
-        and startup_env.get("CUBLAS_WORKSPACE_CONFIG") != cublas
-    ):
-        warn(
-            "cublas-workspace-late",
-            "CUBLAS_WORKSPACE_CONFIG was set after the process started and CUDA is initialized: "
-            "cuBLAS reads it when it creates its first handle, so it may have no effect in this "
-            "process; set it before starting Python",
-        )
-    hashseed = env.get("PYTHONHASHSEED")
-    if start_method in ("spawn", "forkserver") and hashseed in (None, "random"):
-        warn(
-            "pythonhashseed-spawn",
-            f"PYTHONHASHSEED is {'unset' if hashseed is None else 'random'} and new processes "
-            "start "
-            f"with {start_method!r}: DataLoader workers and other child processes hash str and "
-            "bytes differently in each run (set iteration order changes); deterministic blocks "
-            "set it for their duration, or set it before starting Python",
-        )
-    if cuda.get("bad_fork"):
-        warn(
-            "cuda-bad-fork",
-            "this is a forked child of a process that had initialized CUDA: CUDA cannot be used "
-            "here",
-        )
-    if gpu and (
-        flags["float32_matmul_precision"] != "highest"
-        or "tf32" in flags.get("fp32_precision", {}).values()
-    ):
-        note(
-            "tf32",
-            "TF32 is allowed for float32 math: deterministic on one GPU model, but results differ "
-            "between GPU generations and from CPU results",
-        )
-    if flags.get("inductor_deterministic") is False:
-        note(
-            "inductor",
-            "torch._inductor.config.deterministic is off: torch.compile may autotune and pick "
-            "different kernels in each run",
-        )
-    for rng in rngs:
-        if rng.name == "torch.cpu" and rng.seeded is False:
-            note(
-                "unseeded",
-                "torch's global generator was never seeded in this process: use "
-                "deterministic(seed=...) or seed_everything(...)",
-            )
-    return tuple(out)
+# --- the report ----------------------------------------------------------------------------------
 
 
 def report() -> DeterminismReport:
@@ -496,11 +654,11 @@ def report() -> DeterminismReport:
     import numpy as np
     import torch
 
-    from . import __version__
+    from .internal import VERSION, inside_block
     from .snapshot import Snapshot
 
     snapshot = Snapshot.capture()
-    in_block = _in_block()
+    in_block = inside_block()
     flags = _flags(torch, snapshot)
     env = {name: os.environ.get(name) for name in _env_names()}
     cuda = _cuda(torch)
@@ -514,7 +672,7 @@ def report() -> DeterminismReport:
         "env_at_start": _startup_env(),
     }
     versions = {
-        "deterministic-ctx": __version__,
+        "deterministic-ctx": VERSION,
         "torch": torch.__version__,
         "numpy": np.__version__,
         "python": platform.python_version(),

@@ -5,9 +5,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,8 +27,7 @@ from deterministic_ctx.report import (
     report,
 )
 from deterministic_ctx.sources import environ as environ_mod
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import run_python
 
 
 def codes(r: DeterminismReport | tuple[Problem, ...]) -> set[str]:
@@ -217,10 +213,7 @@ def test_importing_and_calling_report_stays_cheap():
         "print('torch._inductor' in sys.modules); r.report(); "
         "print('torch._inductor' in sys.modules); import torch; print(torch.cuda.is_initialized())"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
-    )
+    out = run_python([], code=code, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False", "False"]
 

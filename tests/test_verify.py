@@ -218,6 +218,16 @@ def test_nan_in_a_different_place_is_a_difference():
     assert "2 element(s) are NaN in only one run" in str(info.value)
 
 
+@pytest.mark.filterwarnings("error")
+def test_a_signalling_nan_is_reported_without_a_numpy_warning():
+    # Widening a float32 signalling NaN warns in NumPy: under ``-W error`` the
+    # warning used to replace the report.
+    snan = np.frombuffer(np.uint32(0x7F800001).tobytes(), dtype=np.float32).copy()
+    fn = alternating(snan, np.array([1.0], dtype=np.float32))
+    with pytest.raises(NotReproducibleError, match="NaN in only one run"):
+        assert_reproducible(fn)
+
+
 def test_signed_zero_is_a_bitwise_difference():
     fn = alternating(np.array([0.0]), np.array([-0.0]))
     with pytest.raises(NotReproducibleError, match="signed zeros"):
