@@ -18,14 +18,8 @@ from deterministic_ctx import (
     seed_everything,
     unregister_rng,
 )
-from deterministic_ctx.report import (
-    DeterminismReport,
-    Problem,
-    RngStatus,
-    _problems,
-    _startup_env,
-    report,
-)
+from deterministic_ctx.report import DeterminismReport, Problem, RngStatus, report, rules
+from deterministic_ctx.report.facts import startup_env
 from deterministic_ctx.sources import environ as environ_mod
 from tests.helpers import run_python
 
@@ -184,11 +178,11 @@ def test_reading_the_start_method_does_not_fix_it():
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="Linux only")
 def test_environment_at_start_is_read_from_proc():
-    startup = _startup_env()
+    startup = startup_env()
     assert startup is not None and set(startup) == set(managed_env_vars())
     # Changing os.environ now does not change what the process started with.
     with deterministic(seed=3):
-        assert _startup_env() == startup
+        assert startup_env() == startup
 
 
 def test_env_section_covers_the_managed_list_and_registered_names(monkeypatch):
@@ -237,7 +231,7 @@ GOOD_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONHASHSEED": "0"}
 
 def problems(flags=None, env=None, startup=None, cuda=None, method="fork", rngs=()):
     return codes(
-        _problems(
+        rules.problems(
             flags={**FLAGS, **(flags or {})},
             env={**GOOD_ENV, **(env or {})},
             startup_env=startup,

@@ -1,0 +1,135 @@
+"""The report's value types and their rendering as text and as plain (JSON) data."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["DeterminismReport", "Problem", "RngStatus"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One known problem: ``level`` is ``"warning"`` (can break reproducibility) or ``"note"``.
+
+    ``code`` is a stable short identifier (e.g. ``"cudnn-benchmark"``) for tools.
+    """
+
+    level: str
+    code: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RngStatus:
+    """What can be said about one RNG.
+
+    ``seeded`` is ``True`` when there is evidence of explicit seeding, ``False``
+    when it runs from a default, ``None`` when its state cannot tell (Python's
+    and NumPy's Mersenne Twisters cannot be traced back to a seed once drawn
+    from).  ``seed`` is the seed when known.
+    """
+
+    name: str
+    seeded: bool | None
+    seed: int | None
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DeterminismReport:
+    """The determinism setup of this process; see :func:`report`.
+
+    ``str(r)`` is for people, ``r.to_dict()`` for tools (JSON-serializable).
+    ``warnings`` lists the problems of level ``"warning"``.
+    """
+
+    versions: dict[str, str | None]
+    in_block: bool
+    flags: dict[str, Any]
+    env: dict[str, str | None]
+    rngs: tuple[RngStatus, ...]
+    cuda: dict[str, Any]
+    process: dict[str, Any]
+    problems: tuple[Problem, ...]
+
+    @property
+    def warnings(self) -> tuple[Problem, ...]:
+        """The problems of level ``"warning"``, in report order."""
+        return tuple(p for p in self.problems if p.level == "warning")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data only (dicts, lists, str, int, float, bool, None).
+
+        Example:
+            >>> import json
+            >>> from deterministic_ctx.report import report
+            >>> data = report().to_dict()
+            >>> json.loads(json.dumps(data)) == data
+            True
+        """
+        out = _plain(dataclasses.asdict(self))
+        assert isinstance(out, dict)
+        return out
+
+    def __str__(self) -> str:
+        """The report for people: one titled section per kind of fact, then the problems."""
+        lines = ["Determinism report"]
+        lines.append("  " + ", ".join(f"{k} {v}" for k, v in self.versions.items() if v))
+        lines.append(f"  inside a deterministic block: {'yes' if self.in_block else 'no'}")
+        lines += _section("Flags", self.flags)
+        lines += _section(
+            "Environment", {k: "(unset)" if v is None else v for k, v in self.env.items()}
+        )
+        lines += _rng_section(self.rngs)
+        lines += _section("CUDA", self.cuda)
+        lines += _section("Process", self.process)
+        lines += _problem_section(self.problems)
+        return "\n".join(lines)
+
+
+def _section(title: str, values: Mapping[str, Any]) -> list[str]:
+    width = max((len(k) for k in values), default=0)
+    return [title] + [f"  {k:<{width}}  {_show(v)}" for k, v in values.items()]
+
+
+def _rng_section(rngs: tuple[RngStatus, ...]) -> list[str]:
+    width = max((len(r.name) for r in rngs), default=0)
+    lines = ["RNGs"]
+    for rng in rngs:
+        seeded = {True: "seeded", False: "not seeded", None: "unknown"}[rng.seeded]
+        seed = f" (seed {rng.seed})" if rng.seed is not None else ""
+        lines.append(f"  {rng.name:<{width}}  {seeded}{seed}: {rng.detail}")
+    return lines
+
+
+def _problem_section(problems: tuple[Problem, ...]) -> list[str]:
+    counts = [
+        f"{n} {level}(s)"
+        for level in ("warning", "note")
+        if (n := sum(p.level == level for p in problems))
+    ]
+    return [f"Problems: {', '.join(counts) if counts else 'none found'}"] + [
+        f"  {p.level} [{p.code}] {p.message}" for p in problems
+    ]
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, Mapping):
+        return ", ".join(f"{k}={_show(v)}" for k, v in value.items()) or "-"
+    if isinstance(value, (list, tuple)):
+        return "; ".join(_show(v) for v in value) or "-"
+    return str(value)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
