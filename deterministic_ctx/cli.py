@@ -12,7 +12,10 @@ Two subcommands:
 ``PYTHONHASHSEED`` only takes effect when an interpreter starts, so ``run``
 restarts the interpreter once with ``PYTHONHASHSEED`` set to the seed when it
 is not already: ``str`` and ``bytes`` hashes, and so the iteration order of
-sets, are then the same on every run too.
+sets, are then the same on every run too.  Everything up to that restart
+(parsing, checking the script exists) imports neither torch nor NumPy, so the
+interpreter that is thrown away costs milliseconds, not the seconds torch takes
+to load; the engine is imported only in the restarted interpreter.
 
 Exit codes: ``0`` success; for ``run``, the script's own exit status
 (``sys.exit(n)`` gives ``n``; an uncaught exception ``1``, its traceback
@@ -23,6 +26,8 @@ module that does not exist); ``130`` interrupted by Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import os
 import runpy
@@ -31,8 +36,13 @@ import sys
 import traceback
 from collections.abc import Sequence
 from types import TracebackType
+from typing import NamedTuple
 
-from ._seed import MAX_SEED, validate_seed
+# The version only: a leaf module, so ``--version`` and ``run``'s restart load no torch.
+from ._version import __version__
+
+# Nothing from the engine here: ``deterministic_ctx.internal`` imports torch and
+# NumPy, which ``run`` must not load before it restarts the interpreter.
 
 __all__ = ["main"]
 
@@ -43,6 +53,12 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+
+#: The largest seed (NumPy's legacy global RNG takes 32 bits).  The same value
+#: as ``deterministic_ctx.internal.MAX_SEED``, repeated because that module
+#: imports torch; ``tests/test_cli.py`` checks that the two agree, and
+#: ``seed_everything`` validates the seed again after the restart.
+MAX_SEED = 2**32 - 1
 
 _EXIT_CODES = f"""\
 exit status:
@@ -107,20 +123,21 @@ report never initializes CUDA itself; pass --init-cuda to include device
 facts (device names, cuDNN version)."""
 
 
-def _seed(text: str) -> int:
-    """argparse type of ``--seed``: an integer in ``0 .. 2**32 - 1``."""
-    try:
-        return validate_seed(int(text, 10))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be an integer in 0 .. {MAX_SEED}, got {text!r}"
-        ) from None
+def _seed_argument(text: str) -> int:
+    """argparse type of ``--seed``: an integer in ``0 .. 2**32 - 1``.
+
+    Parsed without the library's ``validate_seed``, which would import NumPy
+    before ``run`` decides to restart the interpreter.
+    """
+    with contextlib.suppress(ValueError):  # not an integer: the same error as out of range
+        seed = int(text, 10)
+        if 0 <= seed <= MAX_SEED:
+            return seed
+    raise argparse.ArgumentTypeError(f"must be an integer in 0 .. {MAX_SEED}, got {text!r}")
 
 
 def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The command's parser and its ``run`` subparser."""
-    from . import __version__
-
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
         prog=PROG, description=_DESCRIPTION, epilog=_EPILOG, formatter_class=formatter
@@ -154,7 +171,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     run.add_argument(
         "--seed",
-        type=_seed,
+        type=_seed_argument,
         default=0,
         metavar="N",
         help=f"the seed, an integer in 0 .. {MAX_SEED} (default: 0)",
@@ -192,23 +209,20 @@ def _split_run(tokens: Sequence[str]) -> tuple[list[str], list[str]]:
         (['-m', 'pkg.mod'], ['-v'])
     """
     options: list[str] = []
-    i = 0
-    while i < len(tokens):
-        token = tokens[i]
-        if token == "--":
-            return options, list(tokens[i + 1 :])
-        if not token.startswith("-") or token == "-":
-            return options, list(tokens[i:])
+    rest = list(tokens)
+    while rest and _is_option(rest[0]):
+        token = rest.pop(0)
         options.append(token)
-        if token in _RUN_VALUE_OPTIONS and i + 1 < len(tokens):
-            options.append(tokens[i + 1])
-            i += 1
-            if token == "-m":
-                return options, list(tokens[i + 1 :])
-        elif token.startswith("-m") and not token.startswith("--"):
-            return options, list(tokens[i + 1 :])  # -mpkg.mod
-        i += 1
-    return options, []
+        if token in _RUN_VALUE_OPTIONS and rest:
+            options.append(rest.pop(0))
+        if token.startswith("-m"):  # -m module, or -mmodule: the module's arguments follow
+            return options, rest
+    return options, rest[1:] if rest[:1] == ["--"] else rest
+
+
+def _is_option(word: str) -> bool:
+    """Whether ``word`` is one of our options (``-`` is stdin's name and ``--`` the separator)."""
+    return word.startswith("-") and word not in ("-", "--")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -272,6 +286,37 @@ def _report(*, as_json: bool, init_cuda: bool) -> int:
 # --- run ------------------------------------------------------------------------------------------
 
 
+class _Target(NamedTuple):
+    """What ``run`` runs: a script file or, with ``-m``, a module; and its arguments."""
+
+    name: str
+    args: list[str]
+    is_module: bool
+
+    @property
+    def path0(self) -> str:
+        """``sys.path[0]`` as ``python`` sets it: the current directory for ``-m``,
+        the script's own directory otherwise."""
+        if self.is_module:
+            return os.getcwd()
+        return os.path.dirname(os.path.abspath(self.name))
+
+    def run(self) -> None:
+        """Run it as ``__main__``, as ``python script.py`` / ``python -m module`` would."""
+        if self.is_module:
+            runpy.run_module(self.name, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(self.name, run_name="__main__")
+
+
+class _UsageError(Exception):
+    """A usage error of ``run``: printed as ``deterministic-ctx run: error: ...``, status 2."""
+
+    def __init__(self, message: str, *, show_usage: bool = False) -> None:
+        super().__init__(message)
+        self.show_usage = show_usage
+
+
 def _run(
     parser: argparse.ArgumentParser,
     *,
@@ -281,59 +326,84 @@ def _run(
     command: list[str],
     restart: bool,
 ) -> int:
-    if module is None:
-        if not command:
-            parser.print_usage(sys.stderr)
-            print(f"{PROG} run: error: a script (or -m module) is required", file=sys.stderr)
-            return EXIT_USAGE
-        script, *script_args = command
-        if not os.path.exists(script):
-            print(
-                f"{PROG} run: error: can't open file {script!r}: no such file or directory",
-                file=sys.stderr,
-            )
-            return EXIT_USAGE
-    else:
-        script, script_args = module, command
-
-    if restart:
-        status = _restart_with_hashseed(seed)
-        if status is not None:
-            return status
-
-    # What `python script.py args` / `python -m module args` set up.
-    sys.argv[:] = [script, *script_args]
-    if not getattr(sys.flags, "safe_path", False):
-        first = os.getcwd() if module is not None else os.path.dirname(os.path.abspath(script))
-        if sys.path:
-            sys.path[0] = first
-        else:
-            sys.path.insert(0, first)
-
-    from .seeding import seed_everything
-
-    seed_everything(seed, warn_only=warn_only)
-    # After seeding: finding the module imports its parent packages, which are
-    # part of the program.  A missing module is a usage error.
-    if module is not None:
-        import importlib.util
-
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError) as exc:
-            print(f"{PROG} run: error: cannot find module {module!r}: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-        if not found:
-            print(f"{PROG} run: error: no module named {module!r}", file=sys.stderr)
-            return EXIT_USAGE
-
+    """``run``: check the target, restart for ``PYTHONHASHSEED``, seed, then run the target."""
     try:
-        if module is not None:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(script, run_name="__main__")
+        target = _target(module, command)
+        status = _restart_with_hashseed(seed) if restart else None
+        if status is not None:  # Windows: the restarted command ran in a child process
+            return status
+        # From here on this is the interpreter that runs the script: only now
+        # does the engine, and with it torch and NumPy, get imported.
+        _set_up_main(target)
+        from .seeding import seed_everything
+
+        seed_everything(seed, warn_only=warn_only)
+        _find_module(target)
+    except _UsageError as exc:
+        if exc.show_usage:
+            parser.print_usage(sys.stderr)
+        print(f"{PROG} run: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return _execute(target)
+
+
+def _target(module: str | None, command: list[str]) -> _Target:
+    """The script (the first word of ``command``, which must exist) or the module to run.
+
+    Raises:
+        _UsageError: no script was given, or the script does not exist.
+    """
+    if module is not None:
+        return _Target(module, command, is_module=True)
+    if not command:
+        raise _UsageError("a script (or -m module) is required", show_usage=True)
+    script, *script_args = command
+    if not os.path.exists(script):
+        raise _UsageError(f"can't open file {script!r}: no such file or directory")
+    return _Target(script, script_args, is_module=False)
+
+
+def _set_up_main(target: _Target) -> None:
+    """Set ``sys.argv`` and ``sys.path[0]`` as ``python`` sets them for ``target``."""
+    sys.argv[:] = [target.name, *target.args]
+    if getattr(sys.flags, "safe_path", False):  # python -P: nothing is put in front
+        return
+    if sys.path:
+        sys.path[0] = target.path0
+    else:
+        sys.path.insert(0, target.path0)
+
+
+def _find_module(target: _Target) -> None:
+    """Check that the module of ``-m`` exists; a script was checked before the restart.
+
+    Called after seeding: finding a module imports its parent packages, which
+    are part of the program and may draw random numbers at import.
+
+    Raises:
+        _UsageError: the module, or one of its parent packages, cannot be found.
+    """
+    if not target.is_module:
+        return
+    try:
+        found = importlib.util.find_spec(target.name) is not None
+    except (ImportError, ValueError) as exc:
+        raise _UsageError(f"cannot find module {target.name!r}: {exc}") from None
+    if not found:
+        raise _UsageError(f"no module named {target.name!r}")
+
+
+def _execute(target: _Target) -> int:
+    """Run ``target`` and return its exit status; its ``SystemExit`` propagates.
+
+    ``SystemExit`` is left to Python, which prints a message and picks the
+    status exactly as for ``python script.py``; any other exception is printed
+    as Python prints an uncaught one.
+    """
+    try:
+        target.run()
     except SystemExit:
-        raise  # the script's own exit status, with Python's own handling of it
+        raise
     except KeyboardInterrupt as exc:
         _print_exception(exc)
         return EXIT_INTERRUPTED

@@ -23,8 +23,11 @@ import pytest
 import torch
 
 import deterministic_ctx
+from deterministic_ctx import cli as cli_module
 from deterministic_ctx.cli import _split_run, main
+from deterministic_ctx.internal import MAX_SEED
 from deterministic_ctx.report import report
+from tests.helpers import run_python
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name(
     "deterministic-ctx.exe" if os.name == "nt" else "deterministic-ctx"
@@ -68,7 +71,11 @@ def reference_hash(hashseed: int) -> int:
     env = {**os.environ, "PYTHONHASHSEED": str(hashseed)}
     out = subprocess.run(
         [sys.executable, "-c", "print(hash('deterministic'))"],
-        capture_output=True, text=True, env=env, check=True, timeout=60,
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+        timeout=60,
     )
     return int(out.stdout)
 
@@ -88,11 +95,17 @@ def cli(
     console_script: bool = False,
     stdin: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    command = [str(CONSOLE_SCRIPT)] if console_script else [sys.executable, "-m", "deterministic_ctx"]
+    command = (
+        [str(CONSOLE_SCRIPT)] if console_script else [sys.executable, "-m", "deterministic_ctx"]
+    )
     return subprocess.run(
         [*command, *args],
-        capture_output=True, text=True, cwd=cwd, env=base_env(0) if env is None else env,
-        input=stdin, timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=base_env(0) if env is None else env,
+        input=stdin,
+        timeout=300,
     )
 
 
@@ -133,7 +146,14 @@ def test_help_reads_well(capsys):
     assert main(["run", "--help"]) == 0
     run = capsys.readouterr().out
     assert "deterministic-ctx run [-h] [--seed N] [--warn-only] [--] script.py [args ...]" in run
-    for text in ("-m module", "--seed N", "--warn-only", "PYTHONHASHSEED", "(default: 0)", "exit status"):
+    for text in (
+        "-m module",
+        "--seed N",
+        "--warn-only",
+        "PYTHONHASHSEED",
+        "(default: 0)",
+        "exit status",
+    ):
         assert text in run
 
     assert main(["report", "--help"]) == 0
@@ -226,7 +246,16 @@ def test_run_replaces_a_different_pythonhashseed(probe):
 
 def test_run_with_the_console_script(probe, elsewhere):
     out = probe_output(
-        cli("run", "--seed", "5", str(probe), "x", env=base_env(None), cwd=elsewhere, console_script=True)
+        cli(
+            "run",
+            "--seed",
+            "5",
+            str(probe),
+            "x",
+            env=base_env(None),
+            cwd=elsewhere,
+            console_script=True,
+        )
     )
     assert {k: out[k] for k in ("random", "numpy", "torch")} == expected_draws(5)
     assert out["hash"] == reference_hash(5)
@@ -270,7 +299,9 @@ def test_module(tmp_path, spelling):
     (package / "__init__.py").write_text("")
     (package / "probe.py").write_text(PROBE)
     (tmp_path / "sibling.py").write_text("")
-    out = probe_output(cli("run", "--seed", "3", *spelling, "a", "--b", cwd=tmp_path, env=base_env(3)))
+    out = probe_output(
+        cli("run", "--seed", "3", *spelling, "a", "--b", cwd=tmp_path, env=base_env(3))
+    )
     assert out["name"] == "__main__"
     assert out["argv"] == [str(package / "probe.py"), "a", "--b"]
     assert out["path0"] == str(tmp_path)
@@ -282,17 +313,75 @@ def test_package_main_and_imports_run_after_seeding(tmp_path):
     package = tmp_path / "pkg"
     package.mkdir()
     (package / "__init__.py").write_text("import random\nAT_IMPORT = random.random()\n")
-    (package / "__main__.py").write_text("import json, pkg, random\nprint(json.dumps([pkg.AT_IMPORT, random.random()]))\n")
+    (package / "__main__.py").write_text(
+        "import json, pkg, random\nprint(json.dumps([pkg.AT_IMPORT, random.random()]))\n"
+    )
     proc = cli("run", "--seed", "3", "-m", "pkg", cwd=tmp_path, env=base_env(3))
     assert proc.returncode == 0, proc.stderr
     r = random.Random(3)
     assert json.loads(proc.stdout) == [r.random(), r.random()]
 
 
+def modules_imported_per_interpreter(importtime: str) -> list[set[str]]:
+    """The modules each interpreter imported, from ``-X importtime`` output on stderr.
+
+    Every interpreter prints the column header once, before its first import,
+    so a restarted command shows two sections: the interpreter that decided to
+    restart, then the one that ran the script.
+    """
+    interpreters: list[set[str]] = []
+    for line in importtime.splitlines():
+        if line.startswith("import time: self [us]"):
+            interpreters.append(set())
+        elif line.startswith("import time:") and interpreters:
+            interpreters[-1].add(line.rsplit("|", 1)[1].strip())
+    return interpreters
+
+
+@pytest.mark.parametrize("console_script", [False, True], ids=["python-m", "console-script"])
+def test_run_restarts_before_importing_torch_or_numpy(tmp_path, console_script):
+    """The interpreter that is replaced by the restart never loaded torch or NumPy."""
+    script = tmp_path / "script.py"
+    script.write_text("print('ran')\n")
+    entry = [str(CONSOLE_SCRIPT)] if console_script else ["-m", "deterministic_ctx"]
+    # PYTHONHASHSEED differs from the seed, so run restarts; the restarted
+    # interpreter inherits PYTHONPROFILEIMPORTTIME and reports its imports too.
+    proc = run_python(
+        [*entry, "run", "--seed", "3", str(script)],
+        env={"PYTHONHASHSEED": "123", "PYTHONPROFILEIMPORTTIME": "1"},
+    )
+    assert (proc.returncode, proc.stdout) == (0, "ran\n"), proc.stderr
+    deciding, restarted = modules_imported_per_interpreter(proc.stderr)
+    assert "deterministic_ctx.cli" in deciding
+    assert {"torch", "numpy"} & deciding == set(), "imported before the restart"
+    # The same probe sees them where they belong: the script's interpreter seeds them.
+    assert {"torch", "numpy", "deterministic_ctx.seeding"} <= restarted
+
+
+def test_run_without_restart_is_one_interpreter(tmp_path):
+    """With PYTHONHASHSEED already the seed, the command runs in the interpreter it started in."""
+    script = tmp_path / "script.py"
+    script.write_text("print('ran')\n")
+    proc = run_python(
+        ["-m", "deterministic_ctx", "run", "--seed", "3", str(script)],
+        env={"PYTHONHASHSEED": "3", "PYTHONPROFILEIMPORTTIME": "1"},
+    )
+    assert (proc.returncode, proc.stdout) == (0, "ran\n"), proc.stderr
+    (only,) = modules_imported_per_interpreter(proc.stderr)
+    assert {"deterministic_ctx.cli", "torch", "numpy"} <= only
+
+
+def test_seed_range_is_the_librarys():
+    """The CLI checks --seed before torch is loaded, against its own copy of the upper bound."""
+    assert cli_module.MAX_SEED == MAX_SEED
+    assert main(["run", "--seed", str(MAX_SEED), "--help"]) == 0
+
+
 def test_stdin_and_child_processes(tmp_path, elsewhere):
     """The restart keeps stdin; child processes inherit PYTHONHASHSEED and hash alike."""
     script = tmp_path / "child.py"
-    script.write_text(textwrap.dedent("""\
+    script.write_text(
+        textwrap.dedent("""\
         import subprocess, sys
         line = input()
         child = subprocess.run(
@@ -300,8 +389,11 @@ def test_stdin_and_child_processes(tmp_path, elsewhere):
             capture_output=True, text=True, check=True,
         )
         print(line.upper(), hash("deterministic") == int(child.stdout))
-        """))
-    proc = cli("run", "--seed", "11", str(script), env=base_env(None), cwd=elsewhere, stdin="hello\n")
+        """)
+    )
+    proc = cli(
+        "run", "--seed", "11", str(script), env=base_env(None), cwd=elsewhere, stdin="hello\n"
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "HELLO True\n"
 
@@ -319,7 +411,7 @@ def test_stdin_and_child_processes(tmp_path, elsewhere):
         (
             "def f():\n    raise ValueError('boom')\nf()",
             1,
-            ['File "SCRIPT", line 3, in <module>', 'line 2, in f', "ValueError: boom"],
+            ['File "SCRIPT", line 3, in <module>', "line 2, in f", "ValueError: boom"],
             ["cli.py", "runpy", "deterministic_ctx"],
         ),
         ("raise KeyboardInterrupt", 130, ["KeyboardInterrupt"], ["cli.py", "runpy"]),
@@ -345,7 +437,10 @@ def test_ctrl_c_reaches_the_script_after_the_restart(tmp_path):
     script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(120)\n")
     proc = subprocess.Popen(
         [sys.executable, "-m", "deterministic_ctx", "run", str(script)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base_env(None),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=base_env(None),
     )
     try:
         assert proc.stdout is not None
@@ -364,7 +459,9 @@ def test_exit_status_matches_python_itself(tmp_path):
     script = tmp_path / "script.py"
     script.write_text("import sys\nsys.stdout.write('out')\nsys.exit(3)\n")
     ours = cli("run", str(script))
-    theirs = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    theirs = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60
+    )
     assert (ours.returncode, ours.stdout) == (theirs.returncode, theirs.stdout) == (3, "out")
 
 
@@ -380,7 +477,10 @@ def test_missing_module_is_a_usage_error(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["run", "--seed", "abc", "x.py"], "argument --seed: must be an integer in 0 .. 4294967295, got 'abc'"),
+        (
+            ["run", "--seed", "abc", "x.py"],
+            "argument --seed: must be an integer in 0 .. 4294967295, got 'abc'",
+        ),
         (["run", "--seed", "-1", "x.py"], "got '-1'"),
         (["run", "--seed", "4294967296", "x.py"], "got '4294967296'"),
         (["run", "--seed", "1.5", "x.py"], "got '1.5'"),
