@@ -530,7 +530,7 @@ def _restore_inductor(want: object) -> None:
         found.config._mark_get_dict_dirty(_KEY)
 
 
-# -- the source ----------------------------------------------------------------
+# -- the state -----------------------------------------------------------------
 
 
 class FlagState(NamedTuple):
@@ -560,6 +560,82 @@ class FlagState(NamedTuple):
     inductor_override: object
 
 
+# -- the boolean flags -----------------------------------------------------------
+
+
+def _set_deterministic_algorithms(on: bool) -> None:
+    # torch writes the mode and warn_only together: keep warn_only as it is
+    # (left out, it is written False, and the call costs 0.1 µs less).
+    if _C._get_deterministic_algorithms_warn_only():
+        _C._set_deterministic_algorithms(on, warn_only=True)
+    else:
+        _C._set_deterministic_algorithms(on)
+
+
+def _set_deterministic_warn_only(warn_only: bool) -> None:
+    # Likewise, keep the mode as it is.
+    _C._set_deterministic_algorithms(_C._get_deterministic_algorithms(), warn_only=warn_only)
+
+
+class _Flag(NamedTuple):
+    """A boolean flag: its field of :class:`FlagState` (and key in a checkpoint),
+    its getter and setter, and its value inside a block (``None``: the block's
+    ``warn_only``)."""
+
+    field: str
+    get: Callable[[], bool]
+    set: Callable[[bool], None]
+    inside: bool | None
+
+
+#: The boolean flags, in :class:`FlagState`'s order (its first fields).
+_FLAGS = (
+    _Flag("cudnn_deterministic", _C._get_cudnn_deterministic, _C._set_cudnn_deterministic, True),
+    _Flag("cudnn_benchmark", _C._get_cudnn_benchmark, _C._set_cudnn_benchmark, False),
+    _Flag(
+        "deterministic_algorithms",
+        _C._get_deterministic_algorithms,
+        _set_deterministic_algorithms,
+        True,
+    ),
+    _Flag(
+        "deterministic_warn_only",
+        _C._get_deterministic_algorithms_warn_only,
+        _set_deterministic_warn_only,
+        None,
+    ),
+    _Flag(
+        "fill_uninitialized_memory",
+        _C._get_deterministic_fill_uninitialized_memory,
+        _C._set_deterministic_fill_uninitialized_memory,
+        True,
+    ),
+    _Flag("mkldnn_deterministic", _C._get_mkldnn_deterministic, _C._set_mkldnn_deterministic, True),
+)
+_BOOLS = tuple(flag.field for flag in _FLAGS)
+assert FlagState._fields[: len(_BOOLS)] == _BOOLS
+# Plain tuples for the hot loops: a row's attribute, or zip(), costs more.
+_GETTERS = tuple(flag.get for flag in _FLAGS)
+_ACCESS = tuple((flag.get, flag.set, i) for i, flag in enumerate(_FLAGS))
+#: The flags' values inside a block, by its ``warn_only``.
+_INSIDE = {
+    warn_only: tuple(warn_only if flag.inside is None else flag.inside for flag in _FLAGS)
+    for warn_only in (False, True)
+}
+
+
+def _write_flags(values: tuple[Any, ...]) -> None:
+    """Write each flag that differs from its value in ``values`` (a
+    :class:`FlagState`, or one of :data:`_INSIDE`), reading it just before:
+    a write of the mode or of warn_only writes the other too."""
+    for get, put, i in _ACCESS:
+        if get() != values[i]:
+            put(values[i])
+
+
+# -- the source ----------------------------------------------------------------
+
+
 class TorchFlagsSource:
     """Algorithm-selection flags of torch, cuDNN, oneDNN and inductor, and the
     TF32/precision flags, restored exactly."""
@@ -570,28 +646,17 @@ class TorchFlagsSource:
     def capture(self) -> FlagState:
         inductor, override = _read_inductor() if _INDUCTOR in sys.modules else _NOT_IMPORTED
         eff, own, legacy, cudnn = _read()
-        return FlagState(
-            _C._get_cudnn_deterministic(),
-            _C._get_cudnn_benchmark(),
-            _C._get_deterministic_algorithms(),
-            _C._get_deterministic_algorithms_warn_only(),
-            _C._get_deterministic_fill_uninitialized_memory(),
-            _C._get_mkldnn_deterministic(),
-            inductor,
-            legacy,
-            eff,
-            own,
-            cudnn,
-            _onednn_allow_tf32() if _ONEDNN else None,
-            override,
-        )
+        values: list[Any] = []
+        for get in _GETTERS:  # a comprehension is a function call before Python 3.12
+            values.append(get())
+        onednn = _onednn_allow_tf32() if _ONEDNN else None
+        values += (inductor, legacy, eff, own, cudnn, onednn, override)
+        # FlagState._make without its length check, a Python call (0.1-0.2 µs):
+        # the flags' fields, then these seven.
+        return tuple.__new__(FlagState, values)
 
     def apply(self, settings: Settings) -> None:
-        _C._set_cudnn_deterministic(True)
-        _C._set_cudnn_benchmark(False)
-        _C._set_deterministic_algorithms(True, warn_only=settings.warn_only)
-        _C._set_deterministic_fill_uninitialized_memory(True)
-        _C._set_mkldnn_deterministic(True)
+        _write_flags(_INSIDE[settings.warn_only])
         found = _inductor()
         if found is not None and not (
             found.plain and found.entry.user_override.get() is True  # nested: already set
@@ -601,44 +666,8 @@ class TorchFlagsSource:
     def restore(self, state: FlagState) -> None:
         if _INDUCTOR in sys.modules:
             _restore_inductor(state.inductor_override)
-        if _C._get_cudnn_deterministic() != state.cudnn_deterministic:
-            _C._set_cudnn_deterministic(state.cudnn_deterministic)
-        if _C._get_cudnn_benchmark() != state.cudnn_benchmark:
-            _C._set_cudnn_benchmark(state.cudnn_benchmark)
-        if (
-            _C._get_deterministic_algorithms() != state.deterministic_algorithms
-            or _C._get_deterministic_algorithms_warn_only() != state.deterministic_warn_only
-        ):
-            _C._set_deterministic_algorithms(
-                state.deterministic_algorithms, warn_only=state.deterministic_warn_only
-            )
-        if _C._get_deterministic_fill_uninitialized_memory() != state.fill_uninitialized_memory:
-            _C._set_deterministic_fill_uninitialized_memory(state.fill_uninitialized_memory)
-        if _C._get_mkldnn_deterministic() != state.mkldnn_deterministic:
-            _C._set_mkldnn_deterministic(state.mkldnn_deterministic)
-        want = state.fp32_precision_own
-        # A "tf32" read with no parent set may be cuDNN's initial state: that
-        # matters where the target sets a cuda parent (they differ under it) or holds it.
-        find_default = _EXACT and (
-            want[_GENERIC] != "none"
-            or want[_CUDA] != "none"
-            or _DEFAULT in (want[_CONV], want[_RNN])
-        )
-        _, own, legacy, cudnn = _read(find_default)
-        if (
-            own == want
-            and state.float32_matmul_precision in (None, legacy)
-            and state.cudnn_allow_tf32 in (None, cudnn)
-            and not _ONEDNN
-        ):
-            return  # the common case: the body changed no precision
-
-        def write() -> None:
-            # Read again: another thread may have written since.
-            _, own, legacy, cudnn = _probe(_precisions(), find_default)
-            _write_precision(state, own, legacy, cudnn)
-
-        _exclusively(write)
+        _write_flags(state)
+        _restore_precision(state)
 
     def export_state(self, state: FlagState) -> dict[str, Any]:
         """The state as plain data: one entry per field, ``fp32_precision`` as
@@ -647,34 +676,13 @@ class TorchFlagsSource:
         ``cudnn_allow_tf32`` if known, ``onednn_allow_tf32`` on builds that have it.
         """
         out: dict[str, Any] = {f: getattr(state, f) for f in _BOOLS}
-        override = state.inductor_override
-        if override != AT_DEFAULT:
-            if type(override) is not bool:
-                raise ValueError(
-                    f"torch._inductor.config.deterministic holds {override!r}, not True or "
-                    f"False, so these flags cannot be saved"
-                )
-            out["inductor_deterministic"] = override
-        own = state.fp32_precision_own
-        legacy = state.float32_matmul_precision
-        if legacy is None or (
-            _EXACT
-            and _matmul_refused(legacy, _resolve(own, _CUDA_MATMUL), _resolve(own, _MKLDNN_MATMUL))
-        ):
-            raise ValueError(
-                "torch cannot report its float32 matmul precision (the legacy allow_tf32 and "
-                "the new fp32_precision APIs were mixed), so these flags cannot be saved; "
-                "set them through one API only"
-            )
-        out["float32_matmul_precision"] = legacy
-        if _EXACT:  # cuDNN's initial state cannot be loaded: save what behaves the same
-            closest = _closest(own)
-            own = tuple(closest if value == _DEFAULT else value for value in own)
-        out["fp32_precision"] = dict(zip(_PRECISION_KEYS, own, strict=True))
-        if state.cudnn_allow_tf32 is not None:
-            out["cudnn_allow_tf32"] = state.cudnn_allow_tf32
-        if state.onednn_allow_tf32 is not None:
-            out["onednn_allow_tf32"] = state.onednn_allow_tf32
+        if state.inductor_override != AT_DEFAULT:
+            out["inductor_deterministic"] = _saved_override(state.inductor_override)
+        out["float32_matmul_precision"] = _saved_matmul_precision(state)
+        out["fp32_precision"] = _saved_entries(state.fp32_precision_own)
+        for f in _OPTIONAL_BOOLS:
+            if (value := getattr(state, f)) is not None:
+                out[f] = value
         return out
 
     def import_state(self, data: object, path: str) -> FlagState:
@@ -689,7 +697,7 @@ class TorchFlagsSource:
             data,
             path,
             [*_BOOLS, "float32_matmul_precision", "fp32_precision"],
-            ["inductor_deterministic", "cudnn_allow_tf32", "onednn_allow_tf32"],
+            ["inductor_deterministic", *_OPTIONAL_BOOLS],
         )
         precision = _plain.fields(d["fp32_precision"], f"{path}.fp32_precision", _PRECISION_KEYS)
 
@@ -704,25 +712,10 @@ class TorchFlagsSource:
             f"{path}.float32_matmul_precision",
             choices=("highest", "high", "medium"),
         )
-        for key in _PRECISION_KEYS:
-            value = _plain.text(
-                precision[key], f"{path}.fp32_precision.{key}", choices=_FP32_VALUES
-            )
-            if key.startswith("cuda.") and value == "bf16":
-                raise ValueError(f"{path}.fp32_precision.{key}: torch refuses {value!r} there")
-        own = tuple(precision[key] for key in _PRECISION_KEYS)
+        own = _loaded_entries(precision, f"{path}.fp32_precision")
         eff = tuple(_resolve(own, i) for i in range(len(own))) if _EXACT else own
         if _EXACT:
-            cuda, mkldnn = eff[_CUDA_MATMUL], eff[_MKLDNN_MATMUL]
-            if _matmul_refused(legacy, cuda, mkldnn):
-                # torch sets this but then refuses to read it back ("mix of the
-                # legacy and new APIs"); saving refuses it too.
-                effective = mkldnn if mkldnn in ("tf32", "bf16") else cuda
-                backend = "mkldnn" if mkldnn in ("tf32", "bf16") else "cuda"
-                raise ValueError(
-                    f"{path}.fp32_precision: torch refuses {backend} matmul precision "
-                    f"{effective!r} together with float32_matmul_precision={legacy!r}"
-                )
+            _check_matmul_precision(legacy, eff, f"{path}.fp32_precision")
         onednn = optional("onednn_allow_tf32")
         if onednn is not None and not _ONEDNN:
             raise ValueError(
@@ -730,21 +723,99 @@ class TorchFlagsSource:
                 f"(only XPU builds keep it), so it cannot be restored"
             )
         inductor = optional("inductor_deterministic")
-        return FlagState(
-            cudnn_deterministic=flag("cudnn_deterministic"),
-            cudnn_benchmark=flag("cudnn_benchmark"),
-            deterministic_algorithms=flag("deterministic_algorithms"),
-            deterministic_warn_only=flag("deterministic_warn_only"),
-            fill_uninitialized_memory=flag("fill_uninitialized_memory"),
-            mkldnn_deterministic=flag("mkldnn_deterministic"),
-            inductor_deterministic=inductor,
-            float32_matmul_precision=legacy,
-            fp32_precision=eff,
-            fp32_precision_own=own,
-            cudnn_allow_tf32=optional("cudnn_allow_tf32"),
-            onednn_allow_tf32=onednn,
-            inductor_override=AT_DEFAULT if inductor is None else inductor,
+        flags = [flag(f) for f in _BOOLS]  # FlagState's first fields
+        cudnn = optional("cudnn_allow_tf32")
+        override = AT_DEFAULT if inductor is None else inductor
+        return FlagState._make((*flags, inductor, legacy, eff, own, cudnn, onednn, override))
+
+
+# -- saving and loading ------------------------------------------------------------
+
+#: The legacy TF32 flags: saved where known (not ``None``), optional in a file.
+_OPTIONAL_BOOLS = ("cudnn_allow_tf32", "onednn_allow_tf32")
+
+
+def _saved_override(override: object) -> bool:
+    """Inductor's override as saved: only a bool can be."""
+    if type(override) is not bool:
+        raise ValueError(
+            f"torch._inductor.config.deterministic holds {override!r}, not True or "
+            f"False, so these flags cannot be saved"
         )
+    return override
+
+
+def _saved_matmul_precision(state: FlagState) -> str:
+    """The legacy matmul precision as saved: only a value torch can report."""
+    own = state.fp32_precision_own
+    legacy = state.float32_matmul_precision
+    if legacy is None or (
+        _EXACT
+        and _matmul_refused(legacy, _resolve(own, _CUDA_MATMUL), _resolve(own, _MKLDNN_MATMUL))
+    ):
+        raise ValueError(
+            "torch cannot report its float32 matmul precision (the legacy allow_tf32 and "
+            "the new fp32_precision APIs were mixed), so these flags cannot be saved; "
+            "set them through one API only"
+        )
+    return legacy
+
+
+def _saved_entries(own: tuple[str, ...]) -> dict[str, str]:
+    """The entries as saved: ``{"backend.op": own value}``."""
+    if _EXACT:  # cuDNN's initial state cannot be loaded: save what behaves the same
+        closest = _closest(own)
+        own = tuple(closest if value == _DEFAULT else value for value in own)
+    return dict(zip(_PRECISION_KEYS, own, strict=True))
+
+
+def _loaded_entries(precision: dict[str, Any], path: str) -> tuple[str, ...]:
+    """The checked own values of the saved ``fp32_precision`` entries."""
+    for key in _PRECISION_KEYS:
+        value = _plain.text(precision[key], f"{path}.{key}", choices=_FP32_VALUES)
+        if key.startswith("cuda.") and value == "bf16":
+            raise ValueError(f"{path}.{key}: torch refuses {value!r} there")
+    return tuple(precision[key] for key in _PRECISION_KEYS)
+
+
+def _check_matmul_precision(legacy: str, eff: tuple[str, ...], path: str) -> None:
+    """Refuse what torch sets but then refuses to read back ("mix of the legacy
+    and new APIs"); saving refuses it too."""
+    cuda, mkldnn = eff[_CUDA_MATMUL], eff[_MKLDNN_MATMUL]
+    if _matmul_refused(legacy, cuda, mkldnn):
+        backend, effective = ("mkldnn", mkldnn) if mkldnn in ("tf32", "bf16") else ("cuda", cuda)
+        raise ValueError(
+            f"{path}: torch refuses {backend} matmul precision "
+            f"{effective!r} together with float32_matmul_precision={legacy!r}"
+        )
+
+
+# -- restoring the precision ---------------------------------------------------------
+
+
+def _restore_precision(state: FlagState) -> None:
+    """Put back the precision state of ``state``, if the body changed it."""
+    want = state.fp32_precision_own
+    # A "tf32" read with no parent set may be cuDNN's initial state: that
+    # matters where the target sets a cuda parent (they differ under it) or holds it.
+    find_default = _EXACT and (
+        want[_GENERIC] != "none" or want[_CUDA] != "none" or _DEFAULT in (want[_CONV], want[_RNN])
+    )
+    _, own, legacy, cudnn = _read(find_default)
+    if (
+        own == want
+        and state.float32_matmul_precision in (None, legacy)
+        and state.cudnn_allow_tf32 in (None, cudnn)
+        and not _ONEDNN
+    ):
+        return  # the common case: the body changed no precision
+
+    def write() -> None:
+        # Read again: another thread may have written since.
+        _, own, legacy, cudnn = _probe(_precisions(), find_default)
+        _write_precision(state, own, legacy, cudnn)
+
+    _exclusively(write)
 
 
 def _write_precision(
@@ -752,27 +823,34 @@ def _write_precision(
 ) -> None:
     """Write what differs between ``state`` and the current ``own``, ``legacy``
     and ``cudnn``.  The caller holds ``_lock``."""
-    want = state.fp32_precision_own
-    entries = list(own)
     # The legacy setters first: they overwrite entries, which are fixed after.
+    entries = _write_legacy(state, own, legacy, cudnn)
+    if entries != state.fp32_precision_own:
+        _write_entries(state.fp32_precision_own, entries)
+
+
+def _write_legacy(
+    state: FlagState, own: tuple[str, ...], legacy: str | None, cudnn: bool | None
+) -> tuple[str, ...]:
+    """Write the legacy fields that differ from ``legacy``, ``cudnn`` and the
+    oneDNN flag; the entries' own values after."""
+    written: dict[int, str] = {}  # by position in PRECISION_OPS, what the setters wrote
     if state.float32_matmul_precision not in (None, legacy):
         _C._set_float32_matmul_precision(state.float32_matmul_precision)
-        if _EXACT:
-            entries[_CUDA_MATMUL], entries[_MKLDNN_MATMUL] = _MATMUL_ENTRIES[
-                state.float32_matmul_precision
-            ]
-        else:
-            entries = list(_precisions())
+        matmul = _MATMUL_ENTRIES[state.float32_matmul_precision]
+        written[_CUDA_MATMUL], written[_MKLDNN_MATMUL] = matmul
     if state.cudnn_allow_tf32 not in (None, cudnn):
         _C._set_cudnn_allow_tf32(state.cudnn_allow_tf32)
-        if _EXACT:
-            entries[_CONV] = entries[_RNN] = "tf32" if state.cudnn_allow_tf32 else "none"
-        else:
-            entries = list(_precisions())
+        written[_CONV] = written[_RNN] = "tf32" if state.cudnn_allow_tf32 else "none"
     if _ONEDNN and state.onednn_allow_tf32 not in (None, _onednn_allow_tf32()):
         _C._set_onednn_allow_tf32(state.onednn_allow_tf32)
-    if tuple(entries) == want:
-        return
+    if written and not _EXACT:
+        return _precisions()  # older rules: read what the setters wrote
+    return tuple(written.get(i, value) for i, value in enumerate(own))
+
+
+def _write_entries(want: tuple[str, ...], entries: tuple[str, ...]) -> None:
+    """Write the entries whose own values differ from ``want``."""
     assert _set_precision is not None
     if not _EXACT:
         # Older rules: write every resolved value, parents first.
@@ -783,24 +861,21 @@ def _write_precision(
     # order of these writes does not matter.
     closest = _closest(want)
     for op, target, have in zip(PRECISION_OPS, want, entries, strict=True):
-        if target == have:
-            continue
-        if have == _DEFAULT and target == closest:
-            continue  # keep it: it behaves as the target under the target's parents
-        if target == _DEFAULT:
-            target = closest  # no setter takes it
-            if target == have:
-                continue
-        _set_precision(*op, target)
+        write = _entry_write(target, have, closest)
+        if write is not None:
+            _set_precision(*op, write)
 
 
-_BOOLS = (
-    "cudnn_deterministic",
-    "cudnn_benchmark",
-    "deterministic_algorithms",
-    "deterministic_warn_only",
-    "fill_uninitialized_memory",
-    "mkldnn_deterministic",
-)
+def _entry_write(target: str, have: str, closest: str) -> str | None:
+    """What to write to an entry that holds ``have`` for it to hold ``target``
+    (``closest``: what behaves as cuDNN's initial state under the target's
+    parents); ``None``: nothing."""
+    if target == _DEFAULT:
+        target = closest  # no setter takes it
+    if target == have or (have == _DEFAULT and target == closest):
+        return None  # a kept initial state behaves as the target under the target's parents
+    return target
+
+
 _PRECISION_KEYS = tuple(f"{backend}.{op}" for backend, op in PRECISION_OPS)
 _FP32_VALUES = ("none", "ieee", "tf32", "bf16")
