@@ -3,9 +3,12 @@
 Run:  python examples/ddp_training.py                 # seed 0
       python examples/ddp_training.py --seed 7
       python examples/ddp_training.py --seed random   # drawn on rank 0, shared, printed
+      python examples/ddp_training.py --runs 2        # train twice, in fresh processes
 
 Two runs with the same seed print the same per-rank losses.  A run with
 ``--seed random`` prints the seed it drew: pass it back with ``--seed`` to replay.
+``--runs N`` trains N times in a row, each time on freshly started ranks and
+workers, and prints each run's output (with ``--seed random``, each draws its own).
 
 What the example shows:
 
@@ -135,9 +138,11 @@ def train(rank: int, port: int, seed: int | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", default="0", help="an int, or 'random' to draw one")
+    parser.add_argument("--runs", type=int, default=1, help="train this many times, from scratch")
     args = parser.parse_args()
     seed = None if args.seed == "random" else int(args.seed)
-    mp.spawn(train, args=(free_port(), seed), nprocs=WORLD_SIZE)
+    for _ in range(args.runs):
+        mp.spawn(train, args=(free_port(), seed), nprocs=WORLD_SIZE)
 
 
 if __name__ == "__main__":

@@ -95,7 +95,9 @@ def _read(get: Any) -> Any:
 
 def _defaults() -> tuple[Any, ...]:
     slot = torch._GLOBAL_DEVICE_CONTEXT
-    ctx = slot.__dict__.get("device_context", "absent") if isinstance(slot, threading.local) else slot
+    ctx = (
+        slot.__dict__.get("device_context", "absent") if isinstance(slot, threading.local) else slot
+    )
     return (
         torch.get_default_dtype(),
         torch.get_default_device(),

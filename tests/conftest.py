@@ -3,7 +3,8 @@
 A test that draws from a global RNG, changes a flag or an environment
 variable, or leaves a lazy CUDA seed queued fails here, naming what leaked.
 Tests that need to change global state on purpose do it inside a block or
-restore it themselves.
+restore it themselves; the ``registry`` fixture unregisters the environment
+variables a test registers.
 """
 
 from __future__ import annotations
@@ -27,6 +28,20 @@ def _no_global_state_leak(request: pytest.FixtureRequest) -> Iterator[None]:
     leaked = before.diff(World.now())
     if leaked:
         pytest.fail(f"test leaked global state: {', '.join(leaked)}", pytrace=False)
+
+
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Environment variables a test registers are unregistered after it.
+
+    ``register_env_var`` is process-wide and cannot be undone: a name left registered changes
+    what every later snapshot of the process captures (one saved here no longer loads in a
+    fresh process), whichever test comes next on this worker.
+    """
+    from deterministic_ctx.sources import environ
+
+    monkeypatch.setattr(environ, "_MANAGED", environ._MANAGED)
+    monkeypatch.setattr(environ, "_MANAGED_SET", environ._MANAGED_SET)
 
 
 def pytest_configure(config: pytest.Config) -> None:

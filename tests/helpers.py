@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -45,6 +46,24 @@ def solo(seed: int, n: int) -> list[tuple[float, float, float]]:
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def python_command(
+    args: Sequence[str], *, code: str | None = None, env: Mapping[str, str] | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and the environment of a fresh Python on the checkout.
+
+    ``python -c code *args`` or ``python *args``; the environment is
+    ``os.environ`` with ``env`` added or replaced, and ``PYTHONPATH`` the
+    repository root in front of whatever it was, so the child imports this
+    checkout's ``deterministic_ctx``.
+    """
+    command = [sys.executable, *(("-c", code) if code is not None else ()), *args]
+    merged = {**os.environ, **(env or {})}
+    merged["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), merged.get("PYTHONPATH", "")) if p
+    )
+    return command, merged
+
+
 def run_python(
     args: Sequence[str],
     *,
@@ -61,16 +80,51 @@ def run_python(
     ``env`` adds or replaces variables of ``os.environ``; ``check`` raises on
     a non-zero exit status with the child's stderr in the message.
     """
-    command = [sys.executable, *(("-c", code) if code is not None else ()), *args]
-    merged = {**os.environ, **(env or {})}
-    merged["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), merged.get("PYTHONPATH", "")) if p
-    )
+    command, merged = python_command(args, code=code, env=env)
     proc = subprocess.run(
         command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=merged
     )
-    if check and proc.returncode != 0:
+    return _checked(proc) if check else proc
+
+
+def run_python_group(
+    args: Sequence[str],
+    *,
+    code: str | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 300,
+    check: bool = False,
+) -> subprocess.CompletedProcess[str]:
+    """``run_python`` for a child that starts processes of its own.
+
+    The child runs in a session of its own, and on a timeout the whole session
+    is killed (the child and every process it started), then ``TimeoutExpired``
+    is raised as by ``run_python``.
+    """
+    command, merged = python_command(args, code=code, env=env)
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=merged,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    proc = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    return _checked(proc) if check else proc
+
+
+def _checked(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    """``proc``, or an error with its output if it exited with a non-zero status."""
+    if proc.returncode != 0:
         raise AssertionError(
-            f"{' '.join(command)} exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+            f"{' '.join(proc.args)} exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
         )
     return proc

@@ -8,8 +8,8 @@ appended — and checks the promise of :meth:`Snapshot.from_state_dict`: it rais
 :class:`InvalidSnapshotError`, or the snapshot it returns restores without any error.  The real
 state is put back after every example.
 
-The file format has its own fuzzing in ``tests/test_checkpoint.py``; this one is about the
-fields, source by source.
+The file format has its own fuzzing in ``tests/test_checkpoint_untrusted.py``; this one is
+about the fields, source by source.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def _mutate(state: dict[str, Any], data: st.DataObject, where: Path) -> None:
     target = _get(state, path)
     if kind in ("replace", "near") or (not path and kind in ("delete", "rename")):
         if not path:
-            return  # the whole state dict: test_checkpoint covers non-dict inputs
+            return  # the whole state dict: test_checkpoint_untrusted covers non-dict inputs
         _get(state, path[:-1])[path[-1]] = data.draw(
             _LEAVES if kind == "replace" else _near(target)
         )

@@ -68,14 +68,8 @@ def expected_draws(seed: int) -> dict[str, object]:
 
 def reference_hash(hashseed: int) -> int:
     """``hash("deterministic")`` in an interpreter started with ``PYTHONHASHSEED=hashseed``."""
-    env = {**os.environ, "PYTHONHASHSEED": str(hashseed)}
-    out = subprocess.run(
-        [sys.executable, "-c", "print(hash('deterministic'))"],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-        timeout=60,
+    out = run_python(
+        [], code="print(hash('deterministic'))", env={"PYTHONHASHSEED": str(hashseed)}, check=True
     )
     return int(out.stdout)
 
@@ -170,6 +164,7 @@ def test_console_script_is_installed_and_matches_python_m():
     assert cli("--version").stdout == proc.stdout
 
 
+@pytest.mark.slow
 def test_report_text():
     proc = cli("report")
     assert proc.returncode == 0, proc.stderr
@@ -180,6 +175,7 @@ def test_report_text():
     assert "[nondeterministic-algorithms]" in proc.stdout
 
 
+@pytest.mark.slow
 def test_report_json_is_the_report_as_data():
     proc = cli("report", "--json", console_script=True)
     assert proc.returncode == 0, proc.stderr
@@ -192,6 +188,7 @@ def test_report_json_is_the_report_as_data():
     assert data["cuda"]["initialized"] is False  # the report never starts CUDA by itself
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.gpu
 def test_report_init_cuda_includes_devices():
@@ -201,6 +198,7 @@ def test_report_init_cuda_includes_devices():
     assert data["cuda"]["devices"][0]["name"]
 
 
+@pytest.mark.slow
 def test_report_init_cuda_without_cuda_is_harmless():
     proc = cli("report", "--json", "--init-cuda")
     assert proc.returncode == 0, proc.stderr
@@ -210,6 +208,7 @@ def test_report_init_cuda_without_cuda_is_harmless():
 # --- run: seeding -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("options", "seed"), [((), 0), (("--seed", "3"), 3), (("--seed=4294967295",), 2**32 - 1)]
 )
@@ -227,6 +226,7 @@ def test_run_seeds_like_the_classic_recipe(probe, elsewhere, options, seed):
     assert out["path0"] == str(probe.parent)
 
 
+@pytest.mark.slow
 def test_run_is_reproducible_with_string_hashes_and_set_order(probe, elsewhere):
     """Without PYTHONHASHSEED in the environment, run restarts with it set: hashes are fixed."""
     env = base_env(None)
@@ -238,12 +238,14 @@ def test_run_is_reproducible_with_string_hashes_and_set_order(probe, elsewhere):
     assert {k: first[k] for k in ("random", "numpy", "torch")} == expected_draws(7)
 
 
+@pytest.mark.slow
 def test_run_replaces_a_different_pythonhashseed(probe):
     out = probe_output(cli("run", "--seed", "3", str(probe), env=base_env(123)))
     assert out["hashseed"] == "3"
     assert out["hash"] == reference_hash(3)
 
 
+@pytest.mark.slow
 def test_run_with_the_console_script(probe, elsewhere):
     out = probe_output(
         cli(
@@ -263,6 +265,7 @@ def test_run_with_the_console_script(probe, elsewhere):
     assert out["path0"] == str(probe.parent)
 
 
+@pytest.mark.slow
 def test_warn_only(probe):
     out = probe_output(cli("run", "--warn-only", str(probe)))
     assert out["deterministic"] is True
@@ -272,6 +275,7 @@ def test_warn_only(probe):
 # --- run: arguments ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_arguments_after_the_script_belong_to_the_script(probe):
     out = probe_output(cli("run", str(probe), "--seed", "5", "--", "-m", "x", "--warn-only"))
     assert out["argv"] == [str(probe), "--seed", "5", "--", "-m", "x", "--warn-only"]
@@ -279,6 +283,7 @@ def test_arguments_after_the_script_belong_to_the_script(probe):
     assert out["random"] == expected_draws(0)["random"]
 
 
+@pytest.mark.slow
 def test_double_dash_separates_our_options(probe):
     out = probe_output(cli("run", "--seed", "2", "--", str(probe), "--warn-only", env=base_env(2)))
     assert out["argv"] == [str(probe), "--warn-only"]
@@ -286,12 +291,14 @@ def test_double_dash_separates_our_options(probe):
     assert out["random"] == expected_draws(2)["random"]
 
 
+@pytest.mark.slow
 def test_relative_script_path_is_kept_in_argv(probe):
     out = probe_output(cli("run", "probe.py", "a", cwd=probe.parent))
     assert out["argv"] == ["probe.py", "a"]
     assert out["path0"] == str(probe.parent)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spelling", [("-m", "tools.probe"), ("-mtools.probe",)])
 def test_module(tmp_path, spelling):
     package = tmp_path / "tools"
@@ -308,6 +315,7 @@ def test_module(tmp_path, spelling):
     assert {k: out[k] for k in ("random", "numpy", "torch")} == expected_draws(3)
 
 
+@pytest.mark.slow
 def test_package_main_and_imports_run_after_seeding(tmp_path):
     """Like `python -m pkg`: the package's __init__ (imported first) already draws seeded numbers."""
     package = tmp_path / "pkg"
@@ -338,6 +346,7 @@ def modules_imported_per_interpreter(importtime: str) -> list[set[str]]:
     return interpreters
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("console_script", [False, True], ids=["python-m", "console-script"])
 def test_run_restarts_before_importing_torch_or_numpy(tmp_path, console_script):
     """The interpreter that is replaced by the restart never loaded torch or NumPy."""
@@ -358,6 +367,7 @@ def test_run_restarts_before_importing_torch_or_numpy(tmp_path, console_script):
     assert {"torch", "numpy", "deterministic_ctx.seeding"} <= restarted
 
 
+@pytest.mark.slow
 def test_run_without_restart_is_one_interpreter(tmp_path):
     """With PYTHONHASHSEED already the seed, the command runs in the interpreter it started in."""
     script = tmp_path / "script.py"
@@ -377,6 +387,7 @@ def test_seed_range_is_the_librarys():
     assert main(["run", "--seed", str(MAX_SEED), "--help"]) == 0
 
 
+@pytest.mark.slow
 def test_stdin_and_child_processes(tmp_path, elsewhere):
     """The restart keeps stdin; child processes inherit PYTHONHASHSEED and hash alike."""
     script = tmp_path / "child.py"
@@ -401,6 +412,7 @@ def test_stdin_and_child_processes(tmp_path, elsewhere):
 # --- run: exit statuses ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("source", "status", "stderr_has", "stderr_lacks"),
     [
@@ -430,6 +442,7 @@ def test_exit_status_is_the_scripts(tmp_path, source, status, stderr_has, stderr
         assert text not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
 def test_ctrl_c_reaches_the_script_after_the_restart(tmp_path):
     """SIGINT to the process we started interrupts the script: the restart kept the process."""
@@ -455,6 +468,7 @@ def test_ctrl_c_reaches_the_script_after_the_restart(tmp_path):
     assert "cli.py" not in err
 
 
+@pytest.mark.slow
 def test_exit_status_matches_python_itself(tmp_path):
     script = tmp_path / "script.py"
     script.write_text("import sys\nsys.stdout.write('out')\nsys.exit(3)\n")
@@ -465,6 +479,7 @@ def test_exit_status_matches_python_itself(tmp_path):
     assert (ours.returncode, ours.stdout) == (theirs.returncode, theirs.stdout) == (3, "out")
 
 
+@pytest.mark.slow
 def test_missing_module_is_a_usage_error(tmp_path):
     proc = cli("run", "-m", "no_such_module_here", cwd=tmp_path)
     assert proc.returncode == 2
@@ -503,6 +518,7 @@ def test_usage_errors(capsys, tmp_path, monkeypatch, argv, message):
     assert "usage: deterministic-ctx" in err or "can't open file" in err
 
 
+@pytest.mark.slow
 def test_usage_error_in_a_subprocess_runs_nothing(tmp_path):
     script = tmp_path / "script.py"
     script.write_text("open('ran', 'w').close()\n")

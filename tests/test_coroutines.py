@@ -1,4 +1,8 @@
-"""reproducible on coroutine functions: isolation across every await."""
+"""reproducible on coroutine functions: isolation across every await.
+
+That a test leaves every RNG, flag and managed variable as it found them is checked
+after each test by the suite's guard (``tests/conftest.py``), not repeated here.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deterministic_ctx import deterministic, reproducible
-from tests._oracle import World
 from tests.helpers import draw, solo
 
 
@@ -32,10 +35,8 @@ def test_gather_interleaved_coroutines_each_get_their_solo_values():
     async def main():
         return await asyncio.gather(sampler(4), sampler(4, 0.001), sampler(4))
 
-    before = World.now()
     results = asyncio.run(main())
     assert results == [solo(5, 4)] * 3
-    assert before.diff(World.now()) == []
 
 
 def test_caller_task_drawing_between_awaits_is_isolated():
@@ -83,9 +84,7 @@ def test_exception_and_cancellation_restore():
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    before = World.now()
     asyncio.run(main())
-    assert before.diff(World.now()) == []
 
 
 class _Yield:
@@ -116,9 +115,7 @@ def test_works_without_asyncio():
             await _Yield()
         return out
 
-    before = World.now()
     assert run_round_robin(ticker(3), ticker(3)) == [solo(5, 3)] * 2
-    assert before.diff(World.now()) == []
 
 
 @settings(max_examples=30, deadline=None)
@@ -158,10 +155,8 @@ def test_awaitable_object_steps_are_isolated():
         def __await__(self):
             return gen_coro()
 
-    before = World.now()
     coro = _Isolated(Awaitable(), Block(Settings(5, False)), final=True).__await__()
     assert next(coro) == "tick"
     with pytest.raises(StopIteration) as stop:
         coro.send(None)
     assert stop.value.value == solo(5, 1)[0]
-    assert before.diff(World.now()) == []

@@ -1,4 +1,7 @@
-"""Per-rank seeds, seed broadcast, and real gloo process groups on loopback."""
+"""Per-rank seeds, seed broadcast, and real gloo process groups on loopback.
+
+The DDP example is run by ``tests/test_examples.py``.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +10,7 @@ import multiprocessing
 import os
 import pickle
 import random
-import re
-import signal
 import socket
-import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -40,7 +39,6 @@ from deterministic_ctx.data import chain_worker_init, seed_worker, seeded_genera
 from deterministic_ctx.distributed import broadcast_seed, rank_seed, resolve_rank
 from tests.test_data import WORKER, Augmenting
 
-ROOT = Path(__file__).resolve().parent.parent
 LAUNCH_TIMEOUT = 180.0
 
 needs_gloo = pytest.mark.skipif(
@@ -237,8 +235,8 @@ def loopback() -> str:
     return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")
 
 
-def _rank_main(rank: int, world: int, port: int, out: str, scenario: str) -> None:
-    """The body of one rank: join the group, run ``scenario``, write its result."""
+def _rank_main(rank: int, world: int, port: int, out: str, scenarios: tuple[str, ...]) -> None:
+    """The body of one rank: join the group, run ``scenarios`` in turn, write their results."""
     os.environ["GLOO_SOCKET_IFNAME"] = loopback()
     dist.init_process_group(
         "gloo",
@@ -248,23 +246,25 @@ def _rank_main(rank: int, world: int, port: int, out: str, scenario: str) -> Non
         timeout=timedelta(seconds=60),
     )
     try:
-        result = SCENARIOS[scenario](rank, world)
+        result = {name: SCENARIOS[name](rank, world) for name in scenarios}
         dist.barrier()
     finally:
         dist.destroy_process_group()
     Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
-def launch(scenario: str, world: int, tmp_path: Path) -> list[Any]:
-    """Run ``scenario`` on ``world`` spawned ranks; their results, by rank.
+def launch(scenarios: tuple[str, ...], world: int, tmp_path: Path) -> list[dict[str, Any]]:
+    """Run ``scenarios``, one after the other, on ``world`` spawned ranks; by rank, the
+    results by scenario.
 
     Bounded: after ``LAUNCH_TIMEOUT`` seconds the ranks are killed and the test fails.
     """
+    scenario = "+".join(scenarios)
     out = tmp_path / f"{scenario}-{world}-{time.monotonic_ns()}"
     out.mkdir()
     context = torch_mp.start_processes(
         _rank_main,
-        args=(world, free_port(), str(out), scenario),
+        args=(world, free_port(), str(out), scenarios),
         nprocs=world,
         join=False,
         start_method="spawn",
@@ -365,17 +365,27 @@ def _columns(rows: torch.Tensor) -> set[float]:
     return set(rows[:, 2:5].flatten().tolist())  # the random, NumPy and torch draws
 
 
-needs_fork = pytest.mark.skipif(
-    "fork" not in multiprocessing.get_all_start_methods(), reason="needs the fork start method"
-)
+HAS_FORK = "fork" in multiprocessing.get_all_start_methods()
+needs_fork = pytest.mark.skipif(not HAS_FORK, reason="needs the fork start method")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One launch on 2 ranks, shared by the tests below: the pipeline, then the broadcast.
+
+    Each scenario is independent of what ran before it in the rank: the pipeline draws only
+    inside blocks, the broadcast seeds everything itself.
+    """
+    scenarios = ("pipeline", "broadcast") if HAS_FORK else ("broadcast",)
+    return launch(scenarios, 2, tmp_path_factory.mktemp("two-ranks"))
 
 
 @needs_gloo
 @needs_fork
 @pytest.mark.slow
-def test_ranks_differ_and_whole_runs_repeat(tmp_path):
-    first = launch("pipeline", 2, tmp_path)
-    second = launch("pipeline_again", 2, tmp_path)
+def test_ranks_differ_and_whole_runs_repeat(two_ranks, tmp_path):
+    first = [r["pipeline"] for r in two_ranks]
+    second = [r["pipeline_again"] for r in launch(("pipeline_again",), 2, tmp_path)]
     for a, b in zip(first, second, strict=True):
         assert a["fork"]["draws"] == b["fork"]["draws"]
         assert torch.equal(a["fork"]["worker_rows"], b["fork"]["worker_rows"])
@@ -414,8 +424,12 @@ def test_ranks_differ_and_whole_runs_repeat(tmp_path):
 @needs_gloo
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_broadcast_gives_every_rank_rank_zeros_seed(tmp_path, world):
-    results = launch("broadcast", world, tmp_path)
+def test_broadcast_gives_every_rank_rank_zeros_seed(request, tmp_path, world):
+    if world == 2:
+        ranks = request.getfixturevalue("two_ranks")
+    else:
+        ranks = launch(("broadcast",), world, tmp_path)
+    results = [r["broadcast"] for r in ranks]
     drawn = results[0]["drawn"]
     assert all(r["drawn"] == drawn for r in results)
     assert all(r["again"] == results[0]["again"] != drawn for r in results)
@@ -429,37 +443,3 @@ def test_broadcast_gives_every_rank_rank_zeros_seed(tmp_path, world):
     torch_draws = {r["draws"][0][2] for r in results}
     assert len(python_draws) == world
     assert len(torch_draws) == 1
-
-
-# -- the example ----------------------------------------------------------------------------
-
-
-@needs_gloo
-@pytest.mark.slow
-def test_ddp_example_prints_the_same_losses_twice():
-    def run() -> str:
-        # A session of its own, so a timeout kills the ranks along with their parent.
-        process = subprocess.Popen(
-            [sys.executable, str(ROOT / "examples" / "ddp_training.py"), "--seed", "3"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-            start_new_session=True,
-        )
-        try:
-            stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT)
-        finally:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.communicate()
-        assert process.returncode == 0, stderr
-        return stdout
-
-    first = run()
-    assert first == run()
-    assert "model initialization identical on all ranks: True" in first
-    losses = re.findall(r"^rank (\d) losses: (.*)$", first, flags=re.MULTILINE)
-    assert [rank for rank, _ in losses] == ["0", "1"]
-    assert losses[0][1] != losses[1][1]
-    assert len(losses[0][1].split()) == 8

@@ -37,13 +37,6 @@ UNDECODABLE = os.fsdecode(b"seed\xff\xfe")
 
 
 @pytest.fixture
-def registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Registrations made by a test are undone after it (they are process-wide)."""
-    monkeypatch.setattr(environ_mod, "_MANAGED", environ_mod._MANAGED)
-    monkeypatch.setattr(environ_mod, "_MANAGED_SET", environ_mod._MANAGED_SET)
-
-
-@pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     """Every required name starts unset; monkeypatch puts the session's values back."""
     for name in REQUIRED:

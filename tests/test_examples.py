@@ -1,44 +1,92 @@
-"""Every example in examples/ and every docstring example runs in the suite."""
+"""Every example in examples/ and every docstring example runs in the suite.
+
+Each example runs once: the tests that check what it printed share the run of
+``test_example_runs`` (with the arguments of ``ARGS``) through a module-scoped fixture
+(under pytest-xdist too: the suite runs each file whole on one worker, ``--dist loadfile``).
+"""
 
 from __future__ import annotations
 
 import doctest
 import importlib
-import os
 import pkgutil
+import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 import deterministic_ctx
 from deterministic_ctx import Snapshot
+from tests.helpers import ROOT, run_python_group
 
-ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+#: Seconds per training run of the DDP example (its ranks, their workers, a gloo group).
+LAUNCH_TIMEOUT = 180.0
+
+#: The arguments each example runs with, where not none: the DDP example trains twice, each
+#: time on fresh ranks and workers, so that one run shows that two runs print the same.
+ARGS = {"ddp_training.py": ("--seed", "3", "--runs", "2")}
+TIMEOUTS = {"ddp_training.py": 2 * LAUNCH_TIMEOUT}
+
+needs_gloo = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
+)
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, subprocess.CompletedProcess[str]]:
+    """The example runs of this module so far, by file name."""
+    return {}
+
+
+def run_example(
+    runs: dict[str, subprocess.CompletedProcess[str]], name: str
+) -> subprocess.CompletedProcess[str]:
+    """The run of ``examples/name``: now, or earlier by another test.
+
+    A session of its own: a timeout kills the processes the example started along with it.
+    """
+    if name not in runs:
+        runs[name] = run_python_group(
+            [str(ROOT / "examples" / name), *ARGS.get(name, ())],
+            timeout=TIMEOUTS.get(name, 300),
+        )
+    return runs[name]
 
 
 def test_there_are_examples():
     assert any(p.name == "quickstart.py" for p in EXAMPLES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
-def test_example_runs(path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(path)], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
-    )
+def test_example_runs(runs, path):
+    proc = run_example(runs, path.name)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_quickstart_output():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "quickstart.py")],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )
-    assert "identical losses: True" in proc.stdout
-    assert "caller's torch RNG untouched: True" in proc.stdout
+@pytest.mark.slow
+def test_quickstart_output(runs):
+    stdout = run_example(runs, "quickstart.py").stdout
+    assert "identical losses: True" in stdout
+    assert "caller's torch RNG untouched: True" in stdout
+
+
+@needs_gloo
+@pytest.mark.slow
+def test_ddp_example_prints_the_same_losses_twice(runs):
+    proc = run_example(runs, "ddp_training.py")
+    assert proc.returncode == 0, proc.stderr
+    # Each training run prints from its "seed" line on: two runs, the same output.
+    before, first, second = re.split(r"^(?=seed )", proc.stdout, flags=re.MULTILINE)
+    assert before == ""
+    assert first == second
+    assert "model initialization identical on all ranks: True" in first
+    losses = re.findall(r"^rank (\d) losses: (.*)$", first, flags=re.MULTILINE)
+    assert [rank for rank, _ in losses] == ["0", "1"]
+    assert losses[0][1] != losses[1][1]
+    assert len(losses[0][1].split()) == 8
 
 
 def _modules():
@@ -51,6 +99,7 @@ def _modules():
 OPTIONAL = {"deterministic_ctx.ipython", "deterministic_ctx.pytest_plugin"}
 
 
+@pytest.mark.usefixtures("registry")  # an example registers an environment variable
 @pytest.mark.parametrize("name", _modules())
 def test_docstring_examples(name):
     try:

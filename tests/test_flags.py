@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import importlib
 import os
-import subprocess
 import sys
 import textwrap
 import warnings
@@ -37,6 +36,7 @@ from hypothesis import strategies as st
 
 from deterministic_ctx import Snapshot, deterministic
 from deterministic_ctx.sources.flags import TorchFlagsSource
+from tests.helpers import run_python
 
 _C: Any = torch._C
 B: Any = torch.backends
@@ -486,17 +486,10 @@ def test_captures_in_threads_never_see_each_others_probes(world):
 def _python(code: str, env: dict[str, str] | None = None) -> None:
     """Run ``code`` in a fresh interpreter (an import, or cuDNN's initial
     precision, cannot be undone in this one)."""
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_python([], code=textwrap.dedent(code), env=env, check=True)
 
 
+@pytest.mark.slow
 def test_cudnn_initial_precision_survives_a_block_that_sets_a_parent():
     # In a fresh process cuDNN conv/rnn hold a state no setter can write: they
     # read "tf32" and follow a parent once one is set.  A block that only sets
@@ -517,6 +510,7 @@ def test_cudnn_initial_precision_survives_a_block_that_sets_a_parent():
     )
 
 
+@pytest.mark.slow
 def test_cudnn_initial_precision_under_a_parent_survives_a_block():
     _python(
         """
@@ -538,6 +532,7 @@ def test_cudnn_initial_precision_under_a_parent_survives_a_block():
     )
 
 
+@pytest.mark.slow
 def test_cudnn_initial_precision_overwritten_in_the_body_reads_as_before():
     # It cannot be written back, but what replaces it must read the same, under
     # the parent that is set and after that parent changes value.
@@ -563,6 +558,7 @@ def test_cudnn_initial_precision_overwritten_in_the_body_reads_as_before():
     )
 
 
+@pytest.mark.slow
 def test_a_loaded_state_overrides_cudnn_initial_precision_where_it_differs():
     # Loading into a fresh process: cuDNN's initial state is kept only where it
     # behaves as the saved value.
@@ -587,6 +583,7 @@ def test_a_loaded_state_overrides_cudnn_initial_precision_where_it_differs():
     )
 
 
+@pytest.mark.slow
 def test_random_blocks_keep_cudnn_initial_state_when_nothing_writes_it():
     # The property test above, in a fresh interpreter where cuDNN conv/rnn
     # still hold their initial state, with only setters that leave it alone:
@@ -704,14 +701,17 @@ _FIRST_IMPORT = """
     """
 
 
+@pytest.mark.slow
 def test_inductor_first_imported_inside_a_block_is_left_at_its_default():
     _python(_FIRST_IMPORT)
 
 
+@pytest.mark.slow
 def test_inductor_first_imported_inside_a_block_keeps_an_env_default():
     _python(_FIRST_IMPORT, env={"TORCHINDUCTOR_DETERMINISTIC": "1"})
 
 
+@pytest.mark.slow
 def test_a_block_never_imports_inductor():
     _python(
         """

@@ -7,12 +7,12 @@ cannot be undone, so each scenario runs in a fresh interpreter.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+
+from tests.helpers import run_python
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,10 +21,7 @@ pytestmark = [
 
 
 def _run(code: str) -> str:
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, timeout=300,
-    )
+    proc = run_python([], code=textwrap.dedent(code))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 

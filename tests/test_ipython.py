@@ -9,11 +9,8 @@ this process's global state.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -27,7 +24,8 @@ import torch
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT, run_python
+
 EXAMPLE = ROOT / "examples" / "notebook.ipynb"
 TIMEOUT = 180  # seconds per cell; a cold kernel imports torch
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -41,7 +39,9 @@ def classic(seed: int) -> tuple[random.Random, np.random.RandomState, torch.Gene
 def draws(seed: int, times: int = 1) -> list[list[Any]]:
     """What ``times`` runs of the DRAW line give after the classic recipe with ``seed``."""
     r, n, t = classic(seed)
-    return [[r.random(), float(n.rand()), torch.rand(3, generator=t).tolist()] for _ in range(times)]
+    return [
+        [r.random(), float(n.rand()), torch.rand(3, generator=t).tolist()] for _ in range(times)
+    ]
 
 
 DRAW = "print(json.dumps([random.random(), float(np.random.rand()), torch.rand(3).tolist()]))"
@@ -55,7 +55,11 @@ class Result:
     failed: bool
 
     def _text(self, name: str) -> str:
-        return "".join(o["text"] for o in self.cell.outputs if o["output_type"] == "stream" and o["name"] == name)
+        return "".join(
+            o["text"]
+            for o in self.cell.outputs
+            if o["output_type"] == "stream" and o["name"] == name
+        )
 
     @property
     def stdout(self) -> str:
@@ -90,7 +94,10 @@ class Kernel(AbstractContextManager["Kernel"]):
     def __init__(self, cwd: Path) -> None:
         self.nb = nbformat.v4.new_notebook()
         self.client = NotebookClient(
-            self.nb, timeout=TIMEOUT, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
+            self.nb,
+            timeout=TIMEOUT,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(cwd)}},
         )
         self._setup: Any = None
 
@@ -120,7 +127,9 @@ class Kernel(AbstractContextManager["Kernel"]):
 def execute_notebook(path: Path, cwd: Path) -> Any:
     """Run a whole ``.ipynb`` top to bottom in a fresh kernel, as "Restart and run all" does."""
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=TIMEOUT, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
+    NotebookClient(
+        nb, timeout=TIMEOUT, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
+    ).execute()
     return nb
 
 
@@ -160,12 +169,17 @@ def expected_deterministic_cell() -> tuple[str, str]:
 def notebook_file(tmp_path: Path) -> Path:
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(source) for source in CELLS]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     path = tmp_path / "deterministic.ipynb"
     nbformat.write(nb, path)
     return path
 
 
+@pytest.mark.slow
 def test_rerunning_a_cell_in_the_same_kernel(tmp_path):
     stdout, value = expected_deterministic_cell()
     with Kernel(tmp_path) as k:
@@ -184,6 +198,7 @@ def test_rerunning_a_cell_in_the_same_kernel(tmp_path):
         assert k.run(CELLS[PLAIN]).json() == draws(1, times=2)[1]
 
 
+@pytest.mark.slow
 def test_fresh_kernels_give_the_same_outputs(notebook_file, tmp_path):
     stdout, value = expected_deterministic_cell()
     runs = [execute_notebook(notebook_file, tmp_path) for _ in range(2)]
@@ -194,6 +209,7 @@ def test_fresh_kernels_give_the_same_outputs(notebook_file, tmp_path):
     assert json.loads(plain.outputs[0]["text"]) == draws(1)[0]
 
 
+@pytest.mark.slow
 def test_the_example_notebook_runs(tmp_path):
     nb = execute_notebook(EXAMPLE, tmp_path)
     code = [c for c in nb.cells if c.cell_type == "code"]
@@ -227,6 +243,7 @@ def global_state(k: Kernel) -> Any:
     return k.run("import os\n" + STATE).json()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("line", "message"),
     [
@@ -250,12 +267,14 @@ def test_bad_arguments_show_usage_and_run_nothing(kernel, line, message):
     assert global_state(kernel) == before
 
 
+@pytest.mark.slow
 def test_help(kernel):
     result = kernel.run("%%deterministic --help\nran = True", fails=True)
     assert "runs the cell in a deterministic block" in result.stderr
     assert "usage: %%deterministic [SEED] [--warn-only]" in result.stderr
 
 
+@pytest.mark.slow
 def test_default_seed_is_zero_and_variables_expand(kernel):
     assert kernel.run(f"%%deterministic\n{DRAW}").json() == draws(0)[0]
     kernel.run("s = 3")
@@ -263,6 +282,7 @@ def test_default_seed_is_zero_and_variables_expand(kernel):
     assert kernel.run(f"%%deterministic {{s + 1}}\n{DRAW}").json() == draws(4)[0]
 
 
+@pytest.mark.slow
 def test_an_exception_in_the_cell_restores_everything_and_fails_the_cell(kernel):
     kernel.run("random.seed(5); np.random.seed(5); torch.manual_seed(5);")
     before = global_state(kernel)
@@ -280,6 +300,7 @@ def test_an_exception_in_the_cell_restores_everything_and_fails_the_cell(kernel)
     assert global_state(kernel) == before
 
 
+@pytest.mark.slow
 def test_a_syntax_error_runs_nothing(kernel):
     kernel.run("ran = False")
     before = global_state(kernel)
@@ -291,6 +312,7 @@ def test_a_syntax_error_runs_nothing(kernel):
     assert global_state(kernel) == before
 
 
+@pytest.mark.slow
 def test_the_last_expression_is_shown_unless_hidden_with_a_semicolon(kernel):
     assert kernel.run("%%deterministic 3\nrandom.random()").value == repr(random.Random(3).random())
     assert kernel.run("%%deterministic 3\nrandom.random();").value is None
@@ -301,6 +323,7 @@ def test_the_last_expression_is_shown_unless_hidden_with_a_semicolon(kernel):
     assert kernel.run("_").value == "[1, 2]"
 
 
+@pytest.mark.slow
 def test_warn_only(kernel):
     flags = "torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()"
     assert kernel.run(f"{flags}").value == "(False, False)"
@@ -310,9 +333,12 @@ def test_warn_only(kernel):
     assert kernel.run(f"{flags}").value == "(False, False)"
 
 
+@pytest.mark.slow
 def test_ipython_syntax_inside_the_cell(kernel):
     """Line magics, shell escapes and nested cell magics work inside the cell."""
-    result = kernel.run("%%deterministic 3\n%time x = random.random()\nfiles = !echo hi\nx, files[0]")
+    result = kernel.run(
+        "%%deterministic 3\n%time x = random.random()\nfiles = !echo hi\nx, files[0]"
+    )
     assert result.value == repr((random.Random(3).random(), "hi"))
     timed = kernel.run("%%time\n%%deterministic 3\nrandom.random()")
     assert timed.value == repr(random.Random(3).random())
@@ -321,10 +347,13 @@ def test_ipython_syntax_inside_the_cell(kernel):
     assert kernel.run("captured.stdout").value == repr(f"{random.Random(3).random()}\n")
 
 
+@pytest.mark.slow
 def test_user_rngs_registered_in_the_kernel(kernel):
     """Generators in the notebook's variables are seeded and restored once registered."""
-    kernel.run("from deterministic_ctx import deterministic, register_rng, unregister_rng\n"
-               "rng = register_rng(np.random.default_rng(), key='aug')")
+    kernel.run(
+        "from deterministic_ctx import deterministic, register_rng, unregister_rng\n"
+        "rng = register_rng(np.random.default_rng(), key='aug')"
+    )
     outside = kernel.run("rng.bit_generator.state['state']['state']").value
     first = kernel.run("%%deterministic 3\nrng.random()").value
     assert kernel.run("%%deterministic 3\nrng.random()").value == first
@@ -333,6 +362,7 @@ def test_user_rngs_registered_in_the_kernel(kernel):
     kernel.run("unregister_rng(rng)")
 
 
+@pytest.mark.slow
 def test_interrupting_the_cell_restores_everything(kernel):
     kernel.run("random.seed(9); np.random.seed(9); torch.manual_seed(9);")
     before = global_state(kernel)
@@ -340,7 +370,8 @@ def test_interrupting_the_cell_restores_everything(kernel):
     kernel.client.timeout = 5
     try:
         result = kernel.run(
-            "%%deterministic 3\nimport time\nrandom.random(); torch.rand(2)\ntime.sleep(120)", fails=True
+            "%%deterministic 3\nimport time\nrandom.random(); torch.rand(2)\ntime.sleep(120)",
+            fails=True,
         )
     finally:
         kernel.client.timeout = TIMEOUT
@@ -349,6 +380,7 @@ def test_interrupting_the_cell_restores_everything(kernel):
     assert global_state(kernel) == before
 
 
+@pytest.mark.slow
 def test_report_magic(kernel):
     text = kernel.run("%deterministic_report").stdout
     assert text.startswith("Determinism report\n")
@@ -363,13 +395,16 @@ def test_report_magic(kernel):
     assert "usage: %deterministic_report [--json]" in bad.stderr
 
 
+@pytest.mark.slow
 def test_unload_and_reload(kernel):
     try:
         kernel.run("%unload_ext deterministic_ctx")
         gone = kernel.run("%%deterministic 3\nran = True", fails=True)
         assert "Cell magic `%%deterministic` not found" in gone.stderr + str(gone.error)
         kernel.run("%load_ext deterministic_ctx.ipython")  # the submodule is an extension too
-        assert kernel.run("%%deterministic 3\nrandom.random()").value == repr(random.Random(3).random())
+        assert kernel.run("%%deterministic 3\nrandom.random()").value == repr(
+            random.Random(3).random()
+        )
         kernel.run("%unload_ext deterministic_ctx.ipython")
     finally:
         kernel.run("%load_ext deterministic_ctx")
@@ -387,6 +422,6 @@ def test_importing_the_package_does_not_import_ipython():
         "assert callable(deterministic_ctx.unload_ipython_extension)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('IPython', 'ipykernel', 'jupyter_client')))"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ)
+    proc = run_python([], code=code, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"

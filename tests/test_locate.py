@@ -425,6 +425,7 @@ def test_locate_on_cuda_names_the_planted_module():
 # --- the example ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_example_finds_the_planted_module():
     proc = run_python([str(ROOT / "examples" / "find_divergence.py")], timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -46,8 +46,19 @@ def _op(name: str, value: int) -> None:
 ops = st.lists(
     st.tuples(
         st.sampled_from(
-            ["random", "gauss", "np", "np_gauss", "torch", "reseed_random", "reseed_np",
-             "reseed_torch", "flags", "bitgen", "block"]
+            [
+                "random",
+                "gauss",
+                "np",
+                "np_gauss",
+                "torch",
+                "reseed_random",
+                "reseed_np",
+                "reseed_torch",
+                "flags",
+                "bitgen",
+                "block",
+            ]
         ),
         st.integers(0, 2**32 - 1),
     ),

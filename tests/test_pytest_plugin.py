@@ -11,8 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
@@ -27,6 +25,7 @@ import torch._inductor.config  # noqa: F401
 
 import _deterministic_ctx_pytest as plugin
 from deterministic_ctx import Snapshot
+from tests.helpers import run_python
 
 # Each inner test imports this: ``draw`` takes one value from each global RNG, ``recipe`` is the
 # classic seeding recipe the library must reproduce.
@@ -405,14 +404,10 @@ def test_marked_test_is_restored_by_its_block():
 """
 
 
+@pytest.mark.usefixtures("registry")  # the inner run registers a name in this very process
 def test_leak_guard_covers_every_managed_variable(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from deterministic_ctx.sources import environ as environ_mod
-
-    # The inner run registers a name in this very process: put the registry back afterwards.
-    monkeypatch.setattr(environ_mod, "_MANAGED", environ_mod._MANAGED)
-    monkeypatch.setattr(environ_mod, "_MANAGED_SET", environ_mod._MANAGED_SET)
     for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "DCTX_TEST_GUARDED"):
         monkeypatch.setenv(name, "outer")  # recorded, so the undo removes what the tests leave
         monkeypatch.delenv(name)
@@ -520,10 +515,11 @@ def test_plugin_can_be_disabled(pytester: pytest.Pytester) -> None:
 
 def test_importing_the_plugin_imports_neither_torch_nor_numpy() -> None:
     code = "import sys, _deterministic_ctx_pytest; print(sorted({'torch', 'numpy'} & set(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = run_python([], code=code, check=True)
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_a_run_without_torch_never_loads_it(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """

@@ -29,7 +29,9 @@ SKIP_LIGHTNING = "Lightning is not installed (pip install -e '.[test]' installs 
 SKIP_TRANSFORMERS = "transformers is not installed (pip install -e '.[test]' installs it)"
 
 # Lightning's notes about workers, logging and hardware are not what these tests check.
+# Slow: importing Lightning or transformers alone takes seconds.
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.filterwarnings("ignore::UserWarning"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::FutureWarning"),

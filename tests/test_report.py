@@ -201,6 +201,7 @@ def test_env_section_covers_the_managed_list_and_registered_names(monkeypatch):
         assert set(r.process["env_at_start"]) == set(managed_env_vars())
 
 
+@pytest.mark.slow
 def test_importing_and_calling_report_stays_cheap():
     code = (
         "import sys; import deterministic_ctx.report as r; "

@@ -26,7 +26,9 @@ S0 = Settings(0, False)
 def test_every_source_has_a_unique_name():
     names = [s.name for s in SOURCES]
     assert len(names) == len(set(names))
-    assert {"random", "numpy", "torch.cpu", "torch.cuda", "torch.flags", "environ", "user"} <= set(names)
+    assert {"random", "numpy", "torch.cpu", "torch.cuda", "torch.flags", "environ", "user"} <= set(
+        names
+    )
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast", "exact"])
@@ -114,7 +116,9 @@ def test_torch_cpu_roundtrip_and_seed():
     state = source.capture()
     expected = torch.rand(3, generator=gen)
     source.apply(S0)
-    assert torch.equal(torch.rand(2, generator=gen), torch.rand(2, generator=torch.Generator().manual_seed(0)))
+    assert torch.equal(
+        torch.rand(2, generator=gen), torch.rand(2, generator=torch.Generator().manual_seed(0))
+    )
     source.restore(state)
     assert torch.equal(torch.rand(3, generator=gen), expected)
 
@@ -146,7 +150,9 @@ def test_flags_restore_precision_changed_inside():
     after = source.capture()
     # use_deterministic_algorithms() imports inductor: it stays imported, at its default.
     assert after.inductor_deterministic in (state.inductor_deterministic, False)
-    assert after._replace(inductor_deterministic=None) == state._replace(inductor_deterministic=None)
+    assert after._replace(inductor_deterministic=None) == state._replace(
+        inductor_deterministic=None
+    )
     assert torch.get_float32_matmul_precision() == state.float32_matmul_precision
 
 
@@ -344,7 +350,9 @@ def test_numpy_fast_seeding_equals_legacy_seed(seed):
     fast, exact = fast_rs.get_state(legacy=False), exact_rs.get_state(legacy=False)
     np.testing.assert_array_equal(fast["state"]["key"], exact["state"]["key"])
     assert (fast["state"]["pos"], fast["has_gauss"], fast["gauss"]) == (
-        exact["state"]["pos"], exact["has_gauss"], exact["gauss"]
+        exact["state"]["pos"],
+        exact["has_gauss"],
+        exact["gauss"],
     )
     assert fast_rs.standard_normal(3).tolist() == exact_rs.standard_normal(3).tolist()
 

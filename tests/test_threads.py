@@ -70,9 +70,20 @@ def test_long_wait_warns_naming_the_holder_then_keeps_waiting():
     entered.wait(10)
     set_lock_warning(0.05)
     try:
-        threading.Timer(0.3, release.set).start()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+
+            def release_once_warned() -> None:
+                # Not after a fixed delay: on a busy machine this thread might start
+                # waiting only after it, and then never wait long enough to be warned.
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline and not any(
+                    issubclass(w.category, LockWaitWarning) for w in list(caught)
+                ):
+                    time.sleep(0.01)
+                release.set()
+
+            threading.Thread(target=release_once_warned).start()
             with deterministic(seed=1):
                 got_in = True
     finally:

@@ -186,12 +186,18 @@ def test_collected_cycles_leave_the_registry_after_a_collection():
     class Cyclic(random.Random):
         pass
 
-    for _ in range(100):
-        rng = Cyclic()
-        rng.me = rng  # a reference cycle: only the cyclic GC frees it
-        register_rng(rng)
-    del rng
-    assert _count() == before + 100
+    enabled = gc.isenabled()
+    gc.disable()  # an automatic collection (other threads allocate too) would free some early
+    try:
+        for _ in range(100):
+            rng = Cyclic()
+            rng.me = rng  # a reference cycle: only the cyclic GC frees it
+            register_rng(rng)
+        del rng
+        assert _count() == before + 100
+    finally:
+        if enabled:
+            gc.enable()
     gc.collect()
     assert _count() == before
 
@@ -253,6 +259,7 @@ def test_an_entry_kept_by_a_snapshot_does_not_remove_a_later_registration():
 
 
 def test_strong_references_are_kept_until_unregistered():
+    gc.collect()  # dead cycles of other tests, still registered, would leave now
     before = _count()
     register_rng(np.random.default_rng(1), key="numpy")  # cannot be weakly referenced
     gc.collect()
