@@ -71,6 +71,7 @@ def run_python(
     env: Mapping[str, str] | None = None,
     timeout: float = 300,
     check: bool = False,
+    own_session: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """Run a fresh Python on the checkout: ``python -c code`` or ``python *args``.
 
@@ -79,27 +80,11 @@ def run_python(
     runs in the repository root, and its output is captured as text.
     ``env`` adds or replaces variables of ``os.environ``; ``check`` raises on
     a non-zero exit status with the child's stderr in the message.
-    """
-    command, merged = python_command(args, code=code, env=env)
-    proc = subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=merged
-    )
-    return _checked(proc) if check else proc
 
-
-def run_python_group(
-    args: Sequence[str],
-    *,
-    code: str | None = None,
-    env: Mapping[str, str] | None = None,
-    timeout: float = 300,
-    check: bool = False,
-) -> subprocess.CompletedProcess[str]:
-    """``run_python`` for a child that starts processes of its own.
-
-    The child runs in a session of its own, and on a timeout the whole session
-    is killed (the child and every process it started), then ``TimeoutExpired``
-    is raised as by ``run_python``.
+    ``own_session`` is for a child that starts processes of its own: it runs
+    in a session of its own, and on a timeout the whole session is killed
+    (the child and every process it started) before ``TimeoutExpired`` is
+    raised.
     """
     command, merged = python_command(args, code=code, env=env)
     process = subprocess.Popen(
@@ -109,13 +94,16 @@ def run_python_group(
         text=True,
         cwd=ROOT,
         env=merged,
-        start_new_session=True,
+        start_new_session=own_session,
     )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+            if own_session:
+                os.killpg(process.pid, signal.SIGKILL)
+            else:
+                process.kill()
             process.communicate()
     proc = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     return _checked(proc) if check else proc

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import deterministic_ctx
 from deterministic_ctx import Snapshot
-from tests.helpers import ROOT, run_python_group
+from tests.helpers import ROOT, run_python
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 #: Seconds per training run of the DDP example (its ranks, their workers, a gloo group).
@@ -48,9 +48,10 @@ def run_example(
     A session of its own: a timeout kills the processes the example started along with it.
     """
     if name not in runs:
-        runs[name] = run_python_group(
+        runs[name] = run_python(
             [str(ROOT / "examples" / name), *ARGS.get(name, ())],
             timeout=TIMEOUTS.get(name, 300),
+            own_session=True,
         )
     return runs[name]
 
