@@ -283,16 +283,7 @@ def _decorate_testcase(cls: type[unittest.TestCase], settings: Settings) -> type
         if _closest(klass, "setUpClass") is not cls:
             setup_class(klass)
             return
-        block = Block(settings)
-        try:
-            block.start()
-            _result, error = _call(setup_class, (klass,), {})
-            block.stop()
-        except BaseException:
-            block.stop()
-            raise
-        if error is not None:
-            _reraise(error)
+        _wrap_function(setup_class, settings)(klass)  # one block, as for a decorated call
 
     setattr(setUp, _WRAPPED, own_setup)
     setattr(setUpClass, _WRAPPED, own_setup_class)

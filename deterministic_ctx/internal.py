@@ -25,38 +25,23 @@ Example:
 
 from __future__ import annotations
 
-from ._errors import InvalidSnapshotError, LockWaitWarning, RestoreError
-from ._seed import MAX_SEED, derive_seed, show_int, validate_seed
+from ._seed import MAX_SEED, derive_seed, validate_seed
 from ._settings import AUTO, Rank, Settings, process_rank, seed_for_rank, validate_rank
 from ._version import __version__ as VERSION
 from .engine import Block, inside_block
-from .sources import (
-    SOURCES,
-    Source,
-    register_rng,
-    registered_rngs,
-    seed_registered_rngs,
-    source_named,
-    unregister_rng,
-)
-from .sources.environ import CUBLAS_VALID, ENV_VARS, managed_env_vars, register_env_var
+from .sources import register_rng, registered_rngs, seed_registered_rngs, source_named
+from .sources.environ import CUBLAS_VALID, managed_env_vars, register_env_var
 from .sources.flags import PRECISION_OPS
 
 __all__ = [
     "AUTO",
     "CUBLAS_VALID",
-    "ENV_VARS",
     "MAX_SEED",
     "PRECISION_OPS",
-    "SOURCES",
     "VERSION",
     "Block",
-    "InvalidSnapshotError",
-    "LockWaitWarning",
     "Rank",
-    "RestoreError",
     "Settings",
-    "Source",
     "derive_seed",
     "inside_block",
     "managed_env_vars",
@@ -66,9 +51,7 @@ __all__ = [
     "registered_rngs",
     "seed_for_rank",
     "seed_registered_rngs",
-    "show_int",
     "source_named",
-    "unregister_rng",
     "validate_rank",
     "validate_seed",
 ]
