@@ -109,6 +109,28 @@ class Settings:
 
     @classmethod
     def build(cls, seed: object, warn_only: object, rank: object = None) -> Settings:
+        """Validated settings; ``TypeError``/``ValueError`` name the bad argument.
+
+        ``with deterministic(seed=i):`` builds them on every block: settings
+        of plain ints are remembered (they are immutable), so validating and
+        building them costs a dict lookup when the arguments repeat.
+        """
+        # Exact types only in the key: 1, True and 1.0 are equal dict keys.
+        plain = (
+            type(seed) is int and type(warn_only) is bool and (rank is None or type(rank) is int)
+        )
+        if plain:
+            found = _BUILT.get((seed, warn_only, rank))
+            if found is not None:
+                return found
         if not isinstance(warn_only, bool):
             raise TypeError(f"warn_only must be True or False, got {warn_only!r}")
-        return cls(validate_seed(seed), warn_only, validate_rank(rank))
+        settings = cls(validate_seed(seed), warn_only, validate_rank(rank))
+        if plain:
+            if len(_BUILT) >= 1024:  # a new seed every block must not grow it without bound
+                _BUILT.clear()
+            _BUILT[seed, warn_only, rank] = settings
+        return settings
+
+
+_BUILT: dict[tuple[object, object, object], Settings] = {}

@@ -8,7 +8,6 @@ gaussian cache (``has_gauss``/``gauss``), which changes what the next
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any, NamedTuple
 
@@ -16,14 +15,17 @@ import numpy as np
 
 from .._settings import Settings
 from . import _plain
-from ._memory import NUMPY_LAYOUT, NumpyGaussLayout, mt19937_view, read_mt19937
+from ._memory import NUMPY_LAYOUT, NumpyGaussLayout, mt19937_view
+from ._seeded import SeededCache
 
 __all__ = [
+    "BIT_GENERATORS",
     "NumpyGlobalSource",
     "NumpyState",
     "bit_generator_state_from_plain",
     "legacy_state_from_plain",
     "numpy_state_to_plain",
+    "seed_views",
 ]
 
 # Public since NumPy 1.25, missing from its type stubs.
@@ -33,11 +35,23 @@ _set_bit_generator: Any = np.random.set_bit_generator  # type: ignore[attr-defin
 _NO_GAUSS = bytes(16)  # has_gauss = 0, padding, gauss = 0.0
 
 
-@functools.lru_cache(maxsize=64)
-def _legacy_seeded_record(seed: int) -> bytes:
-    bg = np.random.MT19937(0)
-    bg._legacy_seeding(seed)
-    return read_mt19937(bg)
+#: The MT19937 record legacy seeding (``np.random.seed``) produces, by seed.
+_SEEDED: SeededCache[bytes] = SeededCache()
+
+
+def seed_views(
+    rs: np.random.RandomState, bg: Any, mt: memoryview, gauss: memoryview, seed: int
+) -> None:
+    """Exactly ``rs.seed(seed)`` (``np.random.seed``) for the MT19937 ``bg``
+    installed in ``rs``, given the views over its record and the gaussian
+    cache: a remembered record and a cleared cache as two copies, or on a miss
+    the seeding itself (and a 2.5 KB read to remember it)."""
+    raw = _SEEDED.lookup(seed)
+    if raw is None:
+        rs.seed(seed)  # legacy seeding; also clears the gaussian cache
+        with bg.lock: _SEEDED.put(seed, mt.tobytes())  # noqa: E701  # fmt: skip
+        return
+    with bg.lock: mt[:], gauss[:] = raw, _NO_GAUSS  # noqa: E701  # fmt: skip
 
 
 class NumpyState(NamedTuple):
@@ -90,6 +104,16 @@ class NumpyGlobalSource:
     def _fast(self, bit_generator: Any) -> NumpyGaussLayout | None:
         return self._layout if type(bit_generator) is np.random.MT19937 else None
 
+    @property
+    def random_state(self) -> np.random.RandomState:
+        """The ``RandomState`` this source manages."""
+        return self._rs
+
+    def views(self, bit_generator: Any) -> tuple[memoryview, memoryview] | None:
+        """Views over ``bit_generator``'s MT19937 record and the gaussian cache
+        (see :func:`~._memory.view`), or ``None`` where the fast path is off for it."""
+        return self._views(bit_generator) if self._fast(bit_generator) is not None else None
+
     def _views(self, bit_generator: Any) -> tuple[memoryview, memoryview]:
         # Views over the bit generator's and the RandomState's records, made
         # once per bit generator; the cache holds the bit generator, so the
@@ -139,11 +163,8 @@ class NumpyGlobalSource:
         if self._fast(bg) is None:
             rs.seed(settings.rank_seed)  # legacy seeding; also clears the gaussian cache
             return
-        # The record legacy seeding produces, cached per seed, and a cleared
-        # gaussian cache: what ``np.random.seed`` does, as two copies.
         mt, gauss = self._views(bg)
-        seeded = _legacy_seeded_record(settings.rank_seed)
-        with bg.lock: mt[:], gauss[:] = seeded, _NO_GAUSS  # noqa: E701  # fmt: skip
+        seed_views(rs, bg, mt, gauss, settings.rank_seed)
 
     def to_public(self, state: NumpyState) -> dict[str, Any]:
         """The state in ``RandomState.get_state(legacy=False)`` form."""
@@ -176,7 +197,7 @@ class NumpyGlobalSource:
         is kept in dict form, so ``restore`` goes through ``set_state``.
         """
         public = legacy_state_from_plain(data, path)
-        cls = getattr(np.random, public["bit_generator"])  # a name from _BIT_GENERATORS
+        cls = getattr(np.random, public["bit_generator"])  # a name from BIT_GENERATORS
         current = self._rs._bit_generator
         return NumpyState(current if type(current) is cls else cls(), public)
 
@@ -188,7 +209,7 @@ _BUFFERED: _Fields = {"has_uint32": (None, 1), "uinteger": (None, _U32)}
 #: The state of each bit generator that NumPy ships: ``(state["state"], the rest)``.
 #: ``pos`` and ``buffer_pos`` index C arrays, and NumPy's setters do not check
 #: them: out of range, the next draw reads outside the generator's memory.
-_BIT_GENERATORS: dict[str, tuple[_Fields, _Fields]] = {
+BIT_GENERATORS: dict[str, tuple[_Fields, _Fields]] = {
     "MT19937": ({"key": (624, _U32), "pos": (None, 624)}, {}),
     "PCG64": ({"state": (None, _U128), "inc": (None, _U128)}, _BUFFERED),
     "PCG64DXSM": ({"state": (None, _U128), "inc": (None, _U128)}, _BUFFERED),
@@ -240,8 +261,8 @@ def bit_generator_state_from_plain(
     ``bit_generator.state = ...`` (or, with ``legacy``, ``RandomState.set_state``)."""
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a dict, got {type(data).__name__}")
-    name = _plain.text(data.get("bit_generator"), f"{path}.bit_generator", choices=_BIT_GENERATORS)
-    inner, outer = _BIT_GENERATORS[name]
+    name = _plain.text(data.get("bit_generator"), f"{path}.bit_generator", choices=BIT_GENERATORS)
+    inner, outer = BIT_GENERATORS[name]
     outer = {**outer, **_LEGACY} if legacy else outer
     extra = ("bit_generator", "state", "gauss") if legacy else ("bit_generator", "state")
     rest = _read(data, path, outer, extra)  # checks the whole key set

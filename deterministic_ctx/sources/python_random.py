@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import random
 import struct
 import warnings
@@ -11,6 +10,7 @@ from typing import Any, NamedTuple
 from .._settings import Settings
 from . import _plain
 from ._memory import RANDOM_LAYOUT, MTLayout
+from ._seeded import SeededCache
 
 __all__ = [
     "PythonRandomSource",
@@ -22,6 +22,7 @@ __all__ = [
     "random_state_to_plain",
     "restore_rng",
     "seed_rng",
+    "seed_view",
 ]
 
 _MT_WORDS = 624
@@ -34,10 +35,21 @@ class PythonRandomState(NamedTuple):
     gauss_next: float | None
 
 
-@functools.lru_cache(maxsize=64)
-def _seeded_raw(layout: MTLayout, seed: int) -> bytes:
-    # Seeding runs init_by_array over 624 words (~3.5 µs); a cached record is a memmove.
-    return layout.read(random.Random(seed))
+#: The 2500-byte record ``random.Random.seed(seed)`` produces, by seed.
+_SEEDED: SeededCache[bytes] = SeededCache()
+
+
+def seed_view(rng: random.Random, view: memoryview, seed: int) -> None:
+    """Exactly ``rng.seed(seed)`` for an int seed, given ``view`` over ``rng``'s
+    record (an exact ``random.Random``): seeding runs ``init_by_array`` over
+    624 words (~3.5 µs), a remembered record is one copy."""
+    raw = _SEEDED.lookup(seed)
+    if raw is None:
+        rng.seed(seed)  # a miss costs the seeding itself, and a 2.5 KB read
+        _SEEDED.put(seed, view.tobytes())
+        return
+    view[:] = raw
+    rng.gauss_next = None  # type: ignore[attr-defined]
 
 
 def public_state(state: PythonRandomState) -> tuple[Any, ...]:
@@ -70,8 +82,7 @@ def restore_rng(rng: random.Random, layout: MTLayout | None, state: PythonRandom
 def seed_rng(rng: random.Random, layout: MTLayout | None, seed: int) -> None:
     """Exactly ``rng.seed(seed)`` for an int seed."""
     if layout is not None:
-        layout.write(rng, _seeded_raw(layout, seed))
-        rng.gauss_next = None  # type: ignore[attr-defined]
+        seed_view(rng, layout.view(rng), seed)
     else:
         rng.seed(seed)
 
@@ -120,17 +131,30 @@ class PythonRandomSource:
         else:
             restore_rng(self._rng, self._layout, state)
 
+    @property
+    def rng(self) -> random.Random:
+        """The generator this source manages."""
+        return self._rng
+
+    @property
+    def view(self) -> memoryview | None:
+        """The fast path's view of the generator's record, ``None`` where it is off."""
+        return self._view
+
     def apply(self, settings: Settings) -> None:
-        self._check_binding()
+        self.check_binding()
         view = self._view
         if view is not None:
-            assert self._layout is not None
-            view[:] = _seeded_raw(self._layout, settings.rank_seed)
-            self._rng.gauss_next = None  # type: ignore[attr-defined]
+            seed_view(self._rng, view, settings.rank_seed)
         else:
             seed_rng(self._rng, self._layout, settings.rank_seed)
 
-    def _check_binding(self) -> None:
+    def bound(self) -> bool:
+        """Whether ``random.random`` still draws from this source's generator
+        (else :meth:`check_binding` has something to say)."""
+        return getattr(random.random, "__self__", None) is self._rng
+
+    def check_binding(self) -> None:
         # ``random.random = other.random`` (a test double, a library's own
         # instance) makes ``random.random()`` draw from an object blocks do
         # not seed, so every later block would silently stop being

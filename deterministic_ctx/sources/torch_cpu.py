@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
 from .._settings import Settings
 from . import _plain
+from ._seeded import SeededCache
 
-__all__ = ["TorchCPUSource", "generator_state_from_plain"]
+__all__ = ["TorchCPUSource", "generator_state_from_plain", "seed_generator"]
+
+#: The state ``manual_seed(seed)`` gives a CPU generator, by seed.  Taking it
+#: allocates a tensor (~1 µs), so only seeds seen twice are remembered.
+_SEEDED: SeededCache[torch.Tensor] = SeededCache(eager=False)
 
 
-@functools.lru_cache(maxsize=64)
-def _seeded_state(seed: int) -> torch.Tensor:
-    return torch.Generator().manual_seed(seed).get_state()
+def seed_generator(gen: torch.Generator, seed: int) -> None:
+    """Exactly ``gen.manual_seed(seed)`` for a CPU generator: ``manual_seed``
+    re-runs the Mersenne Twister init (~1 µs); a remembered state, identical
+    (``initial_seed()`` included: tests compare the two), is set in ~0.2 µs."""
+    state = _SEEDED.lookup(seed)
+    if state is None:
+        gen.manual_seed(seed)
+        if _SEEDED.wants(seed):
+            _SEEDED.put(seed, gen.get_state())
+        return
+    gen.set_state(state)
 
 
 class TorchCPUSource:
@@ -27,6 +39,11 @@ class TorchCPUSource:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self._gen = generator if generator is not None else torch.default_generator
 
+    @property
+    def generator(self) -> torch.Generator:
+        """The generator this source manages."""
+        return self._gen
+
     def capture(self) -> torch.Tensor:
         return self._gen.get_state()  # a fresh ByteTensor copy, never handed out
 
@@ -36,10 +53,7 @@ class TorchCPUSource:
     def apply(self, settings: Settings) -> None:
         # What ``torch.manual_seed`` does for the CPU; accelerators are their
         # own sources so that no lazy seed with a formatted stack is queued.
-        # ``manual_seed`` re-runs the Mersenne Twister init (~1 µs); the state it
-        # produces, cached per seed, is set in ~0.2 µs and is identical
-        # (``initial_seed()`` included: tests compare the two).
-        self._gen.set_state(_seeded_state(settings.seed))
+        seed_generator(self._gen, settings.seed)
 
     def export_state(self, state: torch.Tensor) -> dict[str, Any]:
         """The state as plain data for a checkpoint: ``{"state": uint8 tensor}``."""
