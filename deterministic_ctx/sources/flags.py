@@ -65,6 +65,7 @@ and would turn cuDNN off.
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 import sys
@@ -83,6 +84,8 @@ _C: Any = torch._C
 
 _get_precision = getattr(_C, "_get_fp32_precision_getter", None)
 _set_precision = getattr(_C, "_set_fp32_precision_setter", None)
+#: The getter for the hot paths, which run it only where the API exists (``_EXACT``).
+_get_any: Any = _get_precision
 
 
 def _supported(pair: tuple[str, str]) -> bool:
@@ -174,7 +177,7 @@ if hasattr(os, "register_at_fork"):
 def _precisions() -> tuple[str, ...]:
     if _get_precision is None:  # a torch without the fp32_precision API
         return ()
-    return tuple(map(_get_precision, _PRECISION_BACKENDS, _PRECISION_OPNAMES))
+    return tuple(map(_get_any, _PRECISION_BACKENDS, _PRECISION_OPNAMES))
 
 
 def _resolve(own: tuple[str, ...], i: int) -> str:
@@ -515,6 +518,14 @@ def _default_value(config: Any) -> bool:
     return os.getenv("TORCHINDUCTOR_DETERMINISTIC") == "1"
 
 
+def _apply_inductor() -> None:
+    found = _inductor()
+    if found is not None and not (
+        found.plain and found.entry.user_override.get() is True  # nested: already set
+    ):
+        found.config.deterministic = True
+
+
 def _restore_inductor(want: object) -> None:
     found = _inductor()
     if found is None:
@@ -613,9 +624,15 @@ _FLAGS = (
     _Flag("mkldnn_deterministic", _C._get_mkldnn_deterministic, _C._set_mkldnn_deterministic, True),
 )
 _BOOLS = tuple(flag.field for flag in _FLAGS)
+_MODE, _WARN_ONLY = (
+    _BOOLS.index("deterministic_algorithms"),
+    _BOOLS.index("deterministic_warn_only"),
+)
 assert FlagState._fields[: len(_BOOLS)] == _BOOLS
 # Plain tuples for the hot loops: a row's attribute, or zip(), costs more.
 _GETTERS = tuple(flag.get for flag in _FLAGS)
+#: ``_call(f)`` is ``f()``: with ``map``, the getters run without a Python frame each.
+_call: Callable[[Callable[[], Any]], Any] = getattr(operator, "call", lambda f: f())
 _ACCESS = tuple((flag.get, flag.set, i) for i, flag in enumerate(_FLAGS))
 #: The flags' values inside a block, by its ``warn_only``.
 _INSIDE = {
@@ -625,12 +642,27 @@ _INSIDE = {
 
 
 def _write_flags(values: tuple[Any, ...]) -> None:
-    """Write each flag that differs from its value in ``values`` (a
-    :class:`FlagState`, or one of :data:`_INSIDE`), reading it just before:
-    a write of the mode or of warn_only writes the other too."""
+    """Write each flag that differs from its value in ``values`` (one of
+    :data:`_INSIDE`), reading it just before: a write of the mode or of
+    warn_only writes the other too."""
     for get, put, i in _ACCESS:
         if get() != values[i]:
             put(values[i])
+
+
+#: The flags each written by a setter of its own (all but the mode and warn_only pair).
+_SINGLE: tuple[tuple[Callable[[Any], None], int], ...] = tuple(
+    (flag.set, i) for i, flag in enumerate(_FLAGS) if i not in (_MODE, _WARN_ONLY)
+)
+
+
+def _write_changed_flags(values: tuple[Any, ...], now: tuple[Any, ...]) -> None:
+    """Write each flag whose value in ``values`` differs from ``now`` (just read)."""
+    for put, i in _SINGLE:
+        if now[i] != values[i]:
+            put(values[i])
+    if now[_MODE] != values[_MODE] or now[_WARN_ONLY] != values[_WARN_ONLY]:
+        _C._set_deterministic_algorithms(values[_MODE], warn_only=values[_WARN_ONLY])
 
 
 # -- the source ----------------------------------------------------------------
@@ -645,10 +677,24 @@ class TorchFlagsSource:
 
     def capture(self) -> FlagState:
         inductor, override = _read_inductor() if _INDUCTOR in sys.modules else _NOT_IMPORTED
-        eff, own, legacy, cudnn = _read()
-        values: list[Any] = []
-        for get in _GETTERS:  # a comprehension is a function call before Python 3.12
-            values.append(get())
+        # The common case inline (no parent entry set, the legacy getters
+        # answer, no write in another thread meanwhile): what _read() returns
+        # there, without its three calls; anything else takes _read().
+        seen = _writes
+        eff = tuple(map(_get_any, _PRECISION_BACKENDS, _PRECISION_OPNAMES)) if _EXACT else ()
+        if _EXACT and not seen & 1 and eff[_GENERIC] == eff[_CUDA] == eff[_MKLDNN] == "none":
+            try:
+                legacy: str | None = _C._get_float32_matmul_precision()
+                cudnn: bool | None = _C._get_cudnn_allow_tf32()
+            except RuntimeError:
+                eff, own, legacy, cudnn = _read()
+            else:
+                own = eff
+                if _writes != seen:
+                    eff, own, legacy, cudnn = _read()
+        else:
+            eff, own, legacy, cudnn = _read()
+        values = list(map(_call, _GETTERS))  # C-level calls, no Python frame each
         onednn = _onednn_allow_tf32() if _ONEDNN else None
         values += (inductor, legacy, eff, own, cudnn, onednn, override)
         # FlagState._make without its length check, a Python call (0.1-0.2 µs):
@@ -657,17 +703,64 @@ class TorchFlagsSource:
 
     def apply(self, settings: Settings) -> None:
         _write_flags(_INSIDE[settings.warn_only])
-        found = _inductor()
-        if found is not None and not (
-            found.plain and found.entry.user_override.get() is True  # nested: already set
-        ):
-            found.config.deterministic = True
+        if _INDUCTOR in sys.modules:
+            _apply_inductor()
+
+    def apply_after_capture(self, state: FlagState, settings: Settings) -> None:
+        """:meth:`apply`, for a state :meth:`capture` has just returned: the
+        flags are compared with it instead of being read again."""
+        _write_changed_flags(_INSIDE[settings.warn_only], state)
+        if _INDUCTOR in sys.modules:
+            _apply_inductor()
 
     def restore(self, state: FlagState) -> None:
         if _INDUCTOR in sys.modules:
             _restore_inductor(state.inductor_override)
-        _write_flags(state)
+        # Every flag written, none read: each setter only stores its value, so
+        # writing an unchanged one is a no-op, and five C calls cost less than
+        # six reads and the writes they find needed.  The mode and warn_only
+        # are written together, by one call.
+        for put, i in _SINGLE:
+            put(state[i])
+        _C._set_deterministic_algorithms(state[_MODE], warn_only=state[_WARN_ONLY])
+        # The common case of _restore_precision inline: no parent set in the
+        # target, so the entries read back as their own values; if they and
+        # the legacy fields are as captured, there is nothing to write.
+        want = state.fp32_precision_own
+        seen = _writes
+        if (
+            _EXACT
+            and not _ONEDNN
+            and not seen & 1
+            and want[_GENERIC] == want[_CUDA] == want[_MKLDNN] == "none"
+            and _DEFAULT not in (want[_CONV], want[_RNN])
+            and tuple(map(_get_any, _PRECISION_BACKENDS, _PRECISION_OPNAMES)) == want
+        ):
+            try:
+                unchanged = state.float32_matmul_precision in (
+                    None,
+                    _C._get_float32_matmul_precision(),
+                ) and state.cudnn_allow_tf32 in (None, _C._get_cudnn_allow_tf32())
+            except RuntimeError:
+                unchanged = False
+            if unchanged and _writes == seen:
+                return
         _restore_precision(state)
+
+    def restore_over(self, state: FlagState, now: FlagState) -> None:
+        """:meth:`restore`, where :meth:`capture` has just returned ``now``
+        (a swap of two worlds): the flags that differ are written, none is
+        read again, and the precision state is written only if it differs."""
+        if _INDUCTOR in sys.modules:
+            _restore_inductor(state.inductor_override)
+        _write_changed_flags(state, now)
+        if (
+            state.fp32_precision_own != now.fp32_precision_own
+            or state.float32_matmul_precision not in (None, now.float32_matmul_precision)
+            or state.cudnn_allow_tf32 not in (None, now.cudnn_allow_tf32)
+            or _ONEDNN
+        ):
+            _restore_precision(state)
 
     def export_state(self, state: FlagState) -> dict[str, Any]:
         """The state as plain data: one entry per field, ``fp32_precision`` as
