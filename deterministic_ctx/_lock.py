@@ -36,43 +36,61 @@ from ._errors import LockWaitWarning
 __all__ = ["LOCK", "set_lock_warning"]
 
 DEFAULT_WARN_AFTER = 10.0
+_get_ident = threading.get_ident
+_monotonic = time.monotonic
 
 
 class ProcessLock:
-    __slots__ = ("_count", "_rlock", "owner", "owner_name", "since", "warn_after")
+    __slots__ = ("_rlock", "count", "owner", "since", "warn_after")
 
     def __init__(self) -> None:
         self._rlock: Any = _new_rlock()
-        self._count: Callable[[], int] = _counter(self._rlock)
+        #: ``count()``: how many levels the *calling* thread holds (0: none);
+        #: a C method on CPython 3.11+, read without a Python frame.
+        self.count: Callable[[], int] = _counter(self._rlock)
         self.owner: int | None = None
-        self.owner_name = ""
         self.since = 0.0
         self.warn_after: float | None = DEFAULT_WARN_AFTER
 
     @property
     def depth(self) -> int:
         """How many levels the *calling* thread holds (0: none)."""
-        return self._count()
+        return self.count()
+
+    @property
+    def owner_name(self) -> str:
+        """The name of the thread holding the lock, for messages ("" if none)."""
+        owner = self.owner
+        if owner is None:
+            return ""
+        # Looked up only when a message needs it: a block does not pay for
+        # ``current_thread().name`` (a Python call) on every entry.
+        for thread in threading.enumerate():
+            if thread.ident == owner:
+                return thread.name
+        return f"<thread {owner}>"
 
     def acquire(self) -> None:
         rlock = self._rlock
-        wait = self.warn_after
-        if wait is None or self._count():
-            rlock.acquire()
-        elif not rlock.acquire(True, wait):
-            held = time.monotonic() - self.since
-            warnings.warn(
-                f"thread {threading.current_thread().name!r} has waited {wait:g} s to enter a "
-                f"deterministic block held by thread {self.owner_name!r} for {held:.1f} s; "
-                "RNG state is process-global, so blocks in different threads run one at a time",
-                LockWaitWarning,
-                stacklevel=4,
-            )
-            rlock.acquire()
-        if self._count() == 1:
-            self.owner = threading.get_ident()
-            self.owner_name = threading.current_thread().name
-            self.since = time.monotonic()
+        # The fast path: the lock is free, or this thread holds it (nested blocks).
+        if not rlock.acquire(False):
+            wait = self.warn_after
+            if wait is None:
+                rlock.acquire()
+            elif not rlock.acquire(True, wait):
+                held = time.monotonic() - self.since
+                warnings.warn(
+                    f"thread {threading.current_thread().name!r} has waited {wait:g} s to "
+                    f"enter a deterministic block held by thread {self.owner_name!r} for "
+                    f"{held:.1f} s; RNG state is process-global, so blocks in different "
+                    "threads run one at a time",
+                    LockWaitWarning,
+                    stacklevel=4,
+                )
+                rlock.acquire()
+        if self.count() == 1:
+            self.owner = _get_ident()
+            self.since = _monotonic()
 
     def release_to(self, depth: int) -> None:
         """Release the calling thread's levels above ``depth``.
@@ -80,14 +98,14 @@ class ProcessLock:
         Idempotent, so a caller interrupted half-way through a release can
         simply call it again.
         """
-        count, release = self._count, self._rlock.release
+        count, release = self.count, self._rlock.release
         while count() > depth:
             if count() == 1:
                 self.owner = None
             release()
 
     def held_by_other_thread(self) -> bool:
-        if self._count():
+        if self.count():
             return False
         if self._rlock.acquire(False):
             self._rlock.release()
@@ -96,7 +114,7 @@ class ProcessLock:
 
     def reset_after_fork(self) -> None:
         """In a forked child: free the lock unless the forking thread holds it."""
-        if not self._count():
+        if not self.count():
             self._rlock._at_fork_reinit()
             self.owner = None
 

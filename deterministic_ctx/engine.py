@@ -77,18 +77,18 @@ class Block:
         On any exception nothing is left applied and the lock is back at the
         caller's depth; then the exception propagates.
         """
-        depth = LOCK.depth
+        depth = LOCK.count()
         try:
             LOCK.acquire()
-            self._outer = World.capture()
+            self._outer = outer = World.capture()
             _active.append(self)  # from here on, fork and out-of-order exits see the caller's state
             if self._started:
                 assert self._inner is not None
-                self._inner.restore()
+                self._inner.restore_over(outer)  # nothing has changed since ``outer`` was captured
                 self._uncarry()
                 self._inner = None  # last: until here a retry can still restore it
             else:
-                _sources.apply_all(self._settings)
+                _sources.apply_captured(self._settings, outer.sources, outer.states)
                 self._started = True
         except BaseException:
             with _headroom():
@@ -138,8 +138,9 @@ class Block:
     def _suspend(self) -> None:
         i = _position(self)
         if i is not None:
+            fresh: World | None = None
             if self._inner is None:  # not captured yet in this suspension
-                self._inner = World.capture()
+                self._inner = fresh = World.capture()
             if i + 1 < len(_active):  # blocks opened in this step stay in its world
                 carried = tuple(_active[i + 1 :])
                 self._carried = carried
@@ -147,7 +148,13 @@ class Block:
                     block._carrier = self
                 del _active[i + 1 :]
             assert self._outer is not None
-            self._outer.restore()
+            if fresh is not None:
+                # Captured just now, nothing changed since: the restore reads
+                # nothing again.  A retry after an interrupt (``_inner`` set,
+                # the world maybe half-restored) takes the full restore.
+                self._outer.restore_over(fresh)
+            else:
+                self._outer.restore()
             del _active[i]
             self._outer = None
         LOCK.release_to(len(_active))
@@ -158,6 +165,18 @@ class Block:
         Idempotent, and completed even if interrupted; the interrupt (or a
         :class:`RestoreError`) propagates afterwards.
         """
+        # The common exit inline (the top block leaves, nothing goes wrong);
+        # any exception, or any other case, takes the idempotent general path.
+        try:
+            if _active and _active[-1] is self and self._outer is not None:
+                self._outer.restore()
+                del _active[-1]
+                self._outer = None
+                LOCK.release_to(len(_active))
+                return
+        except BaseException:
+            _run_to_completion(self._finish)
+            raise
         _run_to_completion(self._finish)
 
     def _finish(self) -> None:
@@ -211,7 +230,7 @@ _active: list[Block] = []
 
 def inside_block() -> bool:
     """Whether the calling thread is inside a block (or a decorated call) now."""
-    return LOCK.depth > 0 and LOCK.owner == threading.get_ident()
+    return LOCK.count() > 0 and LOCK.owner == threading.get_ident()
 
 
 def _position(block: Block) -> int | None:

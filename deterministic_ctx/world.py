@@ -40,10 +40,48 @@ class World:
     def capture(cls) -> World:
         """The state of every source of :data:`~deterministic_ctx.sources.SOURCES` now."""
         sources = _sources.SOURCES
+        plan = _sources.PLAN
+        if plan is not None and plan.sources is sources:
+            return cls(sources, plan.capture())
         return cls(sources, tuple([s.capture() for s in sources]))
 
     def restore(self) -> None:
         """Put every captured source back; raise :class:`RestoreError` on failure.
+
+        Through the fused plan (:mod:`~deterministic_ctx.sources.fused`) where
+        the sources have one.  If anything interrupts it or fails in it, the
+        reference restore below runs from the start (every restore is
+        idempotent) and decides the outcome: its own exception if it fails,
+        else the first one, re-raised once everything is back.
+        """
+        plan = _sources.PLAN
+        if plan is None or plan.sources is not self.sources:
+            self.restore_each()
+            return
+        try:
+            plan.restore(self.states)
+        except BaseException:
+            self.restore_each()
+            raise
+
+    def restore_over(self, now: World) -> None:
+        """:meth:`restore`, where ``now`` was captured just before and nothing
+        has changed since (a block swapping its world and its caller's): what
+        a restore reads to find what changed is taken from ``now``.  Same
+        outcome and failure rules as :meth:`restore`."""
+        plan = _sources.PLAN
+        if plan is None or plan.sources is not self.sources or now.sources is not self.sources:
+            self.restore()
+            return
+        try:
+            plan.restore_over(self.states, now.states)
+        except BaseException:
+            self.restore_each()
+            raise
+
+    def restore_each(self) -> None:
+        """Put every captured source back, one by one (the reference restore);
+        raise :class:`RestoreError` on failure.
 
         Sources are restored in reverse capture order.  A ``KeyboardInterrupt``
         (or any exception a signal handler raises) while restoring does not

@@ -30,6 +30,7 @@ __all__ = [
     "RANDOM_LAYOUT",
     "MTLayout",
     "NumpyGaussLayout",
+    "is_cpython",
     "mt19937_view",
     "read_mt19937",
     "view",
@@ -43,7 +44,7 @@ MT_BYTES = 4 + 4 * _MT_WORDS
 _HEAD = object.__basicsize__  # PyObject_HEAD
 
 
-def _is_cpython() -> bool:
+def is_cpython() -> bool:
     # id() is an address only on CPython; the free-threaded build has another header.
     gil_check = getattr(sys, "_is_gil_enabled", None)
     free_threaded = gil_check is not None and not gil_check()
@@ -82,7 +83,7 @@ class MTLayout:
 
 def _probe_random() -> MTLayout | None:
     base = random.Random.__mro__[1]  # _random.Random, the C type holding the state
-    if not _is_cpython() or base.__basicsize__ < _HEAD + MT_BYTES:
+    if not is_cpython() or base.__basicsize__ < _HEAD + MT_BYTES:
         return None
     layout = MTLayout(_HEAD)
     try:
@@ -140,7 +141,7 @@ def _gauss_record(has_gauss: int, gauss: float) -> tuple[bytes, bytes]:
 
 
 def _probe_numpy() -> NumpyGaussLayout | None:
-    if not _is_cpython() or type(np.random.mtrand._rand) is not np.random.RandomState:
+    if not is_cpython() or type(np.random.mtrand._rand) is not np.random.RandomState:
         return None
     try:
         size = np.random.RandomState.__basicsize__

@@ -96,6 +96,18 @@ class LazyAcceleratorSource:
         compiled = getattr(module, "_is_compiled", None)
         self._can_initialize = bool(compiled()) if compiled is not None else True
 
+    @property
+    def module(self) -> ModuleType | Any:
+        """The device's torch module (``torch.cuda``, ...)."""
+        return self._m
+
+    @property
+    def can_initialize(self) -> bool:
+        """Whether this build can ever initialize the device: without it
+        (a CPU build's ``torch.cuda``) the device is never initialized, and
+        its state is only what torch has queued."""
+        return self._can_initialize
+
     def _torch_fresh_state(self, index: int) -> torch.Tensor:
         return torch.Generator(device=torch.device(self._device_type, index)).get_state()
 

@@ -1,0 +1,274 @@
+"""The fused plan: the default sources captured, applied and restored in one call each.
+
+A block does little work: two 2.5 KB copies per Mersenne Twister, a torch
+state tensor, a few dozen C-level flag reads and writes, four environment
+writes.  Done source by source, most of its cost was Python calls around that
+work (209 per block).  This plan does the same work for the default
+:data:`~deterministic_ctx.sources.SOURCES` in one frame per phase, with what
+each source needs bound once: memory views, bound C methods, the sources'
+seeding caches.  It also uses what a phase already knows: applying compares
+the flags and the two environment variables a block sets with the values just
+captured instead of reading them again.
+
+**Exactness.**  The per-source objects stay the reference implementation
+(and what checkpoints use).  The plan produces the very states their
+``capture()`` produces, leaves the process in the state their ``apply`` and
+``restore`` leave, and runs the reference method of a source whenever that
+source is not in its common state: a replaced NumPy bit generator, a state
+loaded from a checkpoint, an accelerator with queued work, registered user
+RNGs.  ``tests/test_fused.py`` proves it equal to the reference with a
+Hypothesis differential test over random workloads.  Sources in an order or
+of types the plan does not know (tests swap ``SOURCES``) get no plan:
+:func:`build` returns ``None`` and the engine runs the reference loop.
+
+Failure paths stay the reference's: :class:`~deterministic_ctx.world.World`
+reruns the reference restore after any exception here.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, TypeVar
+
+from .._settings import Settings
+from ._base import Source
+from .accelerators import LazyAcceleratorSource, LazyState
+from .environ import EnvironSource
+from .flags import TorchFlagsSource
+from .numpy_global import NumpyGlobalSource, NumpyState, seed_views
+from .python_random import PythonRandomSource, PythonRandomState, seed_view
+from .torch_cpu import TorchCPUSource, seed_generator
+from .torch_defaults import TorchDefaultsSource
+from .user_rngs import UserRngSource
+
+__all__ = ["FusedPlan", "build"]
+
+#: Builds a NamedTuple state from a tuple without the Python-level ``__new__``
+#: of the class (one C call instead of a frame).
+_new = tuple.__new__
+_S = TypeVar("_S")
+
+
+class FusedPlan:
+    """capture / apply / restore of one exact tuple of default sources."""
+
+    __slots__ = (
+        "_defaults",
+        "_devices",
+        "_environ",
+        "_flags",
+        "_gauss",
+        "_gauss_bytes",
+        "_generator",
+        "_mt",
+        "_mt_bytes",
+        "_np_bg",
+        "_numpy",
+        "_random",
+        "_random_bytes",
+        "_recent",
+        "_rng",
+        "_rs",
+        "_user",
+        "_view",
+        "sources",
+    )
+
+    def __init__(self, sources: tuple[Source, ...]) -> None:
+        if len(sources) < 7:
+            raise TypeError("not the default sources")
+        rnd = _exact(sources[0], PythonRandomSource)
+        npy = _exact(sources[1], NumpyGlobalSource)
+        cpu = _exact(sources[2], TorchCPUSource)
+        middle = sources[3:-4]
+        flags = _exact(sources[-4], TorchFlagsSource)
+        defaults = _exact(sources[-3], TorchDefaultsSource)
+        environ = _exact(sources[-2], EnvironSource)
+        user = _exact(sources[-1], UserRngSource)
+        view = rnd.view
+        if view is None:
+            raise TypeError("random's fast path is off")
+        self.sources = sources
+        self._random, self._rng, self._view = rnd, rnd.rng, view
+        self._random_bytes = view.tobytes
+        self._numpy, self._rs = npy, npy.random_state
+        self._np_bg: Any = None  # the bit generator the views below are over
+        self._mt: Any = None
+        self._gauss: Any = None
+        self._mt_bytes: Any = None
+        self._gauss_bytes: Any = None
+        self._generator = cpu.generator
+        # The device sources, in order, each with its torch module where this
+        # build can never initialize the device (a CPU build's cuda, xpu,
+        # mtia): that state is only torch's queue, read here inline.  Every
+        # other device source (``None``) runs its own methods.
+        self._devices: tuple[tuple[Any, Source], ...] = tuple(
+            (s.module, s)
+            if isinstance(s, LazyAcceleratorSource) and not s.can_initialize
+            else (None, s)
+            for s in middle
+        )
+        #: Per device, the last state captured inline and its ``call_order`` as a list.
+        self._recent: list[tuple[Any, list[Any]]] = [(None, []) for _ in self._devices]
+        self._flags, self._defaults = flags, defaults
+        self._environ, self._user = environ, user
+
+    def _numpy_views(self, bg: Any) -> bool:
+        """Bind the views over ``bg``, NumPy's current bit generator; ``False``
+        where the fast path is off for it (the source's own methods then run)."""
+        views = self._numpy.views(bg)
+        if views is None:
+            return False
+        self._np_bg = bg
+        self._mt, self._gauss = views
+        self._mt_bytes, self._gauss_bytes = views[0].tobytes, views[1].tobytes
+        return True
+
+    def capture(self) -> tuple[Any, ...]:
+        """Exactly ``tuple(s.capture() for s in sources)``."""
+        gauss_next = self._rng.gauss_next  # type: ignore[attr-defined]
+        states: list[Any] = [_new(PythonRandomState, (self._random_bytes(), gauss_next))]
+        bg = self._rs._bit_generator
+        if bg is self._np_bg or self._numpy_views(bg):
+            # One-line ``with``: see NumpyGlobalSource.capture.
+            with bg.lock: states.append(_new(NumpyState, (bg, (self._mt_bytes(), self._gauss_bytes()))))  # noqa: E501, E701  # fmt: skip
+        else:
+            states.append(self._numpy.capture())
+        states.append(self._generator.get_state())
+        recent = self._recent
+        for k, (m, source) in enumerate(self._devices):
+            if m is None:
+                states.append(source.capture())
+                continue
+            # The device's queue, as LazyAcceleratorSource.capture reads it.
+            # Unchanged since the last capture (the usual case: nothing in a
+            # CPU build touches it but ``torch.manual_seed`` and friends), the
+            # state built then is equal to a new one, and immutable: reused.
+            t = m._lazy_seed_tracker
+            last, order = recent[k]
+            if not (
+                last is not None
+                and t.manual_seed_all_cb is last.seed_all
+                and t.manual_seed_cb is last.seed_one
+                and not m._queued_calls
+                and not last.queued
+                and t.call_order == order
+            ):
+                order = list(t.call_order)
+                last = _new(
+                    LazyState,
+                    (t.manual_seed_all_cb, t.manual_seed_cb, tuple(order), tuple(m._queued_calls)),
+                )
+                recent[k] = (last, order)
+            states.append(last)
+        states.append(self._flags.capture())
+        states.append(self._defaults.capture())
+        states.append(self._environ.capture())
+        states.append(self._user.capture())
+        return tuple(states)
+
+    def apply(self, settings: Settings, states: tuple[Any, ...]) -> None:
+        """Exactly ``apply_all(settings)``, given ``states`` just captured by
+        :meth:`capture` (nothing has run since but the engine's bookkeeping)."""
+        settings = settings.resolved()
+        rank_seed = settings.rank_seed
+        rnd = self._random
+        if getattr(random.random, "__self__", None) is self._rng:
+            seed_view(self._rng, self._view, rank_seed)
+        else:
+            rnd.apply(settings)  # warns about the rebinding
+        rs = self._rs
+        bg = rs._bit_generator
+        if bg is self._np_bg:
+            seed_views(rs, bg, self._mt, self._gauss, rank_seed)
+        else:
+            self._numpy.apply(settings)
+        seed_generator(self._generator, settings.seed)
+        for m, source in self._devices:
+            if m is None:  # devices that cannot initialize get no seed (see their apply)
+                source.apply(settings)
+        self._flags.apply_after_capture(states[-4], settings)
+        # torch.defaults applies nothing.
+        self._environ.apply_after_capture(states[-2], settings)
+        if states[-1]:  # nothing registered (or alive) at capture: nothing to seed
+            self._user.apply(settings)
+
+    def restore(self, states: tuple[Any, ...]) -> None:
+        """Exactly ``for s, state in reversed(zip(sources, states)): s.restore(state)``
+        when it returns; on an exception the caller runs the reference restore."""
+        if states[-1]:
+            self._user.restore(states[-1])
+        self._environ.restore(states[-2])
+        self._defaults.restore(states[-3])
+        self._flags.restore(states[-4])
+        devices = self._devices
+        for k in range(len(devices) - 1, -1, -1):
+            m, source = devices[k]
+            state = states[3 + k]
+            if m is not None and type(state) is LazyState:
+                t = m._lazy_seed_tracker
+                if (
+                    t.manual_seed_all_cb is state.seed_all
+                    and t.manual_seed_cb is state.seed_one
+                    and len(m._queued_calls) == len(state.queued)
+                    and tuple(t.call_order) == state.call_order
+                ):
+                    continue  # nothing queued since: the reference restore writes nothing
+            source.restore(state)
+        self._generator.set_state(states[2])
+        self._restore_numpy(states[1])
+        r = states[0]
+        if type(r.raw) is bytes:
+            self._view[:] = r.raw
+            self._rng.gauss_next = r.gauss_next  # type: ignore[attr-defined]
+        else:
+            self._random.restore(r)
+
+    def restore_over(self, states: tuple[Any, ...], now: tuple[Any, ...]) -> None:
+        """:meth:`restore` of ``states`` where :meth:`capture` has just
+        returned ``now`` (a decorated generator or coroutine swapping its
+        world and its caller's): what restore reads back to find what changed
+        is taken from ``now`` instead."""
+        if states[-1] or now[-1]:
+            self._user.restore(states[-1])
+        self._environ.restore_over(states[-2], now[-2])
+        self._defaults.restore(states[-3])
+        self._flags.restore_over(states[-4], now[-4])
+        devices = self._devices
+        for k in range(len(devices) - 1, -1, -1):
+            state = states[3 + k]
+            # The same object: captured inline and unchanged since (see capture).
+            if state is not now[3 + k] or devices[k][0] is None:
+                devices[k][1].restore(state)
+        self._generator.set_state(states[2])
+        self._restore_numpy(states[1])
+        r = states[0]
+        if type(r.raw) is bytes:
+            self._view[:] = r.raw
+            self._rng.gauss_next = r.gauss_next  # type: ignore[attr-defined]
+        else:
+            self._random.restore(r)
+
+    def _restore_numpy(self, n: Any) -> None:
+        bg = n.bit_generator
+        if bg is self._np_bg and type(n.raw) is tuple and self._rs._bit_generator is bg:
+            mt, gauss = self._mt, self._gauss
+            with bg.lock: mt[:], gauss[:] = n.raw  # noqa: E701  # fmt: skip
+        else:
+            self._numpy.restore(n)
+
+
+def _exact(source: Source, cls: type[_S]) -> _S:
+    """``source``, if it is exactly a ``cls`` (a subclass may behave otherwise)."""
+    if type(source) is not cls:
+        raise TypeError(f"{source!r} is not a {cls.__name__}")
+    return source  # checked just above
+
+
+def build(sources: tuple[Source, ...]) -> FusedPlan | None:
+    """The plan for ``sources``, or ``None`` where they are not the default
+    sources in their order with their fast paths on (the reference then runs)."""
+    try:
+        return FusedPlan(sources)
+    except TypeError:
+        return None
