@@ -8,9 +8,26 @@ object.  Under ``rank=`` the block's per-rank seed takes the place of
 is the one given to ``register_rng`` or, by default, the registration
 ordinal (``"0"``, ``"1"``, …).
 
-``random.Random`` and ``torch.Generator`` are held by weak reference.  NumPy
-generators and bit generators cannot be weakly referenced (their C types
-lack ``__weakref__``), so they are held until :func:`unregister_rng`.
+Accepted: ``random.Random``, ``numpy.random.Generator``,
+``numpy.random.RandomState``, ``torch.Generator``, and any object with
+``seed()``, ``getstate()`` and ``setstate()`` methods (Hypothesis's
+``register_random`` protocol), seeded with a 32-bit
+``derive_seed(block_seed, "user", key)``.
+
+Installed packages contribute RNGs through the ``deterministic_ctx.rngs``
+entry-point group (:data:`ENTRY_POINT_GROUP`): each entry point loads to a
+zero-argument callable returning an RNG (key: the entry point's name), an
+iterable of RNGs (``name.0``, ``name.1``, …), a mapping of names to RNGs
+(``name.<name>``) or ``None``.  They are loaded once, at the first block or
+the first call of :func:`registered_rngs` (whichever reads the registry
+first), never at ``import deterministic_ctx``; an object registered already
+keeps its first key (as for any second ``register_rng``).  A broken entry point is skipped with a
+``RuntimeWarning`` naming it and the error, registering none of its RNGs.
+
+Objects that can be weakly referenced (``random.Random``, ``torch.Generator``,
+most Python classes) are held by weak reference.  NumPy generators and bit
+generators cannot be (their C types lack ``__weakref__``), so they are held
+until :func:`unregister_rng`.
 
 The registry stays as small as the set of live RNGs, however many were
 registered and collected: each weak reference's callback removes its entry
@@ -21,18 +38,41 @@ middle of a block's capture loop, while this thread holds ``_lock``, or in
 another thread.  So callbacks take no lock and do nothing but single dict
 operations (atomic under the GIL), and every loop runs over an immutable
 tuple of the entries, rebuilt only when the registry has changed since.
+
+**Cost per registered RNG** is flat in their number: each entry carries
+what its loops need, bound once at registration.
+
+* Exact ``random.Random``, and NumPy ``Generator`` / ``RandomState`` whose bit
+  generator's memory layout was proven at import (MT19937, PCG64,
+  PCG64DXSM; ``RandomState`` on MT19937 only), are captured and restored as
+  copies of their C record through a view made at registration (see
+  :mod:`._memory`; NumPy's under the bit generator's lock, as the global
+  source does); the view is used only while the entry's object is known
+  alive (``get()`` returned it, or a snapshot holds it), so it never
+  outlives the memory under it.  A state loaded from a checkpoint is
+  restored through the public API, which checks it, never as raw memory.
+* Each entry remembers the state seeding left it in for the last block seed
+  (``memo``), read back from the object right after the real seeding call:
+  a block with the same seed writes that state instead of seeding again
+  (no ``SeedSequence``, no 624-word initialization).  Seeding that has no
+  such equivalent (``random.Random`` subclasses, whose ``seed()`` may do
+  more, a non-CPU ``torch.Generator``, a ``RandomState`` off the fast path,
+  random-like objects) calls the object's own ``seed()`` every time.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import random
+import struct
 import threading
+import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -40,20 +80,20 @@ import torch
 from .._seed import derive_seed
 from .._settings import Settings
 from . import _plain
-from .numpy_global import bit_generator_state_from_plain, numpy_state_to_plain
+from ._memory import NUMPY_LAYOUT, is_cpython, mt19937_view
+from ._memory import view as _memory_view
+from .numpy_global import BIT_GENERATORS, bit_generator_state_from_plain, numpy_state_to_plain
 from .python_random import (
     PythonRandomState,
-    capture_rng,
     fast_layout_for,
     public_state,
     random_state_from_plain,
     random_state_to_plain,
-    restore_rng,
-    seed_rng,
 )
 from .torch_cpu import generator_state_from_plain
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "UserRngSource",
     "register_rng",
     "registered_rngs",
@@ -62,6 +102,11 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+#: The entry-point group through which an installed package contributes RNGs:
+#: each entry point loads to a zero-argument callable returning an RNG, an
+#: iterable of RNGs, a mapping of names to RNGs, or ``None`` (nothing).
+ENTRY_POINT_GROUP = "deterministic_ctx.rngs"
 
 
 @dataclass(frozen=True)
@@ -78,48 +123,58 @@ def _np_generator_seed(gen: np.random.Generator, seed: int) -> None:
     bg.state = type(bg)(seed).state
 
 
-_KINDS: tuple[tuple[type, _Kind], ...] = (
-    (
-        random.Random,
-        _Kind(
-            "random.Random",
-            lambda r: r.getstate(),
-            lambda r, s: r.setstate(s),
-            lambda r, s: r.seed(s),
-            64,
-        ),
-    ),
-    (
-        np.random.Generator,
-        _Kind(
-            "numpy.random.Generator",
-            lambda g: g.bit_generator.state,
-            lambda g, s: setattr(g.bit_generator, "state", s),
-            _np_generator_seed,
-            64,
-        ),
-    ),
-    (
-        np.random.RandomState,
-        _Kind(
-            "numpy.random.RandomState",
-            lambda r: r.get_state(legacy=False),
-            lambda r, s: r.set_state(s),
-            lambda r, s: r.seed(s),
-            32,
-        ),
-    ),
-    (
-        torch.Generator,
-        _Kind(
-            "torch.Generator",
-            lambda g: g.get_state(),
-            lambda g, s: g.set_state(s),
-            lambda g, s: g.manual_seed(s),
-            64,
-        ),
-    ),
+_RANDOM = _Kind(
+    "random.Random",
+    lambda r: r.getstate(),
+    lambda r, s: r.setstate(s),
+    lambda r, s: r.seed(s),
+    64,
 )
+_GENERATOR = _Kind(
+    "numpy.random.Generator",
+    lambda g: g.bit_generator.state,
+    lambda g, s: setattr(g.bit_generator, "state", s),
+    _np_generator_seed,
+    64,
+)
+_RANDOM_STATE = _Kind(
+    "numpy.random.RandomState",
+    lambda r: r.get_state(legacy=False),
+    lambda r, s: r.set_state(s),
+    lambda r, s: r.seed(s),
+    32,
+)
+_TORCH = _Kind(
+    "torch.Generator",
+    lambda g: g.get_state(),
+    lambda g, s: g.set_state(s),
+    lambda g, s: g.manual_seed(s),
+    64,
+)
+#: Any object with ``seed()``, ``getstate()`` and ``setstate()``.  Its seed is
+#: 32 bits: ``seed()`` is the object's own code, and 0 .. 2**32 - 1 is what
+#: every integer-seeded generator accepts (NumPy's legacy seeding, C++
+#: ``std::mt19937``, bindings that take a ``uint32_t``), where 64 bits would be
+#: refused or silently truncated by some.
+_RANDOM_LIKE = _Kind(
+    "random-like",
+    lambda o: o.getstate(),
+    lambda o, s: o.setstate(s),
+    lambda o, s: o.seed(s),
+    32,
+)
+
+_KINDS: tuple[tuple[type, _Kind], ...] = (
+    (random.Random, _RANDOM),
+    (np.random.Generator, _GENERATOR),
+    (np.random.RandomState, _RANDOM_STATE),
+    (torch.Generator, _TORCH),
+)
+_PROTOCOL = "an object with seed(), getstate() and setstate() methods"
+
+
+def _random_like(obj: object) -> bool:
+    return all(callable(getattr(obj, name, None)) for name in ("seed", "getstate", "setstate"))
 
 
 def _kind_of(obj: object) -> _Kind:
@@ -131,10 +186,152 @@ def _kind_of(obj: object) -> _Kind:
     for cls, kind in _KINDS:
         if isinstance(obj, cls):
             return kind
+    if _random_like(obj):
+        return _RANDOM_LIKE
     accepted = ", ".join(k.name for _, k in _KINDS)
     raise TypeError(
-        f"register_rng() cannot manage {type(obj).__qualname__} {obj!r}; accepted: {accepted}"
+        f"register_rng() cannot manage {type(obj).__qualname__} {_short_repr(obj)}; "
+        f"accepted: {accepted}, or {_PROTOCOL}"
     )
+
+
+def _short_repr(obj: object) -> str:
+    try:
+        text = repr(obj)
+    except Exception as exc:  # a repr that raises must not hide the real error
+        return f"(unprintable: {type(exc).__name__})"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# -- proven C records of NumPy bit generators ----------------------------------------
+
+_POINTER = struct.calcsize("@P")
+
+
+@dataclass(frozen=True)
+class _PcgRecord:
+    """The state of a PCG64 / PCG64DXSM bit generator as one C record.
+
+    At ``state_address`` NumPy keeps ``{pcg64_random_t *pcg_state; int
+    has_uint32; uint32_t uinteger}``; the pointer leads to ``{state, inc}``,
+    two native 128-bit integers inside the same object, ``gap`` bytes after
+    ``state_address``.  The record is everything from ``has_uint32`` to the
+    end of ``inc`` (padding included), and *not* the pointer: it is the same
+    for every object of the type, so a record can be written to any of them.
+    """
+
+    name: str
+    gap: int
+
+    def view(self, bg: Any) -> memoryview | None:
+        """The record of ``bg``, or ``None`` if this object is laid out otherwise."""
+        address = int(bg.ctypes.state_address)
+        (pointer,) = struct.unpack("@P", ctypes.string_at(address, _POINTER))
+        start, end = address + _POINTER, address + self.gap + 32
+        if pointer != address + self.gap or address <= id(bg):
+            return None
+        if end > id(bg) + type(bg).__basicsize__:
+            return None
+        return _memory_view(start, end - start)
+
+    def decode(self, raw: bytes) -> dict[str, Any]:
+        """The record as ``bit_generator.state``."""
+        has_uint32, uinteger = struct.unpack_from("=iI", raw)
+        at = self.gap - _POINTER
+        return {
+            "bit_generator": self.name,
+            "state": {
+                "state": int.from_bytes(raw[at : at + 16], "little"),
+                "inc": int.from_bytes(raw[at + 16 : at + 32], "little"),
+            },
+            "has_uint32": has_uint32,
+            "uinteger": uinteger,
+        }
+
+
+@dataclass(frozen=True)
+class _MtRecord:
+    """An MT19937 bit generator's ``key[624], pos`` (proven in :mod:`._memory`)."""
+
+    name: str = "MT19937"
+
+    def view(self, bg: Any) -> memoryview | None:
+        return mt19937_view(bg)
+
+    def decode(self, raw: bytes) -> dict[str, Any]:
+        *key, pos = struct.unpack("=624Ii", raw)
+        return {
+            "bit_generator": "MT19937",
+            "state": {"key": np.array(key, dtype=np.uint32), "pos": pos},
+        }
+
+
+def _probe_pcg(cls: type) -> _PcgRecord | None:
+    """The record layout of ``cls``, proven on throw-away objects, or ``None``."""
+    if not is_cpython():
+        return None
+    try:
+        a = cls(20_240_521)
+        state = a.state
+        state["has_uint32"], state["uinteger"] = 1, 0x9E37_79B9  # a buffered half-draw
+        a.state = state
+        address = int(a.ctypes.state_address)
+        (pointer,) = struct.unpack("@P", ctypes.string_at(address, _POINTER))
+        layout = _PcgRecord(cls.__name__, pointer - address)
+        if layout.gap < _POINTER + 8:
+            return None
+        view_a = layout.view(a)
+        # 1. the record reads as the public state says
+        if view_a is None or layout.decode(bytes(view_a)) != a.state:
+            return None
+        # 2. another object given the record has that state and draws the same
+        b = cls(7)
+        view_b = layout.view(b)
+        if view_b is None:
+            return None
+        view_b[:] = bytes(view_a)
+        if b.state != a.state:
+            return None
+        ga, gb = np.random.Generator(a), np.random.Generator(b)
+        for _ in range(2):  # the buffered half first, then a fresh draw
+            if ga.integers(0, 2**32, dtype=np.uint32) != gb.integers(0, 2**32, dtype=np.uint32):
+                return None
+        if ga.random(3).tolist() != gb.random(3).tolist():
+            return None
+        # 3. the record follows the state through draws
+        if layout.decode(bytes(view_b)) != b.state:
+            return None
+    except Exception:
+        return None
+    return layout
+
+
+#: Exact bit-generator type -> its proven record; absent: the public ``state`` API.
+_RECORDS: dict[type, _PcgRecord | _MtRecord] = {
+    cls: record
+    for cls, record in (
+        (np.random.PCG64, _probe_pcg(np.random.PCG64)),
+        (np.random.PCG64DXSM, _probe_pcg(np.random.PCG64DXSM)),
+        (np.random.MT19937, _MtRecord() if NUMPY_LAYOUT is not None else None),
+    )
+    if record is not None
+}
+
+
+# -- entries ---------------------------------------------------------------------------
+
+#: How an entry is captured, seeded and restored (chosen at registration).
+_API = 0  # the kind's get / set / seed, every time
+_MT = 1  # exact random.Random: a 2500-byte record and ``gauss_next``
+_RECORD = 2  # numpy.random.Generator on a proven bit generator: one record
+_LEGACY = 3  # exact numpy.random.RandomState on MT19937: two records
+_SET = 4  # the kind's get / set, seeding by setting the remembered seeded state
+
+
+#: What a capture holds per RNG: ``(entry, object, state, gauss_next)``; the
+#: last is the ``random.Random`` record's companion on the ``_MT`` path and
+#: ``None`` elsewhere (one tuple per RNG, not two: blocks allocate less).
+_Record = tuple["_Entry", Any, Any, Any]
 
 
 class _Ref(weakref.ref[Any]):
@@ -157,7 +354,21 @@ class _Ref(weakref.ref[Any]):
 
 
 class _Entry:
-    __slots__ = ("_memo", "get", "key", "kind", "layout", "token")
+    __slots__ = (
+        "_memo",
+        "codec",
+        "get",
+        "key",
+        "kind",
+        "layout",
+        "lock",
+        "memo",
+        "mode",
+        "mt",
+        "token",
+        "view",
+        "view2",
+    )
 
     def __init__(self, obj: object, key: str, kind: _Kind, token: int) -> None:
         # ``get()`` returns the object, or ``None`` once it has been collected.
@@ -169,17 +380,136 @@ class _Entry:
         self.token = token
         self.key = key
         self.kind = kind
-        # Exact random.Random instances share the global ``random``'s proven
-        # memory fast path (~1 µs instead of ~15 µs per block).
         self.layout = fast_layout_for(obj)
-        self._memo: tuple[int, int] | None = None
+        self._memo: tuple[int, int] | None = None  # (block seed, derived seed)
+        #: ``(block seed, state)``: what seeding with that block seed left (-1:
+        #: none yet; seeds are never negative, so one comparison tests it).
+        self.memo: tuple[int, Any] = _NO_MEMO
+        self.mode = _API
+        # Views over the object's C records (see ``_choose_path``).
+        self.view: Any = None
+        self.view2: Any = None
+        #: ``view`` for ``_MT`` entries, else ``None``: the loops' one test for the common case.
+        self.mt: Any = None
+        self.lock: Any = None
+        self.codec: _PcgRecord | _MtRecord | None = None
+        self._choose_path(obj)
+
+    def _choose_path(self, obj: Any) -> None:
+        # Views are made here, while ``obj`` is alive; the loops use them only
+        # after ``get()`` returned the object (see the module docstring).
+        kind = self.kind
+        if kind is _RANDOM:
+            if self.layout is not None:
+                self.mode, self.view = _MT, self.layout.view(obj)
+                self.mt = self.view
+        elif kind is _GENERATOR:
+            bg = obj.bit_generator
+            codec = _RECORDS.get(type(bg))
+            view = codec.view(bg) if codec is not None else None
+            if codec is not None and view is not None:
+                self.mode, self.view, self.lock, self.codec = _RECORD, view, bg.lock, codec
+            else:
+                self.mode = _SET
+        elif kind is _RANDOM_STATE:
+            bg = obj._bit_generator
+            if (
+                NUMPY_LAYOUT is not None
+                and type(obj) is np.random.RandomState
+                and type(bg) is np.random.MT19937
+            ):
+                self.mode, self.lock = _LEGACY, bg.lock
+                self.view, self.view2 = mt19937_view(bg), NUMPY_LAYOUT.view(obj)
+        elif kind is _TORCH and type(obj) is torch.Generator and obj.device.type == "cpu":
+            # A CPU generator's state holds its seed and normal caches, so
+            # setting the state seeding produced is ``manual_seed`` (tests
+            # compare both, ``initial_seed()`` included); other devices' are
+            # not known to be, and are seeded each time.
+            self.mode = _SET
 
     def derived_seed(self, seed: int) -> int:
-        # Blocks in a loop reuse one seed: skip the SeedSequence on repeats.
         memo = self._memo
         if memo is None or memo[0] != seed:
             memo = self._memo = (seed, derive_seed(seed, "user", self.key, bits=self.kind.bits))
         return memo[1]
+
+    def seed_slow(self, obj: Any, seed: int) -> None:
+        """Seed ``obj`` for the block seed ``seed`` with the real call and, where
+        it has an exact equivalent, remember the state it left."""
+        derived = self.derived_seed(seed)
+        mode = self.mode
+        if mode == _API:
+            self.kind.seed(obj, derived)
+            return
+        state: Any
+        if mode == _SET and self.kind is _GENERATOR:
+            bg = obj.bit_generator
+            state = type(bg)(derived).state  # exactly what _np_generator_seed sets
+            bg.state = state
+        elif mode == _SET:
+            self.kind.seed(obj, derived)
+            state = self.kind.get(obj)
+        else:
+            self.kind.seed(obj, derived)
+            state = self.capture(obj)
+        self.memo = (seed, state)
+
+    def capture(self, obj: Any) -> Any:
+        """The state of ``obj`` (this entry's object) now, in this entry's form
+        (an ``_MT`` entry's record only: the loops handle ``gauss_next``)."""
+        mode = self.mode
+        if mode == _MT:
+            return self.view.tobytes()
+        lock = self.lock
+        if mode == _RECORD:
+            with lock: return self.view.tobytes()  # noqa: E701  # fmt: skip
+        if mode == _LEGACY:
+            with lock: return (self.view.tobytes(), self.view2.tobytes())  # noqa: E701  # fmt: skip
+        return self.kind.get(obj)
+
+    def put(self, obj: Any, state: Any) -> None:
+        """Set a state of this entry's form (see :meth:`capture`) on ``obj``;
+        not for ``_MT`` entries, which the loops handle inline."""
+        mode = self.mode
+        assert mode != _MT
+        if mode == _RECORD:
+            with self.lock: self.view[:] = state  # noqa: E701  # fmt: skip
+        elif mode == _LEGACY:
+            with self.lock: self.view[:], self.view2[:] = state  # noqa: E701  # fmt: skip
+        else:
+            self.kind.set(obj, state)
+
+    def public(self, state: Any, gauss: Any) -> Any:
+        """A captured state as the kind's public API gives it."""
+        mode = self.mode
+        if mode == _MT:
+            return public_state(PythonRandomState(state, gauss))
+        if mode == _RECORD:
+            assert self.codec is not None
+            return self.codec.decode(state)
+        if mode == _LEGACY:
+            mt, gauss = state
+            (has_gauss,) = struct.unpack_from("=i", gauss)
+            (value,) = struct.unpack_from("=d", gauss, 8)
+            return {
+                **_MtRecord().decode(mt),
+                "has_gauss": has_gauss,
+                "gauss": value,
+            }
+        return state
+
+    def loaded(self) -> _Entry:
+        """A twin of this entry for a state loaded from a checkpoint: restored
+        through the kind's public API (which checks it), never as raw memory."""
+        twin = object.__new__(_Entry)
+        for name in _Entry.__slots__:
+            setattr(twin, name, getattr(self, name))
+        twin.mode, twin.view, twin.view2, twin.mt = _API, None, None, None
+        twin.codec, twin.memo = None, _NO_MEMO
+        return twin
+
+
+_NO_MEMO: tuple[int, Any] = (-1, None)
 
 
 def _strong(obj: object) -> Callable[[], object]:
@@ -199,7 +529,8 @@ _counter = itertools.count()
 #: Bumped after every change to ``_entries``; ``_cache`` is valid while it matches.
 _versions = itertools.count(1)
 _version = 0
-_cache: tuple[int, tuple[_Entry, ...]] = (0, ())
+#: Starts stale, so that the first :func:`_live` loads the entry points.
+_cache: tuple[int, tuple[_Entry, ...]] = (-1, ())
 
 
 def _changed() -> None:
@@ -232,6 +563,8 @@ def _live() -> tuple[_Entry, ...]:
     version, entries = _cache
     if version == _version:
         return entries
+    if _plugins_pending:
+        _load_plugins()
     while True:
         version = _version  # read before copying: a change after it makes a mismatch
         try:
@@ -249,8 +582,9 @@ def _after_fork_in_child() -> None:
     not exist in the child: give the child a free lock, and rebuild the id
     index from the entries, which a registration cut short may have left
     without its id."""
-    global _lock
+    global _lock, _plugins_lock
     _lock = threading.Lock()
+    _plugins_lock = threading.RLock()
     _by_id.clear()
     for entry in tuple(_entries.copy().values()):
         obj = entry.get()
@@ -278,12 +612,16 @@ def register_rng(obj: T, *, key: str | None = None) -> T:
     """Manage a user-owned RNG in every deterministic block; returns ``obj``.
 
     Accepted: ``random.Random``, ``numpy.random.Generator``,
-    ``numpy.random.RandomState`` and ``torch.Generator`` (any device).  Inside a
-    block the object is seeded with ``derive_seed(seed, "user", key)``; on exit
-    its state is restored.  Registering the same object again is a no-op.
-    ``random.Random`` and ``torch.Generator`` are held by weak reference and
-    leave the registry when collected; NumPy's types are held until
-    :func:`unregister_rng`.
+    ``numpy.random.RandomState``, ``torch.Generator`` (any device), and any
+    object with ``seed()``, ``getstate()`` and ``setstate()`` methods (the
+    protocol of Hypothesis's ``register_random``).  Inside a block the object
+    is seeded with ``derive_seed(seed, "user", key)`` (64 bits for
+    ``random.Random``, ``Generator`` and torch, 32 for ``RandomState`` and
+    random-like objects, whose ``seed(int)`` is called); on exit its state is
+    restored (``setstate(getstate())`` for random-like objects).  Registering
+    the same object again is a no-op.  Objects that can be weakly referenced
+    are held by weak reference and leave the registry when collected; NumPy's
+    types are held until :func:`unregister_rng`.
 
     Example:
         >>> import random
@@ -334,9 +672,15 @@ def unregister_rng(obj: object) -> None:
 def registered_rngs() -> list[tuple[str, object]]:
     """``(key, object)`` for every live registered RNG, in registration order.
 
+    The first call (or the first block) also registers what installed
+    packages contribute through the ``deterministic_ctx.rngs`` entry points.
+
     Example:
-        >>> registered_rngs()
-        []
+        >>> import random
+        >>> rng = register_rng(random.Random(), key="doc")
+        >>> [key for key, obj in registered_rngs() if obj is rng]
+        ['doc']
+        >>> unregister_rng(rng)
     """
     live = [(e.key, e.get()) for e in _live()]
     return [(k, o) for k, o in live if o is not None]
@@ -344,18 +688,30 @@ def registered_rngs() -> list[tuple[str, object]]:
 
 def seed_registered_rngs(seed: int) -> None:
     """Seed every registered RNG from ``seed`` as a block seeded with it does
-    (each with ``derive_seed(seed, "user", key)``), without capturing anything."""
-    entries = _live()
-    if not entries:
-        return
-    for entry in entries:
+    (each with ``derive_seed(seed, "user", key)``), without capturing anything.
+
+    Example:
+        >>> import random
+        >>> rng = register_rng(random.Random(), key="doc")
+        >>> seed_registered_rngs(5)
+        >>> rng.random() == random.Random(derive_seed(5, "user", "doc", bits=64)).random()
+        True
+        >>> unregister_rng(rng)
+    """
+    for entry in _live():
         obj = entry.get()
         if obj is None:
             continue
-        if entry.layout is not None:
-            seed_rng(obj, entry.layout, entry.derived_seed(seed))
+        memo = entry.memo
+        if memo[0] != seed:
+            entry.seed_slow(obj, seed)
+            continue
+        mt = entry.mt
+        if mt is not None:  # the common case, inline: one copy and an attribute
+            mt[:] = memo[1]
+            obj.gauss_next = None
         else:
-            entry.kind.seed(obj, entry.derived_seed(seed))
+            entry.put(obj, memo[1])
 
 
 class UserRngSource:
@@ -364,59 +720,84 @@ class UserRngSource:
     name = "user"
     device_type: str | None = None  # not a device generator: saved under "sources"
 
-    def capture(self) -> tuple[tuple[_Entry, Any, Any], ...]:
+    def capture(self) -> tuple[_Record, ...]:
+        """``(entry, object, state, gauss_next)`` per live RNG; ``()`` when there are none."""
         entries = _live()
         if not entries:
             return ()
-        out = []
+        out: list[_Record] = []
+        append = out.append
         for entry in entries:
             obj = entry.get()
             if obj is None:  # collected after the tuple was made: its callback has run
                 continue
-            if entry.layout is not None:
-                out.append((entry, obj, capture_rng(obj, entry.layout)))
+            mt = entry.mt
+            if mt is not None:  # the common case, inline: one copy and an attribute
+                append((entry, obj, mt.tobytes(), obj.gauss_next))
             else:
-                out.append((entry, obj, entry.kind.get(obj)))
+                append((entry, obj, entry.capture(obj), None))
         return tuple(out)
 
     def apply(self, settings: Settings) -> None:
         seed_registered_rngs(settings.rank_seed)  # per rank, like ``random`` and NumPy
 
-    def restore(self, state: tuple[tuple[_Entry, Any, Any], ...]) -> None:
+    def restore(self, state: tuple[_Record, ...]) -> None:
+        """Put every RNG of ``state`` back.  One that fails does not stop the
+        others; the first failure is raised once all were tried."""
         # The object is kept alive by the snapshot only while the snapshot lives;
         # an RNG collected meanwhile has no state left to restore.
-        for entry, obj, saved in state:
-            if type(saved) is PythonRandomState:
-                restore_rng(obj, entry.layout, saved)
-            else:
-                entry.kind.set(obj, saved)
+        error: BaseException | None = None
+        for entry, obj, saved, gauss in state:
+            try:
+                mt = entry.mt
+                if mt is not None:
+                    mt[:] = saved
+                    obj.gauss_next = gauss
+                else:
+                    entry.put(obj, saved)
+            except BaseException as exc:  # an interrupt too: the rest are restored first
+                error = error or exc
+        if error is not None:
+            raise error
 
-    def export_state(self, state: tuple[tuple[_Entry, Any, Any], ...]) -> list[dict[str, Any]]:
+    def export_state(self, state: tuple[_Record, ...]) -> list[dict[str, Any]]:
         """The state as plain data: ``[{"key", "kind", "state"}, ...]``.
 
-        Raises ``ValueError`` if two registered RNGs share a key: a loaded
-        snapshot finds each RNG by its key, so it could not tell them apart.
+        Raises ``ValueError`` if two registered RNGs share a key (a loaded
+        snapshot finds each RNG by its key, so it could not tell them apart),
+        or if a random-like object's ``getstate()`` returned something that is
+        not plain data (see :func:`_tree_to_plain`): its state cannot be saved.
         """
         out: list[dict[str, Any]] = []
         keys: set[str] = set()
-        for entry, obj, saved in state:
+        for entry, obj, saved, gauss in state:
             if entry.key in keys:
                 raise ValueError(
                     f"two registered RNGs share the key {entry.key!r}, so a saved snapshot "
                     f"could not tell them apart: register them with distinct keys"
                 )
             keys.add(entry.key)
-            plain = _CODECS[entry.kind.name][0](obj, saved)
+            try:
+                plain = _CODECS[entry.kind.name][0](obj, entry.public(saved, gauss))
+            except _NotPlain as exc:
+                raise ValueError(
+                    f"the state of user RNG {entry.key!r} ({_class_path(obj)}) cannot be "
+                    f"saved: {exc}. Unregister it before saving a snapshot"
+                ) from None
             out.append({"key": entry.key, "kind": entry.kind.name, "state": plain})
         return out
 
-    def import_state(self, data: object, path: str) -> tuple[tuple[_Entry, Any, Any], ...]:
+    def import_state(self, data: object, path: str) -> tuple[_Record, ...]:
         """Bind each saved state to the RNG registered here under the same key.
 
         Every saved RNG must be registered (``register_rng(obj, key=...)``)
         before loading, with the same kind: otherwise ``ValueError``, since its
         state could not be restored.  RNGs registered here but absent from the
         snapshot are left alone, as by any snapshot taken before they existed.
+        Loaded states are restored through each kind's public API, which
+        checks them again, never by writing raw memory.  NumPy and torch
+        states are also checked here, on throw-away generators; a random-like
+        object's state is checked only by its ``setstate()``, at restore.
         """
         if type(data) is not list:
             raise ValueError(f"{path}: expected a list, got {type(data).__name__}")
@@ -425,7 +806,7 @@ class UserRngSource:
             obj = e.get()
             if obj is not None:
                 by_key.setdefault(e.key, []).append((e, obj))
-        out: list[tuple[_Entry, Any, Any]] = []
+        out: list[_Record] = []
         seen: set[str] = set()
         for i, item in enumerate(data):
             where = f"{path}[{i}]"
@@ -452,13 +833,27 @@ class UserRngSource:
                     f"{where}.kind: saved a {kind}, but the RNG registered here with key "
                     f"{key!r} is a {entry.kind.name}"
                 )
-            out.append((entry, obj, _CODECS[kind][1](obj, d["state"], f"{where}.state")))
+            state = _CODECS[kind][1](obj, d["state"], f"{where}.state")
+            out.append((entry.loaded(), obj, state, None))
         return tuple(out)
+
+
+# -- checkpoints -------------------------------------------------------------------------
 
 
 def _bit_generator_name(obj: np.random.Generator | np.random.RandomState) -> str:
     bg = obj.bit_generator if isinstance(obj, np.random.Generator) else obj._bit_generator
     return type(bg).__name__
+
+
+def _numpy_to_plain(obj: Any, state: dict[str, Any]) -> dict[str, Any]:
+    name = state.get("bit_generator")
+    if name not in BIT_GENERATORS:
+        raise _NotPlain(
+            f"its bit generator is a {name}, and a snapshot holds the state of NumPy's own "
+            f"bit generators only ({', '.join(BIT_GENERATORS)})"
+        )
+    return numpy_state_to_plain(state)
 
 
 def _numpy_from_plain(obj: Any, data: object, path: str) -> dict[str, Any]:
@@ -478,19 +873,286 @@ def _torch_from_plain(obj: torch.Generator, data: object, path: str) -> torch.Te
     return generator_state_from_plain(d["state"], f"{path}.state", obj)
 
 
-#: kind name -> (state to plain data, checked plain data to state) for checkpoints.
+def _class_path(obj: object) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+#: Bounds on a random-like object's saved state: far above a Mersenne Twister's
+#: 627 items, far below what would make a checkpoint slow to write or load.
+_MAX_NODES = 1 << 16
+_MAX_TEXT = 1 << 20  # characters of all strings together
+_MAX_INT_BITS = 4096  # JSON writes ints as decimal digits; Python caps them at 4300
+_MAX_DEPTH = 64
+#: One letter per item, in prefix order: scalars, then containers.
+_SCALARS: dict[type, str] = {int: "i", float: "f", str: "s", bool: "b", type(None): "n"}
+_CONTAINERS: dict[type, str] = {tuple: "t", list: "l", dict: "d"}
+
+
+class _NotPlain(Exception):
+    """A random-like object's state that a checkpoint cannot hold (says why)."""
+
+
+def _tree_to_plain(value: object) -> dict[str, Any]:
+    """A tree of plain Python data as checkpoint data, without nesting.
+
+    ``{"shape": str, "values": [...], "sizes": [...]}``: ``shape`` has one
+    letter per item in prefix order (``i`` int, ``f`` float, ``s`` str, ``b``
+    bool, ``n`` None, ``t`` tuple, ``l`` list, ``d`` dict), ``values`` the
+    scalars other than ``None`` in that order, ``sizes`` the length of each
+    container (a dict's items follow it as key, value, key, value, ...; keys
+    are scalars).  Exact types only: a subclass (a NamedTuple, an IntEnum)
+    would come back as its base type.  Raises :class:`_NotPlain`.
+    """
+    shape: list[str] = []
+    values: list[object] = []
+    sizes: list[int] = []
+    text = 0
+
+    def walk(item: Any, where: str, depth: int) -> None:
+        nonlocal text
+        if len(shape) >= _MAX_NODES:
+            raise _NotPlain(f"getstate() returned more than {_MAX_NODES} items")
+        kind = type(item)
+        letter = _SCALARS.get(kind)
+        if letter is not None:
+            if kind is int and item.bit_length() > _MAX_INT_BITS:
+                raise _NotPlain(f"getstate(){where} is an int of more than {_MAX_INT_BITS} bits")
+            if kind is str:
+                text += len(item)
+                if text > _MAX_TEXT:
+                    raise _NotPlain(f"getstate() holds more than {_MAX_TEXT} characters")
+            shape.append(letter)
+            if letter != "n":
+                values.append(item)
+            return
+        letter = _CONTAINERS.get(kind)
+        if letter is None:
+            raise _NotPlain(f"getstate(){where} is a {_class_path(item)}")
+        if depth >= _MAX_DEPTH:
+            raise _NotPlain(f"getstate() nests deeper than {_MAX_DEPTH} levels")
+        shape.append(letter)
+        sizes.append(len(item))
+        if letter == "d":
+            for k, v in item.items():
+                if type(k) not in _SCALARS:
+                    raise _NotPlain(f"getstate(){where} has a key of type {_class_path(k)}")
+                walk(k, where, depth + 1)
+                walk(v, f"{where}[{k!r}]", depth + 1)
+        else:
+            for j, v in enumerate(item):
+                walk(v, f"{where}[{j}]", depth + 1)
+
+    walk(value, "", 0)
+    return {"shape": "".join(shape), "values": values, "sizes": sizes}
+
+
+def _tree_from_plain(data: object, path: str) -> object:
+    """The checked inverse of :func:`_tree_to_plain`; ``ValueError`` names the field.
+
+    Iterative (a crafted file cannot exhaust the stack), and it allocates no
+    more than the data holds.
+    """
+    d = _plain.fields(data, path, ["shape", "values", "sizes"])
+    shape, values, sizes = d["shape"], d["values"], d["sizes"]
+    if type(shape) is not str or not shape or len(shape) > _MAX_NODES:
+        raise ValueError(f"{path}.shape: expected a str of 1 to {_MAX_NODES} letters")
+    if type(values) is not list or type(sizes) is not list:
+        raise ValueError(f"{path}: values and sizes must be lists")
+    types = {letter: kind for kind, letter in _SCALARS.items()}
+    iv: Iterator[Any] = iter(values)
+    isz: Iterator[Any] = iter(sizes)
+    nv = ns = 0
+    # Open containers: [letter, items, items still to come].
+    stack: list[list[Any]] = []
+    root: list[object] = []
+    for pos, letter in enumerate(shape):
+        where = f"{path}.shape[{pos}]"
+        value: Any
+        if letter in types:
+            if letter == "n":
+                value = None
+            else:
+                value = next(iv, _MISSING)
+                if value is _MISSING:
+                    raise ValueError(f"{path}.values: too few for the shape")
+                if type(value) is not types[letter]:
+                    raise ValueError(
+                        f"{path}.values[{nv}]: expected a {types[letter].__name__} "
+                        f"(shape {letter!r}), got {type(value).__name__}"
+                    )
+                if letter == "i" and cast(int, value).bit_length() > _MAX_INT_BITS:
+                    raise ValueError(
+                        f"{path}.values[{nv}]: an int of more than {_MAX_INT_BITS} bits"
+                    )
+                nv += 1
+        elif letter in ("t", "l", "d"):
+            n = next(isz, None)
+            if type(n) is not int or not 0 <= n <= len(shape) - pos - 1:
+                raise ValueError(f"{path}.sizes[{ns}]: expected an int of at most the items left")
+            ns += 1
+            if n:
+                stack.append([letter, [], 2 * n if letter == "d" else n])
+                continue
+            value = () if letter == "t" else [] if letter == "l" else {}
+        else:
+            raise ValueError(f"{where}: unknown letter {letter!r} (expected one of ifsbntld)")
+        while True:  # hand the finished item to its container, closing those it completes
+            if not stack:
+                if root:
+                    raise ValueError(f"{where}: items after the end of the state")
+                root.append(value)
+                break
+            frame = stack[-1]
+            if frame[0] == "d" and not len(frame[1]) % 2 and type(value) not in _SCALARS:
+                raise ValueError(f"{where}: a dict key must be a scalar")
+            frame[1].append(value)
+            frame[2] -= 1
+            if frame[2]:
+                break
+            stack.pop()
+            letter_, items, _ = frame
+            if letter_ == "t":
+                value = tuple(items)
+            elif letter_ == "l":
+                value = items
+            else:
+                value = dict(zip(items[::2], items[1::2], strict=True))
+                if len(value) * 2 != len(items):
+                    raise ValueError(f"{where}: a dict repeats a key")
+    if stack or not root:
+        raise ValueError(f"{path}.shape: the state ends inside a container")
+    if next(iv, _MISSING) is not _MISSING or next(isz, None) is not None:
+        raise ValueError(f"{path}: values or sizes left over after the shape")
+    return root[0]
+
+
+_MISSING: Any = object()
+
+
+def _random_like_to_plain(obj: object, state: object) -> dict[str, Any]:
+    try:
+        tree = _tree_to_plain(state)
+    except _NotPlain as exc:
+        raise _NotPlain(
+            f"{exc}, and a snapshot holds only plain data (int, float, str, bool, None, and "
+            f"lists, tuples and dicts of them, at most {_MAX_NODES} items); or make its "
+            f"getstate() return plain data"
+        ) from None
+    return {"class": _class_path(obj), **tree}
+
+
+def _random_like_from_plain(obj: object, data: object, path: str) -> object:
+    d = _plain.fields(data, path, ["class", "shape", "values", "sizes"])
+    _plain.text(d["class"], f"{path}.class", choices=(_class_path(obj),))
+    return _tree_from_plain({k: d[k] for k in ("shape", "values", "sizes")}, path)
+
+
+#: kind name -> (public state to plain data, checked plain data to public state).
 _CODECS: dict[str, tuple[Callable[[Any, Any], Any], Callable[[Any, object, str], Any]]] = {
     "random.Random": (
-        lambda _obj, s: random_state_to_plain(
-            public_state(s) if type(s) is PythonRandomState else s
-        ),
+        lambda _obj, s: random_state_to_plain(s),
         lambda _obj, d, p: random_state_from_plain(d, p),
     ),
-    "numpy.random.Generator": (lambda _obj, s: numpy_state_to_plain(s), _numpy_from_plain),
-    "numpy.random.RandomState": (lambda _obj, s: numpy_state_to_plain(s), _numpy_from_plain),
+    "numpy.random.Generator": (_numpy_to_plain, _numpy_from_plain),
+    "numpy.random.RandomState": (_numpy_to_plain, _numpy_from_plain),
     "torch.Generator": (
         lambda obj, s: {"device": str(obj.device), "state": s.clone()},
         _torch_from_plain,
     ),
+    "random-like": (_random_like_to_plain, _random_like_from_plain),
 }
-assert set(_CODECS) == {kind.name for _cls, kind in _KINDS}, "every kind needs a codec"
+assert set(_CODECS) == {kind.name for _cls, kind in _KINDS} | {_RANDOM_LIKE.name}, (
+    "every kind needs a codec"
+)
+
+
+# -- entry points ------------------------------------------------------------------------
+
+#: True until the entry points of :data:`ENTRY_POINT_GROUP` were loaded.
+_plugins_pending = True
+#: Held while loading, so a second thread waits for the RNGs the first is
+#: registering; re-entrant, for an entry point whose code reaches
+#: ``registered_rngs()`` or a block itself (then it sees what is registered so far).
+_plugins_lock = threading.RLock()
+
+
+def _load_plugins() -> None:
+    """Register what every installed entry point of the group contributes, once.
+
+    A broken entry point (it fails to load, raises, or returns something
+    ``register_rng`` rejects) is skipped with a ``RuntimeWarning`` naming it
+    and the error: a block must not fail because of another package.
+    """
+    global _plugins_pending
+    with _plugins_lock:
+        if not _plugins_pending:
+            return
+        _plugins_pending = False
+        try:
+            for ep in _entry_points():
+                _register_entry_point(ep)
+        except BaseException:  # an interrupt: the next block tries again
+            _plugins_pending = True
+            raise
+
+
+def _entry_points() -> list[Any]:
+    from importlib.metadata import entry_points
+
+    try:
+        found = entry_points(group=ENTRY_POINT_GROUP)
+    except Exception as exc:  # broken metadata of some installed distribution
+        warnings.warn(
+            f"deterministic_ctx could not list the {ENTRY_POINT_GROUP!r} entry points, so no "
+            f"installed package's RNGs are managed: {type(exc).__name__}: {exc}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return []
+    return sorted(found, key=lambda ep: (ep.name, ep.value))
+
+
+def _register_entry_point(ep: Any) -> None:
+    try:
+        factory = ep.load()
+        if not callable(factory):
+            raise TypeError(f"it loads to a {type(factory).__qualname__}, not a callable")
+        pairs = _contributions(ep.name, factory())
+        for _key, obj in pairs:
+            _kind_of(obj)  # all or nothing: check every object before registering any
+        for key, obj in pairs:
+            register_rng(obj, key=key)
+    except Exception as exc:
+        warnings.warn(
+            f"entry point {ep.name!r} ({ep.value}) of group {ENTRY_POINT_GROUP!r} failed, so "
+            f"deterministic blocks do not manage the RNGs it contributes: "
+            f"{type(exc).__name__}: {exc}",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+
+
+def _manageable(obj: object) -> bool:
+    return isinstance(obj, tuple(cls for cls, _ in _KINDS)) or _random_like(obj)
+
+
+def _contributions(name: str, produced: object) -> list[tuple[str, object]]:
+    """``(key, object)`` pairs from what an entry point's callable returned."""
+    if produced is None:
+        return []
+    if _manageable(produced):
+        return [(name, produced)]
+    if isinstance(produced, Mapping):
+        out = []
+        for k, v in produced.items():
+            if not isinstance(k, str):
+                raise TypeError(f"its mapping has a key of type {type(k).__qualname__}, not str")
+            out.append((f"{name}.{k}", v))
+        return out
+    if isinstance(produced, Iterable) and not isinstance(produced, (str, bytes)):
+        return [(f"{name}.{i}", v) for i, v in enumerate(produced)]
+    raise TypeError(
+        f"it returned a {type(produced).__qualname__}: expected an RNG, an iterable of RNGs, "
+        f"a mapping of names to RNGs, or None"
+    )

@@ -1,0 +1,326 @@
+"""register_rng for any random-like object: seed(), getstate(), setstate().
+
+The protocol of Hypothesis's ``register_random``: seeded with a 32-bit
+``derive_seed(seed, "user", key)``, captured with ``getstate()``, restored
+with ``setstate()``, held by weak reference when it can be.  A snapshot
+saves its state when ``getstate()`` returns plain data, and otherwise
+refuses to save, naming the RNG.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import json
+import math
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deterministic_ctx import (
+    InvalidSnapshotError,
+    Snapshot,
+    derive_seed,
+    deterministic,
+    register_rng,
+    registered_rngs,
+    unregister_rng,
+)
+from deterministic_ctx.sources import user_rngs
+
+
+class Like:
+    """A random-like object: not a random.Random, only the three methods."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._r = random.Random(seed)
+        self.seeds: list[int] = []
+
+    def seed(self, s: int) -> None:
+        self.seeds.append(s)
+        self._r.seed(s)
+
+    def getstate(self) -> Any:
+        return self._r.getstate()
+
+    def setstate(self, state: Any) -> None:
+        self._r.setstate(state)
+
+    def random(self) -> float:
+        return self._r.random()
+
+
+class Counter:
+    """A random-like object with a dict state (ints, a str, a list, a float)."""
+
+    def __init__(self) -> None:
+        self.n, self.label, self.log, self.scale = 0, "x", [1, 2], 0.5
+
+    def seed(self, s: int) -> None:
+        self.n, self.label, self.log, self.scale = s, f"seeded {s}", [], 1.0
+
+    def getstate(self) -> dict[str, Any]:
+        return {"n": self.n, "label": self.label, "log": list(self.log), "scale": self.scale}
+
+    def setstate(self, state: dict[str, Any]) -> None:
+        self.n, self.label = state["n"], state["label"]
+        self.log, self.scale = list(state["log"]), state["scale"]
+
+    def draw(self) -> int:
+        self.n = (self.n * 6364136223846793005 + 1442695040888963407) % 2**64
+        self.log.append(self.n % 7)
+        return self.n
+
+
+class Slotted:
+    """Random-like, and cannot be weakly referenced (``__slots__`` without ``__weakref__``)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self) -> None:
+        self.state = 1
+
+    def seed(self, s: int) -> None:
+        self.state = s
+
+    def getstate(self) -> int:
+        return self.state
+
+    def setstate(self, state: int) -> None:
+        self.state = state
+
+
+class Token:
+    pass
+
+
+class Opaque(Like):
+    """Random-like whose state is not plain data."""
+
+    def getstate(self) -> Any:
+        return {"mt": self._r.getstate(), "token": Token()}
+
+    def setstate(self, state: Any) -> None:
+        self._r.setstate(state["mt"])
+
+
+def test_a_random_like_object_is_seeded_with_32_bits_and_restored():
+    like = register_rng(Like(5), key="like")
+    try:
+        before = like.getstate()
+        with deterministic(seed=3):
+            inside = like.random()
+        assert like.seeds == [derive_seed(3, "user", "like", bits=32)]
+        assert like.seeds[0] < 2**32
+        assert inside == random.Random(like.seeds[0]).random()
+        assert like.getstate() == before
+        with deterministic(seed=3):  # its own seed() is called every block
+            assert like.random() == inside
+        assert like.seeds == [like.seeds[0]] * 2
+    finally:
+        unregister_rng(like)
+
+
+def test_random_like_objects_are_weakly_held_when_they_can_be():
+    like = register_rng(Like(), key="weak-like")
+    del like
+    gc.collect()
+    assert "weak-like" not in dict(registered_rngs())
+    slotted = register_rng(Slotted(), key="slotted")
+    held = [o for k, o in registered_rngs() if k == "slotted"]
+    assert held == [slotted]
+    del slotted, held
+    gc.collect()
+    (obj,) = [o for k, o in registered_rngs() if k == "slotted"]  # held until unregistered
+    with deterministic(seed=0):
+        assert obj.state == derive_seed(0, "user", "slotted", bits=32)
+    assert obj.state == 1
+    unregister_rng(obj)
+
+
+def test_what_is_not_random_like_is_rejected_naming_the_protocol():
+    class SeedOnly:
+        def seed(self, s: int) -> None:
+            pass
+
+        def getstate(self) -> None:
+            return None
+
+        setstate = None  # not callable
+
+    for bad in (SeedOnly(), object(), 3):
+        with pytest.raises(
+            TypeError,
+            match=r"cannot manage .*; accepted: random\.Random, numpy\.random\.Generator, "
+            r"numpy\.random\.RandomState, torch\.Generator, or an object with seed\(\), "
+            r"getstate\(\) and setstate\(\) methods",
+        ):
+            register_rng(bad)
+
+
+def test_a_plain_state_is_saved_and_loaded(tmp_path: Path):
+    counter = register_rng(Counter(), key="counter")
+    like = register_rng(Like(2), key="like-saved")
+    try:
+        counter.draw()
+        snap = Snapshot.capture()
+        state = snap.state_dict()
+        (entry,) = [u for u in state["sources"]["user"] if u["key"] == "counter"]
+        assert entry["kind"] == "random-like"
+        assert entry["state"]["class"].endswith("Counter")
+        expected = (counter.getstate(), like.getstate())
+        # through a file (JSON header) and through torch.save(weights_only=True)
+        snap.save(tmp_path / "rng.snap")
+        buf = io.BytesIO()
+        torch.save({"rng": state}, buf)
+        for load in (
+            lambda: Snapshot.load(tmp_path / "rng.snap"),
+            lambda: Snapshot.from_state_dict(
+                torch.load(io.BytesIO(buf.getvalue()), weights_only=True)["rng"]
+            ),
+        ):
+            counter.draw()
+            like.random()
+            load().restore()
+            assert (counter.getstate(), like.getstate()) == expected
+            assert type(like.getstate()) is tuple  # a tuple comes back a tuple
+    finally:
+        unregister_rng(counter)
+        unregister_rng(like)
+
+
+def test_a_state_that_is_not_plain_data_cannot_be_saved():
+    opaque = register_rng(Opaque(), key="opaque")
+    try:
+        snap = Snapshot.capture()
+        with pytest.raises(
+            ValueError,
+            match=r"the state of user RNG 'opaque' \(.*Opaque\) cannot be saved: "
+            r"getstate\(\)\['token'\] is a .*Token, and a snapshot holds only plain data",
+        ):
+            snap.state_dict()
+        snap.restore()  # capturing and restoring it still work
+    finally:
+        unregister_rng(opaque)
+
+
+def test_a_saved_state_loads_only_into_the_same_class():
+    counter = register_rng(Counter(), key="swap")
+    state = Snapshot.capture().state_dict()
+    unregister_rng(counter)
+    other = register_rng(Like(), key="swap")
+    try:
+        with pytest.raises(InvalidSnapshotError, match=r"sources\.user\[0\]\.state\.class"):
+            Snapshot.from_state_dict(state)
+    finally:
+        unregister_rng(other)
+
+
+# -- the plain-data encoding of a random-like state ---------------------------------------
+
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**200), max_value=2**200)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8)
+)
+_trees = st.recursive(
+    _scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.lists(inner, max_size=4).map(tuple)
+        | st.dictionaries(
+            _scalars.filter(lambda k: not (isinstance(k, float) and math.isnan(k))),
+            inner,
+            max_size=4,
+        )
+    ),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_trees)
+def test_plain_trees_round_trip_exactly_through_json(tree):
+    plain = user_rngs._tree_to_plain(tree)
+    back = user_rngs._tree_from_plain(json.loads(json.dumps(plain)), "state")
+    assert repr(back) == repr(tree)  # types too: tuple/list, bool/int, -0.0, nan
+
+
+_junk = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.text(alphabet="ifsbntldx", max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner, max_size=3)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    shape=st.text(alphabet="ifsbntldx", max_size=12) | _junk,
+    values=st.lists(_scalars, max_size=8) | _junk,
+    sizes=st.lists(st.integers(-2, 5), max_size=6) | _junk,
+)
+def test_crafted_encodings_raise_value_error_only(shape, values, sizes):
+    with contextlib.suppress(ValueError):
+        user_rngs._tree_from_plain({"shape": shape, "values": values, "sizes": sizes}, "s")
+
+
+def test_encoding_limits_and_messages():
+    with pytest.raises(user_rngs._NotPlain, match=r"getstate\(\)\[1\] is a builtins\.bytes"):
+        user_rngs._tree_to_plain((1, b"raw"))
+    with pytest.raises(user_rngs._NotPlain, match=r"has a key of type builtins\.tuple"):
+        user_rngs._tree_to_plain({(1, 2): 3})
+    with pytest.raises(user_rngs._NotPlain, match="more than 65536 items"):
+        user_rngs._tree_to_plain(list(range(70_000)))
+    loop: list[Any] = []
+    loop.append(loop)
+    with pytest.raises(user_rngs._NotPlain, match="deeper than 64 levels"):
+        user_rngs._tree_to_plain(loop)
+    bad = [
+        ({"shape": "t", "values": [], "sizes": [2]}, "at most the items left"),
+        ({"shape": "dii", "values": [1, 2], "sizes": [2]}, "ends inside a container"),
+        ({"shape": "ii", "values": [1, 2], "sizes": []}, "items after the end"),
+        ({"shape": "i", "values": [True], "sizes": []}, "expected a int"),
+        ({"shape": "dii", "values": [1, 2], "sizes": [1]}, ""),
+        ({"shape": "dlii", "values": [1, 2], "sizes": [1, 0]}, "a dict key must be a scalar"),
+        ({"shape": "diiii", "values": [1, 2, 1, 3], "sizes": [2]}, "repeats a key"),
+        ({"shape": "i", "values": [], "sizes": []}, "too few"),
+        ({"shape": "", "values": [], "sizes": []}, "expected a str of 1 to"),
+        ({"shape": "l", "values": [], "sizes": ["0"]}, "at most the items left"),
+        ({"shape": "i", "values": [1, 2], "sizes": []}, "left over"),
+        ({"shape": "q", "values": [], "sizes": []}, "unknown letter"),
+        ({"shape": "i", "values": [2**5000], "sizes": []}, "more than 4096 bits"),
+    ]
+    for data, message in bad:
+        if data["sizes"] == [1] and data["shape"] == "dii":  # a valid dict: {1: 2}
+            assert user_rngs._tree_from_plain(data, "s") == {1: 2}
+            continue
+        with pytest.raises(ValueError, match=message):
+            user_rngs._tree_from_plain(data, "s")
+
+
+def test_round_trip_of_a_mersenne_twister_state_through_a_file():
+    like = register_rng(Like(11), key="mt-like")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            Snapshot.capture().save(Path(tmp) / "s")
+            expected = [like.random() for _ in range(3)]
+            Snapshot.load(Path(tmp) / "s").restore()
+            assert [like.random() for _ in range(3)] == expected
+            Snapshot.load(Path(tmp) / "s").restore()
+    finally:
+        unregister_rng(like)
