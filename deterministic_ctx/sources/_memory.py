@@ -20,8 +20,7 @@ import ctypes
 import random
 import struct
 import sys
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -64,8 +63,7 @@ def view(address: int, size: int) -> memoryview:
     return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
 
 
-@dataclass(frozen=True)
-class MTLayout:
+class MTLayout(NamedTuple):
     """Where a CPython ``random.Random`` keeps its Mersenne Twister state."""
 
     offset: int
@@ -102,8 +100,7 @@ def _probe_random() -> MTLayout | None:
     return layout
 
 
-@dataclass(frozen=True)
-class NumpyGaussLayout:
+class NumpyGaussLayout(NamedTuple):
     """Where NumPy's ``RandomState`` keeps its legacy gaussian cache.
 
     ``has_gauss`` (C int) and ``gauss`` (double) sit together in the object's

@@ -71,8 +71,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import numpy as np
 import torch
@@ -109,8 +108,7 @@ T = TypeVar("T")
 ENTRY_POINT_GROUP = "deterministic_ctx.rngs"
 
 
-@dataclass(frozen=True)
-class _Kind:
+class _Kind(NamedTuple):
     name: str
     get: Callable[[Any], Any]
     set: Callable[[Any, Any], None]
@@ -208,8 +206,7 @@ def _short_repr(obj: object) -> str:
 _POINTER = struct.calcsize("@P")
 
 
-@dataclass(frozen=True)
-class _PcgRecord:
+class _PcgRecord(NamedTuple):
     """The state of a PCG64 / PCG64DXSM bit generator as one C record.
 
     At ``state_address`` NumPy keeps ``{pcg64_random_t *pcg_state; int
@@ -249,8 +246,7 @@ class _PcgRecord:
         }
 
 
-@dataclass(frozen=True)
-class _MtRecord:
+class _MtRecord(NamedTuple):
     """An MT19937 bit generator's ``key[624], pos`` (proven in :mod:`._memory`)."""
 
     name: str = "MT19937"
@@ -307,15 +303,24 @@ def _probe_pcg(cls: type) -> _PcgRecord | None:
 
 
 #: Exact bit-generator type -> its proven record; absent: the public ``state`` API.
-_RECORDS: dict[type, _PcgRecord | _MtRecord] = {
-    cls: record
-    for cls, record in (
-        (np.random.PCG64, _probe_pcg(np.random.PCG64)),
-        (np.random.PCG64DXSM, _probe_pcg(np.random.PCG64DXSM)),
-        (np.random.MT19937, _MtRecord() if NUMPY_LAYOUT is not None else None),
-    )
-    if record is not None
-}
+#: Probed by :func:`_records` when the first NumPy Generator is registered, not
+#: at import (the probes build throw-away generators: a few ms).
+_RECORDS: dict[type, _PcgRecord | _MtRecord] | None = None
+
+
+def _records() -> dict[type, _PcgRecord | _MtRecord]:
+    global _RECORDS
+    if _RECORDS is None:
+        _RECORDS = {
+            cls: record
+            for cls, record in (
+                (np.random.PCG64, _probe_pcg(np.random.PCG64)),
+                (np.random.PCG64DXSM, _probe_pcg(np.random.PCG64DXSM)),
+                (np.random.MT19937, _MtRecord() if NUMPY_LAYOUT is not None else None),
+            )
+            if record is not None
+        }
+    return _RECORDS
 
 
 # -- entries ---------------------------------------------------------------------------
@@ -405,7 +410,7 @@ class _Entry:
                 self.mt = self.view
         elif kind is _GENERATOR:
             bg = obj.bit_generator
-            codec = _RECORDS.get(type(bg))
+            codec = _records().get(type(bg))
             view = codec.view(bg) if codec is not None else None
             if codec is not None and view is not None:
                 self.mode, self.view, self.lock, self.codec = _RECORD, view, bg.lock, codec
