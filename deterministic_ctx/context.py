@@ -110,7 +110,22 @@ class deterministic:  # lowercase: it reads like a function, ``with deterministi
         return self._settings.rank
 
     def __enter__(self) -> deterministic:
-        return self._enter(None)
+        # ``_enter(None)`` written out: a ``with`` is the hot path (one frame less).
+        stack = self._blocks.get(None)
+        if stack is None:
+            stack = self._blocks[None] = []
+        block = Block(self._settings)
+        try:
+            stack.append(block)  # recorded first: an interrupt below still finds it
+            block.start()
+            drain_signals()
+            return self
+        except BaseException:
+            # ``with`` calls ``__exit__`` only if ``__enter__`` returned: leave now.
+            if stack and stack[-1] is block:
+                del stack[-1]
+            block.stop()
+            raise
 
     def __exit__(
         self,
