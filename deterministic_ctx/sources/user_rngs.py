@@ -181,6 +181,19 @@ def _kind_of(obj: object) -> _Kind:
             "register_rng() cannot manage random.SystemRandom: it draws from the OS and "
             "has no state to seed or restore"
         )
+    if obj is np.random.mtrand._rand or obj is getattr(random.random, "__self__", None):
+        raise ValueError(
+            "register_rng() is for your own RNGs: the global random and NumPy generators "
+            "are managed by every block already"
+        )
+    if isinstance(obj, np.random.RandomState) and not isinstance(
+        obj._bit_generator, np.random.MT19937
+    ):
+        raise TypeError(
+            f"register_rng() cannot manage a RandomState over "
+            f"{type(obj._bit_generator).__name__}: RandomState.seed() only re-seeds MT19937, "
+            f"so blocks could not seed it; register np.random.Generator(bit_generator) instead"
+        )
     for cls, kind in _KINDS:
         if isinstance(obj, cls):
             return kind
