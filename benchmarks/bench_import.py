@@ -15,7 +15,7 @@ measured in the same run:
 * the first use of ``deterministic_ctx.deterministic``, with torch and NumPy
   already imported: the engine and its sources;
 * the first use of ``locate_divergence``, ``assert_reproducible`` and
-  ``determinism_report``, with the engine already loaded: each integration's
+  ``report``, with the engine already loaded: each integration's
   own cost on top of it.
 
 The rows take turns within each repeat, so the shared machine's noise hits
@@ -81,7 +81,7 @@ ROWS = (
     ),
     *(
         Row(f"integration: first {name}", ENGINE, f"deterministic_ctx.{name}")
-        for name in ("locate_divergence", "assert_reproducible", "determinism_report")
+        for name in ("locate_divergence", "assert_reproducible", "report")
     ),
 )
 

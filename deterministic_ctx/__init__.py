@@ -35,8 +35,8 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from .decorate import reproducible
     from .distributed import broadcast_seed, rank_seed
     from .locate import DivergenceReport, locate_divergence
-    from .report import DeterminismReport
-    from .report import report as determinism_report
+    from .reporting import DeterminismReport, report
+    from .reporting import report as determinism_report
     from .seeding import seed_everything
     from .snapshot import Snapshot
     from .sources import register_rng, registered_rngs, unregister_rng
@@ -63,6 +63,7 @@ __all__ = [
     "register_env_var",
     "register_rng",
     "registered_rngs",
+    "report",
     "reproducible",
     "seed_everything",
     "seed_worker",
@@ -73,7 +74,7 @@ __all__ = [
 
 #: Where each public name lives: ``(module, attribute)``.
 _WHERE: dict[str, tuple[str, str]] = {
-    "DeterminismReport": (".report", "DeterminismReport"),
+    "DeterminismReport": (".reporting", "DeterminismReport"),
     "DivergenceReport": (".locate", "DivergenceReport"),
     "InvalidSnapshotError": ("._errors", "InvalidSnapshotError"),
     "LockWaitWarning": ("._errors", "LockWaitWarning"),
@@ -84,7 +85,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "broadcast_seed": (".distributed", "broadcast_seed"),
     "chain_worker_init": (".data", "chain_worker_init"),
     "derive_seed": ("._seed", "derive_seed"),
-    "determinism_report": (".report", "report"),
+    "determinism_report": (".reporting", "report"),
     "deterministic": (".context", "deterministic"),
     "locate_divergence": (".locate", "locate_divergence"),
     "managed_env_vars": (".sources.environ", "managed_env_vars"),
@@ -92,6 +93,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "register_env_var": (".sources.environ", "register_env_var"),
     "register_rng": (".sources", "register_rng"),
     "registered_rngs": (".sources", "registered_rngs"),
+    "report": (".reporting", "report"),
     "reproducible": (".decorate", "reproducible"),
     "seed_everything": (".seeding", "seed_everything"),
     "seed_worker": (".data", "seed_worker"),

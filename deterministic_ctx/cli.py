@@ -3,7 +3,7 @@
 Two subcommands:
 
 * ``report [--json] [--init-cuda]`` prints the determinism report of a fresh
-  interpreter (see :func:`deterministic_ctx.report.report`).
+  interpreter (see :func:`deterministic_ctx.reporting.report`).
 * ``run [--seed N] [--warn-only] [--] script.py [args ...]`` (or ``-m module``)
   runs an unmodified script as ``python script.py args ...`` would, after
   applying :func:`~deterministic_ctx.seed_everything` settings, so that it
@@ -268,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _report(*, as_json: bool, init_cuda: bool) -> int:
-    from .report import report
+    from .reporting import report
 
     if init_cuda:
         import torch

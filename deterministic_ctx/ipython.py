@@ -10,7 +10,7 @@ deterministic_ctx.ipython``); add ``"deterministic_ctx"`` to
   if it never ran.  ``$name`` and ``{expr}`` in the arguments are expanded as
   in any magic.
 * ``%deterministic_report [--json]`` prints the determinism report
-  (:func:`deterministic_ctx.report.report`).
+  (:func:`deterministic_ctx.reporting.report`).
 
 This module imports IPython; ``import deterministic_ctx`` never imports it.
 """
@@ -182,14 +182,14 @@ class DeterministicMagics(Magics):
 
         Library versions, determinism flags, the relevant environment
         variables, which RNGs are seeded, CUDA facts and warnings for known
-        problems (see ``deterministic_ctx.report.report``).  ``--json`` prints
+        problems (see ``deterministic_ctx.reporting.report``).  ``--json`` prints
         it as JSON.  Reading it changes nothing and never initializes CUDA.
         """
         words = line.split()
         unknown = [w for w in words if w != "--json"]
         if unknown:
             _usage_error(f"unknown argument {unknown[0]!r}", REPORT_USAGE)
-        from .report import report
+        from .reporting import report
 
         r = report()
         print(json.dumps(r.to_dict(), indent=2) if words else r)

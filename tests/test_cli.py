@@ -26,7 +26,7 @@ import deterministic_ctx
 from deterministic_ctx import cli as cli_module
 from deterministic_ctx.cli import _split_run, main
 from deterministic_ctx.internal import MAX_SEED
-from deterministic_ctx.report import report
+from deterministic_ctx.reporting import report
 from tests.helpers import run_python
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name(

@@ -417,7 +417,7 @@ def test_unload_and_reload(kernel):
 
 def test_importing_the_package_does_not_import_ipython():
     code = (
-        "import sys, deterministic_ctx, deterministic_ctx.cli, deterministic_ctx.report\n"
+        "import sys, deterministic_ctx, deterministic_ctx.cli, deterministic_ctx.reporting\n"
         "assert callable(deterministic_ctx.load_ipython_extension)\n"
         "assert callable(deterministic_ctx.unload_ipython_extension)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('IPython', 'ipykernel', 'jupyter_client')))"

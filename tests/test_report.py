@@ -18,8 +18,8 @@ from deterministic_ctx import (
     seed_everything,
     unregister_rng,
 )
-from deterministic_ctx.report import DeterminismReport, Problem, RngStatus, report, rules
-from deterministic_ctx.report.facts import startup_env
+from deterministic_ctx.reporting import DeterminismReport, Problem, RngStatus, report, rules
+from deterministic_ctx.reporting.facts import startup_env
 from deterministic_ctx.sources import environ as environ_mod
 from tests.helpers import run_python
 
@@ -204,7 +204,7 @@ def test_env_section_covers_the_managed_list_and_registered_names(monkeypatch):
 @pytest.mark.slow
 def test_importing_and_calling_report_stays_cheap():
     code = (
-        "import sys; import deterministic_ctx.report as r; "
+        "import sys; import deterministic_ctx.reporting as r; "
         "print('torch._inductor' in sys.modules); r.report(); "
         "print('torch._inductor' in sys.modules); import torch; print(torch.cuda.is_initialized())"
     )
@@ -286,3 +286,15 @@ def test_flag_rules():
     assert "inductor" in problems(flags={"inductor_deterministic": False})
     assert "cuda-bad-fork" in problems(cuda={**GPU, "bad_fork": True})
     assert "unseeded" in problems(rngs=(RngStatus("torch.cpu", False, 2**60, ""),))
+
+
+def test_report_is_the_function_on_the_package_even_after_its_module_is_imported():
+    # The module is ``deterministic_ctx.reporting``: a subpackage named ``report``
+    # would become the package's ``report`` attribute on import and shadow the
+    # function (``dc.report()`` raised "'module' object is not callable").
+    import deterministic_ctx as dc
+    import deterministic_ctx.reporting
+
+    assert callable(dc.report)
+    assert dc.report is dc.determinism_report
+    assert isinstance(dc.report(), dc.DeterminismReport)

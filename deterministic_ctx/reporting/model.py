@@ -64,7 +64,7 @@ class DeterminismReport:
 
         Example:
             >>> import json
-            >>> from deterministic_ctx.report import report
+            >>> from deterministic_ctx.reporting import report
             >>> data = report().to_dict()
             >>> json.loads(json.dumps(data)) == data
             True
