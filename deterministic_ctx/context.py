@@ -89,6 +89,12 @@ class deterministic:  # lowercase: it reads like a function, ``with deterministi
     __slots__ = ("_blocks", "_settings")
 
     def __init__(self, seed: int, *, warn_only: bool = False, rank: Rank = None) -> None:
+        if callable(seed):  # ``@deterministic`` without arguments: say what to write
+            name = getattr(seed, "__name__", type(seed).__name__)
+            raise TypeError(
+                f"deterministic needs a seed: write @deterministic(seed=0) above {name}, "
+                f"or @reproducible, whose seed defaults to 0"
+            )
         self._settings = Settings.build(seed, warn_only, rank)
         # The open blocks of this object, by the asyncio task of an ``async
         # with`` (``None`` for a ``with``), in the order they were entered.

@@ -309,6 +309,11 @@ def decorate(obj: C, settings: Settings) -> C:
             f"reproducible cannot decorate class {obj.__qualname__}: only functions, "
             "methods, generator/coroutine functions and unittest.TestCase subclasses"
         )
+    if isinstance(obj, property):
+        raise TypeError(
+            "reproducible cannot decorate a property object: put it below @property, so "
+            "that it decorates the getter (@property, then @reproducible, then def ...)"
+        )
     if not callable(obj):
         raise TypeError(
             f"reproducible expects a callable or a unittest.TestCase subclass, "

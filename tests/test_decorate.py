@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 
+import numpy as np
 import pytest
 
 from deterministic_ctx import deterministic, reproducible
@@ -137,3 +138,35 @@ def test_non_callables_and_plain_classes_rejected():
         @reproducible
         class Plain:
             pass
+
+
+def test_bare_deterministic_as_a_decorator_says_to_give_a_seed():
+    from deterministic_ctx import deterministic
+
+    with pytest.raises(
+        TypeError, match=r"deterministic needs a seed: write @deterministic\(seed=0\) above f"
+    ):
+
+        @deterministic
+        def f():
+            pass
+
+
+def test_reproducible_above_property_says_to_put_it_below():
+    from deterministic_ctx import reproducible
+
+    with pytest.raises(TypeError, match="put it below @property"):
+
+        class A:
+            @reproducible
+            @property
+            def x(self):
+                return 1
+
+    class B:  # the order that works
+        @property
+        @reproducible(seed=3)
+        def x(self):
+            return np.random.rand()
+
+    assert B().x == B().x
