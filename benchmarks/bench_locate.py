@@ -9,9 +9,12 @@ For each model and workload it prints the median wall time (ms) of:
 * ``locate``: ``locate_divergence`` with forward hooks (two runs that agree);
 * ``locate+bw``: the same with gradient fingerprints (``backward=True``);
 
-then the hook overhead per module call: (locate - 2 x one run) / (2 x calls).  A last
-table compares one fingerprint with copying the tensor (``clone``, and ``.cpu()`` on a
-GPU), by tensor size.  Rows are interleaved across repeats so machine noise hits all
+then each of the last three as a multiple of one run (``x1``), and the hook overhead per
+module call: (locate - 2 x one run) / (2 x calls).  The targets of issue #15 follow, for the
+MLP: ``locate`` at most 3x one run, ``locate+bw`` at most 5x, each marked ``ok`` or
+``MISSED``.  A last table compares one fingerprint (``fingerprint_parts``, what locate
+computes per tensor) with a float sum and with copying the tensor (``clone``, and ``.cpu()``
+on a GPU), by tensor size.  Rows are interleaved across repeats so machine noise hits all
 alike; on a shared machine, ``--threads 1`` gives steadier numbers.
 """
 
@@ -26,9 +29,12 @@ import torch
 from torch import nn
 
 from deterministic_ctx import deterministic
-from deterministic_ctx.fingerprint import fingerprint
+from deterministic_ctx.fingerprint import fingerprint_parts
 from deterministic_ctx.locate import locate_divergence
 from deterministic_ctx.verify import assert_reproducible
+
+#: Issue #15: locate_divergence on the MLP at most this many times one run of the workload.
+TARGETS = {"locate": 3.0, "locate+bw": 5.0}
 
 
 class MLP(nn.Module):
@@ -108,11 +114,13 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def bench_workloads(device: torch.device, repeats: int) -> None:
+def bench_workloads(device: torch.device, repeats: int) -> list[tuple[str, str, float]]:
+    """Print the table of workloads; return ``(workload, row, ratio to one run)`` of the MLP."""
     print(
-        f"{'workload':<38} {'calls':>5} {'1 run':>8} {'assert_r':>9} {'locate':>8} "
-        f"{'locate+bw':>10} {'µs/call':>8} {'µs/call bw':>10}"
+        f"{'workload':<38} {'calls':>5} {'1 run':>7} {'assert_r':>8} {'locate':>7} "
+        f"{'locate+bw':>9} {'x1':>5} {'x1 bw':>5} {'µs/call':>7} {'µs/call bw':>10}"
     )
+    ratios: list[tuple[str, str, float]] = []
     for name, state, fn in workloads(device):
         reset = list(state) if isinstance(state, tuple) else [state]
         block = deterministic(seed=0)
@@ -141,20 +149,37 @@ def bench_workloads(device: torch.device, repeats: int) -> None:
         calls = report.calls
         per_call = (med["locate"] - 2 * med["1 run"]) / (2 * calls) * 1e3
         per_call_bw = (med["locate+bw"] - 2 * med["1 run"]) / (2 * calls) * 1e3
+        x1 = {k: med[k] / med["1 run"] for k in TARGETS}
         print(
-            f"{name:<38} {calls:>5} {med['1 run']:>8.2f} {med['assert_r']:>9.2f} "
-            f"{med['locate']:>8.2f} {med['locate+bw']:>10.2f} "
-            f"{per_call:>8.0f} {per_call_bw:>10.0f}"
+            f"{name:<38} {calls:>5} {med['1 run']:>7.2f} {med['assert_r']:>8.2f} "
+            f"{med['locate']:>7.2f} {med['locate+bw']:>9.2f} {x1['locate']:>5.2f} "
+            f"{x1['locate+bw']:>5.2f} {per_call:>7.0f} {per_call_bw:>10.0f}"
         )
+        if name.startswith("mlp"):
+            ratios += [(name, key, ratio) for key, ratio in x1.items()]
+    return ratios
+
+
+def print_targets(ratios: list[tuple[str, str, float]]) -> None:
+    print()
+    print("targets (issue #15), medians as multiples of one run of the same workload:")
+    for name, key, ratio in ratios:
+        target = TARGETS[key]
+        verdict = "ok" if ratio <= target else "MISSED"
+        print(f"  {name:<38} {key:<9} {ratio:>5.2f}x  target <= {target:.1f} {verdict}")
 
 
 def bench_fingerprint(device: torch.device, repeats: int) -> None:
     print()
-    print(f"{'float32 elements':>16} {'fingerprint µs':>15} {'clone µs':>10} {'.cpu() µs':>10}")
+    print(
+        f"{'float32 elements':>16} {'fingerprint µs':>15} {'float sum µs':>13} "
+        f"{'clone µs':>10} {'.cpu() µs':>10}"
+    )
     for numel in (1_000, 100_000, 1_000_000, 10_000_000):
         t = torch.randn(numel, device=device)
         rows: dict[str, Callable[[], object]] = {
-            "fingerprint": lambda t=t: fingerprint(t),
+            "fingerprint": lambda t=t: fingerprint_parts(t),
+            "sum": t.sum,
             "clone": t.clone,
             "cpu": t.cpu,
         }
@@ -166,7 +191,10 @@ def bench_fingerprint(device: torch.device, repeats: int) -> None:
                 samples[key].append(timed(row, device) * 1e3)
         med = {k: statistics.median(v) for k, v in samples.items()}
         cpu = f"{med['cpu']:>10.0f}" if device.type != "cpu" else f"{'-':>10}"
-        print(f"{numel:>16,} {med['fingerprint']:>15.0f} {med['clone']:>10.0f} {cpu}")
+        print(
+            f"{numel:>16,} {med['fingerprint']:>15.0f} {med['sum']:>13.0f} "
+            f"{med['clone']:>10.0f} {cpu}"
+        )
 
 
 def main() -> None:
@@ -183,7 +211,8 @@ def main() -> None:
         f"medians of {args.repeats} repeats (ms unless marked)"
     )
     with deterministic(seed=0):  # model initialization and inputs: the same every time
-        bench_workloads(device, args.repeats)
+        ratios = bench_workloads(device, args.repeats)
+        print_targets(ratios)
         bench_fingerprint(device, args.repeats)
 
 

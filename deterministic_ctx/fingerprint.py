@@ -1,99 +1,166 @@
-"""Fingerprints of tensors: 16 bytes that change when any bit of the data changes.
+"""Fingerprints of tensors: a few integer sums that change when any element changes.
 
 :func:`~deterministic_ctx.locate.locate_divergence` fingerprints every module
 output of a run and compares runs by these fingerprints alone.  They are
-computed where the tensor lives, without copying it to the host: two wrapping
-int64 sums of its bit pattern, one plain and one weighted by position (so
-values that trade places are caught too).
+computed where the tensor lives, without copying it to the host: the tensor's
+bytes are read as int64 words laid out in a near-square table, and the
+fingerprint is the table's row sums and column sums (wrapping, so exact and
+independent of the reduction order).  A small tensor is its own fingerprint
+(a copy of its words).
+
+Any single changed element, any two different elements that trade places,
+and a sign flip of every element change the fingerprint; so do ``-0.0`` for
+``0.0`` and another NaN payload (bits are compared, not values).  Tensors of
+one shape and dtype with equal bits have equal fingerprints, on every device
+and thread count.
 
 Example:
     >>> import torch
     >>> from deterministic_ctx.fingerprint import fingerprint
-    >>> a = torch.arange(6.0)
-    >>> plain, weighted = fingerprint(a)
-    >>> plain.dtype, plain.shape
-    (torch.int64, torch.Size([]))
-    >>> fingerprint(a.flip(0))[0] == plain, fingerprint(a.flip(0))[1] == weighted
-    (tensor(True), tensor(False))
+    >>> a = torch.arange(1000.0)  # 500 words: 29 rows of 17, then 7 more
+    >>> f = fingerprint(a)
+    >>> f.dtype, f.shape
+    (torch.int64, torch.Size([53]))
+    >>> torch.equal(fingerprint(a.clone()), f), torch.equal(fingerprint(a.flip(0)), f)
+    (True, False)
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from .compare import bits
+__all__ = ["SMALL", "fingerprint", "fingerprint_parts"]
 
-__all__ = ["COLUMNS", "fingerprint"]
-
-#: A tensor's bits are read as rows of this many elements.
-COLUMNS = 1024
-_COLUMN_MIX, _ROW_MIX, _ADD = 0x9E3779B1, 0x85EBCA6B, 0x165667B1
-_weights: dict[tuple[torch.device, int], torch.Tensor] = {}
+#: Tensors of at most this many 8-byte words (2 KiB) are fingerprinted by a copy of their words:
+#: one operation, where the table takes two or three.
+SMALL = 256
 
 
-def _mixed(n: int, mix: int, device: torch.device) -> torch.Tensor:
-    i = torch.arange(n, dtype=torch.int64, device=device)
-    return ((i * mix + _ADD) & 0x7FFFFFFF) | 1  # odd, below 2**31
+def fingerprint(t: torch.Tensor) -> torch.Tensor | None:
+    """A 1-d int64 tensor on ``t``'s device that changes when any element of ``t`` changes.
 
-
-def _cached_weights(kind: int, n: int, device: torch.device) -> torch.Tensor:
-    """The first ``n`` column (``kind`` 0) or row (1) weights on ``device``, cached."""
-    w = _weights.get((device, kind))
-    if w is None or w.numel() < n:
-        size = max(n, COLUMNS)
-        size = 1 << (size - 1).bit_length()  # grow by powers of two
-        w = _weights[device, kind] = _mixed(size, (_COLUMN_MIX, _ROW_MIX)[kind], device)
-    return w[:n]
-
-
-def fingerprint(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Plain and position-weighted int64 sums of ``t``'s bits, as 0-d tensors on its device.
-
-    Element ``i`` of the flattened bits counts once in the plain sum and
-    ``row[i // 1024] + column[i % 1024]`` times in the weighted one, so that
-    moving values around changes it too.  Computed from the row sums and column
-    sums of the bits viewed as a ``(n // 1024, 1024)`` table: two passes of
-    native integer reductions, no temporary as large as the tensor.  Integer
-    sums wrap modulo 2**64 and are exact, so the result does not depend on the
-    reduction order: fingerprints are deterministic on every device, and a
-    change of any single element always changes the plain sum.  ``None`` for
+    The concatenation of :func:`fingerprint_parts`; see there.  ``None`` for
     tensors without readable data (meta, or exotic subclasses).
 
     Example:
         >>> import torch
-        >>> fingerprint(torch.zeros(3)) == fingerprint(torch.tensor([0.0, -0.0, 0.0]))
+        >>> zeros = fingerprint(torch.zeros(3))
+        >>> torch.equal(zeros, fingerprint(torch.tensor([0.0, -0.0, 0.0])))
         False
         >>> fingerprint(torch.empty(3, device="meta")) is None
         True
     """
+    parts = fingerprint_parts(t)
+    if parts is None:
+        return None
+    if not parts:
+        return torch.empty(0, dtype=torch.int64, device=t.device)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def fingerprint_parts(t: torch.Tensor) -> list[torch.Tensor] | None:
+    """The fingerprint of ``t`` as a few 1-d int64 tensors on its device (``[]`` when empty).
+
+    ``t``'s bytes, in logical element order, are read as ``n`` int64 words
+    (the bytes of a last partial word count one by one).  Up to :data:`SMALL`
+    words are copied as they are.  More are laid out as a table whose rows
+    hold an odd number of elements, about ``sqrt(n)``; the parts are the
+    table's row sums (one per word of an element, for 16-byte elements), its
+    column sums, and a copy of the words past its last full row.  That is
+    ``2 * sqrt(n)`` words: 2 KiB for a tensor of 128 KiB, 16 KiB for 8 MiB.
+
+    Why this is exact: integer sums wrap modulo 2**64 and do not depend on the
+    order of the reduction.  A changed word changes its row's sum.  Two
+    different elements that trade places change the sums of their rows (by
+    opposite amounts) if they are in different rows, else of their columns.
+    An element never straddles words, nor a 16-byte one rows, so a change of
+    one element, or a swap, always changes some sum, whatever the dtype.  Two
+    64-bit sums of the words, one plain and one weighted by position, cannot
+    promise this: where an element's sign is a word's top bit, swapping ``x``
+    and ``-x`` leaves the plain sum and moves the weighted one by ``2**63``
+    times an even number, that is not at all.  Rows of an odd number of
+    elements also see a sign flip of every element (``-t``, ``t.conj()``): a
+    row then moves by an odd multiple of its lowest sign bit.
+
+    Example:
+        >>> import torch
+        >>> [tuple(p.shape) for p in fingerprint_parts(torch.zeros(3000, dtype=torch.float64))]
+        [(46,), (65,), (10,)]
+    """
     try:
         if t.is_meta:
             return None
-        if t.is_quantized:
-            t = t.int_repr()
-        elif t.layout != torch.strided:
-            t = t.to_dense()
-        with torch.no_grad():
-            x = bits(t).reshape(-1)
-            rows, tail = divmod(x.numel(), COLUMNS)
-            device = x.device
-            # Integer sums are int64 by default; an explicit dtype= is a slower path.
-            if rows == 0:
-                return x.sum(), (x * _cached_weights(0, tail, device)).sum()
-            table = x[: rows * COLUMNS].view(rows, COLUMNS)
-            row_sums = table.sum(dim=1)
-            column_sums = table.sum(dim=0)
-            plain = row_sums.sum()
-            weighted = (row_sums * _cached_weights(1, rows, device)).sum() + (
-                column_sums * _cached_weights(0, COLUMNS, device)
-            ).sum()
-            if tail:
-                rest = x[rows * COLUMNS :]
-                rest_sum = rest.sum()
-                plain = plain + rest_sum
-                row_weight = _cached_weights(1, rows + 1, device)[rows]
-                weighted = weighted + rest_sum * row_weight
-                weighted = weighted + (rest * _cached_weights(0, tail, device)).sum()
-            return plain, weighted
+        x = t
+        if x.is_quantized:
+            x = x.int_repr()
+        elif x.layout != torch.strided:
+            x = x.detach().to_dense()
+        if x.is_conj():
+            x = x.detach().resolve_conj()
+        if x.is_neg():
+            x = x.detach().resolve_neg()
+        if not x.is_contiguous():
+            x = x.detach().contiguous()  # the elements in logical order
+        try:
+            # No copy, and no autograd graph: an integer view is not differentiable.
+            words = x.view(torch.int64)
+        except RuntimeError:  # a last dimension of part words, a scalar, an odd start
+            return _bytewise(x.detach().view(-1))
+        return _word_sums(words, x.element_size())
     except (RuntimeError, TypeError, ValueError, NotImplementedError, KeyError):
         return None
+
+
+def _bytewise(flat: torch.Tensor) -> list[torch.Tensor]:
+    """The parts for a 1-d contiguous tensor that cannot be viewed as words as it is:
+    the bytes of a last partial word widened one by one, then the whole words."""
+    n, rest = divmod(flat.numel() * flat.element_size(), 8)
+    raw = flat.view(torch.uint8)
+    parts = [raw[8 * n :].to(torch.int64)] if rest else []
+    if n:
+        head = raw[: 8 * n]
+        try:
+            words = head.view(torch.int64)
+        except RuntimeError:  # the data starts between two words: copy to realign
+            words = head.clone().view(torch.int64)
+        parts += _word_sums(words, flat.element_size())
+    return parts
+
+
+def _word_sums(words: torch.Tensor, element: int) -> list[torch.Tensor]:
+    """The parts for the contiguous int64 ``words`` of elements of ``element`` bytes."""
+    n = words.numel()
+    if n <= SMALL:
+        return [(words if words.dim() == 1 else words.reshape(-1)).clone()] if n else []
+    lanes = max(1, element // 8)  # words per element
+    rows, columns, per_row = _layout(n, lanes)
+    full = rows * columns
+    try:
+        # A view that reaches past the tensor's shape, never past its data (the words are
+        # contiguous); so does the copy of the last words: one operation, not a slice and
+        # its clone.
+        table = words.as_strided((rows, columns), (columns, 1))
+        rest = words.storage_offset() + full
+        tail = torch.as_strided_copy(words, (n - full,), (1,), rest) if full < n else None
+    except (RuntimeError, NotImplementedError):  # a backend without strides: plain views
+        flat = words.reshape(-1)
+        table = flat[:full].view(rows, columns)
+        tail = flat[full:].clone() if full < n else None
+    if lanes > 1:  # one row sum per word of the element: (a, b) <-> (b, a) is a change too
+        parts = [table.view(rows, per_row, lanes).sum(1).view(-1), table.sum(0)]
+    else:
+        parts = [table.sum(1), table.sum(0)]
+    if tail is not None:
+        parts.append(tail)
+    return parts
+
+
+@functools.lru_cache(maxsize=1024)  # shapes repeat from call to call
+def _layout(n: int, lanes: int) -> tuple[int, int, int]:
+    """``(rows, columns, elements per row)`` of the table of ``n`` words: an odd number of
+    elements per row, about ``sqrt``, so that rows and columns are about as many."""
+    per_row = (1 << ((n // lanes).bit_length() // 2)) + 1
+    columns = lanes * per_row
+    return n // columns, columns, per_row

@@ -9,9 +9,10 @@ parameters), then the return value and the final parameters and buffers.
 The first fingerprint that differs names the module.
 
 Fingerprints are computed where the tensor lives, without copying it to the
-host: two wrapping int64 sums of its bit pattern, one plain and one weighted
-by position (so values that trade places are caught too).  A run keeps
-only these 16 bytes per tensor and moves them to the host once, at its end.
+host: the row and column sums of its bytes read as a table of int64 words
+(wrapping, so exact), which change with any single element and when two
+elements trade places.  A run keeps only these, about ``2 * sqrt(n)`` words
+for a tensor of ``n`` words, and moves them to the host once, at its end.
 Only when the runs diverge are two more runs made, which keep the one
 differing tensor, to report the first differing index and the max difference.
 

@@ -5,8 +5,9 @@
 that fingerprint, in call order, the outputs of every module call (and, with
 ``backward=True``, the gradients flowing into each call's inputs and
 parameters), then the gradients, parameters and buffers once ``fn`` returned.
-A run keeps only 16 bytes per tensor and moves them to the host once, at its
-end; a run asked to ``capture`` one event also keeps a copy of its tensors.
+A run keeps only the fingerprints (a few integer sums per tensor, on the
+tensor's device: no host sync per call) and moves them to the host once, at
+its end; a run asked to ``capture`` one event also keeps a copy of its tensors.
 
 Example:
     >>> import torch
@@ -34,10 +35,23 @@ from torch.nn.modules import module as _nn_module
 
 from .compare import tensor_leaves
 from .context import deterministic
-from .fingerprint import fingerprint
+from .fingerprint import fingerprint_parts
 from .rerun import call_and_consume
 
 __all__ = ["Event", "Run", "record_run"]
+
+#: Where a fingerprint is: one device's buffer of the run, and a range of its bytes.
+_Slot = tuple[int, int, int]
+#: An event as the hooks record it: key, phase, what, ``(root, module, class name)``,
+#: call index, and per tensor its path, shape, dtype and slot.
+_Record = tuple[
+    tuple[Any, ...],
+    str,
+    str,
+    tuple[str, str, str],
+    int | None,
+    list[tuple[str, torch.Size, torch.dtype, _Slot | None]],
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +64,9 @@ class Event:
     ``"result"`` (the return value, compared whole rather than fingerprinted).
     ``key`` identifies the event across runs; ``root``, ``module`` and
     ``module_type`` name the module (``None`` for the return value) and
-    ``call_index`` its call.  ``slots`` holds each tensor's first sum in the
-    run's list, or ``None`` when it has no fingerprint.
+    ``call_index`` its call.  ``slots`` says where each tensor's fingerprint is
+    in the run's data, ``(buffer, start, stop)`` in bytes, or ``None`` when it
+    has none.
 
     Example:
         >>> Event(("result",), "result", 'result["loss"]').module is None
@@ -68,7 +83,7 @@ class Event:
     paths: tuple[str, ...] = ()
     shapes: tuple[tuple[int, ...], ...] = ()
     dtypes: tuple[str, ...] = ()
-    slots: tuple[int | None, ...] = ()
+    slots: tuple[_Slot | None, ...] = ()
 
 
 class _Names:
@@ -104,8 +119,14 @@ class _Recorder:
         self.backward = backward
         self.capture = capture
         self.captured: list[tuple[str, torch.Tensor]] | None = None
-        self.events: list[Event] = []
-        self.sums: list[torch.Tensor] = []
+        # What each event needs, in the order events happen; the Event objects are made
+        # once the run is over (see events()), not in the hooks while the model runs.
+        self._records: list[_Record] = []
+        # Fingerprints stay on their devices until the run ends: per device, the parts in
+        # the order they were made, and their length so far in bytes.
+        self._buffers: dict[torch.device, int] = {}
+        self._parts: list[list[torch.Tensor]] = []
+        self._filled: list[int] = []
         # Per module call, in the order calls start: who was called, and how many
         # events had been recorded by then (where the call sits in the timeline).
         self.structure: list[tuple[str, str, str]] = []
@@ -115,11 +136,21 @@ class _Recorder:
         self._last_call: dict[int, int] = {}
         self._occurrences: dict[tuple[Any, ...], int] = {}
         self._param_hooked: set[int] = set()
+        self._labels: dict[int, tuple[str, str, str]] = {}
         self._handles: list[Any] = []
-        # A container's output is usually its last child's output tensor: reuse its sums.
-        self._last: tuple[Any, int, int] | None = None
+        # A container's output is usually its last child's output tensor: reuse its
+        # fingerprint while the tensor is unchanged (same version).
+        self._last: tuple[Any, int | None, _Slot] | None = None
         # Backward hooks of CUDA tensors run on autograd's device threads.
         self._lock = threading.Lock()
+
+    def _label(self, module: torch.nn.Module) -> tuple[str, str, str]:
+        """``(root, name, class name)`` of ``module``: found once per module and run."""
+        label = self._labels.get(id(module))
+        if label is None:
+            root, name = self.names.of(module)
+            label = self._labels[id(module)] = (root, name, type(module).__qualname__)
+        return label
 
     def record(
         self,
@@ -130,41 +161,61 @@ class _Recorder:
         what: str,
         leaves: list[tuple[str, torch.Tensor]],
     ) -> None:
-        root, name = self.names.of(module)
+        label = self._label(module)
         with self._lock:
             occurrence = self._occurrences.get(base, 0)
             self._occurrences[base] = occurrence + 1
             key = (*base, occurrence)
-            slots: list[int | None] = []
-            for _, t in leaves:
-                last = self._last
-                if last is not None and last[0]() is t and last[1] == t._version:
-                    slots.append(last[2])
-                    continue
-                pair = fingerprint(t)
-                if pair is None:
-                    slots.append(None)
-                    continue
-                slots.append(len(self.sums))
-                self._last = (weakref.ref(t), t._version, len(self.sums))
-                self.sums.extend(pair)
-            self.events.append(
-                Event(
-                    key=key,
-                    phase=phase,
-                    what=what,
-                    root=root,
-                    module=name,
-                    module_type=type(module).__qualname__,
-                    call_index=call_index,
-                    paths=tuple(p for p, _ in leaves),
-                    shapes=tuple(tuple(t.shape) for _, t in leaves),
-                    dtypes=tuple(str(t.dtype).removeprefix("torch.") for _, t in leaves),
-                    slots=tuple(slots),
-                )
-            )
+            tensors = [(p, t.shape, t.dtype, self._fingerprint(t)) for p, t in leaves]
+            self._records.append((key, phase, what, label, call_index, tensors))
             if key == self.capture:
                 self.captured = [(p, t.detach().clone()) for p, t in leaves]
+
+    def events(self) -> list[Event]:
+        """The events recorded, in order: made here in one go, after the run."""
+        return [
+            Event(
+                key,
+                phase,
+                what,
+                root,
+                module,
+                module_type,
+                call_index,
+                tuple([p for p, _, _, _ in tensors]),
+                tuple([tuple(shape) for _, shape, _, _ in tensors]),
+                tuple([str(dtype).removeprefix("torch.") for _, _, dtype, _ in tensors]),
+                tuple([slot for _, _, _, slot in tensors]),
+            )
+            for key, phase, what, (root, module, module_type), call_index, tensors in self._records
+        ]
+
+    def _fingerprint(self, t: torch.Tensor) -> _Slot | None:
+        """Fingerprint ``t`` (or reuse the last one, for the same unchanged tensor); where
+        it will be in the run's data."""
+        # Inference tensors have no version counter: a change in place would go unseen.
+        version = None if t.is_inference() else t._version
+        last = self._last
+        if last is not None and version is not None and last[0]() is t and last[1] == version:
+            return last[2]
+        parts = fingerprint_parts(t)
+        if parts is None:
+            return None
+        device = parts[0].device if parts else t.device
+        buffer = self._buffers.get(device)
+        if buffer is None:
+            buffer = self._buffers[device] = len(self._parts)
+            self._parts.append([])
+            self._filled.append(0)
+        start = self._filled[buffer]
+        stop = start
+        for part in parts:
+            stop += 8 * part.numel()
+        self._parts[buffer] += parts
+        self._filled[buffer] = stop
+        slot = (buffer, start, stop)
+        self._last = (weakref.ref(t), version, slot)
+        return slot
 
     # Global module hooks: every module call in this thread while the run lasts.
 
@@ -174,10 +225,10 @@ class _Recorder:
         index = len(self.structure)
         self._stack.append((module, index))
         self._last_call[id(module)] = index
-        root, name = self.names.of(module)
+        label = self._label(module)
         with self._lock:
-            self.structure.append((root, name, type(module).__qualname__))
-            self.starts.append(len(self.events))
+            self.structure.append(label)
+            self.starts.append(len(self._records))
         if not self.backward:
             return
         # Registered before the body runs, so a later in-place change of the
@@ -201,21 +252,22 @@ class _Recorder:
     def post_hook(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if threading.get_ident() != self._thread:
             return
-        for depth in range(len(self._stack) - 1, -1, -1):
-            if self._stack[depth][0] is module:
-                index = self._stack[depth][1]
-                del self._stack[depth:]
-                break
+        stack = self._stack
+        if stack and stack[-1][0] is module:  # calls nest: the last one started ends first
+            index = stack.pop()[1]
         else:
-            return  # entered before the hooks were installed
-        self.record(
-            ("forward", index),
-            "forward",
-            module,
-            index,
-            "output",
-            list(tensor_leaves(output, "output")),
-        )
+            for depth in range(len(stack) - 1, -1, -1):
+                if stack[depth][0] is module:
+                    index = stack[depth][1]
+                    del stack[depth:]
+                    break
+            else:
+                return  # entered before the hooks were installed
+        if isinstance(output, torch.Tensor):
+            leaves = [("output", output)]
+        else:
+            leaves = list(tensor_leaves(output, "output"))
+        self.record(("forward", index), "forward", module, index, "output", leaves)
 
     def _input_grad(
         self, module: torch.nn.Module, index: int, path: str, grad: torch.Tensor
@@ -230,7 +282,7 @@ class _Recorder:
         )
 
     def _param_grad(self, module: torch.nn.Module, pname: str, grad: torch.Tensor) -> None:
-        root, name = self.names.of(module)
+        root, name, _ = self._label(module)
         self.record(
             ("param grad", root, name, pname),
             "backward",
@@ -248,29 +300,44 @@ class _Recorder:
         parameter order, roughly the order backward computes them: the first that
         differs is then the one nearest the cause.
         """
-        tensors: list[tuple[torch.nn.Module, str, str, torch.Tensor]] = []
+        # Found through each module's own tables rather than named_parameters() and
+        # get_submodule(): one walk per root, in the same order, with the owner at hand.
+        tensors: list[tuple[torch.nn.Module, str, str, str, torch.Tensor]] = []
         seen: set[int] = set()
         for root in list(self.names.roots):
             label = type(root).__qualname__
-            for qualname, t in itertools.chain(root.named_parameters(), root.named_buffers()):
-                if id(t) not in seen:
-                    seen.add(id(t))
-                    tensors.append((root, label, qualname, t))
-        for root, label, qualname, t in reversed(tensors):
+            params: list[tuple[torch.nn.Module, str, str, str, torch.Tensor]] = []
+            buffers: list[tuple[torch.nn.Module, str, str, str, torch.Tensor]] = []
+            for prefix, module in root.named_modules():
+                for table, found in ((module._parameters, params), (module._buffers, buffers)):
+                    for leaf, t in table.items():
+                        if t is not None:
+                            qualname = f"{prefix}.{leaf}" if prefix else leaf
+                            found.append((module, label, qualname, leaf, t))
+            for entry in itertools.chain(params, buffers):
+                if id(entry[4]) not in seen:
+                    seen.add(id(entry[4]))
+                    tensors.append(entry)
+        for module, label, qualname, leaf, t in reversed(tensors):
             if isinstance(t, torch.nn.Parameter) and t.grad is not None:
-                self._final(root, label, qualname, "gradient of parameter", t.grad)
-        for root, label, qualname, t in tensors:
+                self._final(module, label, qualname, leaf, "gradient of parameter", t.grad)
+        for module, label, qualname, leaf, t in tensors:
             kind = "parameter" if isinstance(t, torch.nn.Parameter) else "buffer"
-            self._final(root, label, qualname, kind, t)
+            self._final(module, label, qualname, leaf, kind, t)
 
     def _final(
-        self, root: torch.nn.Module, label: str, qualname: str, kind: str, t: torch.Tensor
+        self,
+        module: torch.nn.Module,
+        label: str,
+        qualname: str,
+        leaf: str,
+        kind: str,
+        t: torch.Tensor,
     ) -> None:
-        owner_name, _, leaf = qualname.rpartition(".")
         self.record(
             ("final", kind, label, qualname),
             "final",
-            root.get_submodule(owner_name),
+            module,
             None,
             f"{kind} {leaf!r} after fn returned",
             [(leaf, t)],
@@ -281,41 +348,41 @@ class _Recorder:
             handle.remove()
         self._handles.clear()
 
-    def host_sums(self) -> list[int]:
-        """All sums as Python ints: one stack and one copy per device."""
-        out = [0] * len(self.sums)
-        by_device: dict[torch.device, list[int]] = {}
-        for i, s in enumerate(self.sums):
-            by_device.setdefault(s.device, []).append(i)
-        for positions in by_device.values():
-            values = torch.stack([self.sums[i] for i in positions]).cpu().tolist()
-            for i, v in zip(positions, values, strict=True):
-                out[i] = v
-        return out
+    def host_data(self) -> list[bytes]:
+        """Every fingerprint's bytes, per device: one concatenation and one copy each
+        (the only host sync of the run)."""
+        return [torch.cat(parts).cpu().numpy().tobytes() if parts else b"" for parts in self._parts]
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
     """What one run recorded.
 
-    ``events`` in the order they happened (the ``"final"`` ones last), their
-    fingerprints' sums in ``sums``, the return value, ``structure`` (who was
-    called, per module call, in the order calls start: ``(root, name, class
-    name)``), ``starts`` (how many events had been recorded when each call
-    started) and ``captured`` (the tensors of the event asked for, if it
-    happened).  See the module's example.
+    ``events`` in the order they happened (the ``"final"`` ones last), the
+    bytes of their fingerprints in ``data`` (one buffer per device), the
+    return value, ``structure`` (who was called, per module call, in the
+    order calls start: ``(root, name, class name)``), ``starts`` (how many
+    events had been recorded when each call started) and ``captured`` (the
+    tensors of the event asked for, if it happened).  See the module's
+    example.
     """
 
     events: list[Event]
-    sums: list[int]
+    data: list[bytes]
     result: Any
     structure: list[tuple[str, str, str]]
     starts: list[int]
     captured: list[tuple[str, torch.Tensor]] | None
 
-    def fingerprints(self, event: Event) -> tuple[tuple[int, int] | None, ...]:
-        """The fingerprints of ``event``'s tensors, as pairs of ints (``None``: none)."""
-        return tuple(None if s is None else (self.sums[s], self.sums[s + 1]) for s in event.slots)
+    def fingerprints(self, event: Event) -> tuple[bytes | None, ...]:
+        """The fingerprints of ``event``'s tensors, as bytes (``None``: none).
+
+        Tensors of one shape and dtype with equal bits have equal fingerprints;
+        one changed element, or two different elements that trade places, give
+        another (see :func:`~deterministic_ctx.fingerprint.fingerprint_parts`).
+        """
+        data = self.data
+        return tuple([None if s is None else data[s[0]][s[1] : s[2]] for s in event.slots])
 
 
 def record_run(
@@ -348,4 +415,4 @@ def record_run(
                 handle.remove()
             rec.remove_hooks()
         rec.final_state()
-    return Run(rec.events, rec.host_sums(), result, rec.structure, rec.starts, rec.captured)
+    return Run(rec.events(), rec.host_data(), result, rec.structure, rec.starts, rec.captured)
