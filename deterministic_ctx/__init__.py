@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from ._errors import InvalidSnapshotError, LockWaitWarning, RestoreError
     from ._lock import set_lock_warning
     from ._seed import derive_seed
-    from .context import deterministic
+    from .context import deterministic, isolated
     from .data import chain_worker_init, seed_worker, seeded_generator
     from .decorate import reproducible
     from .distributed import broadcast_seed, rank_seed
@@ -57,6 +57,7 @@ __all__ = [
     "derive_seed",
     "determinism_report",
     "deterministic",
+    "isolated",
     "locate_divergence",
     "managed_env_vars",
     "rank_seed",
@@ -87,6 +88,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "derive_seed": ("._seed", "derive_seed"),
     "determinism_report": (".reporting", "report"),
     "deterministic": (".context", "deterministic"),
+    "isolated": (".context", "isolated"),
     "locate_divergence": (".locate", "locate_divergence"),
     "managed_env_vars": (".sources.environ", "managed_env_vars"),
     "rank_seed": (".distributed", "rank_seed"),

@@ -11,15 +11,16 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from ._settings import Rank, Settings
 from .decorate import decorate
 from .engine import Block, drain_signals
 
-__all__ = ["deterministic"]
+__all__ = ["deterministic", "isolated"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+_B = TypeVar("_B", bound="_Blocks")
 
 
 def _leave_anyway(blocks: dict[object, list[Block]], task: object) -> None:
@@ -42,7 +43,96 @@ def _current_task() -> object:
         return None
 
 
-class deterministic:  # lowercase: it reads like a function, ``with deterministic(seed=0):``
+class _Blocks:
+    """What :class:`deterministic` and :class:`isolated` share: each ``with``
+    (or ``async with``) is one :class:`~deterministic_ctx.engine.Block` of
+    these settings (``None``: capture and restore, apply nothing)."""
+
+    __slots__ = ("_blocks", "_settings")
+
+    _settings: Settings | None
+    #: The open blocks of this object, by the asyncio task of an ``async
+    #: with`` (``None`` for a ``with``), in the order they were entered.
+    _blocks: dict[object, list[Block]]
+
+    def __enter__(self: _B) -> _B:
+        # ``_enter(None)`` written out: a ``with`` is the hot path (one frame less).
+        stack = self._blocks.get(None)
+        if stack is None:
+            stack = self._blocks[None] = []
+        block = Block(self._settings)
+        try:
+            stack.append(block)  # recorded first: an interrupt below still finds it
+            block.start()
+            drain_signals()
+            return self
+        except BaseException:
+            # ``with`` calls ``__exit__`` only if ``__enter__`` returned: leave now.
+            if stack and stack[-1] is block:
+                del stack[-1]
+            block.stop()
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Written out, not shared with ``__aexit__``: every call is a point
+        # where a signal handler can raise, so the exit starts protected.
+        try:
+            stack = self._blocks[None]
+            stack[-1].stop()
+            del stack[-1]  # last, and no call after it: an interrupt lands before it or never
+        except BaseException:
+            _leave_anyway(self._blocks, None)
+            raise
+
+    async def __aenter__(self: _B) -> _B:
+        return self._enter(_current_task())
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Each task leaves its own block, whatever the order the tasks leave in.
+        try:
+            stack = self._blocks[_current_task()]
+            stack[-1].stop()
+            del stack[-1]
+        except BaseException:
+            _leave_anyway(self._blocks, _current_task())
+            raise
+
+    def _enter(self: _B, task: object) -> _B:
+        blocks = self._blocks
+        if len(blocks) > 1:  # drop the emptied stacks of finished tasks
+            for done in [t for t, stack in blocks.items() if t is not None and not stack]:
+                del blocks[done]
+        block = Block(self._settings)
+        stack = blocks.setdefault(task, [])
+        try:
+            stack.append(block)  # recorded first: an interrupt below still finds it
+            block.start()
+            drain_signals()
+            return self
+        except BaseException:
+            # ``with`` calls ``__exit__`` only if ``__enter__`` returned: leave now.
+            if stack and stack[-1] is block:
+                del stack[-1]
+            block.stop()
+            raise
+
+    def __call__(self, func: F) -> F:
+        return decorate(func, self._settings)
+
+
+class deterministic(
+    _Blocks
+):  # lowercase: it reads like a function, ``with deterministic(seed=0):``
     """Run a block reproducibly and isolated from the rest of the program.
 
     On entry every RNG (Python ``random``, NumPy's global RNG, torch CPU and
@@ -86,7 +176,8 @@ class deterministic:  # lowercase: it reads like a function, ``with deterministi
         True
     """
 
-    __slots__ = ("_blocks", "_settings")
+    __slots__ = ()
+    _settings: Settings
 
     def __init__(self, seed: int, *, warn_only: bool = False, rank: Rank = None) -> None:
         if callable(seed):  # ``@deterministic`` without arguments: say what to write
@@ -115,80 +206,54 @@ class deterministic:  # lowercase: it reads like a function, ``with deterministi
         """The ``rank`` given: an int, ``"auto"`` or ``None``."""
         return self._settings.rank
 
-    def __enter__(self) -> deterministic:
-        # ``_enter(None)`` written out: a ``with`` is the hot path (one frame less).
-        stack = self._blocks.get(None)
-        if stack is None:
-            stack = self._blocks[None] = []
-        block = Block(self._settings)
-        try:
-            stack.append(block)  # recorded first: an interrupt below still finds it
-            block.start()
-            drain_signals()
-            return self
-        except BaseException:
-            # ``with`` calls ``__exit__`` only if ``__enter__`` returned: leave now.
-            if stack and stack[-1] is block:
-                del stack[-1]
-            block.stop()
-            raise
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        # Written out, not shared with ``__aexit__``: every call is a point
-        # where a signal handler can raise, so the exit starts protected.
-        try:
-            stack = self._blocks[None]
-            stack[-1].stop()
-            del stack[-1]  # last, and no call after it: an interrupt lands before it or never
-        except BaseException:
-            _leave_anyway(self._blocks, None)
-            raise
-
-    async def __aenter__(self) -> deterministic:
-        return self._enter(_current_task())
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        # Each task leaves its own block, whatever the order the tasks leave in.
-        try:
-            stack = self._blocks[_current_task()]
-            stack[-1].stop()
-            del stack[-1]
-        except BaseException:
-            _leave_anyway(self._blocks, _current_task())
-            raise
-
-    def _enter(self, task: object) -> deterministic:
-        blocks = self._blocks
-        if len(blocks) > 1:  # drop the emptied stacks of finished tasks
-            for done in [t for t, stack in blocks.items() if t is not None and not stack]:
-                del blocks[done]
-        block = Block(self._settings)
-        stack = blocks.setdefault(task, [])
-        try:
-            stack.append(block)  # recorded first: an interrupt below still finds it
-            block.start()
-            drain_signals()
-            return self
-        except BaseException:
-            # ``with`` calls ``__exit__`` only if ``__enter__`` returned: leave now.
-            if stack and stack[-1] is block:
-                del stack[-1]
-            block.stop()
-            raise
-
-    def __call__(self, func: F) -> F:
-        return decorate(func, self._settings)
-
     def __repr__(self) -> str:
         rank = "" if self.rank is None else f", rank={self.rank!r}"
         return f"deterministic(seed={self.seed}, warn_only={self.warn_only}{rank})"
+
+
+class isolated(_Blocks):  # lowercase, like ``deterministic``
+    """Run a block isolated from the rest of the program, seeding nothing.
+
+    ``torch.random.fork_rng`` and Lightning's ``isolate_rng``, for every RNG
+    and flag: on entry everything a :class:`deterministic` block captures is
+    captured (every RNG, registered RNGs, determinism and precision flags,
+    torch's defaults, the managed environment variables), and nothing is
+    applied: the block draws from the caller's streams and runs with the
+    caller's flags.  On exit, by any route, everything is restored bit for
+    bit, so the caller's streams continue as if the block never ran.  Same
+    lock, exit-path and exit-order guarantees as a deterministic block.
+
+    As a decorator (``@isolated`` or ``@isolated()``) it works on every kind
+    of callable :func:`reproducible` takes: each call of a function, and each
+    generator, coroutine or async generator in its own world across every
+    ``yield``/``await`` (its first step starts from the caller's state at
+    that moment).
+
+    Example:
+        >>> import torch
+        >>> from deterministic_ctx import isolated
+        >>> torch.manual_seed(1)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> with isolated():
+        ...     inside = torch.rand(2)  # the caller's next numbers
+        >>> torch.equal(torch.rand(2), inside)  # the stream is as before the block
+        True
+    """
+
+    __slots__ = ()
+
+    @overload
+    def __new__(cls, func: None = None, /) -> isolated: ...
+    @overload
+    def __new__(cls, func: F, /) -> F: ...  # type: ignore[misc]
+
+    def __new__(cls, func: Any = None, /) -> Any:
+        if func is not None:  # ``@isolated`` without parentheses
+            return decorate(func, None)
+        self = super().__new__(cls)
+        self._settings = None
+        self._blocks = {}
+        return self
+
+    def __repr__(self) -> str:
+        return "isolated()"

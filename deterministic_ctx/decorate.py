@@ -153,7 +153,7 @@ def _call(func: Callable[..., Any], args: Any, kwargs: Any) -> tuple[Any, BaseEx
         return None, exc
 
 
-def _wrap_function(func: Callable[..., Any], settings: Settings) -> Callable[..., Any]:
+def _wrap_function(func: Callable[..., Any], settings: Settings | None) -> Callable[..., Any]:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         block = Block(settings)
@@ -175,7 +175,7 @@ def _wrap_function(func: Callable[..., Any], settings: Settings) -> Callable[...
     return wrapper
 
 
-def _wrap_generator(func: Callable[..., Any], settings: Settings) -> Callable[..., Any]:
+def _wrap_generator(func: Callable[..., Any], settings: Settings | None) -> Callable[..., Any]:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         # Creating the generator runs none of its code; the block is seeded on
@@ -185,7 +185,7 @@ def _wrap_generator(func: Callable[..., Any], settings: Settings) -> Callable[..
     return wrapper
 
 
-def _wrap_coroutine(func: Callable[..., Any], settings: Settings) -> Callable[..., Any]:
+def _wrap_coroutine(func: Callable[..., Any], settings: Settings | None) -> Callable[..., Any]:
     @functools.wraps(func)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
         return await _Isolated(func(*args, **kwargs), Block(settings), final=True)
@@ -193,7 +193,9 @@ def _wrap_coroutine(func: Callable[..., Any], settings: Settings) -> Callable[..
     return wrapper
 
 
-def _wrap_async_generator(func: Callable[..., Any], settings: Settings) -> Callable[..., Any]:
+def _wrap_async_generator(
+    func: Callable[..., Any], settings: Settings | None
+) -> Callable[..., Any]:
     @functools.wraps(func)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
         agen = func(*args, **kwargs)
@@ -254,7 +256,9 @@ def _closest(klass: type, name: str) -> type | None:
     return None
 
 
-def _decorate_testcase(cls: type[unittest.TestCase], settings: Settings) -> type[unittest.TestCase]:
+def _decorate_testcase(
+    cls: type[unittest.TestCase], settings: Settings | None
+) -> type[unittest.TestCase]:
     own_setup = cls.__dict__.get("setUp")
     own_setup_class = cls.__dict__.get("setUpClass")
     own_setup = getattr(own_setup, _WRAPPED, own_setup)  # decorated twice: the closest wins
@@ -294,7 +298,7 @@ def _decorate_testcase(cls: type[unittest.TestCase], settings: Settings) -> type
     return cls
 
 
-def decorate(obj: C, settings: Settings) -> C:
+def decorate(obj: C, settings: Settings | None) -> C:
     """Wrap ``obj`` so each call (or each test) runs in its own block.
 
     Dispatches on the kind of callable: ``unittest.TestCase`` subclass, async

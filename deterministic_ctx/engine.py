@@ -6,7 +6,8 @@ generators, coroutines, async generators and ``seed_everything`` are all made
 of them:
 
 * ``start()``: take the lock, capture the caller's state, then either apply
-  the block's settings (first time) or restore the block's own saved state;
+  the block's settings (first time; none for an isolation-only block) or
+  restore the block's own saved state;
 * ``suspend()``: save the block's state, restore the caller's, drop the lock;
 * ``stop()``: restore the caller's state (or hand it on), drop the lock;
 * ``commit()``: keep the block's state as the process's own, drop the lock.
@@ -61,8 +62,8 @@ class Block:
 
     __slots__ = ("_carried", "_carrier", "_inner", "_outer", "_settings", "_started")
 
-    def __init__(self, settings: Settings) -> None:
-        self._settings = settings
+    def __init__(self, settings: Settings | None) -> None:
+        self._settings = settings  # None: isolation only, nothing applied
         self._outer: World | None = None  # the caller's state, while the block is open
         self._inner: World | None = None  # the block's own state, while it is suspended
         self._started = False
@@ -88,7 +89,8 @@ class Block:
                 self._uncarry()
                 self._inner = None  # last: until here a retry can still restore it
             else:
-                _sources.apply_captured(self._settings, outer.sources, outer.states)
+                if self._settings is not None:  # None: isolation only, nothing applied
+                    _sources.apply_captured(self._settings, outer.sources, outer.states)
                 self._started = True
         except BaseException:
             with _headroom():
