@@ -31,6 +31,7 @@ from ._version import __version__ as VERSION
 from .engine import Block, inside_block
 from .sources import register_rng, registered_rngs, seed_registered_rngs, source_named
 from .sources.environ import CUBLAS_VALID, managed_env_vars, register_env_var
+from .sources.environ import SEED as SEED_ENV_VAR
 from .sources.flags import PRECISION_OPS
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "CUBLAS_VALID",
     "MAX_SEED",
     "PRECISION_OPS",
+    "SEED_ENV_VAR",
     "VERSION",
     "Block",
     "Rank",

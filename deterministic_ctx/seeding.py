@@ -3,16 +3,31 @@
 from __future__ import annotations
 
 import logging
+import os
+from typing import Any
 
-from .internal import AUTO, Block, Rank, Settings, process_rank, validate_rank, validate_seed
+from .internal import (
+    AUTO,
+    SEED_ENV_VAR,
+    Block,
+    Rank,
+    Settings,
+    process_rank,
+    validate_rank,
+    validate_seed,
+)
 
 __all__ = ["seed_everything"]
 
 _log = logging.getLogger("deterministic_ctx")
 
 
+#: The default of ``seed``: the seed a parent process exported, else a fresh one.
+_INHERIT: Any = type("_Inherit", (), {"__repr__": lambda self: "<inherited or fresh>"})()
+
+
 def seed_everything(
-    seed: int | None,
+    seed: int | None = _INHERIT,
     *,
     warn_only: bool = False,
     rank: Rank = None,
@@ -26,10 +41,17 @@ def seed_everything(
     restored before the error propagates.  Returns the seed (the shared one,
     not the per-rank one), and logs it on the ``deterministic_ctx`` logger.
 
+    The seed is exported in the environment variable ``DETERMINISTIC_CTX_SEED``
+    (a block restores it like its other variables), so child processes
+    (``torch.multiprocessing.spawn`` workers, ``subprocess`` runs) inherit it:
+    ``seed_everything()`` there applies the same seed.  ``PYTHONHASHSEED`` is
+    exported too, as in a block, so string hashing in children is fixed.
+
     Args:
         seed: an int in ``0 .. 2**32 - 1``, or ``None`` to draw a fresh one
             from the operating system (logged at INFO level and returned, so
-            the run can be replayed with that seed).
+            the run can be replayed with that seed).  Left out, the seed a
+            ``seed_everything`` of a parent process exported, else a fresh one.
         warn_only: as in :class:`deterministic`.
         rank: as in :class:`deterministic`: ``random``, NumPy and registered
             user RNGs get a per-rank seed, torch keeps the shared one.
@@ -54,7 +76,20 @@ def seed_everything(
         raise TypeError(f"broadcast must be True or False, got {broadcast!r}")
     # Validate everything before the collective, so a bad argument fails on
     # its own rank instead of leaving the others waiting in the broadcast.
-    if seed is not None:
+    inherited = False
+    if seed is _INHERIT:
+        seed = None
+        exported = os.environ.get(SEED_ENV_VAR)
+        if exported is not None:
+            try:
+                seed = validate_seed(int(exported), name=f"the {SEED_ENV_VAR} environment variable")
+            except ValueError as exc:
+                raise ValueError(
+                    f"{SEED_ENV_VAR}={exported!r} (exported for child processes) is not a "
+                    f"seed: an int in 0 .. 2**32 - 1 is expected"
+                ) from exc
+            inherited = True
+    elif seed is not None:
         validate_seed(seed)
     rank = validate_rank(rank)
     drawn = seed is None
@@ -74,6 +109,9 @@ def seed_everything(
     block = Block(settings)
     try:
         block.start()  # applies, or rolls back to the previous state and raises
+        # Inside the block's lock, before the commit: an interrupt before the
+        # commit rolls this back with everything else.
+        os.environ[SEED_ENV_VAR] = str(settings.seed)
         block.commit()
     except BaseException:
         block.stop()  # interrupted before the commit: nothing stays applied
@@ -81,7 +119,11 @@ def seed_everything(
     _log.info(
         "seed_everything: seed %d%s, rank %s",
         settings.seed,
-        " (drawn fresh: pass it as seed to replay)" if drawn else "",
+        " (drawn fresh: pass it as seed to replay)"
+        if drawn
+        else f" (from {SEED_ENV_VAR}, exported by a parent process)"
+        if inherited
+        else "",
         process_rank() if rank == AUTO else rank,
     )
     return settings.seed

@@ -37,6 +37,7 @@ from . import _plain
 __all__ = [
     "CUBLAS_VALID",
     "ENV_VARS",
+    "SEED",
     "EnvironSource",
     "managed_env_vars",
     "register_env_var",
@@ -45,6 +46,8 @@ __all__ = [
 CUBLAS = "CUBLAS_WORKSPACE_CONFIG"
 HASHSEED = "PYTHONHASHSEED"
 CUBLAS_VALID = (":4096:8", ":16:8")
+#: Where ``seed_everything`` exports its seed for child processes.
+SEED = "DETERMINISTIC_CTX_SEED"
 
 #: The variables every block captures and restores, each with why: the ones
 #: that PyTorch, its accelerator and collective libraries, Lightning,
@@ -71,6 +74,7 @@ ENV_VARS: tuple[tuple[str, str], ...] = (
     ("NCCL_COLLNET_ENABLE", "CollNet (in-network SHARP) reductions, in no fixed order"),
     ("TORCHINDUCTOR_DETERMINISTIC", "default of inductor's deterministic flag at its first import"),
     ("MKL_CBWR", "Intel MKL's conditional numerical reproducibility (torch's x86 CPU BLAS)"),
+    (SEED, "seed_everything's exported seed: seed_everything() in a child process reuses it"),
 )
 
 _lock = threading.Lock()
