@@ -1,6 +1,7 @@
 """The pytest plugin of deterministic-ctx (registered as ``deterministic_ctx``).
 
-* ``@pytest.mark.deterministic`` / ``@pytest.mark.deterministic(seed=3, warn_only=True)``: the
+* ``@pytest.mark.deterministic`` / ``@pytest.mark.deterministic(seed=3, warn_only=True)``
+  (also ``flags=False``, ``fill_uninitialized_memory=False``, as for ``deterministic``): the
   test and its function-scoped fixtures run inside one ``deterministic`` block.  The marker also
   works on classes and modules (``pytestmark``); without ``seed``, the session seed is used.
 * ``--deterministic-seed=N|last|random`` sets the session seed (default 0), printed in the report
@@ -41,7 +42,7 @@ DEFAULT_SEED = 0
 # checks that the two agree.
 _MAX_SEED = 2**32 - 1
 _MARKER = "deterministic"
-_MARKER_ARGS = ("seed", "warn_only")
+_MARKER_ARGS = ("seed", "warn_only", "flags", "fill_uninitialized_memory")
 _CACHE_KEY = "deterministic_ctx/seed"
 _WORKER_KEY = "deterministic_ctx_seed"
 _LEAK_MODES = ("off", "warn", "error")
@@ -75,6 +76,8 @@ class _Run:
     warn_only: bool
     from_marker: bool
     inner: Snapshot | None = None
+    #: The marker's other arguments (``flags``, ``fill_uninitialized_memory``), as given.
+    options: dict[str, object] = dataclasses.field(default_factory=dict)
 
 
 _SESSION = pytest.StashKey[_Session]()
@@ -128,7 +131,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        f"{_MARKER}(seed=None, warn_only=False): run the test and its function-scoped fixtures in "
+        f"{_MARKER}(seed=None, warn_only=False, flags=True, fill_uninitialized_memory=True): "
+        f"run the test and its function-scoped fixtures in "
         "one deterministic_ctx block; seed defaults to --deterministic-seed.",
     )
     if config.pluginmanager.hasplugin("xdist"):
@@ -196,7 +200,8 @@ def _run_for(item: pytest.Item, session: _Session) -> _Run | None:
     unknown = sorted(set(marker.kwargs) - set(_MARKER_ARGS))
     if unknown:
         pytest.fail(
-            f"{where}: unknown argument(s) {', '.join(unknown)}; accepted: seed, warn_only",
+            f"{where}: unknown argument(s) {', '.join(unknown)}; "
+            f"accepted: {', '.join(_MARKER_ARGS)}",
             pytrace=False,
         )
     seed = marker.kwargs.get("seed")
@@ -204,6 +209,7 @@ def _run_for(item: pytest.Item, session: _Session) -> _Run | None:
         session.seed if seed is None else seed,
         warn_only=marker.kwargs.get("warn_only", False),
         from_marker=seed is not None,
+        options={k: v for k, v in marker.kwargs.items() if k not in ("seed", "warn_only")},
     )
 
 
@@ -222,7 +228,7 @@ def _deterministic_ctx(request: pytest.FixtureRequest) -> Iterator[None]:
     from deterministic_ctx import deterministic
 
     try:
-        block = deterministic(run.seed, warn_only=run.warn_only)
+        block = deterministic(run.seed, warn_only=run.warn_only, **run.options)  # type: ignore[arg-type]
     except (TypeError, ValueError) as exc:
         pytest.fail(f"@pytest.mark.{_MARKER} on {item.nodeid}: {exc}", pytrace=False)
     with block:
@@ -272,6 +278,7 @@ def pytest_runtest_makereport(
     else:
         origin = f"from the session; replay with --deterministic-seed={run.seed}"
     text = f"ran in a deterministic block: seed={run.seed} ({origin}), warn_only={run.warn_only}"
+    text += "".join(f", {key}={value!r}" for key, value in run.options.items())
     # A traceback's own section prints right under it, even with --show-capture=no.
     addsection = getattr(report.longrepr, "addsection", None)
     if addsection is not None:

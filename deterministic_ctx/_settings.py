@@ -80,12 +80,17 @@ class Settings:
 
     Built (and validated) once, where the user writes ``deterministic(...)`` or
     ``@reproducible(...)``; every source reads it when a block starts.  Sources
-    of per-rank RNGs read :attr:`rank_seed`, the others :attr:`seed`.
+    of per-rank RNGs read :attr:`rank_seed`, the others :attr:`seed`.  With
+    ``flags`` false, the flag and environment sources apply nothing (they
+    still capture and restore); ``fill_uninitialized_memory`` is that flag's
+    value in the block (torch's default with deterministic algorithms is on).
     """
 
     seed: int
     warn_only: bool
     rank: Rank = None
+    flags: bool = True
+    fill_uninitialized_memory: bool = True
     # ``None`` only for ``rank="auto"``, which is resolved each time a block
     # starts: a decorator is often built at import, before the process group.
     _fixed_rank_seed: int | None = field(init=False, repr=False, compare=False)
@@ -105,32 +110,60 @@ class Settings:
         resolves it once, not once per source that reads :attr:`rank_seed`."""
         if self._fixed_rank_seed is not None:
             return self
-        return Settings(self.seed, self.warn_only, process_rank())
+        return Settings(
+            self.seed,
+            self.warn_only,
+            process_rank(),
+            self.flags,
+            self.fill_uninitialized_memory,
+        )
 
     @classmethod
-    def build(cls, seed: object, warn_only: object, rank: object = None) -> Settings:
+    def build(
+        cls,
+        seed: object,
+        warn_only: object,
+        rank: object = None,
+        flags: object = True,
+        fill_uninitialized_memory: object = True,
+    ) -> Settings:
         """Validated settings; ``TypeError``/``ValueError`` name the bad argument.
 
         ``with deterministic(seed=i):`` builds them on every block: settings
         of plain ints are remembered (they are immutable), so validating and
         building them costs a dict lookup when the arguments repeat.
         """
+        key = (seed, warn_only, rank, flags, fill_uninitialized_memory)
         # Exact types only in the key: 1, True and 1.0 are equal dict keys.
         plain = (
-            type(seed) is int and type(warn_only) is bool and (rank is None or type(rank) is int)
+            type(seed) is int
+            and type(warn_only) is bool
+            and (rank is None or type(rank) is int)
+            and type(flags) is bool
+            and type(fill_uninitialized_memory) is bool
         )
         if plain:
-            found = _BUILT.get((seed, warn_only, rank))
+            found = _BUILT.get(key)
             if found is not None:
                 return found
-        if not isinstance(warn_only, bool):
-            raise TypeError(f"warn_only must be True or False, got {warn_only!r}")
-        settings = cls(validate_seed(seed), warn_only, validate_rank(rank))
+        for name, value in (
+            ("warn_only", warn_only),
+            ("flags", flags),
+            ("fill_uninitialized_memory", fill_uninitialized_memory),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False, got {value!r}")
+        assert isinstance(warn_only, bool)
+        assert isinstance(flags, bool)
+        assert isinstance(fill_uninitialized_memory, bool)
+        settings = cls(
+            validate_seed(seed), warn_only, validate_rank(rank), flags, fill_uninitialized_memory
+        )
         if plain:
             if len(_BUILT) >= 1024:  # a new seed every block must not grow it without bound
                 _BUILT.clear()
-            _BUILT[seed, warn_only, rank] = settings
+            _BUILT[key] = settings
         return settings
 
 
-_BUILT: dict[tuple[object, object, object], Settings] = {}
+_BUILT: dict[tuple[object, ...], Settings] = {}

@@ -4,7 +4,8 @@ Two subcommands:
 
 * ``report [--json] [--init-cuda]`` prints the determinism report of a fresh
   interpreter (see :func:`deterministic_ctx.reporting.report`).
-* ``run [--seed N] [--warn-only] [--] script.py [args ...]`` (or ``-m module``)
+* ``run [--seed N] [--warn-only] [--no-flags] [--no-fill] [--] script.py [args ...]``
+  (or ``-m module``)
   runs an unmodified script as ``python script.py args ...`` would, after
   applying :func:`~deterministic_ctx.seed_everything` settings, so that it
   draws the same numbers on every run.
@@ -85,8 +86,9 @@ examples:
 {_EXIT_CODES}"""
 
 _RUN_USAGE = f"""\
-{PROG} run [-h] [--seed N] [--warn-only] [--] script.py [args ...]
-       {PROG} run [-h] [--seed N] [--warn-only] -m module [args ...]"""
+{PROG} run [-h] [--seed N] [--warn-only] [--no-flags] [--no-fill]
+                             [--] script.py [args ...]
+       {PROG} run [options] -m module [args ...]"""
 
 _RUN_DESCRIPTION = """\
 Run a Python script as `python script.py args ...` would (as __main__, with
@@ -182,6 +184,16 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="operations without a deterministic implementation warn instead of raising",
     )
     run.add_argument(
+        "--no-flags",
+        action="store_true",
+        help="seed only: leave the determinism flags and variables as they are",
+    )
+    run.add_argument(
+        "--no-fill",
+        action="store_true",
+        help="torch.utils.deterministic.fill_uninitialized_memory off",
+    )
+    run.add_argument(
         "-m",
         dest="module",
         metavar="module",
@@ -258,6 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_parser,
         seed=ns.seed,
         warn_only=ns.warn_only,
+        flags=not ns.no_flags,
+        fill_uninitialized_memory=not ns.no_fill,
         module=ns.module,
         command=command,
         restart=from_command_line,
@@ -322,6 +336,8 @@ def _run(
     *,
     seed: int,
     warn_only: bool,
+    flags: bool,
+    fill_uninitialized_memory: bool,
     module: str | None,
     command: list[str],
     restart: bool,
@@ -337,7 +353,12 @@ def _run(
         _set_up_main(target)
         from .seeding import seed_everything
 
-        seed_everything(seed, warn_only=warn_only)
+        seed_everything(
+            seed,
+            warn_only=warn_only,
+            flags=flags,
+            fill_uninitialized_memory=fill_uninitialized_memory,
+        )
         _find_module(target)
     except _UsageError as exc:
         if exc.show_usage:

@@ -164,6 +164,14 @@ class deterministic(
             augmentation differs across ranks; torch's generators keep
             ``seed`` on every rank, so model initialization is identical.
             Rank 0 draws exactly what ``rank=None`` draws.
+        flags: with ``False``, the block seeds and isolates but applies no
+            determinism flag and no environment variable: the caller's stay
+            in force (and are still captured and restored).  For models that
+            use ops without a deterministic CUDA kernel.
+        fill_uninitialized_memory: the value of
+            ``torch.utils.deterministic.fill_uninitialized_memory`` inside the
+            block: ``False`` skips filling new tensors (torchtitan's choice:
+            the fill costs time and races with communication streams).
 
     Example:
         >>> import torch
@@ -179,14 +187,22 @@ class deterministic(
     __slots__ = ()
     _settings: Settings
 
-    def __init__(self, seed: int, *, warn_only: bool = False, rank: Rank = None) -> None:
+    def __init__(
+        self,
+        seed: int,
+        *,
+        warn_only: bool = False,
+        rank: Rank = None,
+        flags: bool = True,
+        fill_uninitialized_memory: bool = True,
+    ) -> None:
         if callable(seed):  # ``@deterministic`` without arguments: say what to write
             name = getattr(seed, "__name__", type(seed).__name__)
             raise TypeError(
                 f"deterministic needs a seed: write @deterministic(seed=0) above {name}, "
                 f"or @reproducible, whose seed defaults to 0"
             )
-        self._settings = Settings.build(seed, warn_only, rank)
+        self._settings = Settings.build(seed, warn_only, rank, flags, fill_uninitialized_memory)
         # The open blocks of this object, by the asyncio task of an ``async
         # with`` (``None`` for a ``with``), in the order they were entered.
         self._blocks: dict[object, list[Block]] = {}
@@ -206,9 +222,21 @@ class deterministic(
         """The ``rank`` given: an int, ``"auto"`` or ``None``."""
         return self._settings.rank
 
+    @property
+    def flags(self) -> bool:
+        """Whether the block sets the determinism flags and variables (else the caller's stay)."""
+        return self._settings.flags
+
+    @property
+    def fill_uninitialized_memory(self) -> bool:
+        """``torch.utils.deterministic.fill_uninitialized_memory`` inside the block."""
+        return self._settings.fill_uninitialized_memory
+
     def __repr__(self) -> str:
         rank = "" if self.rank is None else f", rank={self.rank!r}"
-        return f"deterministic(seed={self.seed}, warn_only={self.warn_only}{rank})"
+        flags = "" if self.flags else ", flags=False"
+        fill = "" if self.fill_uninitialized_memory else ", fill_uninitialized_memory=False"
+        return f"deterministic(seed={self.seed}, warn_only={self.warn_only}{rank}{flags}{fill})"
 
 
 class isolated(_Blocks):  # lowercase, like ``deterministic``

@@ -338,12 +338,24 @@ def decorate(obj: C, settings: Settings | None) -> C:
 def reproducible(func: F, /) -> F: ...
 @overload
 def reproducible(
-    *, seed: int = ..., warn_only: bool = ..., rank: Rank = ...
+    *,
+    seed: int = ...,
+    warn_only: bool = ...,
+    rank: Rank = ...,
+    flags: bool = ...,
+    fill_uninitialized_memory: bool = ...,
 ) -> Callable[[F], F]: ...
 
 
 def reproducible(
-    func: Any = None, /, *, seed: int = DEFAULT_SEED, warn_only: bool = False, rank: Rank = None
+    func: Any = None,
+    /,
+    *,
+    seed: int = DEFAULT_SEED,
+    warn_only: bool = False,
+    rank: Rank = None,
+    flags: bool = True,
+    fill_uninitialized_memory: bool = True,
 ) -> Any:
     """Make every call of a function (or every test of a TestCase) a fresh block.
 
@@ -356,6 +368,7 @@ def reproducible(
     in between.  ``@deterministic(seed=s)`` is the same decorator.  ``rank``
     is as in :class:`deterministic`; ``"auto"`` is looked up at each call, so
     decorating at import time, before the process group exists, is fine.
+    ``flags`` and ``fill_uninitialized_memory`` are as in :class:`deterministic`.
 
     Example:
         >>> import numpy as np
@@ -366,7 +379,7 @@ def reproducible(
         >>> bool((noise(4) == noise(4)).all())
         True
     """
-    settings = Settings.build(seed, warn_only, rank)
+    settings = Settings.build(seed, warn_only, rank, flags, fill_uninitialized_memory)
     if func is None:
         return lambda f: decorate(f, settings)
     return decorate(func, settings)

@@ -23,7 +23,7 @@ import json
 import sys
 import tokenize
 from types import CodeType
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
@@ -34,35 +34,50 @@ from .internal import MAX_SEED, validate_seed
 
 __all__ = ["DeterministicMagics", "load_ipython_extension", "unload_ipython_extension"]
 
-CELL_USAGE = "%%deterministic [SEED] [--warn-only]"
+CELL_USAGE = "%%deterministic [SEED] [--warn-only] [--no-flags] [--no-fill]"
+
+
+class CellOptions(NamedTuple):
+    """What a ``%%deterministic`` line asks for: :class:`deterministic`'s arguments."""
+
+    seed: int
+    warn_only: bool = False
+    flags: bool = True
+    fill_uninitialized_memory: bool = True
+
+
 REPORT_USAGE = "%deterministic_report [--json]"
 
 
-def parse_cell_line(line: str) -> tuple[int, bool]:
-    """The seed and ``warn_only`` of a ``%%deterministic`` line, or :class:`UsageError`.
+def parse_cell_line(line: str) -> CellOptions:
+    """The options of a ``%%deterministic`` line, or :class:`UsageError`.
 
     Example:
         >>> parse_cell_line("")
-        (0, False)
-        >>> parse_cell_line("--warn-only 3")
+        CellOptions(seed=0, warn_only=False, flags=True, fill_uninitialized_memory=True)
+        >>> parse_cell_line("--warn-only 3").seed, parse_cell_line("--warn-only 3").warn_only
         (3, True)
+        >>> parse_cell_line("7 --no-flags").flags
+        False
         >>> parse_cell_line("abc")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         IPython.core.error.UsageError: %%deterministic: SEED must be an integer ..., got 'abc'
-        usage: %%deterministic [SEED] [--warn-only]
+        usage: %%deterministic [SEED] [--warn-only] [--no-flags] [--no-fill]
     """
     seed: int | None = None
-    warn_only = False
+    switches = {"--warn-only": False, "--no-flags": False, "--no-fill": False}
     for word in line.split():
-        if word == "--warn-only":
-            warn_only = True
+        if word in switches:
+            switches[word] = True
         elif word in ("-h", "--help"):
             _usage_error(
                 "runs the cell in a deterministic block: seeded with SEED (default 0), restored "
                 "after, so re-running the cell gives the same output and later cells are "
                 "unaffected; --warn-only: operations without a deterministic implementation warn "
-                "instead of raising",
+                "instead of raising; --no-flags: seed and isolate only, the determinism flags "
+                "and variables stay as they are; --no-fill: "
+                "torch.utils.deterministic.fill_uninitialized_memory off in the cell",
                 CELL_USAGE,
             )
         elif word.startswith("-") and not word[1:].isdigit():
@@ -76,7 +91,12 @@ def parse_cell_line(line: str) -> tuple[int, bool]:
                 _usage_error(
                     f"SEED must be an integer in 0 .. {MAX_SEED}, got {word!r}", CELL_USAGE
                 )
-    return (0 if seed is None else seed), warn_only
+    return CellOptions(
+        0 if seed is None else seed,
+        warn_only=switches["--warn-only"],
+        flags=not switches["--no-flags"],
+        fill_uninitialized_memory=not switches["--no-fill"],
+    )
 
 
 def _usage_error(message: str, usage: str) -> NoReturn:
@@ -163,11 +183,16 @@ class DeterministicMagics(Magics):
         and restored too.
         """
         __tracebackhide__ = True
-        seed, warn_only = parse_cell_line(line)
+        options = parse_cell_line(line)
         shell = self.shell
         assert shell is not None
         body, last = _compile_cell(shell, line, cell)  # a SyntaxError here runs nothing
-        with _block(seed, warn_only=warn_only):
+        with _block(
+            options.seed,
+            warn_only=options.warn_only,
+            flags=options.flags,
+            fill_uninitialized_memory=options.fill_uninitialized_memory,
+        ):
             exec(body, shell.user_global_ns, shell.user_ns)
             value = None if last is None else eval(last, shell.user_global_ns, shell.user_ns)
         return None if _ends_with_semicolon(cell) else value

@@ -32,6 +32,8 @@ def seed_everything(
     warn_only: bool = False,
     rank: Rank = None,
     broadcast: bool = False,
+    flags: bool = True,
+    fill_uninitialized_memory: bool = True,
 ) -> int:
     """Seed every RNG and turn on deterministic algorithms for the whole process.
 
@@ -55,6 +57,7 @@ def seed_everything(
         warn_only: as in :class:`deterministic`.
         rank: as in :class:`deterministic`: ``random``, NumPy and registered
             user RNGs get a per-rank seed, torch keeps the shared one.
+        flags, fill_uninitialized_memory: as in :class:`deterministic`.
         broadcast: a collective on ``torch.distributed``'s default group:
             every rank uses rank 0's seed (drawn there if ``None``).  Without
             a process group it changes nothing.  ``seed=None`` on more than
@@ -92,6 +95,7 @@ def seed_everything(
     elif seed is not None:
         validate_seed(seed)
     rank = validate_rank(rank)
+    Settings.build(0, warn_only, rank, flags, fill_uninitialized_memory)  # validates the rest
     drawn = seed is None
     if broadcast or drawn:
         from . import distributed  # the integration layer, only when asked for
@@ -105,7 +109,7 @@ def seed_everything(
             )
         else:
             seed = distributed.draw_seed()
-    settings = Settings.build(seed, warn_only, rank)
+    settings = Settings.build(seed, warn_only, rank, flags, fill_uninitialized_memory)
     block = Block(settings)
     try:
         block.start()  # applies, or rolls back to the previous state and raises

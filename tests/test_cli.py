@@ -139,7 +139,8 @@ def test_help_reads_well(capsys):
 
     assert main(["run", "--help"]) == 0
     run = capsys.readouterr().out
-    assert "deterministic-ctx run [-h] [--seed N] [--warn-only] [--] script.py [args ...]" in run
+    assert "deterministic-ctx run [-h] [--seed N] [--warn-only] [--no-flags] [--no-fill]" in run
+    assert "[--] script.py [args ...]" in run
     for text in (
         "-m module",
         "--seed N",
@@ -206,6 +207,17 @@ def test_report_init_cuda_without_cuda_is_harmless():
 
 
 # --- run: seeding -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_run_no_flags_seeds_only(probe, elsewhere):
+    env = base_env(3)
+    env.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    out = probe_output(cli("run", "--seed", "3", "--no-flags", str(probe), env=env, cwd=elsewhere))
+    assert {k: out[k] for k in ("random", "numpy", "torch")} == expected_draws(3)
+    assert out["deterministic"] is False
+    assert out["cudnn_deterministic"] is False
+    assert out["cublas"] is None
 
 
 @pytest.mark.slow

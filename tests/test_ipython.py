@@ -261,7 +261,10 @@ def test_bad_arguments_show_usage_and_run_nothing(kernel, line, message):
     before = global_state(kernel)
     bad = kernel.run(f"%%deterministic {line}\nran = True\nrandom.random()", fails=True)
     assert bad.stderr.startswith("UsageError: %%deterministic: ")
-    assert f"{message}\nusage: %%deterministic [SEED] [--warn-only]\n" in bad.stderr
+    assert (
+        f"{message}\nusage: %%deterministic [SEED] [--warn-only] [--no-flags] [--no-fill]\n"
+        in bad.stderr
+    )
     assert bad.error is None  # a usage message, not a traceback
     assert kernel.run("ran").value == "False"
     assert global_state(kernel) == before
@@ -271,7 +274,7 @@ def test_bad_arguments_show_usage_and_run_nothing(kernel, line, message):
 def test_help(kernel):
     result = kernel.run("%%deterministic --help\nran = True", fails=True)
     assert "runs the cell in a deterministic block" in result.stderr
-    assert "usage: %%deterministic [SEED] [--warn-only]" in result.stderr
+    assert "usage: %%deterministic [SEED] [--warn-only] [--no-flags] [--no-fill]" in result.stderr
 
 
 @pytest.mark.slow
@@ -331,6 +334,11 @@ def test_warn_only(kernel):
     assert kernel.run(f"%%deterministic 3 --warn-only\n{flags}").value == "(True, True)"
     assert kernel.run(f"%%deterministic --warn-only 3\n{flags}").value == "(True, True)"
     assert kernel.run(f"{flags}").value == "(False, False)"
+    # --no-flags seeds only: the caller's flags stay in force.
+    assert kernel.run(f"%%deterministic 3 --no-flags\n{flags}").value == "(False, False)"
+    fill = "torch.utils.deterministic.fill_uninitialized_memory"
+    assert kernel.run(f"%%deterministic --no-fill\n{fill}").value == "False"
+    assert kernel.run(fill).value == "True"
 
 
 @pytest.mark.slow

@@ -161,13 +161,41 @@ def test_marker_on_module_and_class_applies_to_every_test(pytester: pytest.Pytes
     run(pytester).assert_outcomes(passed=3)
 
 
+def test_marker_flags_and_fill_options(pytester: pytest.Pytester):
+    pytester.makepyfile(
+        """
+        import os
+        import pytest
+        import torch
+
+        @pytest.mark.deterministic(seed=2, flags=False)
+        def test_seeded_without_flags():
+            assert not torch.are_deterministic_algorithms_enabled()
+            assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+            x = torch.rand(2)
+            torch.manual_seed(2)
+            assert torch.equal(x, torch.rand(2))
+
+        @pytest.mark.deterministic(seed=2, fill_uninitialized_memory=False)
+        def test_without_the_fill():
+            assert torch.are_deterministic_algorithms_enabled()
+            assert not torch.utils.deterministic.fill_uninitialized_memory
+        """
+    )
+    run(pytester).assert_outcomes(passed=2)
+
+
 @pytest.mark.parametrize(
     ("marker", "message"),
     [
         ('seed="1"', "seed must be an int in 0 .. 4294967295*got str '1'"),
         ("seed=-1", "seed must be in 0 .. 4294967295*got -1"),
         ('warn_only="yes"', "warn_only must be True or False, got 'yes'"),
-        ("sede=1", "unknown argument(s) sede; accepted: seed, warn_only"),
+        (
+            "sede=1",
+            "unknown argument(s) sede; accepted: seed, warn_only, flags, fill_uninitialized_memory",
+        ),
+        ('flags="no"', "flags must be True or False, got 'no'"),
         ("3", "takes keyword arguments only (seed=..., warn_only=...), got positional (3,)"),
     ],
 )

@@ -292,12 +292,16 @@ class EnvironSource:
         return names, tuple(map(self._access.get, keys))
 
     def apply(self, settings: Settings) -> None:
+        if not settings.flags:  # the caller's variables, captured and restored all the same
+            return
         get = self._access.get
         self._apply(get(self._cublas_key), get(self._hash_key), settings.seed)
 
     def apply_after_capture(self, state: EnvState, settings: Settings) -> None:
         """:meth:`apply`, for a state :meth:`capture` has just returned: the two
         variables' values are taken from it instead of being read again."""
+        if not settings.flags:
+            return
         names, raw = state
         if names is _MANAGED:  # CUBLAS_WORKSPACE_CONFIG and PYTHONHASHSEED come first
             self._apply(raw[0], raw[1], settings.seed)

@@ -634,10 +634,15 @@ _GETTERS = tuple(flag.get for flag in _FLAGS)
 #: ``_call(f)`` is ``f()``: with ``map``, the getters run without a Python frame each.
 _call: Callable[[Callable[[], Any]], Any] = getattr(operator, "call", lambda f: f())
 _ACCESS = tuple((flag.get, flag.set, i) for i, flag in enumerate(_FLAGS))
-#: The flags' values inside a block, by its ``warn_only``.
+_FILL = _BOOLS.index("fill_uninitialized_memory")
+#: The flags' values inside a block, by its ``(warn_only, fill_uninitialized_memory)``.
 _INSIDE = {
-    warn_only: tuple(warn_only if flag.inside is None else flag.inside for flag in _FLAGS)
+    (warn_only, fill): tuple(
+        warn_only if flag.inside is None else fill if i == _FILL else flag.inside
+        for i, flag in enumerate(_FLAGS)
+    )
     for warn_only in (False, True)
+    for fill in (False, True)
 }
 
 
@@ -702,14 +707,18 @@ class TorchFlagsSource:
         return tuple.__new__(FlagState, values)
 
     def apply(self, settings: Settings) -> None:
-        _write_flags(_INSIDE[settings.warn_only])
+        if not settings.flags:  # the caller's flags, captured and restored all the same
+            return
+        _write_flags(_INSIDE[settings.warn_only, settings.fill_uninitialized_memory])
         if _INDUCTOR in sys.modules:
             _apply_inductor()
 
     def apply_after_capture(self, state: FlagState, settings: Settings) -> None:
         """:meth:`apply`, for a state :meth:`capture` has just returned: the
         flags are compared with it instead of being read again."""
-        _write_changed_flags(_INSIDE[settings.warn_only], state)
+        if not settings.flags:
+            return
+        _write_changed_flags(_INSIDE[settings.warn_only, settings.fill_uninitialized_memory], state)
         if _INDUCTOR in sys.modules:
             _apply_inductor()
 
