@@ -562,17 +562,22 @@ def _on_collect(
     ref: _Ref,
     _entries: dict[int, _Entry] = _entries,
     _by_id: dict[int, int] = _by_id,
+    _changed: Callable[[], None] = _changed,
 ) -> None:
     """Drop a collected RNG's entry.  Runs wherever the object died (see the
-    module docstring): no lock, single dict operations only.  The tables are
-    bound as defaults so that a callback at interpreter shutdown still finds them."""
+    module docstring): no lock, single dict operations only.  The tables (and
+    the version bump) are bound as defaults so that a callback at interpreter
+    shutdown, when module globals may already be None, still finds them."""
     if _entries.pop(ref.token, None) is None:
         return  # unregistered before it died (a snapshot kept the entry alive)
     # The dying object still occupies its address until this returns, so no
     # other object can have registered under the same id meanwhile.
     if _by_id.get(ref.oid) == ref.token:
         _by_id.pop(ref.oid, None)
-    _changed()
+    try:
+        _changed()
+    except TypeError:  # interpreter shutdown: the module's globals are gone, no block follows
+        pass
 
 
 def _live() -> tuple[_Entry, ...]:
