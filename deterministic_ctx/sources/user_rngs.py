@@ -574,7 +574,8 @@ def _on_collect(
     # other object can have registered under the same id meanwhile.
     if _by_id.get(ref.oid) == ref.token:
         _by_id.pop(ref.oid, None)
-    try:
+    # Not contextlib.suppress: at interpreter shutdown that module's name may be gone too.
+    try:  # noqa: SIM105
         _changed()
     except TypeError:  # interpreter shutdown: the module's globals are gone, no block follows
         pass
