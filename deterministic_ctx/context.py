@@ -56,22 +56,7 @@ class _Blocks:
     _blocks: dict[object, list[Block]]
 
     def __enter__(self: _B) -> _B:
-        # ``_enter(None)`` written out: a ``with`` is the hot path (one frame less).
-        stack = self._blocks.get(None)
-        if stack is None:
-            stack = self._blocks[None] = []
-        block = Block(self._settings)
-        try:
-            stack.append(block)  # recorded first: an interrupt below still finds it
-            block.start()
-            drain_signals()
-            return self
-        except BaseException:
-            # ``with`` calls ``__exit__`` only if ``__enter__`` returned: leave now.
-            if stack and stack[-1] is block:
-                del stack[-1]
-            block.stop()
-            raise
+        return self._push(self._blocks.setdefault(None, []))
 
     def __exit__(
         self,
@@ -112,8 +97,11 @@ class _Blocks:
         if len(blocks) > 1:  # drop the emptied stacks of finished tasks
             for done in [t for t, stack in blocks.items() if t is not None and not stack]:
                 del blocks[done]
+        return self._push(blocks.setdefault(task, []))
+
+    def _push(self: _B, stack: list[Block]) -> _B:
+        """Enter a new block, recorded on ``stack`` (this object's blocks of one task)."""
         block = Block(self._settings)
-        stack = blocks.setdefault(task, [])
         try:
             stack.append(block)  # recorded first: an interrupt below still finds it
             block.start()

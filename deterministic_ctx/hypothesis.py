@@ -43,8 +43,7 @@ import functools
 import threading
 from typing import TYPE_CHECKING, Any
 
-from .internal import Settings, source_named
-from .snapshot import Snapshot
+from .internal import Settings, generator_sources
 
 if TYPE_CHECKING:
     from .sources import Source
@@ -158,13 +157,7 @@ class TorchRandom:
 @functools.cache
 def _sources() -> tuple[Source, ...]:
     """torch's CPU generator, every accelerator source and the registered RNGs."""
-    # The sources a snapshot captures, so a device type added to the library is managed too.
-    captured = [source_named(name) for name in Snapshot.capture().sources]
-    return (
-        source_named("torch.cpu"),  # a KeyError, not silence, should a name change
-        *(source for source in captured if source.device_type is not None),
-        source_named("user"),
-    )
+    return generator_sources()
 
 
 #: The one adapter handed to Hypothesis.  Hypothesis holds registered randoms by weak

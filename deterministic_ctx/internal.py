@@ -29,7 +29,13 @@ from ._seed import MAX_SEED, derive_seed, validate_seed
 from ._settings import AUTO, Rank, Settings, process_rank, seed_for_rank, validate_rank
 from ._version import __version__ as VERSION
 from .engine import Block, inside_block
-from .sources import register_rng, registered_rngs, seed_registered_rngs, source_named
+from .sources import (
+    generator_sources,
+    register_rng,
+    registered_rngs,
+    seed_registered_rngs,
+    source_named,
+)
 from .sources.environ import CUBLAS_VALID, managed_env_vars, register_env_var
 from .sources.environ import SEED as SEED_ENV_VAR
 from .sources.flags import PRECISION_OPS
@@ -45,6 +51,7 @@ __all__ = [
     "Rank",
     "Settings",
     "derive_seed",
+    "generator_sources",
     "inside_block",
     "managed_env_vars",
     "process_rank",

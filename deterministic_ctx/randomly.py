@@ -82,13 +82,6 @@ def reseed(seed: int) -> None:
 @functools.cache
 def _sources() -> tuple[Source, ...]:
     """torch's CPU generator, every accelerator source and the registered RNGs."""
-    from .internal import source_named
-    from .snapshot import Snapshot
+    from .internal import generator_sources
 
-    # The sources a snapshot captures, so a device type added to the library is seeded too.
-    captured = [source_named(name) for name in Snapshot.capture().sources]
-    return (
-        source_named("torch.cpu"),  # a KeyError, not silence, should a name change
-        *(source for source in captured if source.device_type is not None),
-        source_named("user"),
-    )
+    return generator_sources()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -116,3 +117,26 @@ def _checked(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProc
             f"{' '.join(proc.args)} exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
         )
     return proc
+
+
+class RandomLike:
+    """Any object with ``seed`` / ``getstate`` / ``setstate`` (Hypothesis's protocol,
+    what ``register_rng`` accepts besides its four types), around a Mersenne
+    Twister; ``seeds`` lists every seed it was given."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._r = random.Random(seed)
+        self.seeds: list[int] = []
+
+    def seed(self, s: int) -> None:
+        self.seeds.append(s)
+        self._r.seed(s)
+
+    def getstate(self) -> Any:
+        return self._r.getstate()
+
+    def setstate(self, state: Any) -> None:
+        self._r.setstate(state)
+
+    def random(self) -> float:
+        return self._r.random()

@@ -73,7 +73,7 @@ from deterministic_ctx.sources import environ as _environ
 from deterministic_ctx.sources.fused import FusedPlan, build
 from deterministic_ctx.world import World
 from tests._oracle import World as Oracle
-from tests.helpers import draw, run_python, solo
+from tests.helpers import RandomLike, draw, run_python, solo
 
 B: Any = torch.backends
 _RANDOM_SOURCE: Any = _sources.source_named("random")
@@ -313,25 +313,6 @@ class SubRandom(random.Random):
 
 class SubRandomState(np.random.RandomState):
     """A subclass: registered through its own methods, not the fast path."""
-
-
-class RandomLike:
-    """Any object with seed / getstate / setstate (Hypothesis's protocol)."""
-
-    def __init__(self, seed: int) -> None:
-        self._r = random.Random(seed)
-
-    def seed(self, seed: int) -> None:
-        self._r.seed(seed)
-
-    def getstate(self) -> Any:
-        return self._r.getstate()
-
-    def setstate(self, state: Any) -> None:
-        self._r.setstate(state)
-
-    def random(self) -> float:
-        return self._r.random()
 
 
 class SeedRaises(RandomLike):

@@ -34,27 +34,9 @@ from deterministic_ctx import (
     unregister_rng,
 )
 from deterministic_ctx.sources import user_rngs
+from tests.helpers import RandomLike
 
-
-class Like:
-    """A random-like object: not a random.Random, only the three methods."""
-
-    def __init__(self, seed: int = 0) -> None:
-        self._r = random.Random(seed)
-        self.seeds: list[int] = []
-
-    def seed(self, s: int) -> None:
-        self.seeds.append(s)
-        self._r.seed(s)
-
-    def getstate(self) -> Any:
-        return self._r.getstate()
-
-    def setstate(self, state: Any) -> None:
-        self._r.setstate(state)
-
-    def random(self) -> float:
-        return self._r.random()
+Like = RandomLike  # a random-like object: not a random.Random, only the three methods
 
 
 class Counter:

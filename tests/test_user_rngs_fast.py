@@ -22,6 +22,7 @@ import torch
 from deterministic_ctx import Snapshot, derive_seed, deterministic, register_rng, unregister_rng
 from deterministic_ctx.sources import user_rngs
 from deterministic_ctx.sources.numpy_global import numpy_state_to_plain
+from tests.helpers import RandomLike
 
 
 class _SubRandom(random.Random):
@@ -40,23 +41,7 @@ class _SubTorch(torch.Generator):
     pass
 
 
-class _RandomLike:
-    """A random-like object (seed / getstate / setstate) around a Mersenne Twister."""
-
-    def __init__(self, seed: int) -> None:
-        self._r = random.Random(seed)
-
-    def seed(self, s: int) -> None:
-        self._r.seed(s)
-
-    def getstate(self) -> Any:
-        return self._r.getstate()
-
-    def setstate(self, state: Any) -> None:
-        self._r.setstate(state)
-
-    def random(self) -> float:
-        return self._r.random()
+_RandomLike = RandomLike
 
 
 #: name -> (make, expected path on CPython with the layouts proven)

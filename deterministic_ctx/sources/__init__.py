@@ -33,6 +33,7 @@ __all__ = [
     "Source",
     "apply_all",
     "apply_captured",
+    "generator_sources",
     "register_rng",
     "registered_rngs",
     "seed_registered_rngs",
@@ -75,6 +76,18 @@ def apply_captured(
         plan.apply(settings, states)
     else:
         apply_all(settings, sources)
+
+
+def generator_sources() -> tuple[Source, ...]:
+    """The sources of generator state that torch and the user own: torch's CPU
+    generator, every device type's, and the registered RNGs (not ``random``
+    and NumPy, nor flags).  What an integration reseeds next to another tool
+    that manages ``random`` and NumPy itself (pytest-randomly, Hypothesis)."""
+    return (
+        source_named("torch.cpu"),  # a KeyError, not silence, should a name change
+        *(source for source in SOURCES if source.device_type is not None),
+        source_named("user"),
+    )
 
 
 def source_named(name: str) -> Source:

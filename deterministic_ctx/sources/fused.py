@@ -215,14 +215,7 @@ class FusedPlan:
                 ):
                     continue  # nothing queued since: the reference restore writes nothing
             source.restore(state)
-        self._generator.set_state(states[2])
-        self._restore_numpy(states[1])
-        r = states[0]
-        if type(r.raw) is bytes:
-            self._view[:] = r.raw
-            self._rng.gauss_next = r.gauss_next  # type: ignore[attr-defined]
-        else:
-            self._random.restore(r)
+        self._restore_generators(states)
 
     def restore_over(self, states: tuple[Any, ...], now: tuple[Any, ...]) -> None:
         """:meth:`restore` of ``states`` where :meth:`capture` has just
@@ -240,6 +233,10 @@ class FusedPlan:
             # The same object: captured inline and unchanged since (see capture).
             if state is not now[3 + k] or devices[k][0] is None:
                 devices[k][1].restore(state)
+        self._restore_generators(states)
+
+    def _restore_generators(self, states: tuple[Any, ...]) -> None:
+        """The last steps of both restores: torch's CPU generator, NumPy, ``random``."""
         self._generator.set_state(states[2])
         self._restore_numpy(states[1])
         r = states[0]
