@@ -225,7 +225,7 @@ class FusedPlan:
         if states[-1] or now[-1]:
             self._user.restore(states[-1])
         self._environ.restore_over(states[-2], now[-2])
-        self._defaults.restore(states[-3])
+        self._defaults.restore_over(states[-3], now[-3])
         self._flags.restore_over(states[-4], now[-4])
         devices = self._devices
         for k in range(len(devices) - 1, -1, -1):

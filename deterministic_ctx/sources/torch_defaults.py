@@ -188,6 +188,12 @@ class TorchDefaultsSource:
         if now[DEVICE_CONTEXT] is not context:
             self._restore_context(now[DEVICE_CONTEXT], context)
 
+    def restore_over(self, state: DefaultsState, now: DefaultsState) -> None:
+        """:meth:`restore`, where :meth:`capture` has just returned ``now`` (a
+        swap of two worlds): nothing is read again when the two agree."""
+        if state != now:
+            self.restore(state)
+
     def _restore_context(self, current: Any, saved: Any) -> None:
         # What ``torch.set_default_device`` does, with the saved object instead
         # of a new one.  Membership checks make a second run after an
