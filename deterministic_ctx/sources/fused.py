@@ -57,12 +57,8 @@ class FusedPlan:
         "_devices",
         "_environ",
         "_flags",
-        "_gauss",
-        "_gauss_bytes",
         "_generator",
-        "_mt",
-        "_mt_bytes",
-        "_np_bg",
+        "_np",
         "_numpy",
         "_random",
         "_random_bytes",
@@ -92,11 +88,11 @@ class FusedPlan:
         self._random, self._rng, self._view = rnd, rnd.rng, view
         self._random_bytes = view.tobytes
         self._numpy, self._rs = npy, npy.random_state
-        self._np_bg: Any = None  # the bit generator the views below are over
-        self._mt: Any = None
-        self._gauss: Any = None
-        self._mt_bytes: Any = None
-        self._gauss_bytes: Any = None
+        # (bit generator, view of its record, view of the gaussian cache, their
+        # two ``tobytes``): one tuple, replaced whole, so that a capture in
+        # another thread (``Snapshot.capture()`` needs no block) never pairs
+        # one bit generator with another's views.
+        self._np: tuple[Any, ...] = (None, None, None, None, None)
         self._generator = cpu.generator
         # The device sources, in order, each with its torch module where this
         # build can never initialize the device (a CPU build's cuda, xpu,
@@ -113,25 +109,29 @@ class FusedPlan:
         self._flags, self._defaults = flags, defaults
         self._environ, self._user = environ, user
 
-    def _numpy_views(self, bg: Any) -> bool:
-        """Bind the views over ``bg``, NumPy's current bit generator; ``False``
-        where the fast path is off for it (the source's own methods then run)."""
+    def _numpy_views(self, bg: Any) -> tuple[Any, ...] | None:
+        """The views over ``bg``, NumPy's current bit generator, bound for the
+        next calls too; ``None`` where the fast path is off for it (the
+        source's own methods then run)."""
         views = self._numpy.views(bg)
         if views is None:
-            return False
-        self._np_bg = bg
-        self._mt, self._gauss = views
-        self._mt_bytes, self._gauss_bytes = views[0].tobytes, views[1].tobytes
-        return True
+            return None
+        mt, gauss = views
+        self._np = found = (bg, mt, gauss, mt.tobytes, gauss.tobytes)
+        return found
 
     def capture(self) -> tuple[Any, ...]:
         """Exactly ``tuple(s.capture() for s in sources)``."""
         gauss_next = self._rng.gauss_next  # type: ignore[attr-defined]
         states: list[Any] = [_new(PythonRandomState, (self._random_bytes(), gauss_next))]
         bg = self._rs._bit_generator
-        if bg is self._np_bg or self._numpy_views(bg):
+        np_views: tuple[Any, ...] | None = self._np
+        if np_views is not None and np_views[0] is not bg:
+            np_views = self._numpy_views(bg)
+        if np_views is not None:
+            mt_bytes, gauss_bytes = np_views[3], np_views[4]
             # One-line ``with``: see NumpyGlobalSource.capture.
-            with bg.lock: states.append(_new(NumpyState, (bg, (self._mt_bytes(), self._gauss_bytes()))))  # noqa: E501, E701  # fmt: skip
+            with bg.lock: states.append(_new(NumpyState, (bg, (mt_bytes(), gauss_bytes()))))  # noqa: E701  # fmt: skip
         else:
             states.append(self._numpy.capture())
         states.append(self._generator.get_state())
@@ -179,8 +179,9 @@ class FusedPlan:
             rnd.apply(settings)  # warns about the rebinding
         rs = self._rs
         bg = rs._bit_generator
-        if bg is self._np_bg:
-            seed_views(rs, bg, self._mt, self._gauss, rank_seed)
+        np_views = self._np
+        if bg is np_views[0]:
+            seed_views(rs, bg, np_views[1], np_views[2], rank_seed)
         else:
             self._numpy.apply(settings)
         seed_generator(self._generator, settings.seed)
@@ -248,8 +249,9 @@ class FusedPlan:
 
     def _restore_numpy(self, n: Any) -> None:
         bg = n.bit_generator
-        if bg is self._np_bg and type(n.raw) is tuple and self._rs._bit_generator is bg:
-            mt, gauss = self._mt, self._gauss
+        np_views = self._np
+        if bg is np_views[0] and type(n.raw) is tuple and self._rs._bit_generator is bg:
+            mt, gauss = np_views[1], np_views[2]
             with bg.lock: mt[:], gauss[:] = n.raw  # noqa: E701  # fmt: skip
         else:
             self._numpy.restore(n)
