@@ -1313,6 +1313,9 @@ def test_an_interrupt_at_any_line_of_the_fused_restore(user_rng, how):
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
+# A prelude may rebind random.random; the warning the next block gives about it
+# is tested in tests/test_context.py, and here says nothing about the plan.
+@pytest.mark.filterwarnings("ignore:random.random is no longer a method:RuntimeWarning")
 @given(
     prelude=st.lists(prelude_ops, max_size=10),
     between=st.lists(body_ops, max_size=8),
