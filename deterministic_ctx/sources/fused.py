@@ -28,6 +28,7 @@ reruns the reference restore after any exception here.
 from __future__ import annotations
 
 import random
+from operator import is_
 from typing import Any, TypeVar
 
 from .._settings import Settings
@@ -104,8 +105,11 @@ class FusedPlan:
             else (None, s)
             for s in middle
         )
-        #: Per device, the last state captured inline and its ``call_order`` as a list.
-        self._recent: list[tuple[Any, list[Any]]] = [(None, []) for _ in self._devices]
+        #: Per device, the last state captured inline, with its ``call_order``
+        #: and queued calls as lists (compared with torch's without a copy).
+        self._recent: list[tuple[Any, list[Any], list[Any]]] = [
+            (None, [], []) for _ in self._devices
+        ]
         self._flags, self._defaults = flags, defaults
         self._environ, self._user = environ, user
 
@@ -145,21 +149,20 @@ class FusedPlan:
             # CPU build touches it but ``torch.manual_seed`` and friends), the
             # state built then is equal to a new one, and immutable: reused.
             t = m._lazy_seed_tracker
-            last, order = recent[k]
+            last, order, queued = recent[k]
             if not (
                 last is not None
                 and t.manual_seed_all_cb is last.seed_all
                 and t.manual_seed_cb is last.seed_one
-                and not m._queued_calls
-                and not last.queued
-                and t.call_order == order
+                and _same(m._queued_calls, queued)  # torch.cuda queues checks at import
+                and _same(t.call_order, order)
             ):
-                order = list(t.call_order)
+                order, queued = list(t.call_order), list(m._queued_calls)
                 last = _new(
                     LazyState,
-                    (t.manual_seed_all_cb, t.manual_seed_cb, tuple(order), tuple(m._queued_calls)),
+                    (t.manual_seed_all_cb, t.manual_seed_cb, tuple(order), tuple(queued)),
                 )
-                recent[k] = (last, order)
+                recent[k] = (last, order, queued)
             states.append(last)
         states.append(self._flags.capture())
         states.append(self._defaults.capture())
@@ -255,6 +258,12 @@ class FusedPlan:
             with bg.lock: mt[:], gauss[:] = n.raw  # noqa: E701  # fmt: skip
         else:
             self._numpy.restore(n)
+
+
+def _same(now: list[Any], then: list[Any]) -> bool:
+    """The same objects in the same order (identity: a state built from ``then``
+    must be the one a capture of ``now`` would build), compared in C."""
+    return len(now) == len(then) and all(map(is_, now, then))
 
 
 def _exact(source: Source, cls: type[_S]) -> _S:
