@@ -159,7 +159,8 @@ class deterministic(
         fill_uninitialized_memory: the value of
             ``torch.utils.deterministic.fill_uninitialized_memory`` inside the
             block: ``False`` skips filling new tensors (torchtitan's choice:
-            the fill costs time and races with communication streams).
+            the fill costs time and races with communication streams).  With
+            ``flags=False`` no flag is set, this one included.
 
     Example:
         >>> import torch

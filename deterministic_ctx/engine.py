@@ -167,19 +167,25 @@ class Block:
         Idempotent, and completed even if interrupted; the interrupt (or a
         :class:`RestoreError`) propagates afterwards.
         """
-        # The common exit inline (the top block leaves, nothing goes wrong);
-        # any exception, or any other case, takes the idempotent general path.
+        # The common exit inline (the top block leaves); any other case, or an
+        # interrupt, takes the idempotent general path.
+        error: RestoreError | None = None
         try:
             if _active and _active[-1] is self and self._outer is not None:
-                self._outer.restore()
+                try:
+                    self._outer.restore()
+                except RestoreError as exc:  # every other source was restored: leave anyway
+                    error = exc
                 del _active[-1]
                 self._outer = None
                 LOCK.release_to(len(_active))
-                return
+            else:
+                _run_to_completion(self._finish)
         except BaseException:
             _run_to_completion(self._finish)
             raise
-        _run_to_completion(self._finish)
+        if error is not None:
+            raise error
 
     def _finish(self) -> None:
         error: RestoreError | None = None

@@ -47,7 +47,8 @@ def seed_everything(
     (a block restores it like its other variables), so child processes
     (``torch.multiprocessing.spawn`` workers, ``subprocess`` runs) inherit it:
     ``seed_everything()`` there applies the same seed.  ``PYTHONHASHSEED`` is
-    exported too, as in a block, so string hashing in children is fixed.
+    exported too, as in a block (not with ``flags=False``, which sets no
+    variable), so string hashing in children is fixed.
 
     Args:
         seed: an int in ``0 .. 2**32 - 1``, or ``None`` to draw a fresh one
@@ -95,7 +96,13 @@ def seed_everything(
     elif seed is not None:
         validate_seed(seed)
     rank = validate_rank(rank)
-    Settings.build(0, warn_only, rank, flags, fill_uninitialized_memory)  # validates the rest
+    for name, value in (
+        ("warn_only", warn_only),
+        ("flags", flags),
+        ("fill_uninitialized_memory", fill_uninitialized_memory),
+    ):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
     drawn = seed is None
     if broadcast or drawn:
         from . import distributed  # the integration layer, only when asked for

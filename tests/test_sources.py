@@ -380,3 +380,25 @@ def test_environ_fast_reader_agrees_with_os_environ(monkeypatch):
     monkeypatch.delenv("PYTHONHASHSEED")
     assert access.get(key) is None
     assert _fast_access({}) is None  # any other mapping: the public API
+
+
+def test_a_random_subclass_seeds_with_its_own_seed_and_not_into_the_shared_cache():
+    # A subclass's seed() may differ from random.Random's: it runs, and its
+    # result never becomes the record a later block writes into ``random``.
+    import random
+
+    from deterministic_ctx import deterministic
+    from deterministic_ctx._settings import Settings
+    from deterministic_ctx.sources.python_random import PythonRandomSource
+
+    class Shifted(random.Random):
+        def seed(self, a=None, version=2):
+            super().seed(a + 1000 if isinstance(a, int) else a, version)
+
+    source = PythonRandomSource(rng=Shifted())
+    state = source.capture()
+    source.apply(Settings.build(12345, False))
+    assert source.rng.random() == random.Random(13345).random()
+    source.restore(state)
+    with deterministic(seed=12345):
+        assert random.random() == random.Random(12345).random()

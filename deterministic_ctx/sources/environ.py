@@ -175,12 +175,10 @@ class _Access:
     ``get`` and written through its own item assignment, values as they are.
     """
 
-    __slots__ = ("data", "decode", "delete", "encode", "encodekey", "get", "put")
+    __slots__ = ("decode", "delete", "encode", "encodekey", "get", "put")
 
     def __init__(self, env: MutableMapping[str, str]) -> None:
         fast = _fast_access(env)
-        #: ``os.environ``'s own dict of encoded values on the proven path, else ``None``.
-        self.data: dict[Any, Any] | None = None
         if fast is None:
             self.get: Callable[[Any], Any] = env.get
             self.encodekey: Callable[[str], Any] = str
@@ -195,7 +193,7 @@ class _Access:
 
         else:
             self.get, self.encodekey, self.encode, self.decode = fast
-            self.data = data = self.get.__self__  # type: ignore[attr-defined]
+            data: dict[Any, Any] = self.get.__self__  # type: ignore[attr-defined]
             putenv, unsetenv = os.putenv, os.unsetenv
 
             def put(name: str, key: Any, raw: Any) -> None:
@@ -214,8 +212,6 @@ class _Access:
     def keys(self, names: tuple[str, ...]) -> tuple[Any, ...]:
         return tuple(map(self.encodekey, names))
 
-
-_putenv, _unsetenv = os.putenv, os.unsetenv
 
 _PROBE = "DETERMINISTIC_CTX_ENV_PROBE"
 _PROBE_VALUE = "probe value é \udcff"  # non-ASCII, and a byte only surrogateescape carries
@@ -313,20 +309,9 @@ class EnvironSource:
         wanted = self._hash_values.get(seed)
         if wanted is None:
             wanted = access.encode(str(seed))
-            if (
-                len(self._hash_values) >= 256
-            ):  # one per seed: a new seed each block must not grow it
+            if len(self._hash_values) >= 256:  # a new seed each block must not grow it
                 self._hash_values.clear()
             self._hash_values[seed] = wanted
-        data = access.data
-        if data is not None:  # os.environ, proven: its own two steps, inline
-            if cublas not in self._cublas_valid:
-                _putenv(self._cublas_key, self._cublas_valid[0])
-                data[self._cublas_key] = self._cublas_valid[0]
-            if hashseed != wanted:
-                _putenv(self._hash_key, wanted)
-                data[self._hash_key] = wanted
-            return
         if cublas not in self._cublas_valid:
             access.put(CUBLAS, self._cublas_key, self._cublas_valid[0])
         if hashseed != wanted:
@@ -359,36 +344,21 @@ class EnvironSource:
         saved: tuple[Any, ...],
         now: tuple[Any, ...],
     ) -> None:
-        """Write the names whose values ``now`` differ from ``saved``."""
-        access = self._access
-        data = access.data
+        """Write the names whose values ``now`` differ from ``saved``; one name
+        that fails does not keep the others from being restored."""
+        rows: Iterable[tuple[str, Any, Any, Any]]
+        if names is _MANAGED and now[2:] == saved[2:]:
+            # Only the two a block sets may differ (the common case): no loop
+            # over every name.
+            rows = ((names[0], keys[0], saved[0], now[0]), (names[1], keys[1], saved[1], now[1]))
+        else:  # only the names that differ, picked in C
+            rows = compress(zip(names, keys, saved, now, strict=True), map(ne, saved, now))
+        put, delete = self._access.put, self._access.delete
         error: Exception | None = None
-        if data is not None:  # os.environ, proven: unsetenv/putenv and its dict, inline
-            pairs: Iterable[tuple[Any, Any, Any]]
+        for name, key, was, is_now in rows:
+            if was == is_now:
+                continue
             try:
-                if names is _MANAGED and now[2:] == saved[2:]:
-                    # Only the two a block sets may differ (the common case):
-                    # no loop over every name.
-                    pairs = ((keys[0], saved[0], now[0]), (keys[1], saved[1], now[1]))
-                else:
-                    pairs = compress(zip(keys, saved, now, strict=True), map(ne, saved, now))
-                for key, was, is_now in pairs:
-                    if was == is_now:
-                        continue
-                    if was is None:
-                        _unsetenv(key)
-                        data.pop(key, None)
-                    else:
-                        _putenv(key, was)
-                        data[key] = was
-                return
-            except Exception as exc:
-                # Raised once the loop below has restored the names one by one.
-                error = exc
-        put, delete = access.put, access.delete
-        # Only the names that differ, picked in C: a block usually changed two of them.
-        for name, key, was in compress(zip(names, keys, saved, strict=True), map(ne, saved, now)):
-            try:  # one name that fails must not keep the others from being restored
                 if was is None:
                     delete(name, key)
                 else:

@@ -225,8 +225,10 @@ class FusedPlan:
         """:meth:`restore` of ``states`` where :meth:`capture` has just
         returned ``now`` (a decorated generator or coroutine swapping its
         world and its caller's): what restore reads back to find what changed
-        is taken from ``now`` instead."""
-        if states[-1] or now[-1]:
+        is taken from ``now`` instead.  The price: a signal handler or a
+        finalizer that changes a flag or variable between that capture and
+        this restore is not seen (a plain restore reads again)."""
+        if states[-1]:
             self._user.restore(states[-1])
         self._environ.restore_over(states[-2], now[-2])
         self._defaults.restore_over(states[-3], now[-3])

@@ -41,11 +41,12 @@ _SEEDED: SeededCache[bytes] = SeededCache()
 
 def seed_view(rng: random.Random, view: memoryview, seed: int) -> None:
     """Exactly ``rng.seed(seed)`` for an int seed, given ``view`` over ``rng``'s
-    record (an exact ``random.Random``): seeding runs ``init_by_array`` over
-    624 words (~3.5 µs), a remembered record is one copy."""
+    record; ``rng`` must be an exact ``random.Random`` (a subclass may seed
+    otherwise, and its result must not enter the shared cache): seeding runs
+    ``init_by_array`` over 624 words (~3.5 µs), a remembered record is one copy."""
     raw = _SEEDED.lookup(seed)
     if raw is None:
-        rng.seed(seed)  # a miss costs the seeding itself, and a 2.5 KB read
+        random.Random.seed(rng, seed)  # a miss costs the seeding itself, and a 2.5 KB read
         _SEEDED.put(seed, view.tobytes())
         return
     view[:] = raw
@@ -81,10 +82,10 @@ def restore_rng(rng: random.Random, layout: MTLayout | None, state: PythonRandom
 
 def seed_rng(rng: random.Random, layout: MTLayout | None, seed: int) -> None:
     """Exactly ``rng.seed(seed)`` for an int seed."""
-    if layout is not None:
+    if layout is not None and type(rng) is random.Random:
         seed_view(rng, layout.view(rng), seed)
     else:
-        rng.seed(seed)
+        rng.seed(seed)  # a subclass's own seed(), which may differ
 
 
 def fast_layout_for(rng: object) -> MTLayout | None:
