@@ -21,7 +21,15 @@ import numpy as np
 
 from ._seed import derive_seed, show_int, validate_seed
 
-__all__ = ["AUTO", "Rank", "Settings", "process_rank", "seed_for_rank", "validate_rank"]
+__all__ = [
+    "AUTO",
+    "Rank",
+    "Settings",
+    "process_rank",
+    "seed_for_rank",
+    "validate_rank",
+    "validate_switches",
+]
 
 AUTO: Literal["auto"] = "auto"
 
@@ -55,6 +63,27 @@ def validate_rank(rank: object) -> Rank:
     if value < 0:
         raise ValueError(f"rank must be a non-negative int, 'auto' or None, got {show_int(value)}")
     return value
+
+
+def validate_switches(
+    warn_only: object, flags: object, fill_uninitialized_memory: object
+) -> tuple[bool, bool, bool]:
+    """The three on/off options of a block, each checked to be a bool.
+
+    Example:
+        >>> validate_switches(False, True, True)
+        (False, True, True)
+        >>> validate_switches(False, "no", True)
+        Traceback (most recent call last):
+        ...
+        TypeError: flags must be True or False, got 'no'
+    """
+    values = (warn_only, flags, fill_uninitialized_memory)
+    names = ("warn_only", "flags", "fill_uninitialized_memory")
+    for name, value in zip(names, values, strict=True):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    return warn_only, flags, fill_uninitialized_memory  # type: ignore[return-value]
 
 
 def process_rank() -> int:
@@ -146,19 +175,8 @@ class Settings:
             found = _BUILT.get(key)
             if found is not None:
                 return found
-        for name, value in (
-            ("warn_only", warn_only),
-            ("flags", flags),
-            ("fill_uninitialized_memory", fill_uninitialized_memory),
-        ):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be True or False, got {value!r}")
-        assert isinstance(warn_only, bool)
-        assert isinstance(flags, bool)
-        assert isinstance(fill_uninitialized_memory, bool)
-        settings = cls(
-            validate_seed(seed), warn_only, validate_rank(rank), flags, fill_uninitialized_memory
-        )
+        switches = validate_switches(warn_only, flags, fill_uninitialized_memory)
+        settings = cls(validate_seed(seed), switches[0], validate_rank(rank), *switches[1:])
         if plain:
             if len(_BUILT) >= 1024:  # a new seed every block must not grow it without bound
                 _BUILT.clear()

@@ -26,7 +26,15 @@ Example:
 from __future__ import annotations
 
 from ._seed import MAX_SEED, derive_seed, validate_seed
-from ._settings import AUTO, Rank, Settings, process_rank, seed_for_rank, validate_rank
+from ._settings import (
+    AUTO,
+    Rank,
+    Settings,
+    process_rank,
+    seed_for_rank,
+    validate_rank,
+    validate_switches,
+)
 from ._version import __version__ as VERSION
 from .engine import Block, inside_block
 from .sources import (
@@ -63,4 +71,5 @@ __all__ = [
     "source_named",
     "validate_rank",
     "validate_seed",
+    "validate_switches",
 ]

@@ -15,6 +15,7 @@ from .internal import (
     process_rank,
     validate_rank,
     validate_seed,
+    validate_switches,
 )
 
 __all__ = ["seed_everything"]
@@ -96,13 +97,7 @@ def seed_everything(
     elif seed is not None:
         validate_seed(seed)
     rank = validate_rank(rank)
-    for name, value in (
-        ("warn_only", warn_only),
-        ("flags", flags),
-        ("fill_uninitialized_memory", fill_uninitialized_memory),
-    ):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
+    validate_switches(warn_only, flags, fill_uninitialized_memory)
     drawn = seed is None
     if broadcast or drawn:
         from . import distributed  # the integration layer, only when asked for
