@@ -77,6 +77,7 @@ import torch
 
 from .._settings import Settings
 from . import _plain
+from ._config import AT_DEFAULT, ConfigEntry
 
 __all__ = ["PRECISION_OPS", "FlagState", "TorchFlagsSource"]
 
@@ -421,124 +422,27 @@ def _onednn_allow_tf32() -> bool | None:
 # -- inductor ------------------------------------------------------------------
 
 _INDUCTOR = "torch._inductor.config"
-_KEY = "deterministic"
-
-
-class _AtDefault:
-    """Inductor's flag as nobody set it: at its default, or not imported yet."""
-
-    __slots__ = ()
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _AtDefault)
-
-    def __hash__(self) -> int:
-        return hash(_AtDefault)
-
-    def __repr__(self) -> str:
-        return "default"
-
-    def __reduce__(self) -> str:
-        return "AT_DEFAULT"
-
-
-AT_DEFAULT = _AtDefault()
+#: ``torch._inductor.config.deterministic`` (inductor's random-number entries
+#: are the ``torch.compile`` source's: :mod:`.compiler`).
+_ENTRY = ConfigEntry(
+    _INDUCTOR, "deterministic", lambda: os.getenv("TORCHINDUCTOR_DETERMINISTIC") == "1"
+)
 _NOT_IMPORTED = (None, AT_DEFAULT)
-
-
-class _Inductor(NamedTuple):
-    config: Any
-    #: The ``deterministic`` entry; None where torch's config layout is not the
-    #: one this module knows (then the value itself is read and written).
-    entry: Any
-    #: torch's "no user override" sentinel.
-    unset: object
-    #: The value is the override, else the entry's default (no alias, env
-    #: variable or justknob in between): no need for the costly getattr.
-    plain: bool
-
-
-_inductor_cache: _Inductor | None = None
-
-
-def _inductor() -> _Inductor | None:
-    global _inductor_cache
-    config = sys.modules.get(_INDUCTOR)
-    if config is None:
-        return None
-    cached = _inductor_cache
-    if cached is None or cached.config is not config:
-        cached = _inductor_cache = _inspect(config)
-    return cached
-
-
-def _inspect(config: Any) -> _Inductor:
-    entries = getattr(config, "_config", None)
-    entry = entries.get(_KEY) if isinstance(entries, dict) else None
-    override = getattr(entry, "user_override", None)
-    unset = getattr(sys.modules.get("torch.utils._config_module"), "_UNSET_SENTINEL", None)
-    if not (
-        unset is not None
-        and callable(getattr(override, "get", None))
-        and callable(getattr(override, "set", None))
-        and callable(getattr(config, "_mark_get_dict_dirty", None))
-        and hasattr(config, "_hash_dirty_var")
-    ):
-        return _Inductor(config, None, None, False)
-    plain = (
-        getattr(entry, "alias", None) is None
-        and getattr(entry, "justknob", None) is None
-        and getattr(entry, "env_value_force", None) is unset
-        and getattr(entry, "env_value_default", None) is unset
-        and isinstance(getattr(entry, "default", None), bool)
-    )
-    return _Inductor(config, entry, unset, plain)
 
 
 def _read_inductor() -> tuple[bool | None, object]:
     """(the value, the override or AT_DEFAULT); (None, AT_DEFAULT) if not imported."""
-    found = _inductor()
-    if found is None:
-        return None, AT_DEFAULT
-    if found.entry is None:
-        value = getattr(found.config, _KEY)
-        return bool(value), value
-    override = found.entry.user_override.get()
-    if override is found.unset:
-        value = found.entry.default if found.plain else getattr(found.config, _KEY)
-        return bool(value), AT_DEFAULT
-    value = override if found.plain else getattr(found.config, _KEY)
-    return bool(value), override
-
-
-def _default_value(config: Any) -> bool:
-    entry = getattr(config, "_config", {}).get(_KEY)
-    if entry is not None and hasattr(entry, "default"):
-        return bool(entry.default)
-    return os.getenv("TORCHINDUCTOR_DETERMINISTIC") == "1"
+    value, override = _ENTRY.read()
+    return (None if value is None else bool(value)), override
 
 
 def _apply_inductor() -> None:
-    found = _inductor()
-    if found is not None and not (
-        found.plain and found.entry.user_override.get() is True  # nested: already set
-    ):
-        found.config.deterministic = True
+    if _ENTRY.override() is not True:  # nested: already set
+        _ENTRY.set(True)
 
 
 def _restore_inductor(want: object) -> None:
-    found = _inductor()
-    if found is None:
-        return
-    if found.entry is None:
-        setattr(found.config, _KEY, _default_value(found.config) if want == AT_DEFAULT else want)
-        return
-    target = found.unset if want == AT_DEFAULT else want
-    if found.entry.user_override.get() is not target:
-        found.entry.user_override.set(target)
-        # The caches of the compile-cache key and of get_dict (torch's own patcher does this).
-        found.config._hash_dirty_var.set(True)
-        found.config._mark_get_dict_dirty(_KEY)
+    _ENTRY.restore(want)
 
 
 # -- the state -----------------------------------------------------------------

@@ -1,0 +1,181 @@
+"""Entries of torch's config modules (``torch._inductor.config``, ...), read
+and written as torch's own patcher does.
+
+A config module tells a value the user set from a default (``_is_default``),
+and its compile-cache keys see the difference.  So the state of an entry is
+its *user override*: the value someone set, or :data:`AT_DEFAULT` when nobody
+did.  It is read and written the way torch's ``_make_closure_patcher`` does:
+the override's ``ContextVar``, then the module's hash and ``get_dict`` caches
+marked dirty.  That is also cheaper than ``getattr(config, key)`` (about
+1.2 µs per read, 0.8 µs per write).  Overrides are per thread (a
+``ContextVar`` in torch), so a restore writes the calling thread's.
+
+A module that is not imported is never imported here: its entries read as
+not imported, and a restore leaves them alone.  An entry imported *after* a
+capture is put back to :data:`AT_DEFAULT`: as if nobody had touched it.
+Where torch's config layout is not the one this module knows, the value itself
+is read and written with ``getattr``/``setattr``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+__all__ = ["AT_DEFAULT", "ConfigEntry"]
+
+
+class _AtDefault:
+    """An entry as nobody set it: at its default, or its module not imported yet."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _AtDefault)
+
+    def __hash__(self) -> int:
+        return hash(_AtDefault)
+
+    def __repr__(self) -> str:
+        return "default"
+
+    def __reduce__(self) -> str:
+        return "AT_DEFAULT"
+
+
+AT_DEFAULT = _AtDefault()
+
+
+class _Found(NamedTuple):
+    config: Any
+    #: torch's ``_ConfigEntry``; ``None`` where the layout is not the known one.
+    entry: Any
+    #: torch's "no user override" sentinel.
+    unset: object
+    #: The value is the override, else the entry's default (no alias, env
+    #: variable or justknob in between): no need for the costly getattr.
+    plain: bool
+
+
+class ConfigEntry:
+    """One entry of one torch config module, e.g. ``ConfigEntry("torch._inductor.config",
+    "fallback_random")``."""
+
+    __slots__ = ("_found", "_unknown_default", "key", "module")
+
+    def __init__(
+        self, module: str, key: str, unknown_default: Callable[[], Any] | None = None
+    ) -> None:
+        self.module = module
+        self.key = key
+        #: The default where torch's layout does not say (an older torch).
+        self._unknown_default = unknown_default
+        self._found: _Found | None = None
+
+    @property
+    def name(self) -> str:
+        """``module.key``: how checkpoints and reports name the entry."""
+        return f"{self.module}.{self.key}"
+
+    def located(self) -> _Found | None:
+        """The module's config and entry, or ``None`` where the module is not
+        imported or has no such entry (another torch)."""
+        config = sys.modules.get(self.module)
+        if config is None:
+            return None
+        found = self._found
+        if found is None or found.config is not config:
+            found = self._found = _inspect(config, self.key)
+        if found.entry is None and not hasattr(found.config, self.key):
+            return None
+        return found
+
+    def read(self) -> tuple[Any, object]:
+        """``(value, override or AT_DEFAULT)``; ``(None, AT_DEFAULT)`` where
+        the module is not imported or has no such entry."""
+        found = self.located()
+        if found is None:
+            return None, AT_DEFAULT
+        if found.entry is None:
+            value = getattr(found.config, self.key)
+            return value, value
+        override = found.entry.user_override.get()
+        if override is found.unset:
+            value = found.entry.default if found.plain else getattr(found.config, self.key)
+            return value, AT_DEFAULT
+        value = override if found.plain else getattr(found.config, self.key)
+        return value, override
+
+    def override(self) -> object:
+        """What :meth:`read` returns second, alone (a ``ContextVar`` read)."""
+        found = self.located()
+        if found is None:
+            return AT_DEFAULT
+        if found.entry is None:
+            return getattr(found.config, self.key)
+        override = found.entry.user_override.get()
+        return AT_DEFAULT if override is found.unset else override
+
+    def set(self, value: object) -> None:
+        """Override the entry with ``value`` (``config.key = value``); nothing
+        where the module is not imported."""
+        found = self.located()
+        if found is None:
+            return
+        if found.entry is None or not found.plain:
+            setattr(found.config, self.key, value)
+        else:
+            self._write(found, value)
+
+    def restore(self, want: object) -> None:
+        """Put back an override :meth:`read` returned (:data:`AT_DEFAULT`:
+        nobody's); nothing where the module is not imported."""
+        found = self.located()
+        if found is None:
+            return
+        if found.entry is None:
+            setattr(found.config, self.key, self.default(found) if want == AT_DEFAULT else want)
+            return
+        self._write(found, found.unset if want == AT_DEFAULT else want)
+
+    def _write(self, found: _Found, target: object) -> None:
+        if found.entry.user_override.get() is not target:
+            found.entry.user_override.set(target)
+            # The caches of the compile-cache key and of get_dict (torch's own patcher does this).
+            found.config._hash_dirty_var.set(True)
+            found.config._mark_get_dict_dirty(self.key)
+
+    def default(self, found: _Found | None = None) -> Any:
+        """The entry's default, where its module is imported (else ``None``)."""
+        found = found or self.located()
+        if found is None:
+            return None
+        entries = getattr(found.config, "_config", {})
+        entry = entries.get(self.key) if isinstance(entries, dict) else None
+        if entry is not None and hasattr(entry, "default"):
+            return entry.default
+        return None if self._unknown_default is None else self._unknown_default()
+
+
+def _inspect(config: Any, key: str) -> _Found:
+    entries = getattr(config, "_config", None)
+    entry = entries.get(key) if isinstance(entries, dict) else None
+    override = getattr(entry, "user_override", None)
+    unset = getattr(sys.modules.get("torch.utils._config_module"), "_UNSET_SENTINEL", None)
+    if not (
+        unset is not None
+        and callable(getattr(override, "get", None))
+        and callable(getattr(override, "set", None))
+        and callable(getattr(config, "_mark_get_dict_dirty", None))
+        and hasattr(config, "_hash_dirty_var")
+    ):
+        return _Found(config, None, None, False)
+    plain = (
+        getattr(entry, "alias", None) is None
+        and getattr(entry, "justknob", None) is None
+        and getattr(entry, "env_value_force", None) is unset
+        and getattr(entry, "env_value_default", None) is unset
+        and isinstance(getattr(entry, "default", None), (bool, int, float, str))
+    )
+    return _Found(config, entry, unset, plain)
