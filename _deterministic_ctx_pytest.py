@@ -42,7 +42,7 @@ DEFAULT_SEED = 0
 # checks that the two agree.
 _MAX_SEED = 2**32 - 1
 _MARKER = "deterministic"
-_MARKER_ARGS = ("seed", "warn_only", "flags", "fill_uninitialized_memory")
+_MARKER_ARGS = ("seed", "warn_only", "flags", "fill_uninitialized_memory", "compiled_rng")
 _CACHE_KEY = "deterministic_ctx/seed"
 _WORKER_KEY = "deterministic_ctx_seed"
 _LEAK_MODES = ("off", "warn", "error")
@@ -76,7 +76,8 @@ class _Run:
     warn_only: bool
     from_marker: bool
     inner: Snapshot | None = None
-    #: The marker's other arguments (``flags``, ``fill_uninitialized_memory``), as given.
+    #: The marker's other arguments (``flags``, ``fill_uninitialized_memory``,
+    #: ``compiled_rng``), as given.
     options: dict[str, object] = dataclasses.field(default_factory=dict)
 
 
@@ -131,7 +132,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        f"{_MARKER}(seed=None, warn_only=False, flags=True, fill_uninitialized_memory=True): "
+        f"{_MARKER}(seed=None, warn_only=False, flags=True, fill_uninitialized_memory=True, "
+        "compiled_rng=None): "
         f"run the test and its function-scoped fixtures in "
         "one deterministic_ctx block; seed defaults to --deterministic-seed.",
     )

@@ -27,6 +27,7 @@ __all__ = [
     "Settings",
     "process_rank",
     "seed_for_rank",
+    "validate_compiled_rng",
     "validate_rank",
     "validate_switches",
 ]
@@ -35,6 +36,11 @@ AUTO: Literal["auto"] = "auto"
 
 #: What ``rank=`` accepts once validated.
 Rank: TypeAlias = int | Literal["auto"] | None
+
+#: What ``compiled_rng=`` accepts: ``None`` (inductor's setting stays as it
+#: is) or ``"eager"`` (compiled random ops fall back to eager's kernels).
+CompiledRng: TypeAlias = Literal["eager"] | None
+COMPILED_RNG_CHOICES: tuple[CompiledRng, ...] = (None, "eager")
 
 
 def validate_rank(rank: object) -> Rank:
@@ -86,6 +92,27 @@ def validate_switches(
     return warn_only, flags, fill_uninitialized_memory  # type: ignore[return-value]
 
 
+def validate_compiled_rng(compiled_rng: object) -> CompiledRng:
+    """``compiled_rng`` if it is one of :data:`COMPILED_RNG_CHOICES`, else raise.
+
+    Example:
+        >>> validate_compiled_rng("eager")
+        'eager'
+        >>> validate_compiled_rng("inductor")
+        Traceback (most recent call last):
+        ...
+        ValueError: compiled_rng must be None or 'eager', got 'inductor'
+    """
+    if compiled_rng is None or (type(compiled_rng) is str and compiled_rng == "eager"):
+        return compiled_rng  # type: ignore[return-value]
+    if isinstance(compiled_rng, str):
+        raise ValueError(f"compiled_rng must be None or 'eager', got {compiled_rng!r:.80}")
+    raise TypeError(
+        f"compiled_rng must be None or 'eager', got {type(compiled_rng).__name__} "
+        f"{compiled_rng!r:.80}"
+    )
+
+
 def process_rank() -> int:
     """The global rank of this process in torch.distributed's default group, else 0.
 
@@ -112,7 +139,9 @@ class Settings:
     of per-rank RNGs read :attr:`rank_seed`, the others :attr:`seed`.  With
     ``flags`` false, the flag and environment sources apply nothing (they
     still capture and restore); ``fill_uninitialized_memory`` is that flag's
-    value in the block (torch's default with deterministic algorithms is on).
+    value in the block (torch's default with deterministic algorithms is on);
+    ``compiled_rng="eager"`` makes inductor's random ops fall back to eager's
+    kernels in the block (the ``torch.compile`` source applies it).
     """
 
     seed: int
@@ -120,6 +149,7 @@ class Settings:
     rank: Rank = None
     flags: bool = True
     fill_uninitialized_memory: bool = True
+    compiled_rng: CompiledRng = None
     # ``None`` only for ``rank="auto"``, which is resolved each time a block
     # starts: a decorator is often built at import, before the process group.
     _fixed_rank_seed: int | None = field(init=False, repr=False, compare=False)
@@ -145,6 +175,7 @@ class Settings:
             process_rank(),
             self.flags,
             self.fill_uninitialized_memory,
+            self.compiled_rng,
         )
 
     @classmethod
@@ -155,6 +186,7 @@ class Settings:
         rank: object = None,
         flags: object = True,
         fill_uninitialized_memory: object = True,
+        compiled_rng: object = None,
     ) -> Settings:
         """Validated settings; ``TypeError``/``ValueError`` name the bad argument.
 
@@ -162,7 +194,7 @@ class Settings:
         of plain ints are remembered (they are immutable), so validating and
         building them costs a dict lookup when the arguments repeat.
         """
-        key = (seed, warn_only, rank, flags, fill_uninitialized_memory)
+        key = (seed, warn_only, rank, flags, fill_uninitialized_memory, compiled_rng)
         # Exact types only in the key: 1, True and 1.0 are equal dict keys.
         plain = (
             type(seed) is int
@@ -170,13 +202,20 @@ class Settings:
             and (rank is None or type(rank) is int)
             and type(flags) is bool
             and type(fill_uninitialized_memory) is bool
+            and (compiled_rng is None or type(compiled_rng) is str)
         )
         if plain:
             found = _BUILT.get(key)
             if found is not None:
                 return found
         switches = validate_switches(warn_only, flags, fill_uninitialized_memory)
-        settings = cls(validate_seed(seed), switches[0], validate_rank(rank), *switches[1:])
+        settings = cls(
+            validate_seed(seed),
+            switches[0],
+            validate_rank(rank),
+            *switches[1:],
+            validate_compiled_rng(compiled_rng),
+        )
         if plain:
             if len(_BUILT) >= 1024:  # a new seed every block must not grow it without bound
                 _BUILT.clear()

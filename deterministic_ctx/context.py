@@ -13,9 +13,9 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar, overload
 
-from ._settings import Rank, Settings
+from ._settings import CompiledRng, Rank, Settings
 from .decorate import decorate
-from .engine import Block, drain_signals
+from .engine import Block, drain_signals, opaque, pause_compiler, resume_compiler
 
 __all__ = ["deterministic", "isolated"]
 
@@ -23,13 +23,30 @@ F = TypeVar("F", bound=Callable[..., Any])
 _B = TypeVar("_B", bound="_Blocks")
 
 
-def _leave_anyway(blocks: dict[object, list[Block]], task: object) -> None:
-    """Complete an interrupted ``__exit__``: its block's ``stop()`` is idempotent."""
+#: An open block, and dynamo's callback that its entry paused (see ``__enter__``).
+_Open = tuple[Block, object]
+
+#: Dynamo's message when a block appears in compiled code: a graph break, or
+#: under ``fullgraph=True`` an error whose text includes this.
+_IN_COMPILED_CODE = (
+    "deterministic-ctx: a `with deterministic(...)` / `isolated()` block changes "
+    "process-global RNG state and flags, which cannot be part of a graph; dynamo runs "
+    "the function that contains it eagerly (the block's body draws eager's random "
+    "numbers). Under fullgraph=True, move the block around the compiled call instead: "
+    "`with deterministic(0): compiled(x)`."
+)
+
+
+def _leave_anyway(blocks: dict[object, list[_Open]], task: object) -> object:
+    """Complete an interrupted ``__exit__``: its block's ``stop()`` is idempotent.
+    Returns the dynamo callback its entry paused."""
     stack = blocks.get(task)
     if not stack:
         raise RuntimeError("deterministic block exited without being entered") from None
-    stack[-1].stop()
+    block, paused = stack[-1]
+    block.stop()
     del stack[-1]
+    return paused
 
 
 def _current_task() -> object:
@@ -53,10 +70,15 @@ class _Blocks:
     _settings: Settings | None
     #: The open blocks of this object, by the asyncio task of an ``async
     #: with`` (``None`` for a ``with``), in the order they were entered.
-    _blocks: dict[object, list[Block]]
+    _blocks: dict[object, list[_Open]]
 
     def __enter__(self: _B) -> _B:
-        return self._push(self._blocks.setdefault(None, []))
+        # Inside a compiled function (which dynamo then runs eagerly, see
+        # _IN_COMPILED_CODE) the frames the body calls must run eagerly too,
+        # or they would be compiled and draw inductor's numbers: dynamo is
+        # paused first, before any Python frame is called, until the exit.
+        # Outside compiled code this swaps None for None.
+        return self._push(self._blocks.setdefault(None, []), pause_compiler())
 
     def __exit__(
         self,
@@ -66,13 +88,19 @@ class _Blocks:
     ) -> None:
         # Written out, not shared with ``__aexit__``: every call is a point
         # where a signal handler can raise, so the exit starts protected.
+        # Paused before any Python frame (see __enter__); what is given back
+        # at the end is the callback the entry paused, once it is found.
+        paused = pause_compiler()
         try:
             stack = self._blocks[None]
-            stack[-1].stop()
+            block, paused = stack[-1]
+            block.stop()
             del stack[-1]  # last, and no call after it: an interrupt lands before it or never
         except BaseException:
-            _leave_anyway(self._blocks, None)
+            paused = _leave_anyway(self._blocks, None)
             raise
+        finally:
+            resume_compiler(paused)
 
     async def __aenter__(self: _B) -> _B:
         return self._enter(_current_task())
@@ -86,7 +114,7 @@ class _Blocks:
         # Each task leaves its own block, whatever the order the tasks leave in.
         try:
             stack = self._blocks[_current_task()]
-            stack[-1].stop()
+            stack[-1][0].stop()
             del stack[-1]
         except BaseException:
             _leave_anyway(self._blocks, _current_task())
@@ -97,25 +125,39 @@ class _Blocks:
         if len(blocks) > 1:  # drop the emptied stacks of finished tasks
             for done in [t for t, stack in blocks.items() if t is not None and not stack]:
                 del blocks[done]
-        return self._push(blocks.setdefault(task, []))
+        return self._push(blocks.setdefault(task, []), None)
 
-    def _push(self: _B, stack: list[Block]) -> _B:
-        """Enter a new block, recorded on ``stack`` (this object's blocks of one task)."""
+    def _push(self: _B, stack: list[_Open], paused: object) -> _B:
+        """Enter a new block, recorded on ``stack`` (this object's blocks of
+        one task) with ``paused``, dynamo's callback its exit gives back."""
         block = Block(self._settings)
+        entry = (block, paused)
         try:
-            stack.append(block)  # recorded first: an interrupt below still finds it
+            stack.append(entry)  # recorded first: an interrupt below still finds it
             block.start()
             drain_signals()
             return self
         except BaseException:
             # ``with`` calls ``__exit__`` only if ``__enter__`` returned: leave now.
-            if stack and stack[-1] is block:
+            if stack and stack[-1] is entry:
                 del stack[-1]
             block.stop()
+            resume_compiler(paused)
             raise
 
     def __call__(self, func: F) -> F:
         return decorate(func, self._settings)
+
+
+# Opaque to dynamo (see sources/compiler.py): a ``with`` in compiled code is one
+# clean graph break, never a trace through the engine's C calls.
+# Entry and exit pause dynamo themselves (recursive=False): the pause must
+# outlive the entry's frame.  Dynamo compiles no coroutine: the async pair
+# only needs to stay untraced.
+opaque(_Blocks.__enter__, _IN_COMPILED_CODE, recursive=False)
+opaque(_Blocks.__exit__, _IN_COMPILED_CODE, recursive=False)
+opaque(_Blocks.__aenter__, _IN_COMPILED_CODE, recursive=True)
+opaque(_Blocks.__aexit__, _IN_COMPILED_CODE, recursive=True)
 
 
 class deterministic(
@@ -161,6 +203,17 @@ class deterministic(
             block: ``False`` skips filling new tensors (torchtitan's choice:
             the fill costs time and races with communication streams).  With
             ``flags=False`` no flag is set, this one included.
+        compiled_rng: ``"eager"`` makes code compiled with ``torch.compile``
+            in the block draw eager's random numbers (inductor's
+            ``fallback_random``: random ops run eager's kernels, unfused;
+            ``torch._inductor`` is imported if it is not yet).  ``None``
+            (default) leaves inductor's setting as it is: compiled code draws
+            its own numbers, reproducible run to run but not equal to eager's.
+            Either way, inductor's random-number settings are restored on exit.
+
+    Inside a function compiled with ``torch.compile``, a block is a graph
+    break: dynamo runs that function eagerly and the block's body draws
+    eager's random numbers (an error under ``fullgraph=True``).
 
     Example:
         >>> import torch
@@ -184,6 +237,7 @@ class deterministic(
         rank: Rank = None,
         flags: bool = True,
         fill_uninitialized_memory: bool = True,
+        compiled_rng: CompiledRng = None,
     ) -> None:
         if callable(seed):  # ``@deterministic`` without arguments: say what to write
             name = getattr(seed, "__name__", type(seed).__name__)
@@ -191,10 +245,12 @@ class deterministic(
                 f"deterministic needs a seed: write @deterministic(seed=0) above {name}, "
                 f"or @reproducible, whose seed defaults to 0"
             )
-        self._settings = Settings.build(seed, warn_only, rank, flags, fill_uninitialized_memory)
+        self._settings = Settings.build(
+            seed, warn_only, rank, flags, fill_uninitialized_memory, compiled_rng
+        )
         # The open blocks of this object, by the asyncio task of an ``async
         # with`` (``None`` for a ``with``), in the order they were entered.
-        self._blocks: dict[object, list[Block]] = {}
+        self._blocks: dict[object, list[_Open]] = {}
 
     @property
     def seed(self) -> int:
@@ -221,11 +277,19 @@ class deterministic(
         """``torch.utils.deterministic.fill_uninitialized_memory`` inside the block."""
         return self._settings.fill_uninitialized_memory
 
+    @property
+    def compiled_rng(self) -> CompiledRng:
+        """``"eager"`` if compiled code draws eager's random numbers in the block, else ``None``."""
+        return self._settings.compiled_rng
+
     def __repr__(self) -> str:
         rank = "" if self.rank is None else f", rank={self.rank!r}"
         flags = "" if self.flags else ", flags=False"
         fill = "" if self.fill_uninitialized_memory else ", fill_uninitialized_memory=False"
-        return f"deterministic(seed={self.seed}, warn_only={self.warn_only}{rank}{flags}{fill})"
+        rng = "" if self.compiled_rng is None else f", compiled_rng={self.compiled_rng!r}"
+        return (
+            f"deterministic(seed={self.seed}, warn_only={self.warn_only}{rank}{flags}{fill}{rng})"
+        )
 
 
 class isolated(_Blocks):  # lowercase, like ``deterministic``

@@ -18,8 +18,8 @@ import unittest
 from collections.abc import Callable, Generator
 from typing import Any, NoReturn, TypeVar, cast, overload
 
-from ._settings import Rank, Settings
-from .engine import Block
+from ._settings import CompiledRng, Rank, Settings
+from .engine import Block, opaque
 
 __all__ = ["DEFAULT_SEED", "decorate", "reproducible"]
 
@@ -28,6 +28,16 @@ C = TypeVar("C")
 
 #: The seed of a bare ``@reproducible``.
 DEFAULT_SEED = 0
+
+#: Dynamo's message when compiled code calls a decorated function: a graph
+#: break, or under ``fullgraph=True`` an error whose text includes this.
+_IN_COMPILED_CODE = (
+    "deterministic-ctx: a @reproducible / @isolated function runs in its own block, "
+    "which changes process-global RNG state and flags and cannot be part of a graph; "
+    "it is called eagerly, outside the graph (its body draws eager's random numbers). "
+    "Under fullgraph=True, call it outside the compiled function, or compile its body "
+    "and decorate the compiled function."
+)
 
 
 def _send(it: Any, value: Any, to_throw: BaseException | None) -> tuple[Any, bool, Any]:
@@ -331,7 +341,9 @@ def decorate(obj: C, settings: Settings | None) -> C:
         wrapper = _wrap_generator(obj, settings)
     else:
         wrapper = _wrap_function(obj, settings)
-    return cast(C, wrapper)
+    # Called from compiled code: one graph break, then the whole call (entry,
+    # body, exit) runs eagerly (see sources/compiler.py).
+    return cast(C, opaque(wrapper, _IN_COMPILED_CODE, recursive=True))
 
 
 @overload
@@ -344,6 +356,7 @@ def reproducible(
     rank: Rank = ...,
     flags: bool = ...,
     fill_uninitialized_memory: bool = ...,
+    compiled_rng: CompiledRng = ...,
 ) -> Callable[[F], F]: ...
 
 
@@ -356,6 +369,7 @@ def reproducible(
     rank: Rank = None,
     flags: bool = True,
     fill_uninitialized_memory: bool = True,
+    compiled_rng: CompiledRng = None,
 ) -> Any:
     """Make every call of a function (or every test of a TestCase) a fresh block.
 
@@ -368,7 +382,9 @@ def reproducible(
     in between.  ``@deterministic(seed=s)`` is the same decorator.  ``rank``
     is as in :class:`deterministic`; ``"auto"`` is looked up at each call, so
     decorating at import time, before the process group exists, is fine.
-    ``flags`` and ``fill_uninitialized_memory`` are as in :class:`deterministic`.
+    ``flags``, ``fill_uninitialized_memory`` and ``compiled_rng`` are as in
+    :class:`deterministic`.  Called from code compiled with ``torch.compile``,
+    a decorated function is a graph break and runs eagerly, body included.
 
     Example:
         >>> import numpy as np
@@ -379,7 +395,7 @@ def reproducible(
         >>> bool((noise(4) == noise(4)).all())
         True
     """
-    settings = Settings.build(seed, warn_only, rank, flags, fill_uninitialized_memory)
+    settings = Settings.build(seed, warn_only, rank, flags, fill_uninitialized_memory, compiled_rng)
     if func is None:
         return lambda f: decorate(f, settings)
     return decorate(func, settings)

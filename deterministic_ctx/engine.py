@@ -29,9 +29,20 @@ from . import sources as _sources
 from ._errors import RestoreError
 from ._lock import LOCK
 from ._settings import Settings
+from .sources.compiler import opaque, pause_compiler, resume_compiler
 from .world import World
 
-__all__ = ["Block", "drain_signals", "inside_block"]
+# ``opaque``, ``pause_compiler`` and ``resume_compiler`` are the boundary
+# between blocks and torch.compile (sources/compiler.py); the context and
+# decorate layers take them from here, the engine they are built on.
+__all__ = [
+    "Block",
+    "drain_signals",
+    "inside_block",
+    "opaque",
+    "pause_compiler",
+    "resume_compiler",
+]
 
 
 class Block:

@@ -28,10 +28,12 @@ from __future__ import annotations
 from ._seed import MAX_SEED, derive_seed, validate_seed
 from ._settings import (
     AUTO,
+    CompiledRng,
     Rank,
     Settings,
     process_rank,
     seed_for_rank,
+    validate_compiled_rng,
     validate_rank,
     validate_switches,
 )
@@ -44,6 +46,7 @@ from .sources import (
     seed_registered_rngs,
     source_named,
 )
+from .sources.compiler import compiled_settings
 from .sources.environ import CUBLAS_VALID, managed_env_vars, register_env_var
 from .sources.environ import SEED as SEED_ENV_VAR
 from .sources.flags import PRECISION_OPS
@@ -56,8 +59,10 @@ __all__ = [
     "SEED_ENV_VAR",
     "VERSION",
     "Block",
+    "CompiledRng",
     "Rank",
     "Settings",
+    "compiled_settings",
     "derive_seed",
     "generator_sources",
     "inside_block",
@@ -69,6 +74,7 @@ __all__ = [
     "seed_for_rank",
     "seed_registered_rngs",
     "source_named",
+    "validate_compiled_rng",
     "validate_rank",
     "validate_seed",
     "validate_switches",

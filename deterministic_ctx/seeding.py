@@ -10,9 +10,11 @@ from .internal import (
     AUTO,
     SEED_ENV_VAR,
     Block,
+    CompiledRng,
     Rank,
     Settings,
     process_rank,
+    validate_compiled_rng,
     validate_rank,
     validate_seed,
     validate_switches,
@@ -35,6 +37,7 @@ def seed_everything(
     broadcast: bool = False,
     flags: bool = True,
     fill_uninitialized_memory: bool = True,
+    compiled_rng: CompiledRng = None,
 ) -> int:
     """Seed every RNG and turn on deterministic algorithms for the whole process.
 
@@ -59,7 +62,8 @@ def seed_everything(
         warn_only: as in :class:`deterministic`.
         rank: as in :class:`deterministic`: ``random``, NumPy and registered
             user RNGs get a per-rank seed, torch keeps the shared one.
-        flags, fill_uninitialized_memory: as in :class:`deterministic`.
+        flags, fill_uninitialized_memory, compiled_rng: as in :class:`deterministic`
+            (``compiled_rng="eager"`` stays set for the rest of the process).
         broadcast: a collective on ``torch.distributed``'s default group:
             every rank uses rank 0's seed (drawn there if ``None``).  Without
             a process group it changes nothing.  ``seed=None`` on more than
@@ -98,6 +102,7 @@ def seed_everything(
         validate_seed(seed)
     rank = validate_rank(rank)
     validate_switches(warn_only, flags, fill_uninitialized_memory)
+    validate_compiled_rng(compiled_rng)
     drawn = seed is None
     if broadcast or drawn:
         from . import distributed  # the integration layer, only when asked for
@@ -111,7 +116,7 @@ def seed_everything(
             )
         else:
             seed = distributed.draw_seed()
-    settings = Settings.build(seed, warn_only, rank, flags, fill_uninitialized_memory)
+    settings = Settings.build(seed, warn_only, rank, flags, fill_uninitialized_memory, compiled_rng)
     block = Block(settings)
     try:
         block.start()  # applies, or rolls back to the previous state and raises

@@ -9,6 +9,7 @@ from __future__ import annotations
 from .._settings import Settings
 from ._base import DeviceSource, Source
 from .accelerators import accelerator_sources
+from .compiler import TorchCompileSource
 from .environ import EnvironSource
 from .flags import TorchFlagsSource
 from .fused import FusedPlan
@@ -47,6 +48,7 @@ SOURCES: tuple[Source, ...] = (
     TorchCPUSource(),
     *accelerator_sources(),
     TorchFlagsSource(),
+    TorchCompileSource(),
     TorchDefaultsSource(),
     EnvironSource(),
     UserRngSource(),

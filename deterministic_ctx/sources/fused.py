@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 from .._settings import Settings
 from ._base import Source
 from .accelerators import LazyAcceleratorSource, LazyState
+from .compiler import TorchCompileSource
 from .environ import EnvironSource
 from .flags import TorchFlagsSource
 from .numpy_global import NumpyGlobalSource, NumpyState, seed_views
@@ -54,6 +55,7 @@ class FusedPlan:
     """capture / apply / restore of one exact tuple of default sources."""
 
     __slots__ = (
+        "_compiler",
         "_defaults",
         "_devices",
         "_environ",
@@ -72,13 +74,14 @@ class FusedPlan:
     )
 
     def __init__(self, sources: tuple[Source, ...]) -> None:
-        if len(sources) < 7:
+        if len(sources) < 8:
             raise TypeError("not the default sources")
         rnd = _exact(sources[0], PythonRandomSource)
         npy = _exact(sources[1], NumpyGlobalSource)
         cpu = _exact(sources[2], TorchCPUSource)
-        middle = sources[3:-4]
-        flags = _exact(sources[-4], TorchFlagsSource)
+        middle = sources[3:-5]
+        flags = _exact(sources[-5], TorchFlagsSource)
+        compiler = _exact(sources[-4], TorchCompileSource)
         defaults = _exact(sources[-3], TorchDefaultsSource)
         environ = _exact(sources[-2], EnvironSource)
         user = _exact(sources[-1], UserRngSource)
@@ -110,7 +113,7 @@ class FusedPlan:
         self._recent: list[tuple[Any, list[Any], list[Any]]] = [
             (None, [], []) for _ in self._devices
         ]
-        self._flags, self._defaults = flags, defaults
+        self._flags, self._compiler, self._defaults = flags, compiler, defaults
         self._environ, self._user = environ, user
 
     def _numpy_views(self, bg: Any) -> tuple[Any, ...] | None:
@@ -165,6 +168,7 @@ class FusedPlan:
                 recent[k] = (last, order, queued)
             states.append(last)
         states.append(self._flags.capture())
+        states.append(self._compiler.capture())
         states.append(self._defaults.capture())
         states.append(self._environ.capture())
         states.append(self._user.capture())
@@ -191,7 +195,9 @@ class FusedPlan:
         for m, source in self._devices:
             if m is None:  # devices that cannot initialize get no seed (see their apply)
                 source.apply(settings)
-        self._flags.apply_after_capture(states[-4], settings)
+        self._flags.apply_after_capture(states[-5], settings)
+        if settings.compiled_rng is not None:
+            self._compiler.apply(settings)
         # torch.defaults applies nothing.
         self._environ.apply_after_capture(states[-2], settings)
         if states[-1]:  # nothing registered (or alive) at capture: nothing to seed
@@ -204,7 +210,8 @@ class FusedPlan:
             self._user.restore(states[-1])
         self._environ.restore(states[-2])
         self._defaults.restore(states[-3])
-        self._flags.restore(states[-4])
+        self._compiler.restore(states[-4])
+        self._flags.restore(states[-5])
         devices = self._devices
         for k in range(len(devices) - 1, -1, -1):
             m, source = devices[k]
@@ -232,7 +239,8 @@ class FusedPlan:
             self._user.restore(states[-1])
         self._environ.restore_over(states[-2], now[-2])
         self._defaults.restore_over(states[-3], now[-3])
-        self._flags.restore_over(states[-4], now[-4])
+        self._compiler.restore(states[-4])
+        self._flags.restore_over(states[-5], now[-5])
         devices = self._devices
         for k in range(len(devices) - 1, -1, -1):
             state = states[3 + k]

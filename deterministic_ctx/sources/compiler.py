@@ -1,0 +1,224 @@
+"""``torch.compile``: the settings that decide compiled random numbers, and
+where blocks meet the compiler.
+
+**The source.**  Code compiled by inductor draws random numbers with its own
+generator (Philox offsets into torch's seed), not with eager's kernels: under
+the same seed a compiled model's dropout masks differ from the eager model's.
+These config entries decide that, or decide determinism of compiled code,
+and are captured and restored like the other flags (see :mod:`._config` for
+how an entry's state is its *user override*):
+
+* ``torch._inductor.config``: ``fallback_random`` (random ops fall back to
+  eager's kernels: compiled numbers equal eager ones), ``align_random_eager``
+  (torch's newer alignment of compiled random ops with eager), and
+  ``batch_invariant`` (which implies deterministic kernels);
+* ``torch._functorch.config``: ``functionalize_rng_ops`` and
+  ``graphsafe_rng_functionalization`` (how AOTAutograd turns CUDA random ops
+  into Philox calls with explicit seeds and offsets);
+* ``torch._dynamo.config``: ``use_numpy_random_stream`` (NumPy random calls in
+  compiled code use NumPy's stream instead of torch's).
+
+``torch._inductor.config.deterministic`` is a determinism flag, set by
+``torch.use_deterministic_algorithms``: it lives with them in :mod:`.flags`.
+
+Nothing here imports a config module that is not imported already (importing
+inductor costs about a second): an entry of a module imported inside a block
+is put back to its default on exit.  The one exception is the block option
+``compiled_rng="eager"``, whose whole point is inductor's ``fallback_random``:
+it imports ``torch._inductor.config`` when the block starts.
+
+Dynamo does not guard on inductor's config: a function compiled earlier keeps
+the random numbers it was compiled with.  A block with ``flags=True`` turns
+deterministic algorithms on, which dynamo does guard on, so a function
+compiled outside blocks is compiled again for the block, with the block's
+config; one compiled in an earlier block under the same global state is not.
+
+**The boundary.**  A block's entry and exit, and a decorated function's call,
+change process-global state through C functions and ``os.putenv``, which
+dynamo cannot put in a graph: traced, each would be a graph break with a
+warning, and the body of a decorated function would be compiled, drawing
+inductor's numbers.  So they are opaque to dynamo (:func:`opaque`): calling
+one from compiled code is one clean graph break (an error under
+``fullgraph=True``, whose message says why), and the block's body runs
+eagerly, with eager's random numbers, exactly as without ``torch.compile``.
+A ``with`` block inside a compiled function makes dynamo run that function
+eagerly; the frames called in the block's body are kept eager by
+:func:`pause_compiler` until the block exits.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+import types
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from .._settings import Settings
+from . import _plain
+from ._config import AT_DEFAULT, ConfigEntry
+
+__all__ = [
+    "ENTRIES",
+    "TorchCompileSource",
+    "compiled_settings",
+    "opaque",
+    "pause_compiler",
+    "resume_compiler",
+]
+
+_INDUCTOR = "torch._inductor.config"
+_FUNCTORCH = "torch._functorch.config"
+_DYNAMO = "torch._dynamo.config"
+
+#: The entries captured and restored, in the state's order.
+ENTRIES: tuple[ConfigEntry, ...] = (
+    ConfigEntry(_INDUCTOR, "fallback_random"),
+    ConfigEntry(_INDUCTOR, "align_random_eager"),
+    ConfigEntry(_INDUCTOR, "batch_invariant"),
+    ConfigEntry(_FUNCTORCH, "functionalize_rng_ops"),
+    ConfigEntry(_FUNCTORCH, "graphsafe_rng_functionalization"),
+    ConfigEntry(_DYNAMO, "use_numpy_random_stream"),
+)
+_FALLBACK_RANDOM = ENTRIES[0]
+_MODULES = (_INDUCTOR, _FUNCTORCH, _DYNAMO)
+_BY_NAME = {entry.name: entry for entry in ENTRIES}
+
+#: The state when none of the config modules is imported (the usual case
+#: outside compiled programs): every entry nobody's.
+_UNTOUCHED: tuple[object, ...] = (AT_DEFAULT,) * len(ENTRIES)
+_override = ConfigEntry.override
+
+
+class TorchCompileSource:
+    """The config entries of inductor, AOTAutograd and dynamo that decide
+    compiled random numbers (see the module docstring).  The state is a
+    tuple of overrides, one per entry of :data:`ENTRIES`."""
+
+    name = "torch.compile"
+    device_type: str | None = None  # not a device generator: saved under "sources"
+
+    def capture(self) -> tuple[object, ...]:
+        modules = sys.modules
+        if _INDUCTOR not in modules and _FUNCTORCH not in modules and _DYNAMO not in modules:
+            return _UNTOUCHED
+        return tuple(map(_override, ENTRIES))
+
+    def apply(self, settings: Settings) -> None:
+        if settings.compiled_rng == "eager":
+            if _INDUCTOR not in sys.modules:
+                importlib.import_module(_INDUCTOR)  # the option asks for it: see the docstring
+            if _FALLBACK_RANDOM.located() is None:
+                raise RuntimeError(
+                    f"compiled_rng='eager' needs torch._inductor.config.fallback_random, "
+                    f"which torch {torch.__version__} does not have"
+                )
+            _FALLBACK_RANDOM.set(True)
+
+    def restore(self, state: tuple[object, ...]) -> None:
+        if state is _UNTOUCHED:
+            modules = sys.modules
+            if _INDUCTOR not in modules and _FUNCTORCH not in modules and _DYNAMO not in modules:
+                return
+        elif type(state) is _Loaded:
+            # A saved override of a module not imported here is applied all
+            # the same: the module is imported (rare: someone set it and saved).
+            for entry, want in zip(ENTRIES, state, strict=True):
+                if want != AT_DEFAULT and entry.module not in sys.modules:
+                    importlib.import_module(entry.module)
+        for entry, want in zip(ENTRIES, state, strict=True):
+            entry.restore(want)
+
+    def export_state(self, state: tuple[object, ...]) -> dict[str, Any]:
+        """The state as plain data: ``{"module.key": value}`` for each entry
+        someone set (an entry at its default is left out)."""
+        out: dict[str, Any] = {}
+        for entry, override in zip(ENTRIES, state, strict=True):
+            if override == AT_DEFAULT:
+                continue
+            if type(override) is not bool:
+                raise ValueError(
+                    f"{entry.name} holds {override!r}, not True or False: a snapshot cannot save it"
+                )
+            out[entry.name] = override
+        return out
+
+    def import_state(self, data: object, path: str) -> tuple[object, ...]:
+        """Check saved data and rebuild a state; ``ValueError`` names the bad field."""
+        saved = _plain.fields(data, path, [], list(_BY_NAME))
+        state = tuple(
+            _plain.flag(saved[entry.name], f"{path}.{entry.name}")
+            if entry.name in saved
+            else AT_DEFAULT
+            for entry in ENTRIES
+        )
+        return _Loaded(state)
+
+
+class _Loaded(tuple):  # type: ignore[type-arg]
+    """A state loaded from a snapshot: its restore imports the config modules it sets."""
+
+    __slots__ = ()
+
+
+def compiled_settings() -> dict[str, Any]:
+    """``{"module.key": value}`` of every entry whose module is imported (for
+    the report); entries of modules not imported are left out."""
+    out: dict[str, Any] = {}
+    for entry in ENTRIES:
+        if entry.located() is not None:
+            out[entry.name] = entry.read()[0]
+    return out
+
+
+# -- the boundary ---------------------------------------------------------------
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_eval_frame: Any = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+_set_eval_frame: Any = getattr(_eval_frame, "set_eval_frame", None)
+_set_strategy: Any = getattr(_eval_frame, "set_code_exec_strategy", None)
+_Strategy: Any = getattr(_eval_frame, "_FrameExecStrategy", None)
+_Action: Any = getattr(_eval_frame, "_FrameAction", None)
+
+
+def _no_compiler() -> None:
+    return None
+
+
+#: ``pause_compiler()`` stops dynamo from compiling the frames called from
+#: here on and returns its callback for :func:`resume_compiler`.  A C
+#: callable (a partial of torch's C function), not a Python function: called
+#: while dynamo's callback is active, a Python frame would itself be compiled.
+pause_compiler: Callable[[], object] = (
+    functools.partial(_set_eval_frame, None) if _set_eval_frame is not None else _no_compiler
+)
+
+
+def resume_compiler(callback: object) -> None:
+    """Give dynamo back the callback :func:`pause_compiler` returned."""
+    if _set_eval_frame is not None:
+        _set_eval_frame(callback)
+
+
+def opaque(func: _F, reason: str, *, recursive: bool) -> _F:
+    """Make ``func`` opaque to dynamo, in place, and return it.
+
+    Tracing a call to it is a graph break whose message is ``reason`` (an
+    error under ``fullgraph=True``): dynamo honours the attributes
+    ``torch.compiler.disable`` sets, read without importing ``torch._dynamo``.
+    When the call then runs, dynamo skips its frame and, with ``recursive``,
+    every frame it calls, which run eagerly (torch's per-code
+    ``FrameExecStrategy``, set in C).  Without ``recursive`` the frames it
+    calls are compiled as usual until :func:`pause_compiler`.  Where torch
+    lacks these APIs (torch < 2.6) only the attributes are set.
+    """
+    func._torchdynamo_disable = True  # type: ignore[attr-defined]
+    func._torchdynamo_disable_msg = reason  # type: ignore[attr-defined]
+    code = getattr(func, "__code__", None)
+    if isinstance(code, types.CodeType) and _set_strategy is not None:
+        recursion = _Action.SKIP if recursive else _Action.DEFAULT
+        _set_strategy(code, _Strategy(_Action.SKIP, recursion))
+    return func
