@@ -31,7 +31,7 @@ checks its own entry (``export_state`` / ``import_state`` of the
 :class:`~deterministic_ctx.sources.Source` contract).
 
 Entries of sources added after version 1 was first written (see
-:data:`OPTIONAL_SOURCES`, today only ``"torch.defaults"``) may be missing: a
+:data:`OPTIONAL_SOURCES`: ``"torch.defaults"``, ``"torch.compile"``) may be missing: a
 state dict or file written before they existed still loads, and the loaded
 snapshot leaves that source alone, as it leaves alone a device it holds no
 state for.  Every other source's entry is required, and no unknown entry is
@@ -105,7 +105,7 @@ _MAX_DEPTH = 16
 _TENSOR = "$tensor"
 #: Sources whose entry a version-1 state dict may lack: they were added after
 #: files of that version existed.  A missing one is left alone on restore.
-OPTIONAL_SOURCES = frozenset({"torch.defaults"})
+OPTIONAL_SOURCES = frozenset({"torch.defaults", "torch.compile"})
 
 StateDict = dict[str, Any]
 

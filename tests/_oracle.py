@@ -86,6 +86,30 @@ def _flags() -> tuple[Any, ...]:
     )
 
 
+#: The config entries that decide compiled random numbers, read through torch's
+#: config API (value and default-ness: compile-cache keys see both).  A module
+#: not imported counts as at its defaults (an import cannot be undone).
+_COMPILED = {
+    "torch._inductor.config": ("fallback_random", "align_random_eager", "batch_invariant"),
+    "torch._functorch.config": ("functionalize_rng_ops", "graphsafe_rng_functionalization"),
+    "torch._dynamo.config": ("use_numpy_random_stream",),
+}
+
+
+def _compiled() -> tuple[Any, ...]:
+    import sys
+
+    out: list[Any] = []
+    for name, keys in _COMPILED.items():
+        config = sys.modules.get(name)
+        for key in keys:
+            if config is None or not hasattr(config, key) or config._is_default(key):
+                out.append("default")
+            else:
+                out.append(getattr(config, key))
+    return tuple(out)
+
+
 def _read(get: Any) -> Any:
     # Some getters raise after mixed use of the legacy and new precision APIs.
     try:
@@ -118,6 +142,7 @@ class World:
     flags: Any
     env: Any
     defaults: Any
+    compiled: Any
 
     @classmethod
     def now(cls) -> World:
@@ -137,11 +162,21 @@ class World:
             _flags(),
             tuple(os.environ.get(n) for n in ENV_NAMES),
             _defaults(),
+            _compiled(),
         )
 
     def diff(self, other: World) -> list[str]:
         return [
             name
-            for name in ("random", "numpy", "torch_cpu", "cuda", "flags", "env", "defaults")
+            for name in (
+                "random",
+                "numpy",
+                "torch_cpu",
+                "cuda",
+                "flags",
+                "env",
+                "defaults",
+                "compiled",
+            )
             if getattr(self, name) != getattr(other, name)
         ]

@@ -1,0 +1,429 @@
+"""torch.compile: blocks around compiled code, blocks inside it, and the
+config that decides compiled random numbers (``sources/compiler.py``).
+
+Real ``torch.compile`` with inductor's CPU backend.  A compile costs seconds,
+so models are tiny and compile-heavy tests are marked ``slow`` (CI runs them).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deterministic_ctx import (
+    InvalidSnapshotError,
+    Snapshot,
+    deterministic,
+    isolated,
+    reproducible,
+    seed_everything,
+)
+from deterministic_ctx.sources.compiler import (
+    ENTRIES,
+    compiled_settings,
+)
+from tests.helpers import run_python
+
+inductor = importlib.import_module("torch._inductor.config")
+functorch = importlib.import_module("torch._functorch.config")
+
+N = 64
+
+
+def _reset(config: Any, key: str) -> None:
+    """Clear the override of ``config.key``, as torch's own patcher does (``del``
+    would also hide the entry, for ``mock.patch``'s sake)."""
+    from torch.utils._config_module import _UNSET_SENTINEL
+
+    config._config[key].user_override.set(_UNSET_SENTINEL)
+    config._hash_dirty_var.set(True)
+
+
+@pytest.fixture
+def fresh_config() -> Iterator[None]:
+    """Every entry back at its default after the test."""
+    yield
+    for entry in ENTRIES:
+        _reset(importlib.import_module(entry.module), entry.key)
+
+
+@pytest.fixture
+def restored() -> Iterator[None]:
+    """Everything back after the test: it seeds torch, and dynamo puts global
+    state back with ``torch.use_deterministic_algorithms``, which also sets
+    inductor's ``deterministic`` flag (torch's doing, not a block's)."""
+    before = Snapshot.capture()
+    yield
+    before.restore()
+
+
+def _draws(x: torch.Tensor) -> torch.Tensor:
+    return F.dropout(x, 0.5, training=True) + torch.rand(N)
+
+
+def _no_dynamo_warnings(caught: list[warnings.WarningMessage]) -> None:
+    noisy = [str(w.message)[:120] for w in caught if "Dynamo" in str(w.message)]
+    assert not noisy, noisy
+
+
+# -- the source -------------------------------------------------------------------
+
+
+def test_every_entry_exists_in_this_torch():
+    # A renamed entry would silently stop being captured: fail here instead.
+    assert all(entry.located() is not None for entry in ENTRIES), [e.name for e in ENTRIES]
+
+
+def test_a_block_restores_the_entries_and_their_default_ness(fresh_config):
+    inductor.align_random_eager = False  # set, at its default value: an override all the same
+    with deterministic(seed=0):
+        inductor.fallback_random = True
+        inductor.align_random_eager = True
+        functorch.functionalize_rng_ops = True
+        inductor.batch_invariant = True
+    assert not inductor.fallback_random and inductor._is_default("fallback_random")
+    assert not inductor.align_random_eager and not inductor._is_default("align_random_eager")
+    assert inductor._is_default("batch_invariant")
+    assert functorch._is_default("functionalize_rng_ops")
+
+
+def test_compiled_rng_eager_sets_fallback_random_in_the_block_only(fresh_config):
+    with deterministic(seed=0, compiled_rng="eager"):
+        assert inductor.fallback_random is True
+        with deterministic(seed=1):  # nested: the caller's setting stays
+            assert inductor.fallback_random is True
+        with isolated():
+            assert inductor.fallback_random is True
+    assert inductor._is_default("fallback_random")
+
+
+def test_a_caller_setting_stays_in_a_plain_block(fresh_config):
+    inductor.fallback_random = True
+    with deterministic(seed=0):
+        assert inductor.fallback_random is True
+    assert inductor.fallback_random is True
+
+
+def test_a_decorated_function_restores_compiled_rng(fresh_config):
+    @reproducible(seed=2, compiled_rng="eager")
+    def inside() -> bool:
+        return bool(inductor.fallback_random)
+
+    assert inside() is True
+    assert inductor._is_default("fallback_random")
+
+
+def test_a_decorated_generator_swaps_the_setting_at_every_yield(fresh_config):
+    @reproducible(compiled_rng="eager")
+    def gen() -> Iterator[bool]:
+        yield bool(inductor.fallback_random)
+        yield bool(inductor.fallback_random)
+
+    it = gen()
+    assert next(it) is True
+    assert inductor._is_default("fallback_random")  # the caller's, between steps
+    assert next(it) is True
+    it.close()
+    assert inductor._is_default("fallback_random")
+
+
+def test_seed_everything_keeps_compiled_rng(fresh_config):
+    before = Snapshot.capture()
+    try:
+        seed_everything(0, compiled_rng="eager")
+        assert inductor.fallback_random is True
+    finally:
+        before.restore()
+    assert inductor._is_default("fallback_random")
+
+
+def test_snapshots_save_and_load_the_overrides(fresh_config):
+    inductor.fallback_random = True
+    functorch.functionalize_rng_ops = False
+    data = Snapshot.capture().state_dict()
+    assert data["sources"]["torch.compile"] == {
+        "torch._inductor.config.fallback_random": True,
+        "torch._functorch.config.functionalize_rng_ops": False,
+    }
+    _reset(inductor, "fallback_random")
+    functorch.functionalize_rng_ops = True
+    Snapshot.from_state_dict(copy.deepcopy(data)).restore()
+    assert inductor.fallback_random is True and not inductor._is_default("fallback_random")
+    assert functorch.functionalize_rng_ops is False
+    assert inductor._is_default("align_random_eager")
+
+
+def test_a_snapshot_without_the_entry_still_loads(fresh_config):
+    # Files written before the source existed have no "torch.compile" entry.
+    data = Snapshot.capture().state_dict()
+    del data["sources"]["torch.compile"]
+    inductor.fallback_random = True
+    Snapshot.from_state_dict(data).restore()
+    assert inductor.fallback_random is True  # left alone, as a missing entry says nothing
+
+
+@pytest.mark.parametrize(
+    ("entry", "problem"),
+    [
+        ({"torch._inductor.config.fallback_random": 1}, "expected True or False"),
+        ({"torch._inductor.config.no_such_entry": True}, "unexpected field"),
+        ([True], "sources.torch.compile"),
+    ],
+)
+def test_bad_saved_entries_are_refused(entry, problem):
+    data = Snapshot.capture().state_dict()
+    data["sources"]["torch.compile"] = entry
+    with pytest.raises(InvalidSnapshotError, match=problem):
+        Snapshot.from_state_dict(data)
+
+
+def test_an_override_that_is_not_a_bool_cannot_be_saved(fresh_config):
+    inductor.fallback_random = "yes"  # torch's config does not check types
+    with pytest.raises(ValueError, match="fallback_random holds 'yes'"):
+        Snapshot.capture().state_dict()
+
+
+def test_compiled_settings_lists_imported_entries(fresh_config):
+    inductor.fallback_random = True
+    found = compiled_settings()
+    assert found["torch._inductor.config.fallback_random"] is True
+    assert set(found) <= {entry.name for entry in ENTRIES}
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "text"),
+    [
+        ("inductor", ValueError, "compiled_rng must be None or 'eager', got 'inductor'"),
+        (True, TypeError, "compiled_rng must be None or 'eager', got bool True"),
+    ],
+)
+def test_bad_compiled_rng_is_refused_everywhere(value, error, text):
+    with pytest.raises(error, match=text):
+        deterministic(0, compiled_rng=value)
+    with pytest.raises(error, match=text):
+        reproducible(compiled_rng=value)
+    with pytest.raises(error, match=text):
+        seed_everything(0, compiled_rng=value)
+
+
+def test_repr_and_property():
+    block = deterministic(3, compiled_rng="eager")
+    assert block.compiled_rng == "eager"
+    assert repr(block) == "deterministic(seed=3, warn_only=False, compiled_rng='eager')"
+    assert deterministic(3).compiled_rng is None
+
+
+def test_the_source_costs_nothing_and_imports_nothing_without_compile():
+    run_python(
+        [],
+        code="""
+import sys
+import torch
+from deterministic_ctx import Snapshot, deterministic
+with deterministic(seed=0):
+    pass
+Snapshot.from_state_dict(Snapshot.capture().state_dict()).restore()
+names = ("torch._inductor", "torch._dynamo", "torch._functorch.config")
+assert not any(m.startswith(names) for m in sys.modules), "imported"
+""",
+        check=True,
+    )
+
+
+def test_compiled_rng_eager_imports_inductor_and_a_first_import_inside_is_undone():
+    run_python(
+        [],
+        code="""
+import sys
+import torch
+from deterministic_ctx import deterministic
+with deterministic(seed=0, compiled_rng="eager"):
+    import torch._inductor.config as inductor
+    assert inductor.fallback_random is True
+assert inductor._is_default("fallback_random")
+""",
+        check=True,
+    )
+
+
+# -- blocks around compiled code -------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_block_around_compiled_code_is_reproducible_and_isolates(fresh_config, restored):
+    compiled = torch.compile(_draws)
+    x = torch.ones(N)
+    torch.manual_seed(7)
+    expected_next = torch.rand(3)
+    torch.manual_seed(7)
+    with deterministic(seed=0):
+        a = compiled(x)
+    with deterministic(seed=0):
+        b = compiled(x)
+    assert torch.equal(a, b)
+    assert torch.equal(torch.rand(3), expected_next)  # the caller's stream continues
+
+
+@pytest.mark.slow
+def test_compiled_rng_eager_makes_compiled_numbers_equal_eager_ones(fresh_config):
+    x = torch.ones(N)
+    with deterministic(seed=0):
+        eager = _draws(x)
+    # A fresh function: dynamo keys compiled code by code object, and does not
+    # guard on inductor's config (see sources/compiler.py).
+    fn = _copy(_draws)
+    with deterministic(seed=0, compiled_rng="eager"):
+        compiled = torch.compile(fn)(x)
+    assert torch.equal(compiled, eager)
+    other = _copy(_draws)
+    with deterministic(seed=0):
+        default = torch.compile(other)(x)
+    assert not torch.equal(default, eager)  # inductor's own numbers without the option
+
+
+@pytest.mark.slow
+def test_a_compiled_training_step_in_a_block(fresh_config, restored):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1)
+    )
+    start = copy.deepcopy(model.state_dict())
+    x = torch.randn(4, 8)
+
+    def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    compiled = torch.compile(step)
+    runs = []
+    for _ in range(2):
+        model.load_state_dict(start)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with deterministic(seed=1):
+            losses = [compiled(model, opt) for _ in range(2)]
+        runs.append((losses, copy.deepcopy(model.state_dict())))
+    assert all(torch.equal(p, q) for p, q in zip(runs[0][0], runs[1][0], strict=True))
+    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in start)
+
+
+# -- blocks inside compiled code --------------------------------------------------
+
+
+def _copy(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A new function object with a new code object: compiled afresh by dynamo."""
+    import types
+
+    return types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+
+
+# Random numbers are drawn only inside the blocks: what the compiled function
+# draws outside them is compiled, with inductor's numbers, by design.
+
+
+def _with_block(x: torch.Tensor) -> torch.Tensor:
+    y = x * 2
+    with deterministic(seed=3):
+        z = _draws(y) + torch.rand(N)
+    return z + 1
+
+
+@reproducible(seed=3)
+def _decorated(x: torch.Tensor) -> torch.Tensor:
+    return _draws(x) + torch.rand(N)
+
+
+def _calls_decorated(x: torch.Tensor) -> torch.Tensor:
+    return _decorated(x * 2) + 1
+
+
+def _with_isolated(x: torch.Tensor) -> torch.Tensor:
+    with isolated():
+        inside = _draws(x)
+    return inside * 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fn", [_with_block, _calls_decorated, _with_isolated])
+def test_inside_compiled_code_eager_numbers_and_no_warnings(fn, restored):
+    x = torch.ones(N)
+    torch.manual_seed(5)
+    eager, eager_next = fn(x), torch.rand(3)
+    torch.manual_seed(5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(_copy(fn))
+        first, first_next = compiled(x), torch.rand(3)
+        torch.manual_seed(5)
+        second = compiled(x)  # the compiled code, run again
+    _no_dynamo_warnings(caught)
+    assert torch.equal(first, eager)
+    assert torch.equal(second, eager)
+    assert torch.equal(first_next, eager_next)  # the caller's stream, as in eager
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fn", "text"),
+    [
+        (_with_block, "a `with deterministic(...)` / `isolated()` block"),
+        (_calls_decorated, "a @reproducible / @isolated function"),
+    ],
+)
+def test_fullgraph_raises_with_our_explanation(fn, text, restored):
+    with pytest.raises(Exception, match="fullgraph=True") as raised:
+        torch.compile(_copy(fn), fullgraph=True)(torch.ones(N))
+    assert text in str(raised.value)
+
+
+@pytest.mark.slow
+def test_a_decorated_generator_iterated_in_compiled_code(restored):
+    @reproducible(seed=4)
+    def gen() -> Iterator[torch.Tensor]:
+        while True:
+            yield torch.rand(N)
+
+    def take(x: torch.Tensor, it: Iterator[torch.Tensor]) -> torch.Tensor:
+        return x + next(it) + next(it)
+
+    x = torch.ones(N)
+    eager = take(x, gen())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(take)(x, gen())
+    _no_dynamo_warnings(caught)
+    assert torch.equal(compiled, eager)
+
+
+@pytest.mark.slow
+def test_the_compiler_is_given_back_after_a_block_inside_compiled_code(restored):
+    # After the block, the rest of the compiled function's callees compile as
+    # usual: the pause ends with the block.
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+    seen: list[object] = []
+
+    @torch._dynamo.decorators.skip  # its frame is never compiled; it sees dynamo's callback
+    def probe() -> None:
+        seen.append(get_eval_frame_callback())
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        with deterministic(seed=0):
+            probe()
+        probe()
+        return x + 1
+
+    torch.compile(fn)(torch.ones(2))
+    assert seen[0] is None  # paused inside the block
+    assert seen[1] is not None  # given back after it
