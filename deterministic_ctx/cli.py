@@ -4,8 +4,8 @@ Two subcommands:
 
 * ``report [--json] [--init-cuda]`` prints the determinism report of a fresh
   interpreter (see :func:`deterministic_ctx.reporting.report`).
-* ``run [--seed N] [--warn-only] [--no-flags] [--no-fill] [--] script.py [args ...]``
-  (or ``-m module``)
+* ``run [--seed N] [--warn-only] [--no-flags] [--no-fill] [--compiled-rng eager]
+  [--] script.py [args ...]`` (or ``-m module``)
   runs an unmodified script as ``python script.py args ...`` would, after
   applying :func:`~deterministic_ctx.seed_everything` settings, so that it
   draws the same numbers on every run.
@@ -87,7 +87,7 @@ examples:
 
 _RUN_USAGE = f"""\
 {PROG} run [-h] [--seed N] [--warn-only] [--no-flags] [--no-fill]
-                             [--] script.py [args ...]
+                             [--compiled-rng eager] [--] script.py [args ...]
        {PROG} run [options] -m module [args ...]"""
 
 _RUN_DESCRIPTION = """\
@@ -194,6 +194,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="torch.utils.deterministic.fill_uninitialized_memory off",
     )
     run.add_argument(
+        "--compiled-rng",
+        choices=["eager"],
+        default=None,
+        help="eager: code compiled with torch.compile draws eager's random numbers "
+        "(inductor's fallback_random)",
+    )
+    run.add_argument(
         "-m",
         dest="module",
         metavar="module",
@@ -203,7 +210,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 
 
 #: ``run`` options that take a value, for splitting the command line at the script.
-_RUN_VALUE_OPTIONS = ("--seed", "-m")
+_RUN_VALUE_OPTIONS = ("--seed", "--compiled-rng", "-m")
 
 
 def _split_run(tokens: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -272,6 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warn_only=ns.warn_only,
         flags=not ns.no_flags,
         fill_uninitialized_memory=not ns.no_fill,
+        compiled_rng=ns.compiled_rng,
         module=ns.module,
         command=command,
         restart=from_command_line,
@@ -338,6 +346,7 @@ def _run(
     warn_only: bool,
     flags: bool,
     fill_uninitialized_memory: bool,
+    compiled_rng: str | None,
     module: str | None,
     command: list[str],
     restart: bool,
@@ -358,6 +367,7 @@ def _run(
             warn_only=warn_only,
             flags=flags,
             fill_uninitialized_memory=fill_uninitialized_memory,
+            compiled_rng=compiled_rng,  # type: ignore[arg-type]  # argparse checked the choice
         )
         _find_module(target)
     except _UsageError as exc:

@@ -30,11 +30,11 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from .context import deterministic as _block
-from .internal import MAX_SEED, validate_seed
+from .internal import MAX_SEED, CompiledRng, validate_seed
 
 __all__ = ["DeterministicMagics", "load_ipython_extension", "unload_ipython_extension"]
 
-CELL_USAGE = "%%deterministic [SEED] [--warn-only] [--no-flags] [--no-fill]"
+CELL_USAGE = "%%deterministic [SEED] [--warn-only] [--no-flags] [--no-fill] [--compiled-rng=eager]"
 
 
 class CellOptions(NamedTuple):
@@ -44,6 +44,7 @@ class CellOptions(NamedTuple):
     warn_only: bool = False
     flags: bool = True
     fill_uninitialized_memory: bool = True
+    compiled_rng: CompiledRng = None
 
 
 REPORT_USAGE = "%deterministic_report [--json]"
@@ -53,23 +54,31 @@ def parse_cell_line(line: str) -> CellOptions:
     """The options of a ``%%deterministic`` line, or :class:`UsageError`.
 
     Example:
-        >>> parse_cell_line("")
-        CellOptions(seed=0, warn_only=False, flags=True, fill_uninitialized_memory=True)
+        >>> parse_cell_line("")  # doctest: +NORMALIZE_WHITESPACE
+        CellOptions(seed=0, warn_only=False, flags=True, fill_uninitialized_memory=True,
+                    compiled_rng=None)
         >>> parse_cell_line("--warn-only 3").seed, parse_cell_line("--warn-only 3").warn_only
         (3, True)
         >>> parse_cell_line("7 --no-flags").flags
         False
+        >>> parse_cell_line("--compiled-rng=eager").compiled_rng
+        'eager'
         >>> parse_cell_line("abc")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         IPython.core.error.UsageError: %%deterministic: SEED must be an integer ..., got 'abc'
-        usage: %%deterministic [SEED] [--warn-only] [--no-flags] [--no-fill]
+        usage: %%deterministic [SEED] [--warn-only] [--no-flags] [--no-fill] [--compiled-rng=eager]
     """
     seed: int | None = None
     switches = {"--warn-only": False, "--no-flags": False, "--no-fill": False}
+    compiled_rng: CompiledRng = None
     for word in line.split():
         if word in switches:
             switches[word] = True
+        elif word.startswith("--compiled-rng"):
+            if word != "--compiled-rng=eager":
+                _usage_error(f"--compiled-rng takes one value, eager: got {word!r}", CELL_USAGE)
+            compiled_rng = "eager"
         elif word in ("-h", "--help"):
             _usage_error(
                 "runs the cell in a deterministic block: seeded with SEED (default 0), restored "
@@ -77,7 +86,9 @@ def parse_cell_line(line: str) -> CellOptions:
                 "unaffected; --warn-only: operations without a deterministic implementation warn "
                 "instead of raising; --no-flags: seed and isolate only, the determinism flags "
                 "and variables stay as they are; --no-fill: "
-                "torch.utils.deterministic.fill_uninitialized_memory off in the cell",
+                "torch.utils.deterministic.fill_uninitialized_memory off in the cell; "
+                "--compiled-rng=eager: code compiled with torch.compile draws eager's random "
+                "numbers in the cell",
                 CELL_USAGE,
             )
         elif word.startswith("-") and not word[1:].isdigit():
@@ -96,6 +107,7 @@ def parse_cell_line(line: str) -> CellOptions:
         warn_only=switches["--warn-only"],
         flags=not switches["--no-flags"],
         fill_uninitialized_memory=not switches["--no-fill"],
+        compiled_rng=compiled_rng,
     )
 
 
@@ -192,6 +204,7 @@ class DeterministicMagics(Magics):
             warn_only=options.warn_only,
             flags=options.flags,
             fill_uninitialized_memory=options.fill_uninitialized_memory,
+            compiled_rng=options.compiled_rng,
         ):
             exec(body, shell.user_global_ns, shell.user_ns)
             value = None if last is None else eval(last, shell.user_global_ns, shell.user_ns)

@@ -140,7 +140,7 @@ def test_help_reads_well(capsys):
     assert main(["run", "--help"]) == 0
     run = capsys.readouterr().out
     assert "deterministic-ctx run [-h] [--seed N] [--warn-only] [--no-flags] [--no-fill]" in run
-    assert "[--] script.py [args ...]" in run
+    assert "[--compiled-rng eager] [--] script.py [args ...]" in run
     for text in (
         "-m module",
         "--seed N",
@@ -218,6 +218,21 @@ def test_run_no_flags_seeds_only(probe, elsewhere):
     assert out["deterministic"] is False
     assert out["cudnn_deterministic"] is False
     assert out["cublas"] is None
+
+
+@pytest.mark.slow
+def test_run_compiled_rng_eager(tmp_path, elsewhere):
+    script = tmp_path / "compiled.py"
+    script.write_text(
+        "import torch._inductor.config as inductor\nprint(inductor.fallback_random)\n"
+    )
+    plain = cli("run", str(script), env=base_env(0), cwd=elsewhere)
+    eager = cli("run", "--compiled-rng", "eager", str(script), env=base_env(0), cwd=elsewhere)
+    assert (plain.returncode, plain.stdout) == (0, "False\n"), plain.stderr
+    assert (eager.returncode, eager.stdout) == (0, "True\n"), eager.stderr
+    bad = cli("run", "--compiled-rng", "inductor", str(script), env=base_env(0), cwd=elsewhere)
+    assert bad.returncode == 2
+    assert "invalid choice: 'inductor'" in bad.stderr
 
 
 @pytest.mark.slow

@@ -254,6 +254,10 @@ def global_state(k: Kernel) -> Any:
         ("1 2", "expected at most one SEED, got 1 and '2'"),
         ("--fast", "unknown option '--fast'"),
         ("3 --warn_only", "unknown option '--warn_only'"),
+        (
+            "--compiled-rng=inductor",
+            "--compiled-rng takes one value, eager: got '--compiled-rng=inductor'",
+        ),
     ],
 )
 def test_bad_arguments_show_usage_and_run_nothing(kernel, line, message):
@@ -262,8 +266,8 @@ def test_bad_arguments_show_usage_and_run_nothing(kernel, line, message):
     bad = kernel.run(f"%%deterministic {line}\nran = True\nrandom.random()", fails=True)
     assert bad.stderr.startswith("UsageError: %%deterministic: ")
     assert (
-        f"{message}\nusage: %%deterministic [SEED] [--warn-only] [--no-flags] [--no-fill]\n"
-        in bad.stderr
+        f"{message}\nusage: %%deterministic [SEED] [--warn-only] [--no-flags] [--no-fill] "
+        "[--compiled-rng=eager]\n" in bad.stderr
     )
     assert bad.error is None  # a usage message, not a traceback
     assert kernel.run("ran").value == "False"
@@ -274,7 +278,10 @@ def test_bad_arguments_show_usage_and_run_nothing(kernel, line, message):
 def test_help(kernel):
     result = kernel.run("%%deterministic --help\nran = True", fails=True)
     assert "runs the cell in a deterministic block" in result.stderr
-    assert "usage: %%deterministic [SEED] [--warn-only] [--no-flags] [--no-fill]" in result.stderr
+    assert (
+        "usage: %%deterministic [SEED] [--warn-only] [--no-flags] [--no-fill] "
+        "[--compiled-rng=eager]" in result.stderr
+    )
 
 
 @pytest.mark.slow
@@ -339,6 +346,9 @@ def test_warn_only(kernel):
     fill = "torch.utils.deterministic.fill_uninitialized_memory"
     assert kernel.run(f"%%deterministic --no-fill\n{fill}").value == "False"
     assert kernel.run(fill).value == "True"
+    rng = "import torch._inductor.config as inductor\ninductor.fallback_random"
+    assert kernel.run(f"%%deterministic 3 --compiled-rng=eager\n{rng}").value == "True"
+    assert kernel.run(rng).value == "False"
 
 
 @pytest.mark.slow
