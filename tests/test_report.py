@@ -46,6 +46,7 @@ def test_structure_json_and_text():
         "cuda",
         "process",
         "problems",
+        "torch_compile",
     }
     assert data["versions"]["torch"] == torch.__version__
     assert data["flags"]["deterministic_algorithms"] == torch.are_deterministic_algorithms_enabled()
@@ -60,6 +61,7 @@ def test_structure_json_and_text():
         "Flags",
         "Environment",
         "RNGs",
+        "torch.compile",
         "CUDA",
         "Process",
         "Problems",
@@ -230,7 +232,9 @@ CPU = {"built": False, "initialized": False, "bad_fork": False}
 GOOD_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONHASHSEED": "0"}
 
 
-def problems(flags=None, env=None, startup=None, cuda=None, method="fork", rngs=()):
+def problems(
+    flags=None, env=None, startup=None, cuda=None, method="fork", rngs=(), torch_compile=None
+):
     return codes(
         rules.problems(
             flags={**FLAGS, **(flags or {})},
@@ -239,6 +243,7 @@ def problems(flags=None, env=None, startup=None, cuda=None, method="fork", rngs=
             cuda=cuda or GPU,
             start_method=method,
             rngs=rngs,
+            torch_compile=torch_compile,
         )
     )
 
@@ -286,6 +291,36 @@ def test_flag_rules():
     assert "inductor" in problems(flags={"inductor_deterministic": False})
     assert "cuda-bad-fork" in problems(cuda={**GPU, "bad_fork": True})
     assert "unseeded" in problems(rngs=(RngStatus("torch.cpu", False, 2**60, ""),))
+
+
+#: compiled_settings() with every config module imported and nothing set.
+COMPILED = {
+    "torch._inductor.config.fallback_random": False,
+    "torch._inductor.config.align_random_eager": False,
+    "torch._inductor.config.batch_invariant": False,
+    "torch._functorch.config.functionalize_rng_ops": False,
+    "torch._functorch.config.graphsafe_rng_functionalization": True,
+    "torch._dynamo.config.use_numpy_random_stream": False,
+}
+
+
+def test_compiled_rng_rules():
+    assert {"compiled-rng", "compiled-numpy-rng"} <= problems(torch_compile=COMPILED)
+    # torch.compile not used (its config modules not imported): nothing to say.
+    assert problems(torch_compile={}) == problems() == set()
+    # Only AOTAutograd's config imported (torch.func alone, say): no inductor, no dynamo.
+    functorch_only = {k: v for k, v in COMPILED.items() if k.startswith("torch._functorch.")}
+    assert problems(torch_compile=functorch_only) == set()
+    fallback = {**COMPILED, "torch._inductor.config.fallback_random": True}
+    assert "compiled-rng" not in problems(torch_compile=fallback)
+    stream = {**COMPILED, "torch._dynamo.config.use_numpy_random_stream": True}
+    assert problems(torch_compile=stream) == {"compiled-rng"}
+    # Neither functionalize_rng_ops nor align_random_eager makes compiled numbers eager's.
+    for name in (
+        "torch._functorch.config.functionalize_rng_ops",
+        "torch._inductor.config.align_random_eager",
+    ):
+        assert "compiled-rng" in problems(torch_compile={**COMPILED, name: True})
 
 
 def test_report_is_the_function_on_the_package_even_after_its_module_is_imported():

@@ -2,10 +2,11 @@
 
 A structured, JSON-serializable :class:`DeterminismReport` with a readable
 ``str``: library versions, the determinism flags, the relevant environment
-variables, which RNGs look seeded, CUDA facts, and a list of known problems
+variables, which RNGs look seeded, torch.compile's random-number settings
+(once torch.compile is in use), CUDA facts, and a list of known problems
 (``cudnn.benchmark`` on, ``CUBLAS_WORKSPACE_CONFIG`` missing or set after CUDA
 started, ``PYTHONHASHSEED`` unset with spawned workers, nondeterministic
-algorithms allowed, ...).
+algorithms allowed, compiled random numbers that differ from eager ones, ...).
 
 Reading the report changes nothing: it never initializes CUDA (device facts
 are read only once ``torch.cuda.is_initialized()``), never imports
@@ -55,7 +56,7 @@ def report() -> DeterminismReport:
     import numpy as np
     import torch
 
-    from ..internal import VERSION, inside_block
+    from ..internal import VERSION, compiled_settings, inside_block
     from ..snapshot import Snapshot
 
     snapshot = Snapshot.capture()
@@ -65,6 +66,7 @@ def report() -> DeterminismReport:
     cuda = _facts.cuda_facts(torch)
     method, explicit = _facts.start_method()
     rngs = _rngs.rng_statuses(torch, np, snapshot, in_block)
+    torch_compile = compiled_settings()  # only the config modules imported already
     process: dict[str, Any] = {
         "start_method": method,
         "start_method_explicit": explicit,
@@ -86,5 +88,8 @@ def report() -> DeterminismReport:
         cuda=cuda,
         start_method=method,
         rngs=rngs,
+        torch_compile=torch_compile,
     )
-    return DeterminismReport(versions, in_block, flags, env, rngs, cuda, process, problems)
+    return DeterminismReport(
+        versions, in_block, flags, env, rngs, cuda, process, problems, torch_compile
+    )

@@ -42,7 +42,10 @@ class DeterminismReport:
     """The determinism setup of this process; see :func:`report`.
 
     ``str(r)`` is for people, ``r.to_dict()`` for tools (JSON-serializable).
-    ``warnings`` lists the problems of level ``"warning"``.
+    ``warnings`` lists the problems of level ``"warning"``.  ``torch_compile``
+    holds torch.compile's random-number settings as ``{"module.key": value}``
+    (``"torch._inductor.config.fallback_random": False``, ...), for the config
+    modules already imported: empty when torch.compile has not been used.
     """
 
     versions: dict[str, str | None]
@@ -53,6 +56,8 @@ class DeterminismReport:
     cuda: dict[str, Any]
     process: dict[str, Any]
     problems: tuple[Problem, ...]
+    # Last, with a default: reports built positionally before it existed still build.
+    torch_compile: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def warnings(self) -> tuple[Problem, ...]:
@@ -83,6 +88,7 @@ class DeterminismReport:
             "Environment", {k: "(unset)" if v is None else v for k, v in self.env.items()}
         )
         lines += _rng_section(self.rngs)
+        lines += _compile_section(self.torch_compile)
         lines += _section("CUDA", self.cuda)
         lines += _section("Process", self.process)
         lines += _problem_section(self.problems)
@@ -101,6 +107,14 @@ def _rng_section(rngs: tuple[RngStatus, ...]) -> list[str]:
         seeded = {True: "seeded", False: "not seeded", None: "unknown"}[rng.seeded]
         seed = f" (seed {rng.seed})" if rng.seed is not None else ""
         lines.append(f"  {rng.name:<{width}}  {seeded}{seed}: {rng.detail}")
+    return lines
+
+
+def _compile_section(settings: Mapping[str, Any]) -> list[str]:
+    lines = _section("torch.compile", settings)
+    if not any(name.startswith("torch._inductor.") for name in settings):
+        # The report never imports inductor to ask (that costs about a second).
+        lines.append("  not used in this process: torch._inductor is not imported")
     return lines
 
 

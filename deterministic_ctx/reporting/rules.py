@@ -25,6 +25,9 @@ class Facts:
     cuda: Mapping[str, Any]
     start_method: str
     rngs: tuple[RngStatus, ...]
+    #: ``{"module.key": value}`` of torch.compile's random-number settings, for the config
+    #: modules already imported (empty when none is: torch.compile has not been used).
+    torch_compile: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def gpu(self) -> bool:
@@ -188,6 +191,53 @@ def _inductor(f: Facts) -> Problem | None:
     )
 
 
+_FALLBACK_RANDOM = "torch._inductor.config.fallback_random"
+_ALIGN_RANDOM_EAGER = "torch._inductor.config.align_random_eager"
+_NUMPY_RANDOM_STREAM = "torch._dynamo.config.use_numpy_random_stream"
+
+
+def _compiled_rng(f: Facts) -> Problem | None:
+    # Absent when torch._inductor is not imported: nothing was compiled by inductor then.
+    # A note, not a warning: compiled numbers are reproducible run to run; they are only
+    # not eager's (as TF32 results are reproducible, only not another GPU's).
+    if f.torch_compile.get(_FALLBACK_RANDOM) is not False:
+        return None
+    # align_random_eager changes only torch.rand-based ops, and only on CUDA (inductor's
+    # replace_random pass): the note stays, and says why.
+    aligned = (
+        " (align_random_eager, on here, aligns only some random ops with eager, and only on CUDA)"
+        if f.torch_compile.get(_ALIGN_RANDOM_EAGER) is True
+        else ""
+    )
+    return Problem(
+        "note",
+        "compiled-rng",
+        "torch._inductor.config.fallback_random is off: code compiled by torch.compile's "
+        "inductor backend draws its random numbers (dropout, torch.rand, ...) with inductor's "
+        "own generator, reproducible run to run but not equal to eager's under the same seed"
+        + aligned
+        + '; for eager\'s numbers use deterministic(seed, compiled_rng="eager") or '
+        "torch._inductor.config.fallback_random = True, in effect when the compiled code first "
+        "runs (code compiled before keeps its numbers until torch._dynamo.reset()); random ops "
+        "then run eager's kernels, unfused: slower",
+    )
+
+
+def _compiled_numpy_rng(f: Facts) -> Problem | None:
+    # Absent when torch._dynamo is not imported.  Dynamo traces np.random calls into
+    # torch._numpy.random, which draws from torch's generator unless told otherwise.
+    if f.torch_compile.get(_NUMPY_RANDOM_STREAM) is not False:
+        return None
+    return Problem(
+        "note",
+        "compiled-numpy-rng",
+        "torch._dynamo.config.use_numpy_random_stream is off: np.random calls inside code "
+        "compiled with torch.compile draw from torch's generator, not NumPy's (other numbers "
+        "than eager, and NumPy's state does not advance); set it to True to keep NumPy's "
+        "stream (each such call is then a graph break)",
+    )
+
+
 def _unseeded(f: Facts) -> Problem | None:
     if not any(r.name == "torch.cpu" and r.seeded is False for r in f.rngs):
         return None
@@ -212,6 +262,8 @@ RULES: tuple[Callable[[Facts], Problem | None], ...] = (
     _cuda_bad_fork,
     _tf32,
     _inductor,
+    _compiled_rng,
+    _compiled_numpy_rng,
     _unseeded,
 )
 
@@ -224,7 +276,8 @@ def problems(
     cuda: Mapping[str, Any],
     start_method: str,
     rngs: tuple[RngStatus, ...],
+    torch_compile: Mapping[str, Any] | None = None,
 ) -> tuple[Problem, ...]:
     """Known problems, from the facts alone (a pure function, so each rule is testable)."""
-    facts = Facts(flags, env, startup_env, cuda, start_method, rngs)
+    facts = Facts(flags, env, startup_env, cuda, start_method, rngs, torch_compile or {})
     return tuple(problem for rule in RULES if (problem := rule(facts)) is not None)
