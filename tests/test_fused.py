@@ -211,6 +211,7 @@ def observe(known: Known) -> dict[str, Any]:
         "inductor": None
         if inductor is None
         else (inductor.deterministic, inductor._is_default("deterministic")),
+        "torch.compile": Oracle.now().compiled,
         "defaults": (
             str(torch.get_default_dtype()),
             torch._C._get_default_device(),
@@ -444,6 +445,23 @@ def _set_inductor(value: bool) -> None:
         config.deterministic = value
 
 
+def _set_config(module: str, key: str) -> Callable[[Ctx, Any], None]:
+    """Set an entry of a torch config module (imported in every example), or
+    clear its override (``None``) as torch's own patcher does."""
+
+    def run(ctx: Ctx, value: Any) -> None:
+        config = importlib.import_module(module)
+        if value is None:
+            from torch.utils._config_module import _UNSET_SENTINEL
+
+            config._config[key].user_override.set(_UNSET_SENTINEL)
+            config._hash_dirty_var.set(True)
+        else:
+            setattr(config, key, value)
+
+    return run
+
+
 def _none(_: object) -> None:
     return None
 
@@ -517,6 +535,15 @@ OPS: dict[str, tuple[Callable[[Ctx, Any], Any], st.SearchStrategy[Any]]] = {
     ),
     "mkldnn.deterministic": (_precision(B.mkldnn, "deterministic"), BOOLS),
     "inductor deterministic (if imported)": (lambda ctx, b: _set_inductor(b), BOOLS),
+    # torch.compile's random-number config
+    "inductor fallback_random": (
+        _set_config("torch._inductor.config", "fallback_random"),
+        st.sampled_from([None, False, True]),
+    ),
+    "functorch functionalize_rng_ops": (
+        _set_config("torch._functorch.config", "functionalize_rng_ops"),
+        st.sampled_from([None, False, True]),
+    ),
     "set_float32_matmul_precision": (
         lambda ctx, v: torch.set_float32_matmul_precision(v),
         st.sampled_from(["highest", "high", "medium"]),
@@ -616,6 +643,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "set_flush_denormal",
     ),
     "environ": ("environ",),
+    "torch.compile": ("inductor fallback_random", "functorch functionalize_rng_ops"),
     "other RNGs": ("user draw", "step a decorated generator"),
 }
 _grouped = [n for names in GROUPS.values() for n in names]
@@ -653,6 +681,7 @@ class Block:
     warn_only: bool
     rank: int | str | None
     body: tuple[Any, ...]
+    compiled_rng: str | None = None
     #: The plan run leaves it through ``PLAN.restore_over(states, PLAN.capture())``
     #: (what the engine does when a decorated generator swaps worlds).
     swap: bool = False
@@ -667,6 +696,7 @@ def blocks(depth: int) -> st.SearchStrategy[Block]:
         rank=st.sampled_from([None, 0, 1, 5, "auto"]),
         body=st.lists(item, max_size=6).map(tuple),
         swap=BOOLS,
+        compiled_rng=st.sampled_from([None, "eager"]),
     )
 
 
@@ -700,7 +730,9 @@ class Run:
                 self.log.append((item[0], plain(run_op(self.ctx, item), self.known)))
 
     def block(self, block: Block) -> None:
-        settings = Settings.build(block.seed, block.warn_only, block.rank)
+        settings = Settings.build(
+            block.seed, block.warn_only, block.rank, compiled_rng=block.compiled_rng
+        )
         if self.kind == "plan":
             plan = _sources.PLAN
             assert plan is not None
@@ -723,7 +755,12 @@ class Run:
         else:  # the public API
             entered = False
             try:
-                with deterministic(block.seed, warn_only=block.warn_only, rank=block.rank):
+                with deterministic(
+                    block.seed,
+                    warn_only=block.warn_only,
+                    rank=block.rank,
+                    compiled_rng=block.compiled_rng,  # type: ignore[arg-type]
+                ):
                     entered = True
                     self._inside(block)
             except Exception as exc:
@@ -852,6 +889,7 @@ def example_world() -> Iterator[Ctx]:
     # ``torch.use_deterministic_algorithms`` imports inductor's config, and a
     # block sets its flag only once imported: imported first, every run alike.
     importlib.import_module("torch._inductor.config")
+    importlib.import_module("torch._functorch.config")
     forget_cudnn_initial_state()
     outer = World(_sources.SOURCES, reference_capture())
     managed = (_environ._MANAGED, _environ._MANAGED_SET)
