@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["InvalidSnapshotError", "LockWaitWarning", "RestoreError"]
+__all__ = ["GraphCaptureError", "InvalidSnapshotError", "LockWaitWarning", "RestoreError"]
 
 
 class RestoreError(RuntimeError):
@@ -71,3 +71,19 @@ class InvalidSnapshotError(ValueError):
     def __reduce__(self) -> tuple[type[InvalidSnapshotError], tuple[str, str]]:
         # Crosses process boundaries (multiprocessing) with its two fields intact.
         return type(self), (self.origin, self.problem)
+
+
+class GraphCaptureError(RuntimeError):
+    """A device's generators were to be read or set while a graph is being captured.
+
+    Raised by a block's entry, :meth:`Snapshot.capture <deterministic_ctx.Snapshot.capture>`
+    and :meth:`Snapshot.restore <deterministic_ctx.Snapshot.restore>` (before
+    anything is changed) when the calling thread's current CUDA (or XPU)
+    stream is capturing a graph; a block left during a capture raises
+    :class:`~deterministic_ctx.RestoreError` with this as the device's failure.
+    Enter the block before the capture and replay the graph inside it.
+
+    Example:
+        >>> issubclass(GraphCaptureError, RuntimeError)
+        True
+    """

@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from . import checkpoint as _checkpoint
+from .sources.accelerators import refuse_inside_graph_capture
 from .world import World
 
 __all__ = ["Snapshot"]
@@ -68,6 +69,8 @@ class Snapshot:
         leave a source half-restored or stop the others: the interrupted
         source is restored again, then the rest, and the interrupt is
         re-raised afterwards.  A source that fails twice in a row has failed.
+        While a CUDA graph is being captured on the current stream, it raises
+        ``GraphCaptureError`` (a ``RuntimeError``) and restores nothing.
 
         Example:
             >>> import numpy as np
@@ -77,6 +80,9 @@ class Snapshot:
             >>> float(np.random.rand()) == a
             True
         """
+        # Checked for every device first: a source refusing on its own would
+        # come after the sources restored before it.
+        refuse_inside_graph_capture(self._world.sources)
         self._world.restore()
 
     @property

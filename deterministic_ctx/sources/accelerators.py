@@ -16,6 +16,39 @@ once the device is initialized) or *lazy* (what is queued).  If the device is
 first initialized inside a block, it was seeded from the block's seed, and on
 exit every generator is set to what initialization would have produced from
 the captured queue: a fresh generator, then the captured queued calls.
+
+**Graph capture (CUDA graphs, XPU graphs).**  While the calling thread's
+current stream is capturing a graph, the sources *refuse*: capturing,
+seeding and restoring an initialized device raise :class:`GraphCaptureError`
+before anything of the device is read or changed; ``Snapshot.restore()``
+checks first (:func:`refuse_inside_graph_capture`), so it changes nothing at
+all.  We refuse rather than swap states with the graph-safe API because:
+
+* torch forbids the plain API during capture (``get_state``, ``set_state``
+  and ``manual_seed`` assert that the stream is not capturing), and the
+  graph-safe alternative cannot be done by a block on its own: a generator
+  state swapped in with ``graphsafe_set_state`` is only advanced by a graph
+  it was registered with, and registering (``CUDAGraph.register_generator_state``)
+  must happen *before* the capture begins, on the graph object, which a block
+  entered inside the capture never sees.
+* A captured graph reads its generator's seed and offset when it is
+  *replayed*, not when it is captured (torch's "CUDA Graph-safe RNG states"):
+  the way to make a graph's random numbers reproducible is to seed its
+  replays, ``with deterministic(seed=0): g.replay()``, or to enter the block
+  before the capture and replay inside it.  That pattern uses only the plain
+  API outside capture and works as it is.
+* None of the graph-safe path can be tested on a machine without a GPU;
+  a clear error is honest where a wrong stream would be silent.
+
+A block entered before the capture and left after it is the supported
+pattern: nothing is checked or refused then.  One left *during* a capture
+(entered before ``capture_begin()``, left before ``capture_end()``) restores
+every other source and raises :class:`~deterministic_ctx.RestoreError` naming
+this one: the device generators keep the block's state.  The check costs
+nothing where the device cannot be initialized (a CPU build) or is not yet:
+it is only made on the initialized path, with one
+``is_current_stream_capturing()`` call (a stream query; it never initializes
+the device and is legal during a capture).
 """
 
 from __future__ import annotations
@@ -26,10 +59,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .._errors import GraphCaptureError
 from .._settings import Settings
 from . import _plain
 
 __all__ = [
+    "GraphCaptureError",
     "LazyAcceleratorSource",
     "MPSSource",
     "SavedState",
@@ -37,6 +72,7 @@ __all__ = [
     "check_foreign_devices",
     "device_mismatch",
     "device_states_from_plain",
+    "refuse_inside_graph_capture",
 ]
 
 _NOTE = ["  (seed queued by deterministic_ctx on entry to a deterministic block)\n"]
@@ -115,9 +151,29 @@ class LazyAcceleratorSource:
         check = getattr(self._m, "_is_in_bad_fork", None)
         return bool(check()) if check is not None else False
 
+    def capturing(self) -> bool:
+        """Whether the calling thread's current stream of this device is capturing
+        a graph now; ``False`` where the device is not initialized (asking never
+        initializes it) or its module has no graphs."""
+        return self._can_initialize and self._m.is_initialized() and self._capturing_now()
+
+    def _capturing_now(self) -> bool:
+        # Only asked on the initialized path: on a build without the device
+        # torch's function is a stub that raises.  Looked up per call, not
+        # bound at construction, so that tests can patch the module.
+        query = getattr(self._m, "is_current_stream_capturing", None)
+        return query is not None and bool(query())
+
+    def _refuse_inside_capture(self, what: str) -> None:
+        """Raise :class:`GraphCaptureError` if a graph is being captured (the
+        device is initialized: the caller checked)."""
+        if self._capturing_now():
+            raise GraphCaptureError(_capture_message(self.name, self._device_type, what))
+
     def capture(self) -> LiveState | LazyState:
         m = self._m
         if m.is_initialized():
+            self._refuse_inside_capture("read the generator states")
             return LiveState(tuple(g.get_state() for g in m.default_generators))
         t = m._lazy_seed_tracker
         # LazyState(...) without the Python call of a NamedTuple's __new__ (0.1 µs).
@@ -132,6 +188,9 @@ class LazyAcceleratorSource:
             return  # like torch.manual_seed: the device cannot be used in this process
         seed = settings.seed
         if m.is_initialized():
+            # Blocks capture (and so check) just before; integrations that
+            # reseed directly (Hypothesis, pytest-randomly) come here first.
+            self._refuse_inside_capture("seed the generators")
             _seed(m.default_generators, seed)
             return
 
@@ -151,6 +210,7 @@ class LazyAcceleratorSource:
     def _restore_live(self, state: LiveState) -> None:
         if self._bad_fork():
             return  # a forked child cannot use the device at all
+        self._refuse_inside_capture("put the generator states back")
         generators = self._m.default_generators
         if len(generators) != len(state.states):
             raise RuntimeError(
@@ -160,12 +220,17 @@ class LazyAcceleratorSource:
         _set_states(generators, state.states)
 
     def _restore_lazy(self, state: LazyState) -> None:
-        self._restore_tracker(state)
         m = self._m
         if not m.is_initialized():
+            self._restore_tracker(state)
             if len(m._queued_calls) != len(state.queued):
                 self._drop_queued_rng_calls(state.queued)
-        elif not self._bad_fork():
+            return
+        # Initialized since ``state`` was captured (inside the block): refuse
+        # before the tracker is touched too, so that a refusal changes nothing.
+        self._refuse_inside_capture("put the generator states back")
+        self._restore_tracker(state)
+        if not self._bad_fork():
             self._initialize_without_block(state)
 
     def _restore_tracker(self, state: LazyState) -> None:
@@ -234,6 +299,7 @@ class LazyAcceleratorSource:
         if not state.states:
             self._keep_unsaved(state.strict)
         elif self._m.is_initialized():
+            self._refuse_inside_capture("put the generator states back")
             # The device count was matched at load: zip stops at the shorter.
             _set_states(self._m.default_generators, state.states)
         else:
@@ -266,6 +332,50 @@ class LazyAcceleratorSource:
         tracker.manual_seed_all_cb = tracker.manual_seed_cb = None
         tracker.call_order = []
         m._queued_calls.append((set_rng_states, _RESTORE_NOTE))
+
+
+def _capture_message(name: str, device_type: str, what: str) -> str:
+    graphs = f"{device_type.upper()} graph"
+    return (
+        f"{name}: cannot {what} while a {graphs} is being captured on the current stream. "
+        f"torch forbids reading or setting a generator's state during capture, and a "
+        f"captured graph reads the seed and offset when it is replayed, not when it is "
+        f"captured. Enter the deterministic block (or take the snapshot) before the capture "
+        f"begins and replay inside a block instead, e.g. "
+        f"`with deterministic(seed=0): g.replay()`, or seed before the capture. To switch "
+        f"generators within one graph, register each with the graph before capture "
+        f"(`g.register_generator_state(gen)`) and swap them with "
+        f"`torch.Generator.graphsafe_set_state`."
+    )
+
+
+def refuse_inside_graph_capture(sources: tuple[object, ...]) -> None:
+    """Raise :class:`GraphCaptureError` if any lazily initialized device among
+    ``sources`` is capturing a graph on the current stream.
+
+    What ``Snapshot.restore()`` checks first, so that a refusal changes no
+    source at all (the sources themselves refuse only their own device, after
+    the sources restored before them).  No device is asked unless it is
+    initialized, and the devices that can be are found once per ``sources``
+    tuple: on a build without accelerators this is an identity check.
+    """
+    global _graph_devices
+    seen, devices = _graph_devices
+    if seen is not sources:
+        devices = tuple(
+            s for s in sources if isinstance(s, LazyAcceleratorSource) and s.can_initialize
+        )
+        _graph_devices = (sources, devices)
+    for source in devices:
+        if source.capturing():
+            raise GraphCaptureError(
+                _capture_message(source.name, source.device_type, "put the generator states back")
+            )
+
+
+#: The last ``sources`` tuple :func:`refuse_inside_graph_capture` was given,
+#: and its devices that can be initialized (``SOURCES`` rarely changes).
+_graph_devices: tuple[tuple[object, ...] | None, tuple[LazyAcceleratorSource, ...]] = (None, ())
 
 
 def _seed(generators: Sequence[Any], seed: int) -> None:
