@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__ as __version__
 
 if TYPE_CHECKING:  # what the names below resolve to, for type checkers and readers
-    from ._errors import InvalidSnapshotError, LockWaitWarning, RestoreError
+    from ._errors import GraphCaptureError, InvalidSnapshotError, LockWaitWarning, RestoreError
     from ._lock import set_lock_warning
     from ._seed import derive_seed
     from .context import deterministic, isolated
@@ -41,16 +41,24 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from .snapshot import Snapshot
     from .sources import register_rng, registered_rngs, unregister_rng
     from .sources.environ import managed_env_vars, register_env_var
-    from .verify import NotReproducibleError, assert_reproducible
+    from .verify import (
+        CompiledMismatchError,
+        NotReproducibleError,
+        assert_compiled_matches_eager,
+        assert_reproducible,
+    )
 
 __all__ = [
+    "CompiledMismatchError",
     "DeterminismReport",
     "DivergenceReport",
+    "GraphCaptureError",
     "InvalidSnapshotError",
     "LockWaitWarning",
     "NotReproducibleError",
     "RestoreError",
     "Snapshot",
+    "assert_compiled_matches_eager",
     "assert_reproducible",
     "broadcast_seed",
     "chain_worker_init",
@@ -75,13 +83,16 @@ __all__ = [
 
 #: Where each public name lives: ``(module, attribute)``.
 _WHERE: dict[str, tuple[str, str]] = {
+    "CompiledMismatchError": (".verify", "CompiledMismatchError"),
     "DeterminismReport": (".reporting", "DeterminismReport"),
     "DivergenceReport": (".locate", "DivergenceReport"),
+    "GraphCaptureError": ("._errors", "GraphCaptureError"),
     "InvalidSnapshotError": ("._errors", "InvalidSnapshotError"),
     "LockWaitWarning": ("._errors", "LockWaitWarning"),
     "NotReproducibleError": (".verify", "NotReproducibleError"),
     "RestoreError": ("._errors", "RestoreError"),
     "Snapshot": (".snapshot", "Snapshot"),
+    "assert_compiled_matches_eager": (".verify", "assert_compiled_matches_eager"),
     "assert_reproducible": (".verify", "assert_reproducible"),
     "broadcast_seed": (".distributed", "broadcast_seed"),
     "chain_worker_init": (".data", "chain_worker_init"),

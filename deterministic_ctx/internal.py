@@ -46,6 +46,7 @@ from .sources import (
     seed_registered_rngs,
     source_named,
 )
+from .sources._config import unchanged_config
 from .sources.compiler import compiled_settings
 from .sources.environ import CUBLAS_VALID, managed_env_vars, register_env_var
 from .sources.environ import SEED as SEED_ENV_VAR
@@ -74,6 +75,7 @@ __all__ = [
     "seed_for_rank",
     "seed_registered_rngs",
     "source_named",
+    "unchanged_config",
     "validate_compiled_rng",
     "validate_rank",
     "validate_seed",

@@ -19,11 +19,12 @@ is read and written with ``getattr``/``setattr``.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-__all__ = ["AT_DEFAULT", "ConfigEntry"]
+__all__ = ["AT_DEFAULT", "ConfigEntry", "unchanged_config"]
 
 
 class _AtDefault:
@@ -179,3 +180,32 @@ def _inspect(config: Any, key: str) -> _Found:
         and isinstance(getattr(entry, "default", None), (bool, int, float, str))
     )
     return _Found(config, entry, unset, plain)
+
+
+@contextlib.contextmanager
+def unchanged_config(module: str) -> Iterator[None]:
+    """Put every entry of a config module back as it was, overrides and all.
+
+    ``torch.compile(options=...)`` and ``config.patch`` write values back when
+    they end, and so leave the entries they touched marked as set by the user,
+    which changes inductor's compile-cache keys.  This restores each entry's
+    override itself (nothing where ``module`` is not imported at entry, or
+    its layout is not the known one: a later import is left alone).
+    """
+    config = sys.modules.get(module)
+    entries = getattr(config, "_config", None)
+    if not isinstance(entries, dict) or not all(
+        callable(getattr(getattr(entry, "user_override", None), "get", None))
+        for entry in entries.values()
+    ):
+        yield
+        return
+    saved = [(key, entry, entry.user_override.get()) for key, entry in entries.items()]
+    try:
+        yield
+    finally:
+        for key, entry, override in saved:
+            if entry.user_override.get() is not override:
+                entry.user_override.set(override)
+                config._hash_dirty_var.set(True)  # type: ignore[union-attr]
+                config._mark_get_dict_dirty(key)  # type: ignore[union-attr]
