@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-__all__ = ["AT_DEFAULT", "ConfigEntry", "unchanged_config"]
+__all__ = ["AT_DEFAULT", "ConfigEntry", "is_unset", "unchanged_config"]
 
 
 class _AtDefault:
@@ -46,6 +46,13 @@ class _AtDefault:
 
 
 AT_DEFAULT = _AtDefault()
+
+
+def is_unset(override: object) -> bool:
+    """Whether ``override`` is torch's own "nobody set it" sentinel (what a
+    capture that reads the override directly holds for an entry at its default)."""
+    unset = getattr(sys.modules.get("torch.utils._config_module"), "_UNSET_SENTINEL", None)
+    return unset is not None and override is unset
 
 
 class _Found(NamedTuple):

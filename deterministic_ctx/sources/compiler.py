@@ -53,13 +53,14 @@ import importlib
 import sys
 import types
 from collections.abc import Callable
-from typing import Any, TypeVar
+from operator import is_
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
 from .._settings import Settings
 from . import _plain
-from ._config import AT_DEFAULT, ConfigEntry
+from ._config import AT_DEFAULT, ConfigEntry, is_unset
 
 __all__ = [
     "ENTRIES",
@@ -93,6 +94,37 @@ _UNTOUCHED: tuple[object, ...] = (AT_DEFAULT,) * len(ENTRIES)
 _override = ConfigEntry.override
 
 
+class _Binding(NamedTuple):
+    """The config modules as last seen, and each entry's override variable
+    (``None`` if the module was not imported or its layout is not the known
+    one).  Rebuilt whenever a module is imported (or replaced)."""
+
+    modules: tuple[Any, ...]
+    #: Every entry's override variable (torch's ``ContextVar``), when all are
+    #: known: the fast paths read them with one ``map``; else ``None`` and the
+    #: entries' methods run.
+    variables: tuple[Any, ...] | None
+    #: Their ``get``, unbound (``ContextVar.get``: a C method, no frame per call).
+    get: Any
+
+
+_binding = _Binding((None, None, None), None, None)
+
+
+def _rebind(modules: tuple[Any, ...]) -> _Binding:
+    """The binding of ``modules``, the config modules imported now."""
+    global _binding
+    found = [entry.located() for entry in ENTRIES]
+    variables = (
+        tuple(f.entry.user_override for f in found if f is not None)
+        if all(f is not None and f.entry is not None and f.plain for f in found)
+        else None
+    )
+    get = type(variables[0]).get if variables else None
+    binding = _binding = _Binding(modules, variables, get)
+    return binding
+
+
 class TorchCompileSource:
     """The config entries of inductor, AOTAutograd and dynamo that decide
     compiled random numbers (see the module docstring).  The state is a
@@ -102,9 +134,17 @@ class TorchCompileSource:
     device_type: str | None = None  # not a device generator: saved under "sources"
 
     def capture(self) -> tuple[object, ...]:
-        modules = sys.modules
-        if _INDUCTOR not in modules and _FUNCTORCH not in modules and _DYNAMO not in modules:
+        """Each entry's override: as set, torch's "unset" sentinel, or
+        :data:`AT_DEFAULT` (its module not imported)."""
+        get = sys.modules.get
+        modules = (get(_INDUCTOR), get(_FUNCTORCH), get(_DYNAMO))
+        if modules == (None, None, None):
             return _UNTOUCHED
+        binding = _binding
+        if binding.modules != modules:  # modules compare by identity
+            binding = _rebind(modules)
+        if binding.variables is not None:  # all imported, torch's layout: the overrides as they are
+            return tuple(map(binding.get, binding.variables))
         return tuple(map(_override, ENTRIES))
 
     def apply(self, settings: Settings) -> None:
@@ -119,11 +159,21 @@ class TorchCompileSource:
             _FALLBACK_RANDOM.set(True)
 
     def restore(self, state: tuple[object, ...]) -> None:
-        if state is _UNTOUCHED:
-            modules = sys.modules
-            if _INDUCTOR not in modules and _FUNCTORCH not in modules and _DYNAMO not in modules:
+        get = sys.modules.get
+        modules = (get(_INDUCTOR), get(_FUNCTORCH), get(_DYNAMO))
+        if modules == (None, None, None):
+            if type(state) is not _Loaded:
+                return  # nothing imported, then or now
+        elif type(state) is tuple:
+            binding = _binding
+            if binding.modules != modules:
+                binding = _rebind(modules)
+            # The usual case, nothing set since the capture: nothing to write.
+            if binding.variables is not None and all(
+                map(is_, map(binding.get, binding.variables), state)
+            ):
                 return
-        elif type(state) is _Loaded:
+        if type(state) is _Loaded:
             # A saved override of a module not imported here is applied all
             # the same: the module is imported (rare: someone set it and saved).
             for entry, want in zip(ENTRIES, state, strict=True):
@@ -137,7 +187,7 @@ class TorchCompileSource:
         someone set (an entry at its default is left out)."""
         out: dict[str, Any] = {}
         for entry, override in zip(ENTRIES, state, strict=True):
-            if override == AT_DEFAULT:
+            if override == AT_DEFAULT or is_unset(override):
                 continue
             if type(override) is not bool:
                 raise ValueError(
