@@ -102,6 +102,8 @@ SKIPPED: dict[str, str] = {
     "examples/ddp_training.py runs this pattern on real gloo ranks (tests/test_examples.py)",
     "%load_ext deterministic_ctx": "an IPython magic: tests/test_ipython.py runs it in a kernel",
     "%%deterministic 3": "an IPython magic: tests/test_ipython.py runs it in a kernel",
+    "g = torch.cuda.CUDAGraph()": "needs a CUDA device: tests/test_cuda_graphs.py runs this "
+    "pattern on a GPU (marked gpu)",
 }
 
 README_RUNNER = """
