@@ -29,7 +29,7 @@ from . import sources as _sources
 from ._errors import RestoreError
 from ._lock import LOCK
 from ._settings import Settings
-from .sources.compiler import opaque, pause_compiler, resume_compiler
+from .sources.compiler import opaque, pause_compiler, refuse_while_tracing, resume_compiler
 from .world import World
 
 # ``opaque``, ``pause_compiler`` and ``resume_compiler`` are the boundary
@@ -87,8 +87,11 @@ class Block:
         :meth:`suspend` by restoring the block's own state.
 
         On any exception nothing is left applied and the lock is back at the
-        caller's depth; then the exception propagates.
+        caller's depth; then the exception propagates.  While torch traces a
+        graph (``torch.export``), nothing is done: it raises (see
+        :func:`~deterministic_ctx.sources.compiler.refuse_while_tracing`).
         """
+        refuse_while_tracing()
         depth = LOCK.count()
         try:
             LOCK.acquire()

@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from . import checkpoint as _checkpoint
+from .engine import opaque
 from .sources.accelerators import refuse_inside_graph_capture
 from .world import World
 
@@ -209,3 +210,13 @@ class Snapshot:
 
 
 _SET_WORLD = Snapshot._world.__set__  # type: ignore[attr-defined,misc]
+
+#: Dynamo's message when compiled code captures or restores a snapshot.
+_IN_COMPILED_CODE = (
+    "deterministic-ctx: Snapshot.capture() / restore() read and write process-global RNG "
+    "state and flags, which cannot be part of a graph; dynamo calls them eagerly, outside the "
+    "graph. Under fullgraph=True, capture or restore around the compiled call instead."
+)
+# Called from compiled code: one graph break, the call eager (see sources/compiler.py).
+opaque(Snapshot.capture.__func__, _IN_COMPILED_CODE, recursive=True)  # type: ignore[attr-defined]
+opaque(Snapshot.restore, _IN_COMPILED_CODE, recursive=True)

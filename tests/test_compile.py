@@ -427,3 +427,49 @@ def test_the_compiler_is_given_back_after_a_block_inside_compiled_code(restored)
     torch.compile(fn)(torch.ones(2))
     assert seen[0] is None  # paused inside the block
     assert seen[1] is not None  # given back after it
+
+
+class _BlockInForward(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with deterministic(seed=0):
+            return x + torch.rand_like(x)
+
+
+@pytest.mark.slow
+def test_a_block_traced_by_non_strict_export_is_refused(restored):
+    before = Snapshot.capture().state_dict()
+    with pytest.raises(RuntimeError, match=r"cannot start while torch traces a graph"):
+        torch.export.export(_BlockInForward(), (torch.ones(2),), strict=False)
+    after = Snapshot.capture().state_dict()
+    assert torch.equal(
+        after["sources"]["torch.cpu"]["state"], before["sources"]["torch.cpu"]["state"]
+    )
+
+
+@pytest.mark.slow
+def test_a_block_in_strict_export_is_dynamos_error_with_our_explanation(restored):
+    with pytest.raises(Exception, match="move the block around the compiled call") as raised:
+        torch.export.export(_BlockInForward(), (torch.ones(2),), strict=True)
+    assert "a `with deterministic(...)` / `isolated()` block" in str(raised.value)
+
+
+def _snapshot_inside(x: torch.Tensor) -> torch.Tensor:
+    snap = Snapshot.capture()
+    drawn = torch.rand(N)
+    snap.restore()
+    return x + drawn
+
+
+@pytest.mark.slow
+def test_snapshots_inside_compiled_code_run_eagerly_without_warnings(restored):
+    torch.manual_seed(9)
+    eager, eager_next = _snapshot_inside(torch.ones(N)), torch.rand(N)
+    torch.manual_seed(9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(_copy(_snapshot_inside))(torch.ones(N))
+    _no_dynamo_warnings(caught)
+    # The draw between the two calls is compiled (inductor's numbers), but the
+    # restore puts torch's generator back: the next eager draw is eager's.
+    assert torch.equal(torch.rand(N), eager_next)
+    assert compiled.shape == eager.shape

@@ -68,6 +68,7 @@ __all__ = [
     "compiled_settings",
     "opaque",
     "pause_compiler",
+    "refuse_while_tracing",
     "resume_compiler",
 ]
 
@@ -251,6 +252,32 @@ def resume_compiler(callback: object) -> None:
     """Give dynamo back the callback :func:`pause_compiler` returned."""
     if _set_eval_frame is not None:
         _set_eval_frame(callback)
+
+
+_is_compiling: Callable[[], bool] = getattr(
+    getattr(torch, "compiler", None), "is_compiling", lambda: False
+)
+
+
+def refuse_while_tracing() -> None:
+    """Raise ``RuntimeError`` if torch is tracing the calling code into a graph.
+
+    ``torch.compiler.is_compiling()`` is true there: under non-strict
+    ``torch.export``, which runs Python once to record the graph, or where
+    dynamo traces what :func:`opaque` could not hide (a torch without the
+    frame strategy API).  A block would then seed and restore once, at trace
+    time, and the graph's random ops would draw from whatever state the
+    generators have when it runs: refused.  Code dynamo runs eagerly after a
+    graph break is not tracing, and blocks there work.
+    """
+    if _is_compiling():
+        raise RuntimeError(
+            "deterministic-ctx: a block cannot start while torch traces a graph "
+            "(torch.compiler.is_compiling() is True: torch.export, say): it would seed and "
+            "restore once, while tracing, not each time the graph runs. Enter the block around "
+            "the call of the exported or compiled program instead: "
+            "`with deterministic(0): program(x)`."
+        )
 
 
 def opaque(func: _F, reason: str, *, recursive: bool) -> _F:
