@@ -88,19 +88,21 @@ class _Blocks:
     ) -> None:
         # Written out, not shared with ``__aexit__``: every call is a point
         # where a signal handler can raise, so the exit starts protected.
-        # Paused before any Python frame (see __enter__); what is given back
-        # at the end is the callback the entry paused, once it is found.
-        paused = pause_compiler()
         try:
+            # Dynamo paused before any Python frame (see __enter__); what is
+            # given back is the callback the entry paused.
+            pause_compiler()
             stack = self._blocks[None]
             block, paused = stack[-1]
             block.stop()
             del stack[-1]  # last, and no call after it: an interrupt lands before it or never
         except BaseException:
-            paused = _leave_anyway(self._blocks, None)
+            resume_compiler(_leave_anyway(self._blocks, None))
             raise
-        finally:
-            resume_compiler(paused)
+        # After the block is left: an interrupt here costs dynamo its callback
+        # until the compiled call returns (its frames after the block then run
+        # eagerly), never a restore.
+        resume_compiler(paused)
 
     async def __aenter__(self: _B) -> _B:
         return self._enter(_current_task())
