@@ -42,13 +42,16 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from .sources import register_rng, registered_rngs, unregister_rng
     from .sources.environ import managed_env_vars, register_env_var
     from .verify import (
+        BatchInvarianceError,
         CompiledMismatchError,
         NotReproducibleError,
+        assert_batch_invariant,
         assert_compiled_matches_eager,
         assert_reproducible,
     )
 
 __all__ = [
+    "BatchInvarianceError",
     "CompiledMismatchError",
     "DeterminismReport",
     "DivergenceReport",
@@ -58,6 +61,7 @@ __all__ = [
     "NotReproducibleError",
     "RestoreError",
     "Snapshot",
+    "assert_batch_invariant",
     "assert_compiled_matches_eager",
     "assert_reproducible",
     "broadcast_seed",
@@ -83,6 +87,7 @@ __all__ = [
 
 #: Where each public name lives: ``(module, attribute)``.
 _WHERE: dict[str, tuple[str, str]] = {
+    "BatchInvarianceError": (".verify", "BatchInvarianceError"),
     "CompiledMismatchError": (".verify", "CompiledMismatchError"),
     "DeterminismReport": (".reporting", "DeterminismReport"),
     "DivergenceReport": (".locate", "DivergenceReport"),
@@ -92,6 +97,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "NotReproducibleError": (".verify", "NotReproducibleError"),
     "RestoreError": ("._errors", "RestoreError"),
     "Snapshot": (".snapshot", "Snapshot"),
+    "assert_batch_invariant": (".verify", "assert_batch_invariant"),
     "assert_compiled_matches_eager": (".verify", "assert_compiled_matches_eager"),
     "assert_reproducible": (".verify", "assert_reproducible"),
     "broadcast_seed": (".distributed", "broadcast_seed"),
