@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from types import TracebackType
+from inspect import CO_ASYNC_GENERATOR, CO_COROUTINE, CO_GENERATOR, CO_ITERABLE_COROUTINE
+from types import FrameType, TracebackType
 from typing import Any, TypeVar, overload
 
 from ._settings import CompiledRng, Rank, Settings
@@ -23,8 +24,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 _B = TypeVar("_B", bound="_Blocks")
 
 
-#: An open block, and dynamo's callback that its entry paused (see ``__enter__``).
-_Open = tuple[Block, object]
+#: What a ``with`` entered inside compiled code paused: dynamo's callback, and
+#: the frame that entered, which alone may give it back (see ``__exit__``).
+_Paused = tuple[object, FrameType] | None
+#: An open block, and what its entry paused.
+_Open = tuple[Block, _Paused]
+#: Frames that can suspend with the block open and resume after the compiled
+#: call that paused dynamo has returned: their exit never gives its callback back.
+_SUSPENDABLE = CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR | CO_ITERABLE_COROUTINE
 
 #: Dynamo's message when a block appears in compiled code: a graph break, or
 #: under ``fullgraph=True`` an error whose text includes this.
@@ -37,9 +44,9 @@ _IN_COMPILED_CODE = (
 )
 
 
-def _leave_anyway(blocks: dict[object, list[_Open]], task: object) -> object:
+def _leave_anyway(blocks: dict[object, list[_Open]], task: object) -> _Paused:
     """Complete an interrupted ``__exit__``: its block's ``stop()`` is idempotent.
-    Returns the dynamo callback its entry paused."""
+    Returns what its entry paused."""
     stack = blocks.get(task)
     if not stack:
         raise RuntimeError("deterministic block exited without being entered") from None
@@ -47,6 +54,15 @@ def _leave_anyway(blocks: dict[object, list[_Open]], task: object) -> object:
     block.stop()
     del stack[-1]
     return paused
+
+
+def _paused_here(callback: object) -> _Paused:
+    """What ``__enter__`` keeps when it paused dynamo's ``callback`` (``None``
+    outside compiled code): the callback and the frame of the ``with``."""
+    if callback is None:
+        return None
+    frame = sys._getframe(2)  # the frame of the ``with`` (above __enter__)
+    return None if frame.f_code.co_flags & _SUSPENDABLE else (callback, frame)
 
 
 def _current_task() -> object:
@@ -78,7 +94,7 @@ class _Blocks:
         # or they would be compiled and draw inductor's numbers: dynamo is
         # paused first, before any Python frame is called, until the exit.
         # Outside compiled code this swaps None for None.
-        return self._push(self._blocks.setdefault(None, []), pause_compiler())
+        return self._push(self._blocks.setdefault(None, []), _paused_here(pause_compiler()))
 
     def __exit__(
         self,
@@ -89,20 +105,24 @@ class _Blocks:
         # Written out, not shared with ``__aexit__``: every call is a point
         # where a signal handler can raise, so the exit starts protected.
         try:
-            # Dynamo paused before any Python frame (see __enter__); what is
-            # given back is the callback the entry paused.
-            pause_compiler()
+            # Dynamo paused before any Python frame (see __enter__).
+            now = pause_compiler()
             stack = self._blocks[None]
             block, paused = stack[-1]
             block.stop()
             del stack[-1]  # last, and no call after it: an interrupt lands before it or never
         except BaseException:
-            resume_compiler(_leave_anyway(self._blocks, None))
+            paused = _leave_anyway(self._blocks, None)
+            if paused is not None and paused[1] is sys._getframe(1):
+                resume_compiler(paused[0])
             raise
-        # After the block is left: an interrupt here costs dynamo its callback
-        # until the compiled call returns (its frames after the block then run
-        # eagerly), never a restore.
-        resume_compiler(paused)
+        # Given back: the callback the entry paused, by the frame that entered
+        # (a ``with`` in compiled code); anywhere else (an ExitStack, a
+        # generator resumed later) what was in force here, which may be no
+        # callback at all: a compiled call's callback must not outlive it.
+        # After the block is left, an interrupt here costs dynamo its callback
+        # until the compiled call returns, never a restore.
+        resume_compiler(paused[0] if paused is not None and paused[1] is sys._getframe(1) else now)
 
     async def __aenter__(self: _B) -> _B:
         return self._enter(_current_task())
@@ -129,9 +149,9 @@ class _Blocks:
                 del blocks[done]
         return self._push(blocks.setdefault(task, []), None)
 
-    def _push(self: _B, stack: list[_Open], paused: object) -> _B:
+    def _push(self: _B, stack: list[_Open], paused: _Paused) -> _B:
         """Enter a new block, recorded on ``stack`` (this object's blocks of
-        one task) with ``paused``, dynamo's callback its exit gives back."""
+        one task) with ``paused``, what its exit may give back to dynamo."""
         block = Block(self._settings)
         entry = (block, paused)
         try:
@@ -141,10 +161,13 @@ class _Blocks:
             return self
         except BaseException:
             # ``with`` calls ``__exit__`` only if ``__enter__`` returned: leave now.
-            if stack and stack[-1] is entry:
-                del stack[-1]
-            block.stop()
-            resume_compiler(paused)
+            try:
+                if stack and stack[-1] is entry:
+                    del stack[-1]
+                block.stop()
+            finally:
+                if paused is not None:
+                    resume_compiler(paused[0])
             raise
 
     def __call__(self, func: F) -> F:

@@ -38,7 +38,7 @@ from ._settings import (
     validate_switches,
 )
 from ._version import __version__ as VERSION
-from .engine import Block, inside_block
+from .engine import Block, inside_block, opaque
 from .sources import (
     generator_sources,
     register_rng,
@@ -68,6 +68,7 @@ __all__ = [
     "generator_sources",
     "inside_block",
     "managed_env_vars",
+    "opaque",
     "process_rank",
     "register_env_var",
     "register_rng",

@@ -63,6 +63,8 @@ def parse_cell_line(line: str) -> CellOptions:
         False
         >>> parse_cell_line("--compiled-rng=eager").compiled_rng
         'eager'
+        >>> parse_cell_line("3 --compiled-rng eager").compiled_rng
+        'eager'
         >>> parse_cell_line("abc")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
@@ -72,7 +74,13 @@ def parse_cell_line(line: str) -> CellOptions:
     seed: int | None = None
     switches = {"--warn-only": False, "--no-flags": False, "--no-fill": False}
     compiled_rng: CompiledRng = None
-    for word in line.split():
+    words = line.split()
+    # ``--compiled-rng eager`` as the command line writes it, or ``--compiled-rng=eager``.
+    for k, word in enumerate(words[:-1]):
+        if word == "--compiled-rng":
+            words[k : k + 2] = [f"--compiled-rng={words[k + 1]}"]
+            break
+    for word in words:
         if word in switches:
             switches[word] = True
         elif word.startswith("--compiled-rng"):

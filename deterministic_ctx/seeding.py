@@ -13,6 +13,7 @@ from .internal import (
     CompiledRng,
     Rank,
     Settings,
+    opaque,
     process_rank,
     validate_compiled_rng,
     validate_rank,
@@ -138,3 +139,13 @@ def seed_everything(
         process_rank() if rank == AUTO else rank,
     )
     return settings.seed
+
+
+# Called from compiled code: one graph break, the call eager (see sources/compiler.py).
+opaque(
+    seed_everything,
+    "deterministic-ctx: seed_everything() changes process-global RNG state and flags, which "
+    "cannot be part of a graph; dynamo calls it eagerly, outside the graph. Under "
+    "fullgraph=True, call it before the compiled function.",
+    recursive=True,
+)

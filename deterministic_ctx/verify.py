@@ -218,6 +218,13 @@ def _check_not_compiled(fn: object) -> None:
             f"fn must be an eager module, got {type(fn).__qualname__} compiled in place with "
             "Module.compile(); pass a module that is not compiled: the check compiles it itself"
         )
+    if str(getattr(fn, "_torchdynamo_disable_msg", "")).startswith("deterministic-ctx"):
+        raise TypeError(
+            f"fn must not be decorated with @reproducible / @isolated / @deterministic: "
+            f"{_name(fn)} runs eagerly in its own block even when compiled (blocks are opaque "
+            "to torch.compile), so eager would be compared with eager; pass the undecorated "
+            "function (the check runs each side in a block itself)"
+        )
     original = getattr(fn, "_torchdynamo_orig_callable", None)
     # torch.compiler.disable() sets the same attribute on functions it keeps eager.
     if original is not None and not getattr(fn, "_torchdynamo_disable", False):
@@ -326,8 +333,11 @@ def _mismatch_hint(backend: str | Callable[..., Any], eager_rng: bool) -> str:
             "kernels.  If fn draws no random numbers: " + arithmetic
         )
     return (
-        "Random ops ran eager's kernels (fallback_random), so arithmetic is the cause: "
-        + arithmetic
+        "Random ops ran eager's kernels (fallback_random), so the likely causes are: "
+        "np.random calls in fn (compiled, they draw from torch's generator unless "
+        "torch._dynamo.config.use_numpy_random_stream is on); a model or optimizer fn reaches "
+        "through a closure and that was not reset between the runs (pass it in reset=); "
+        "or arithmetic: " + arithmetic
     )
 
 

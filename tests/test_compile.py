@@ -473,3 +473,119 @@ def test_snapshots_inside_compiled_code_run_eagerly_without_warnings(restored):
     # restore puts torch's generator back: the next eager draw is eager's.
     assert torch.equal(torch.rand(N), eager_next)
     assert compiled.shape == eager.shape
+
+
+# -- review findings: dynamo's callback, redirects, threads ----------------------------
+
+
+def _callback() -> object:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+    return get_eval_frame_callback()
+
+
+@pytest.mark.slow
+def test_a_block_left_after_the_compiled_call_does_not_turn_dynamo_on_in_eager_code(restored):
+    def noise() -> Iterator[torch.Tensor]:
+        with deterministic(seed=0):
+            yield torch.rand(3)
+            yield torch.rand(3)
+
+    def first(x: torch.Tensor, it: Iterator[torch.Tensor]) -> torch.Tensor:
+        return x + next(it)
+
+    it = noise()
+    torch.compile(first)(torch.ones(3), it)
+    list(it)  # the block exits here, in eager code
+    assert _callback() is None
+
+    import contextlib
+
+    stack = contextlib.ExitStack()
+
+    def enter(x: torch.Tensor) -> torch.Tensor:
+        stack.enter_context(deterministic(seed=0))
+        return x + 1
+
+    torch.compile(enter)(torch.ones(3))
+    stack.close()  # left outside any compiled code
+    assert _callback() is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrap", ["compile", "script_if_tracing"])
+def test_decorating_a_compiled_function_keeps_the_block(wrap, restored):
+    inner = (torch.compile if wrap == "compile" else torch.jit.script_if_tracing)(
+        lambda x: x + torch.rand_like(x)
+    )
+    decorated = reproducible(seed=3)(inner)
+    assert "_torchdynamo_orig_callable" not in vars(decorated)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return decorated(x * 2) + 1
+
+    x = torch.ones(4)
+    torch.manual_seed(1)
+    eager, eager_state = step(x), torch.get_rng_state()
+    torch.manual_seed(1)
+    compiled = torch.compile(_copy(step))(x)
+    assert torch.equal(compiled, eager)
+    assert torch.equal(torch.get_rng_state(), eager_state)  # the block isolated the caller
+
+
+@pytest.mark.slow
+def test_a_compile_in_another_thread_does_not_refuse_this_threads_blocks(restored):
+    import threading
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)])
+    done = threading.Event()
+    entered: list[int] = []
+    errors: list[BaseException] = []
+
+    def compile_it() -> None:
+        try:
+            torch.compile(model)(torch.ones(2, 16))
+        finally:
+            done.set()
+
+    def blocks() -> None:
+        while not done.is_set():
+            try:
+                with deterministic(seed=0):
+                    torch.rand(3)
+            except BaseException as exc:
+                errors.append(exc)
+                return
+            entered.append(1)
+
+    threads = [threading.Thread(target=compile_it), threading.Thread(target=blocks)]
+    with torch.no_grad():
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == [] and entered
+
+
+def test_the_compiled_check_refuses_a_decorated_function():
+    from deterministic_ctx import assert_compiled_matches_eager
+
+    @reproducible
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        return x + torch.rand_like(x)
+
+    with pytest.raises(TypeError, match="must not be decorated with @reproducible"):
+        assert_compiled_matches_eager(noisy, torch.ones(2))
+
+
+@pytest.mark.slow
+def test_seed_everything_inside_compiled_code_runs_eagerly_without_warnings(restored):
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        seed_everything(4)
+        return x + 1
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(fn)(torch.ones(2))
+    _no_dynamo_warnings(caught)
+    assert torch.initial_seed() == 4

@@ -257,20 +257,37 @@ def resume_compiler(callback: object) -> None:
 _is_compiling: Callable[[], bool] = getattr(
     getattr(torch, "compiler", None), "is_compiling", lambda: False
 )
+_get_mode: Any = getattr(torch._C, "_get_dispatch_mode", None)
+_MODE_KEYS: tuple[Any, ...] = tuple(
+    key
+    for name in ("FAKE", "PROXY")
+    if (key := getattr(getattr(torch._C, "_TorchDispatchModeKey", None), name, None)) is not None
+)
+
+
+def _tracing_here() -> bool:
+    """Whether this thread traces: ``is_compiling()`` is process-wide (true in
+    every thread while one compiles), the fake or proxy tensor mode of a
+    tracer is per thread."""
+    if _get_mode is None or not _MODE_KEYS:
+        return True  # an older torch: trust is_compiling() alone
+    return any(_get_mode(key) is not None for key in _MODE_KEYS)
 
 
 def refuse_while_tracing() -> None:
     """Raise ``RuntimeError`` if torch is tracing the calling code into a graph.
 
-    ``torch.compiler.is_compiling()`` is true there: under non-strict
-    ``torch.export``, which runs Python once to record the graph, or where
-    dynamo traces what :func:`opaque` could not hide (a torch without the
-    frame strategy API).  A block would then seed and restore once, at trace
+    ``torch.compiler.is_compiling()`` is true there, and this thread has a
+    tracer's fake or proxy tensor mode: under non-strict ``torch.export``,
+    which runs Python once to record the graph, or where dynamo traces what
+    :func:`opaque` could not hide (a torch without the frame strategy API).
+    (``is_compiling()`` alone is process-wide: a compile in another thread
+    must not refuse this thread's blocks.)  A block would then seed and restore once, at trace
     time, and the graph's random ops would draw from whatever state the
     generators have when it runs: refused.  Code dynamo runs eagerly after a
     graph break is not tracing, and blocks there work.
     """
-    if _is_compiling():
+    if _is_compiling() and _tracing_here():
         raise RuntimeError(
             "deterministic-ctx: a block cannot start while torch traces a graph "
             "(torch.compiler.is_compiling() is True: torch.export, say): it would seed and "
@@ -278,6 +295,18 @@ def refuse_while_tracing() -> None:
             "the call of the exported or compiled program instead: "
             "`with deterministic(0): program(x)`."
         )
+
+
+#: Attributes through which dynamo or TorchScript reach another function than
+#: the one called.
+_REDIRECTS = (
+    "_torchdynamo_inline",
+    "_torchdynamo_orig_callable",
+    "_torchdynamo_wrapper_id",
+    "_torchdynamo_disable_recursive",
+    "__script_if_tracing_wrapper",
+    "__original_fn",
+)
 
 
 def opaque(func: _F, reason: str, *, recursive: bool) -> _F:
@@ -292,6 +321,11 @@ def opaque(func: _F, reason: str, *, recursive: bool) -> _F:
     calls are compiled as usual until :func:`pause_compiler`.  Where torch
     lacks these APIs (torch < 2.6) only the attributes are set.
     """
+    # functools.wraps copied the wrapped function's attributes: ones that send
+    # dynamo (or TorchScript) to the original would skip the wrapper, and its
+    # block, altogether (a compiled or script_if_tracing function decorated).
+    for name in _REDIRECTS:
+        func.__dict__.pop(name, None)
     func._torchdynamo_disable = True  # type: ignore[attr-defined]
     func._torchdynamo_disable_msg = reason  # type: ignore[attr-defined]
     code = getattr(func, "__code__", None)
