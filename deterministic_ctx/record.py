@@ -7,7 +7,9 @@ that fingerprint, in call order, the outputs of every module call (and, with
 parameters), then the gradients, parameters and buffers once ``fn`` returned.
 A run keeps only the fingerprints (a few integer sums per tensor, on the
 tensor's device: no host sync per call) and moves them to the host once, at
-its end; a run asked to ``capture`` one event also keeps a copy of its tensors.
+its end; a run asked to ``capture`` one event also keeps a copy of its tensors,
+and a run given an :class:`OpWindow` records the aten op calls in that window
+(an :class:`~deterministic_ctx.ops.OpRecorder` entered and left by the hooks).
 
 Example:
     >>> import torch
@@ -35,13 +37,11 @@ from torch.nn.modules import module as _nn_module
 
 from .compare import tensor_leaves
 from .context import deterministic
-from .fingerprint import fingerprint_parts
+from .ops import FingerprintStore, OpCall, OpRecorder
+from .ops import Slot as _Slot
 from .rerun import call_and_consume
 
-__all__ = ["Event", "Run", "record_run"]
-
-#: Where a fingerprint is: one device's buffer of the run, and a range of its bytes.
-_Slot = tuple[int, int, int]
+__all__ = ["Event", "OpWindow", "Run", "record_run"]
 #: An event as the hooks record it: key, phase, what, ``(root, module, class name)``,
 #: call index, and per tensor its path, shape, dtype and slot.
 _Record = tuple[
@@ -86,6 +86,40 @@ class Event:
     slots: tuple[_Slot | None, ...] = ()
 
 
+@dataclasses.dataclass(frozen=True)
+class OpWindow:
+    """Which aten op calls of a run to record.
+
+    At most one of: ``call`` (only while module call #``call`` runs, its
+    children's op calls included), ``before_call`` (from the start of ``fn``
+    until module call #``before_call`` starts, or ``fn`` returns) and ``until``
+    (from the start until the event with this key has been recorded); none of
+    them: the whole call of ``fn``.  ``backward=True`` keeps only the op calls
+    that autograd's engine runs, and places those of built-in backward
+    formulas at the forward line that made their node (see
+    :class:`~deterministic_ctx.ops.OpRecorder`'s ``node_locations``).
+
+    Example:
+        >>> OpWindow(call=3).describe()
+        'during module call #3'
+    """
+
+    call: int | None = None
+    before_call: int | None = None
+    until: tuple[Any, ...] | None = None
+    backward: bool = False
+
+    def describe(self) -> str:
+        """Where the window is, for messages."""
+        if self.call is not None:
+            return f"during module call #{self.call}"
+        if self.before_call is not None:
+            return f"before module call #{self.before_call}"
+        if self.until is not None:
+            return "in the backward pass up to that gradient"
+        return "in the backward pass" if self.backward else "in the whole run"
+
+
 class _Names:
     """Qualified module names, relative to the root module they were found in.
 
@@ -114,7 +148,14 @@ class _Names:
 class _Recorder:
     """The hooks of one run and what they recorded."""
 
-    def __init__(self, names: _Names, *, backward: bool, capture: tuple[Any, ...] | None) -> None:
+    def __init__(
+        self,
+        names: _Names,
+        *,
+        backward: bool,
+        capture: tuple[Any, ...] | None,
+        window: OpWindow | None = None,
+    ) -> None:
         self.names = names
         self.backward = backward
         self.capture = capture
@@ -122,11 +163,16 @@ class _Recorder:
         # What each event needs, in the order events happen; the Event objects are made
         # once the run is over (see events()), not in the hooks while the model runs.
         self._records: list[_Record] = []
-        # Fingerprints stay on their devices until the run ends: per device, the parts in
-        # the order they were made, and their length so far in bytes.
-        self._buffers: dict[torch.device, int] = {}
-        self._parts: list[list[torch.Tensor]] = []
-        self._filled: list[int] = []
+        # Fingerprints stay on their devices until the run ends.
+        self._store = FingerprintStore()
+        # The op recorder of the window, if any: entered and left by the hooks (or around
+        # the whole call of fn), and paused while the hooks fingerprint.
+        self.window = window
+        self.ops: OpRecorder | None = None
+        if window is not None:
+            self.ops = OpRecorder(
+                phase="backward" if window.backward else "any", node_locations=window.backward
+            )
         # Per module call, in the order calls start: who was called, and how many
         # events had been recorded by then (where the call sits in the timeline).
         self.structure: list[tuple[str, str, str]] = []
@@ -161,6 +207,24 @@ class _Recorder:
         what: str,
         leaves: list[tuple[str, torch.Tensor]],
     ) -> None:
+        ops = self.ops
+        if ops is None:
+            self._record(base, phase, module, call_index, what, leaves)
+            return
+        with ops.pause():  # the fingerprints are not the model's op calls
+            key = self._record(base, phase, module, call_index, what, leaves)
+        if self.window is not None and key == self.window.until:
+            ops.stop()
+
+    def _record(
+        self,
+        base: tuple[Any, ...],
+        phase: str,
+        module: torch.nn.Module,
+        call_index: int | None,
+        what: str,
+        leaves: list[tuple[str, torch.Tensor]],
+    ) -> tuple[Any, ...]:
         label = self._label(module)
         with self._lock:
             occurrence = self._occurrences.get(base, 0)
@@ -170,6 +234,7 @@ class _Recorder:
             self._records.append((key, phase, what, label, call_index, tensors))
             if key == self.capture:
                 self.captured = [(p, t.detach().clone()) for p, t in leaves]
+        return key
 
     def events(self) -> list[Event]:
         """The events recorded, in order: made here in one go, after the run."""
@@ -198,23 +263,9 @@ class _Recorder:
         last = self._last
         if last is not None and version is not None and last[0]() is t and last[1] == version:
             return last[2]
-        parts = fingerprint_parts(t)
-        if parts is None:
-            return None
-        device = parts[0].device if parts else t.device
-        buffer = self._buffers.get(device)
-        if buffer is None:
-            buffer = self._buffers[device] = len(self._parts)
-            self._parts.append([])
-            self._filled.append(0)
-        start = self._filled[buffer]
-        stop = start
-        for part in parts:
-            stop += 8 * part.numel()
-        self._parts[buffer] += parts
-        self._filled[buffer] = stop
-        slot = (buffer, start, stop)
-        self._last = (weakref.ref(t), version, slot)
+        slot = self._store.add(t)
+        if slot is not None:
+            self._last = (weakref.ref(t), version, slot)
         return slot
 
     # Global module hooks: every module call in this thread while the run lasts.
@@ -229,6 +280,8 @@ class _Recorder:
         with self._lock:
             self.structure.append(label)
             self.starts.append(len(self._records))
+        if self.window is not None:
+            self._window_at_call(index)
         if not self.backward:
             return
         # Registered before the body runs, so a later in-place change of the
@@ -268,6 +321,32 @@ class _Recorder:
         else:
             leaves = list(tensor_leaves(output, "output"))
         self.record(("forward", index), "forward", module, index, "output", leaves)
+        if self.ops is not None and self.window is not None and self.window.call == index:
+            self.ops.__exit__(None, None, None)
+
+    # The op window.
+
+    def start_ops(self) -> None:
+        """At the start of ``fn``: enter the op recorder, unless the window is one call."""
+        if self.ops is not None and self.window is not None and self.window.call is None:
+            self.ops.__enter__()
+
+    def _window_at_call(self, index: int) -> None:
+        ops, window = self.ops, self.window
+        assert ops is not None
+        assert window is not None
+        if window.call == index:
+            ops.__enter__()
+        elif window.before_call == index:
+            ops.stop()
+
+    def op_calls(self) -> list[OpCall] | None:
+        """Once ``fn`` returned or raised: leave the op recorder, if still in it; its calls."""
+        ops = self.ops
+        if ops is None:
+            return None
+        ops.__exit__(None, None, None)  # a no-op if left already; never entered: no calls
+        return ops.calls
 
     def _input_grad(
         self, module: torch.nn.Module, index: int, path: str, grad: torch.Tensor
@@ -350,8 +429,8 @@ class _Recorder:
 
     def host_data(self) -> list[bytes]:
         """Every fingerprint's bytes, per device: one concatenation and one copy each
-        (the only host sync of the run)."""
-        return [torch.cat(parts).cpu().numpy().tobytes() if parts else b"" for parts in self._parts]
+        (the only host sync of the run, besides an op window's)."""
+        return self._store.host()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,8 +441,9 @@ class Run:
     bytes of their fingerprints in ``data`` (one buffer per device), the
     return value, ``structure`` (who was called, per module call, in the
     order calls start: ``(root, name, class name)``), ``starts`` (how many
-    events had been recorded when each call started) and ``captured`` (the
-    tensors of the event asked for, if it happened).  See the module's
+    events had been recorded when each call started), ``captured`` (the
+    tensors of the event asked for, if it happened) and ``ops`` (the op calls
+    of the window asked for; ``None`` without one).  See the module's
     example.
     """
 
@@ -373,6 +453,7 @@ class Run:
     structure: list[tuple[str, str, str]]
     starts: list[int]
     captured: list[tuple[str, torch.Tensor]] | None
+    ops: list[OpCall] | None = None
 
     def fingerprints(self, event: Event) -> tuple[bytes | None, ...]:
         """The fingerprints of ``event``'s tensors, as bytes (``None``: none).
@@ -394,25 +475,31 @@ def record_run(
     *,
     backward: bool,
     capture: tuple[Any, ...] | None = None,
+    ops: OpWindow | None = None,
 ) -> Run:
     """Run ``fn(*args, **kwargs)`` once in ``block`` and record it.
 
     ``roots`` are the models whose modules are named relative to them (others
     are found as they are called); ``backward`` adds gradient fingerprints;
-    ``capture`` is the key of an event whose tensors are kept.  See the
-    module's example.
+    ``capture`` is the key of an event whose tensors are kept; ``ops`` a
+    window whose aten op calls are recorded.  See the module's example.
     """
-    rec = _Recorder(_Names(roots), backward=backward, capture=capture)
+    rec = _Recorder(_Names(roots), backward=backward, capture=capture, window=ops)
     with block:
         handles = [
             _nn_module.register_module_forward_pre_hook(rec.pre_hook),
             _nn_module.register_module_forward_hook(rec.post_hook),
         ]
         try:
-            result = call_and_consume(fn, args, kwargs)
+            rec.start_ops()
+            try:
+                result = call_and_consume(fn, args, kwargs)
+            finally:
+                op_calls = rec.op_calls()
         finally:
             for handle in handles:
                 handle.remove()
             rec.remove_hooks()
         rec.final_state()
-    return Run(rec.events(), rec.host_data(), result, rec.structure, rec.starts, rec.captured)
+    data = rec.host_data()
+    return Run(rec.events(), data, result, rec.structure, rec.starts, rec.captured, op_calls)
