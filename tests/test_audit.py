@@ -1,0 +1,799 @@
+"""audit_nondeterminism: ops nondeterministic on CUDA, found on a CPU, and the table behind it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules import module as nn_module
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from deterministic_ctx import audit as audit_module
+from deterministic_ctx import deterministic, isolated
+from deterministic_ctx._nondeterministic_ops import (
+    CHECKED_TORCH,
+    TABLE,
+    OpCall,
+    entries_for,
+    uninitialized_entry,
+)
+from deterministic_ctx.audit import AuditFinding, AuditReport, audit_nondeterminism
+from tests._oracle import World
+from tests.helpers import run_python
+
+_SOURCE = Path(__file__).read_text().splitlines()
+
+
+def line_of(marker: str) -> str:
+    """``test_audit.py:N`` for the line of this file that ends with ``# <- marker``."""
+    (number,) = [n for n, line in enumerate(_SOURCE, 1) if line.endswith(f"# <- {marker}")]
+    return f"test_audit.py:{number}"
+
+
+@pytest.fixture(autouse=True)
+def _tests_draw_in_their_own_world():
+    """The tests build models and inputs with the global RNGs: in a block of their own.
+
+    The audit's own isolation is checked without it, by comparing the world before and
+    after each audit call (test_nothing_global_changes_*).
+    """
+    with isolated():
+        yield
+
+
+def keys(report: AuditReport) -> list[str]:
+    return [f.entry for f in report.findings]
+
+
+def by_entry(report: AuditReport, key: str) -> AuditFinding:
+    (found,) = [f for f in report.findings if f.entry == key]
+    return found
+
+
+# --- the issue's small model ----------------------------------------------------------------
+
+
+class Small(nn.Module):
+    """EmbeddingBag (max), index_add_ and a bilinear F.interpolate, all on the gradient path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(10, 4, mode="max")
+        self.up = nn.Upsample(scale_factor=2, mode="bilinear")
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, words: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+        bags = self.bag(words)  # <- bag
+        rows = torch.zeros(3, 4).index_add_(0, torch.tensor([0, 0, 2]), bags)  # <- index_add
+        big = F.interpolate(image, scale_factor=2, mode="bilinear")  # <- interpolate
+        return self.head(rows).sum() + self.up(big).mean()  # <- upsample
+
+
+def small_step(model: Small) -> torch.Tensor:
+    words = torch.randint(0, 10, (3, 4))
+    image = torch.randn(1, 2, 4, 4, requires_grad=True)
+    loss = model(words, image)
+    loss.backward()
+    return loss
+
+
+def test_small_model_lists_embedding_bag_index_add_and_interpolate():
+    model = Small()
+    report = audit_nondeterminism(small_step, model)
+
+    # Forward ops in call order, then backward ops in the order backward runs them.
+    assert keys(report) == [
+        "index_add",
+        "upsample-F.interpolate",
+        "upsample-F.interpolate",
+        "embedding_bag-max",
+    ]
+    bag = by_entry(report, "embedding_bag-max")
+    assert (bag.op, bag.phase, bag.behaviour) == (
+        "aten._embedding_bag_backward.default",
+        "backward",
+        "raise",
+    )
+    assert (bag.module, bag.module_type) == ("bag", "EmbeddingBag")
+    assert bag.location.endswith(line_of("bag"))  # the forward call, not loss.backward()
+
+    index_add = by_entry(report, "index_add")
+    assert (index_add.op, index_add.phase, index_add.behaviour) == (
+        "aten.index_add_.default",
+        "forward",
+        "deterministic",
+    )
+    assert (index_add.module, index_add.module_type) == ("", "Small")
+    assert index_add.location.endswith(line_of("index_add"))
+
+    upsample, interpolate = [f for f in report.findings if f.entry == "upsample-F.interpolate"]
+    assert interpolate.op == "aten.upsample_bilinear2d_backward.default"
+    assert (interpolate.phase, interpolate.behaviour) == ("backward", "deterministic")
+    assert interpolate.location.endswith(line_of("interpolate"))
+    assert (interpolate.module, upsample.module, upsample.module_type) == ("", "up", "Upsample")
+    assert upsample.location.endswith(line_of("upsample"))
+
+    assert report.backward and report.raising == (bag,)
+    assert report and not report.clean and len(report) == 4
+
+
+def test_embedding_bag_sum_and_mean_backward_are_not_listed():
+    # CUDA sorts the indices for mode="sum" and "mean" (the same kernel as embedding's
+    # backward); only mode="max" accumulates with atomics.
+    for mode in ("sum", "mean"):
+        bag = nn.EmbeddingBag(10, 4, mode=mode)
+        report = audit_nondeterminism(bag, torch.randint(0, 10, (3, 4)))
+        assert report.clean, (mode, str(report))
+        assert report.backward  # the audit ran the backward pass itself
+
+
+def test_plain_mlp_with_backward_is_clean():
+    def train_step() -> torch.Tensor:
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 3))
+        loss = F.cross_entropy(model(torch.randn(5, 8)), torch.tensor([0, 1, 2, 1, 0]))
+        loss.backward()
+        return loss
+
+    report = audit_nondeterminism(train_step)
+    assert report.clean and not report and report.findings == ()
+    assert report.backward and report.calls > 20
+    assert str(report).startswith("No op call is nondeterministic on CUDA")
+
+
+# --- argument-dependent cases -----------------------------------------------------------------
+
+
+def _index_put(accumulate: bool) -> torch.Tensor:
+    index = torch.tensor([0, 0, 1])
+    return torch.zeros(4).index_put_((index,), torch.tensor([1.0, 2.0, 3.0]), accumulate)
+
+
+def test_index_put_depends_on_accumulate():
+    listed = audit_nondeterminism(_index_put, False)
+    assert keys(listed) == ["index_put"]
+    assert (listed.findings[0].op, listed.findings[0].behaviour) == (
+        "aten.index_put_.default",
+        "deterministic",
+    )
+    assert listed.findings[0].condition.startswith("accumulate=False")
+    # accumulate=True is sorted on CUDA anyway (deterministic without the flag).
+    assert audit_nondeterminism(_index_put, True).clean
+
+
+def test_index_put_without_a_race_is_not_listed():
+    def writes() -> torch.Tensor:
+        x = torch.zeros(4)
+        x[torch.tensor([0, 0])] = 1.0  # one value: any order gives the same result
+        x[x > 0] = torch.tensor([5.0])  # a boolean mask: positions never repeat
+        x[torch.tensor([True, False, True, False])] = torch.tensor([1.0, 2.0])
+        return x
+
+    assert audit_nondeterminism(writes).clean
+
+
+@pytest.mark.parametrize(
+    ("fn", "expected"),
+    [
+        (lambda: torch.zeros(4).put_(torch.tensor([0, 0]), torch.ones(2)), ("put", "raise")),
+        (
+            lambda: torch.zeros(4).put_(torch.tensor([0, 0]), torch.ones(2), accumulate=True),
+            ("put-accumulate", "raise"),
+        ),
+        (
+            lambda: torch.zeros(3).scatter_reduce(0, torch.tensor([0, 0]), torch.ones(2), "sum"),
+            ("scatter_reduce-sum", "deterministic"),
+        ),
+        (
+            lambda: torch.zeros(3).scatter_reduce(0, torch.tensor([0, 0]), torch.ones(2), "prod"),
+            ("scatter_reduce-prod", "raise"),
+        ),
+        (
+            lambda: torch.zeros(3).scatter_reduce(0, torch.tensor([0, 0]), torch.ones(2), "amax"),
+            None,
+        ),
+        (
+            lambda: torch.bincount(torch.tensor([0, 1, 1]), weights=torch.ones(3)),
+            ("bincount-weights", "raise"),
+        ),
+        (lambda: torch.bincount(torch.tensor([0, 1, 1])), None),
+        (lambda: torch.rand(8).histc(bins=4), ("histc", "raise")),
+        (lambda: torch.rand(8, dtype=torch.float64).histc(bins=4), ("histc", "raise")),
+        (lambda: torch.rand(8).median(0), ("median-indices", "raise")),
+        (lambda: torch.rand(8).median(), None),
+        (lambda: torch.rand(8).cumsum(0), ("cumsum", "raise")),
+        (lambda: torch.arange(8).cumsum(0), None),
+        (lambda: torch.arange(8).cumsum(0, dtype=torch.float32), ("cumsum", "raise")),
+        (lambda: torch.rand(8).kthvalue(2), ("kthvalue", "raise")),
+        (
+            lambda: torch.zeros(3).scatter_add_(0, torch.tensor([0, 0]), torch.ones(2)),
+            ("scatter_add", "deterministic"),
+        ),
+        (
+            lambda: torch.zeros(3, dtype=torch.long).scatter_add_(
+                0, torch.tensor([0, 0]), torch.ones(2, dtype=torch.long)
+            ),
+            None,
+        ),
+        (
+            lambda: torch.zeros(3, dtype=torch.long).index_add_(
+                0, torch.tensor([0, 0]), torch.ones(2, dtype=torch.long)
+            ),
+            None,
+        ),
+        (
+            lambda: F.nll_loss(torch.randn(2, 3, 4, 4), torch.randint(0, 3, (2, 4, 4))),
+            ("nll_loss2d", "raise"),
+        ),
+        (
+            lambda: F.nll_loss(
+                torch.randn(2, 3, 4, 4), torch.randint(0, 3, (2, 4, 4)), reduction="none"
+            ),
+            None,
+        ),
+        (lambda: F.cross_entropy(torch.randn(4, 3), torch.tensor([0, 1, 2, 0])), None),
+        (
+            lambda: torch.bmm(torch.eye(3).expand(2, 3, 3).to_sparse(), torch.rand(2, 3, 3)),
+            ("bmm-sparse", "deterministic"),
+        ),
+        (lambda: torch.bmm(torch.rand(2, 3, 3), torch.rand(2, 3, 3)), None),
+    ],
+)
+def test_forward_cases(fn, expected):
+    report = audit_nondeterminism(fn)
+    assert [(f.entry, f.behaviour) for f in report.findings] == ([expected] if expected else [])
+
+
+def _grad_through(forward, *shape):
+    def fn():
+        x = torch.randn(*shape, requires_grad=True)
+        return forward(x)
+
+    return fn
+
+
+@pytest.mark.parametrize(
+    ("forward", "shape", "expected"),
+    [
+        (
+            lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"),
+            (1, 1, 4, 4),
+            ("upsample-F.interpolate", "deterministic"),
+        ),
+        (
+            lambda x: F.interpolate(x, scale_factor=2, mode="trilinear"),
+            (1, 1, 2, 2, 2),
+            ("upsample-F.interpolate", "deterministic"),
+        ),
+        (
+            lambda x: F.interpolate(x, scale_factor=2, mode="bicubic"),
+            (1, 1, 4, 4),
+            ("upsample", "raise"),
+        ),
+        (
+            lambda x: F.interpolate(x, scale_factor=2, mode="linear"),
+            (1, 1, 4),
+            ("upsample", "raise"),
+        ),
+        (
+            lambda x: F.interpolate(x, scale_factor=2, mode="bilinear", antialias=True),
+            (1, 1, 4, 4),
+            ("upsample", "raise"),
+        ),
+        (
+            lambda x: torch._C._nn.upsample_bilinear2d(x, (8, 8), False, None),
+            (1, 1, 4, 4),
+            ("upsample", "raise"),
+        ),
+        (lambda x: F.interpolate(x, scale_factor=2, mode="nearest"), (1, 1, 4, 4), None),
+        (
+            lambda x: F.interpolate(x, scale_factor=0.5, mode="area"),
+            (1, 1, 4, 4),
+            ("adaptive_avg_pool2d", "raise"),
+        ),
+        (
+            lambda x: F.pad(x, (1, 1, 1, 1), mode="reflect"),
+            (1, 1, 4, 4),
+            ("reflection_pad", "raise"),
+        ),
+        (
+            lambda x: F.pad(x, (1, 1, 1, 1), mode="replicate"),
+            (1, 1, 4, 4),
+            ("replication_pad-F.pad", "deterministic"),
+        ),
+        (
+            lambda x: nn.ReplicationPad1d(2)(x),
+            (1, 1, 4),
+            ("replication_pad-F.pad", "deterministic"),
+        ),
+        (
+            lambda x: torch._C._nn.replication_pad2d(x, (1, 1, 1, 1)),
+            (1, 1, 4, 4),
+            ("replication_pad", "raise"),
+        ),
+        (lambda x: F.pad(x, (1, 1, 1, 1)), (1, 1, 4, 4), None),
+        (lambda x: nn.AdaptiveAvgPool2d(1)(x), (1, 1, 4, 4), None),  # a mean: deterministic
+        (lambda x: nn.AdaptiveAvgPool2d(2)(x), (1, 1, 5, 5), ("adaptive_avg_pool2d", "raise")),
+        (lambda x: nn.AdaptiveMaxPool2d(2)(x), (1, 1, 5, 5), ("adaptive_max_pool2d", "raise")),
+        (lambda x: nn.AvgPool3d(2)(x), (1, 1, 4, 4, 4), ("avg_pool3d", "raise")),
+        (lambda x: nn.AvgPool2d(2)(x), (1, 1, 4, 4), None),
+        (lambda x: nn.MaxPool3d(2)(x), (1, 1, 4, 4, 4), ("max_pool3d", "deterministic")),
+        (lambda x: nn.MaxPool2d(2)(x), (1, 1, 4, 4), None),
+        (
+            lambda x: F.grid_sample(x, torch.zeros(1, 2, 2, 2), align_corners=False),
+            (1, 1, 4, 4),
+            ("grid_sample", "raise"),
+        ),
+        (lambda x: x.gather(0, torch.tensor([0, 0])), (4,), ("scatter_add", "deterministic")),
+        (lambda x: x.index_select(0, torch.tensor([0, 0])), (4,), ("index_add", "deterministic")),
+        (lambda x: x.take(torch.tensor([0, 0])), (4,), ("put-accumulate", "raise")),
+        (lambda x: x[torch.tensor([0, 0])], (4,), None),  # index_put(accumulate=True): sorted
+        (lambda x: x.cumsum(0), (4,), ("cumsum", "raise")),
+        (lambda x: nn.Embedding(5, 2)(torch.tensor([1, 1, 2])) * x, (2,), None),
+    ],
+)
+def test_backward_cases(forward, shape, expected):
+    report = audit_nondeterminism(_grad_through(forward, *shape))
+    found = {(f.entry, f.behaviour) for f in report.findings}
+    assert found == ({expected} if expected else set()), str(report)
+    if expected is not None and expected[0] != "cumsum":
+        assert {f.phase for f in report.findings} == {"backward"}
+
+
+def test_attention_fused_and_math_kernels_are_each_listed_once():
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    fused = audit_nondeterminism(lambda: F.scaled_dot_product_attention(q, q, q))
+    math = audit_nondeterminism(lambda: F.scaled_dot_product_attention(q, q, q, dropout_p=0.5))
+    assert [(f.entry, f.phase, f.behaviour) for f in fused.findings] == [
+        ("scaled_dot_product_attention", "backward", "deterministic")
+    ]
+    assert [(f.entry, f.op) for f in math.findings] == [
+        ("scaled_dot_product_attention-math", "torch.nn.functional.scaled_dot_product_attention")
+    ]
+    # Without gradients there is no backward: nothing to list.
+    with torch.no_grad():
+        assert audit_nondeterminism(
+            lambda: F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+        ).clean
+    warn_only = audit_nondeterminism(
+        lambda: F.scaled_dot_product_attention(q, q, q), warn_only=True
+    )
+    assert [f.behaviour for f in warn_only.findings] == ["warn"]
+
+
+def test_transformer_attention_is_listed_per_layer():
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2)
+    report = audit_nondeterminism(encoder, torch.randn(2, 5, 16))
+    assert [(f.entry, f.module, f.module_type) for f in report.findings] == [
+        ("multi_head_attention-math", "layers.0.self_attn", "MultiheadAttention"),
+        ("multi_head_attention-math", "layers.1.self_attn", "MultiheadAttention"),
+    ]
+    # need_weights=True computes attention with plain matmuls: deterministic.
+    attention = nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    assert audit_nondeterminism(lambda: attention(x, x, x)[0]).clean
+
+
+def test_convolutions_switch_to_deterministic_kernels():
+    report = audit_nondeterminism(nn.Conv2d(1, 2, 3), torch.randn(1, 1, 6, 6))
+    assert [(f.op, f.phase, f.behaviour, f.module) for f in report.findings] == [
+        ("aten.convolution.default", "forward", "deterministic", ""),
+        ("aten.convolution_backward.default", "backward", "deterministic", ""),
+    ]
+
+
+def test_warn_only_turns_raise_into_warn():
+    strict = audit_nondeterminism(lambda: torch.rand(8).cumsum(0))
+    lenient = audit_nondeterminism(lambda: torch.rand(8).cumsum(0), warn_only=True)
+    assert [f.behaviour for f in strict.findings] == ["raise"]
+    assert [f.behaviour for f in lenient.findings] == ["warn"]
+    assert lenient.raising == () and lenient.warn_only
+    assert "warn_only=True" in str(lenient)
+    index_add = audit_nondeterminism(_index_put, False, warn_only=True)
+    assert [f.behaviour for f in index_add.findings] == ["deterministic"]
+
+
+# --- where: modules, lines, phases, counts --------------------------------------------------------
+
+
+def test_model_built_inside_fn_and_repeated_calls_are_counted():
+    def fn() -> torch.Tensor:
+        net = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReflectionPad1d(1)))
+        out = torch.zeros(3)
+        for _ in range(3):
+            out.index_add_(0, torch.tensor([0, 0]), torch.ones(2))  # <- loop
+        return net(torch.randn(1, 1, 2, requires_grad=True)).sum() + out.sum()  # <- net
+
+    report = audit_nondeterminism(fn)
+    assert [(f.entry, f.count) for f in report.findings] == [
+        ("index_add", 3),
+        ("reflection_pad", 1),
+    ]
+    loop, pad = report.findings
+    assert loop.location.endswith(line_of("loop")) and loop.module is None
+    assert (pad.module, pad.module_type) == ("1.0", "ReflectionPad1d")
+    assert pad.location.endswith(line_of("net"))
+    assert pad.where.startswith("1.0 (ReflectionPad1d) at ")
+
+
+class Scatter(torch.autograd.Function):
+    """A custom op whose backward (seen by no forward op call) uses index_add_."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(grad).index_add_(0, torch.tensor([0, 0]), grad[:2])  # <- custom
+
+
+def test_custom_function_backward_is_located_in_its_backward():
+    x = torch.randn(4, requires_grad=True)
+    report = audit_nondeterminism(lambda: Scatter.apply(x).sum())
+    (found,) = report.findings
+    assert (found.entry, found.phase, found.module) == ("index_add", "backward", None)
+    assert found.location.endswith(line_of("custom"))
+    assert x.grad is None  # the audit's backward pass leaves .grad alone
+
+
+def test_backward_false_leaves_backward_ops_out():
+    model = Small()
+    report = audit_nondeterminism(small_step, model, backward=False)
+    assert keys(report) == ["index_add"]
+    assert not report.backward and "forward only" in str(report)
+
+    x = torch.randn(1, 1, 4, 4, requires_grad=True)
+    assert audit_nondeterminism(
+        lambda: F.interpolate(x, scale_factor=2, mode="bicubic"), backward=False
+    ).clean
+
+
+def test_backward_run_by_the_audit_or_not_at_all():
+    x = torch.randn(1, 1, 4, 4, requires_grad=True)
+    ran = audit_nondeterminism(lambda: {"out": [F.pad(x, (1, 1, 1, 1), mode="reflect"), 3]})
+    assert keys(ran) == ["reflection_pad"] and ran.backward and ran.notes == ()
+    assert x.grad is None
+
+    nothing = audit_nondeterminism(lambda: F.pad(x.detach(), (1, 1, 1, 1), mode="reflect"))
+    assert nothing.clean and not nothing.backward
+    assert any("no backward op was audited" in note for note in nothing.notes)
+
+
+# --- uninitialized memory ----------------------------------------------------------------------
+
+
+def test_uninitialized_memory_read_before_written():
+    def reads() -> torch.Tensor:
+        scratch = torch.empty(4)  # <- empty
+        return scratch * 2  # <- read
+
+    report = audit_nondeterminism(reads)
+    (found,) = report.findings
+    assert (found.entry, found.op, found.behaviour) == (
+        "uninitialized",
+        "aten.empty.memory_format",
+        "deterministic",
+    )
+    assert found.location.endswith(line_of("empty"))
+    assert "Read by aten.mul.Tensor at " in found.note
+    assert found.note.endswith(line_of("read") + ".")
+
+    grown = audit_nondeterminism(lambda: torch.ones(2).resize_(6).sum())
+    assert [(f.entry, f.op) for f in grown.findings] == [("uninitialized", "aten.resize_.default")]
+
+
+def test_uninitialized_memory_written_first_is_not_listed():
+    def writes() -> torch.Tensor:
+        a = torch.empty(4).uniform_()
+        b = torch.empty(4)
+        b.copy_(a)
+        c = torch.empty_like(a)
+        torch.add(a, b, out=c)
+        d = torch.empty(3)
+        d[torch.tensor([0, 1, 2])] = 1.0  # index_put_ writes
+        layer = nn.Linear(4, 4)  # torch.empty, then an initializer
+        return layer(a + b + c).sum() + d.sum() + torch.empty(0).sum()
+
+    report = audit_nondeterminism(writes)
+    assert report.clean, str(report)
+
+
+def test_torch_internal_scratch_memory_is_not_listed():
+    # ctc_loss builds a tensor of lengths with torch.empty and fills it in C++.
+    log_probs = torch.randn(10, 2, 5).log_softmax(2).detach().requires_grad_()
+    report = audit_nondeterminism(
+        lambda: F.ctc_loss(log_probs, torch.randint(1, 5, (2, 3)), [10, 10], [3, 3])
+    )
+    assert keys(report) == ["ctc_loss"]
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+
+def test_report_str_and_to_dict():
+    model = Small()
+    report = audit_nondeterminism(small_step, model)
+    text = str(report)
+    assert text.startswith("4 place(s) nondeterministic on CUDA")
+    assert "under use_deterministic_algorithms(True) 1 would raise" in text
+    assert "1. aten.index_add_.default (forward, 1 call) in (root) (Small) at " in text
+    assert (
+        "under use_deterministic_algorithms(True) it raises (no deterministic CUDA kernel)" in text
+    )
+    assert "(See 2.)" in text  # the second bilinear upsampling points back at the first's note
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["clean"] is False and data["backward"] is True
+    assert [f["entry"] for f in data["findings"]] == keys(report)
+    assert data["findings"][3]["where"].startswith("bag (EmbeddingBag) at ")
+    assert data["checked_against"] == CHECKED_TORCH
+
+
+def test_cublas_note(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    report = audit_nondeterminism(nn.Linear(2, 2), torch.ones(1, 2))
+    assert report.clean
+    (note,) = report.notes
+    assert "CUBLAS_WORKSPACE_CONFIG is :4096:8 or :16:8" in note and note.endswith("unset")
+    assert "Note: fn runs cuBLAS matmuls" in str(report)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert audit_nondeterminism(nn.Linear(2, 2), torch.ones(1, 2)).notes == ()
+
+
+def test_other_torch_release_warns_once(monkeypatch):
+    monkeypatch.setattr(audit_module, "CHECKED_TORCH", "1.0")
+    monkeypatch.setattr(audit_module, "_version_warned", False)
+    with pytest.warns(UserWarning, match=r"checked against torch 1\.0") as caught:
+        first = audit_nondeterminism(lambda: torch.ones(2))
+    assert caught[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = audit_nondeterminism(lambda: torch.ones(2))
+    for report in (first, second):
+        assert report.checked_against == "1.0"
+        assert any("checked against torch 1.0" in note for note in report.notes)
+
+
+# --- nothing global changes ----------------------------------------------------------------------
+
+
+def test_nothing_global_changes_in_a_training_step():
+    model = Small()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer_before = json.dumps(str(optimizer.state_dict()))
+    hooks = (len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks))
+
+    def step(model: Small) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = small_step(model)
+        optimizer.step()
+        return loss
+
+    world = World.now()
+    report = audit_nondeterminism(step, model, reset=[optimizer])
+    assert world.diff(World.now()) == []  # RNGs, flags, environment variables
+    assert "embedding_bag-max" in keys(report)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert json.dumps(str(optimizer.state_dict())) == optimizer_before
+    assert (len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks)) == hooks
+    assert _get_current_dispatch_mode_stack() == []
+
+
+def test_audit_inside_a_deterministic_block_sees_ops_that_raise_there():
+    # Inside the block deterministic algorithms are on, and put_ raises even on the CPU;
+    # the audit turns them off for its run and the block's setting is back afterwards.
+    def put() -> torch.Tensor:
+        return torch.zeros(4).put_(torch.tensor([0, 0]), torch.ones(2))
+
+    with deterministic(0):
+        with pytest.raises(RuntimeError, match="put_ does not have a deterministic"):
+            put()
+        report = audit_nondeterminism(put)
+        assert torch.are_deterministic_algorithms_enabled()
+        with pytest.raises(RuntimeError, match="put_ does not have a deterministic"):
+            put()
+    assert keys(report) == ["put"]
+
+
+def test_runs_are_seeded_by_seed():
+    def draws() -> torch.Tensor:
+        index = torch.randint(0, 2, (6,))
+        return torch.zeros(2).index_put_((index,), torch.rand(6))
+
+    assert keys(audit_nondeterminism(draws, seed=3)) == ["index_put"]
+
+
+def test_exception_in_fn_propagates_and_cleans_up():
+    hooks = (len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks))
+
+    def fails() -> None:
+        nn.Linear(2, 2)(torch.ones(1, 2))
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        audit_nondeterminism(fails)
+    assert (len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks)) == hooks
+    assert _get_current_dispatch_mode_stack() == []
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="fn must be callable, got int 3"):
+        audit_nondeterminism(3)
+    with pytest.raises(TypeError, match="fn must be synchronous"):
+        audit_nondeterminism(asyncio.sleep)
+    with pytest.raises(TypeError, match="backward must be True or False, got int 1"):
+        audit_nondeterminism(lambda: None, backward=1)
+    with pytest.raises(TypeError, match="warn_only must be True or False, got str 'yes'"):
+        audit_nondeterminism(lambda: None, warn_only="yes")
+    with pytest.raises(ValueError, match="seed"):
+        audit_nondeterminism(lambda: None, seed=-1)
+    with pytest.raises(TypeError, match="reset must contain modules, optimizers"):
+        audit_nondeterminism(lambda: None, reset=[3])
+    with pytest.raises(TypeError, match="coroutine"):
+        audit_nondeterminism(lambda: asyncio.sleep(0))
+
+
+# --- the table ----------------------------------------------------------------------------------
+
+
+def test_every_table_entry_is_well_formed():
+    keys_seen = [entry.key for entry in TABLE]
+    assert len(keys_seen) == len(set(keys_seen))
+    assert CHECKED_TORCH.count(".") == 1 and all(p.isdigit() for p in CHECKED_TORCH.split("."))
+    for entry in TABLE:
+        assert entry.ops and len(set(entry.ops)) == len(entry.ops), entry.key
+        assert entry.behaviour in ("raise", "warn", "deterministic"), entry.key
+        assert entry.warn_only_behaviour in (None, "raise", "warn", "deterministic"), entry.key
+        assert entry.phase in ("forward", "backward"), entry.key
+        assert entry.note.strip() and entry.note.endswith((".", ".)")), entry.key
+        assert callable(entry.example), entry.key
+        if entry.when is not None:
+            assert entry.condition, f"{entry.key}: a condition needs its words"
+        if entry.kind == "op":
+            for op in entry.ops:
+                assert hasattr(torch.ops.aten, op), f"{entry.key}: no aten op {op}"
+            assert not entry.parameters and not entry.unless_dispatched, entry.key
+        elif entry.kind == "function":
+            assert entry.when is not None, entry.key
+            for qualname in entry.ops:
+                module, _, name = qualname.rpartition(".")
+                assert callable(getattr(__import__(module, fromlist=[name]), name)), qualname
+            for op in entry.unless_dispatched:
+                assert hasattr(torch.ops.aten, op), f"{entry.key}: no aten op {op}"
+        else:
+            assert entry is uninitialized_entry() and entry.when is None
+    # Entries of one op are tried in order: a conditional one must come before a catch-all.
+    for op in {op for entry in TABLE if entry.kind == "op" for op in entry.ops}:
+        entries = entries_for(op)
+        assert all(e.when is not None for e in entries[:-1]), op
+
+
+def test_entry_conditions():
+    (interpolate, direct) = entries_for("upsample_bilinear2d_backward")
+    call = OpCall("aten.upsample_bilinear2d_backward.default", "upsample_bilinear2d_backward", {})
+    via = OpCall(call.op, call.name, {}, frozenset({"torch.nn.functional.interpolate"}))
+    assert not interpolate.matches(call) and interpolate.matches(via) and direct.matches(call)
+    assert [e.behaviour_under(warn_only=True) for e in (interpolate, direct)] == [
+        "deterministic",
+        "warn",
+    ]
+    assert entries_for("not_an_op") == ()
+
+
+@pytest.mark.parametrize("entry", TABLE, ids=lambda entry: entry.key)
+def test_every_example_is_found_by_the_audit_on_the_cpu(entry):
+    report = audit_nondeterminism(entry.example, torch.device("cpu"))
+    assert keys(report) == [entry.key] * len(report.findings), str(report)
+    assert {f.behaviour for f in report.findings} == {entry.behaviour}
+
+
+@pytest.mark.parametrize("key", ["put", "max_unpool", "resize-quantized"])
+def test_entries_that_raise_on_every_device_raise_on_the_cpu(key):
+    (entry,) = [e for e in TABLE if e.key == key]
+    with deterministic(0), pytest.raises(RuntimeError, match="does not have a deterministic"):
+        entry.example(torch.device("cpu"))
+
+
+# --- on a real GPU ------------------------------------------------------------------------------
+
+_GPU_SCRIPT = """
+import json, sys, warnings
+import torch
+from deterministic_ctx import deterministic
+from deterministic_ctx._nondeterministic_ops import TABLE
+from deterministic_ctx.audit import audit_nondeterminism
+from deterministic_ctx.compare import first_difference
+
+device = torch.device("cuda")
+
+
+def attempt(entry, warn_only, runs):
+    \"\"\"Run the example ``runs`` times in deterministic blocks: error, warnings, agreement.\"\"\"
+    results = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            for _ in range(runs):
+                with deterministic(0, warn_only=warn_only):
+                    results.append(entry.example(device))
+                    torch.cuda.synchronize()
+        except RuntimeError as exc:
+            return {"error": str(exc)[:300]}
+    messages = [str(w.message)[:300] for w in caught if "determinis" in str(w.message).lower()]
+    same = all(first_difference(results[0], r) is None for r in results[1:])
+    return {"error": None, "warnings": messages, "same": same}
+
+
+only = sys.argv[1:]  # keys: just their warn_only attempt, first thing in this process
+report = {}
+for entry in TABLE:
+    if entry.key in only:
+        report[entry.key] = {"warn_only": attempt(entry, True, 1)}
+    elif not only:
+        report[entry.key] = {
+            "warn_only": attempt(entry, True, 1),
+            "strict": attempt(entry, False, 3),
+            "audit": [f.entry for f in audit_nondeterminism(entry.example, device).findings],
+        }
+print(json.dumps(report))
+"""
+
+
+def _run_gpu_script(*keys: str) -> dict:
+    proc = run_python(list(keys), code=textwrap.dedent(_GPU_SCRIPT), timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _expectation_failures(entry, result) -> list[str]:
+    """What differs between the table's entry and what CUDA did."""
+    failures = []
+    for mode, behaviour in (
+        ("strict", entry.behaviour),
+        ("warn_only", entry.behaviour_under(warn_only=True)),
+    ):
+        got = result[mode]
+        if behaviour == "raise":
+            if not (
+                got["error"] and "does not have a deterministic implementation" in got["error"]
+            ):
+                failures.append(f"{mode}: expected a RuntimeError, got {got}")
+        elif got["error"]:
+            failures.append(f"{mode}: expected no error, got {got['error']}")
+        elif behaviour == "warn" and not got["warnings"]:
+            failures.append(f"{mode}: expected a warning, got none")
+        elif behaviour == "deterministic" and got["warnings"]:
+            failures.append(f"{mode}: expected no warning, got {got['warnings']}")
+        elif behaviour == "deterministic" and mode == "strict" and not got["same"]:
+            failures.append(f"{mode}: runs differ although the table says deterministic")
+    if entry.key not in result["audit"]:
+        failures.append(f"the audit on CUDA did not list it: {result['audit']}")
+    return failures
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_table_matches_what_cuda_does():
+    # A fresh interpreter (CUDA's state is process-wide) runs every entry's example under
+    # use_deterministic_algorithms(True) and (True, warn_only=True) and audits it on CUDA;
+    # every mismatch with the table is reported at once.
+    results = _run_gpu_script()
+    # Some kernels warn once per process (TORCH_WARN_ONCE): each entry that should warn is
+    # checked again first thing in a fresh interpreter of its own.
+    for entry in TABLE:
+        if entry.behaviour_under(warn_only=True) == "warn" and entry.behaviour != "raise":
+            results[entry.key].update(_run_gpu_script(entry.key)[entry.key])
+    failures = {
+        entry.key: problems
+        for entry in TABLE
+        if (problems := _expectation_failures(entry, results[entry.key]))
+    }
+    assert not failures, json.dumps(failures, indent=1)
