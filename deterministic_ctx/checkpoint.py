@@ -56,6 +56,11 @@ file's length and the checksum before parsing anything, then parses JSON and
 checks every field.  Any problem raises :class:`InvalidSnapshotError`.
 Writing is atomic: a temporary file in the same directory, flushed and
 fsynced, then renamed over the target.
+
+The same container holds other plain data: a :class:`FileKind` names the
+kind of file, its signature and its error (a subclass of
+:class:`InvalidSnapshotError`); :mod:`~deterministic_ctx.trace` writes traces
+this way, with the signature ``b"\\x89DCT\\r\\n\\x1a\\n"``.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ import json
 import os
 import secrets
 import struct
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -81,7 +86,10 @@ __all__ = [
     "MAGIC",
     "MAX_FILE_BYTES",
     "OPTIONAL_SOURCES",
+    "SNAPSHOT_FILE",
     "VERSION",
+    "FileKind",
+    "InvalidSnapshotError",
     "decode",
     "encode",
     "from_state_dict",
@@ -103,11 +111,30 @@ MAX_FILE_BYTES = 64 << 20
 _MAX_TENSORS = 1 << 16
 _MAX_DEPTH = 16
 _TENSOR = "$tensor"
+#: What JSON parses besides lists and dicts.
+_SCALARS = frozenset({str, int, float, bool, type(None)})
 #: Sources whose entry a version-1 state dict may lack: they were added after
 #: files of that version existed.  A missing one is left alone on restore.
 OPTIONAL_SOURCES = frozenset({"torch.defaults", "torch.compile"})
 
 StateDict = dict[str, Any]
+
+
+class FileKind(NamedTuple):
+    """A kind of file in this container: its name in messages, its signature
+    (8 bytes) and the error that bad input raises.
+
+    Example:
+        >>> SNAPSHOT_FILE.name, SNAPSHOT_FILE.magic == MAGIC
+        ('snapshot', True)
+    """
+
+    name: str
+    magic: bytes
+    error: type[InvalidSnapshotError]
+
+
+SNAPSHOT_FILE = FileKind("snapshot", MAGIC, InvalidSnapshotError)
 
 
 # -- state dict ----------------------------------------------------------------
@@ -182,8 +209,9 @@ def _import(data: object, strict: bool) -> World:
 # -- bytes ---------------------------------------------------------------------
 
 
-def encode(state: StateDict) -> bytes:
-    """The file's bytes for a state dict made by :func:`to_state_dict`."""
+def encode(state: StateDict, kind: FileKind = SNAPSHOT_FILE) -> bytes:
+    """The file's bytes for a state dict made by :func:`to_state_dict` (or, with
+    another ``kind``, for plain data of the same types)."""
     tensors: list[torch.Tensor] = []
 
     def strip(value: Any) -> Any:
@@ -191,9 +219,9 @@ def encode(state: StateDict) -> bytes:
             tensors.append(value)
             return {_TENSOR: len(tensors) - 1}
         if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items()}
+            return {k: v if type(v) in _SCALARS else strip(v) for k, v in value.items()}
         if isinstance(value, list):
-            return [strip(v) for v in value]
+            return [v if type(v) in _SCALARS else strip(v) for v in value]
         return value
 
     header = json.dumps(
@@ -201,20 +229,26 @@ def encode(state: StateDict) -> bytes:
         separators=(",", ":"),
     ).encode("ascii")
     data = b"".join(t.detach().cpu().contiguous().numpy().tobytes() for t in tensors)
-    body = b"".join((MAGIC, _PREAMBLE.pack(VERSION, 0, len(header), len(data)), header, data))
+    preamble = _PREAMBLE.pack(VERSION, 0, len(header), len(data))
+    body = b"".join((kind.magic, preamble, header, data))
     return body + hashlib.sha256(body).digest()
 
 
-def _looks_like(data: bytes) -> str:
+def _looks_like(data: bytes, kind: FileKind) -> str:
+    name = kind.name
     if not data:
         return "the file is empty"
     if data.startswith(b"PK\x03\x04"):
-        return "it is a zip archive (what torch.save writes), not a snapshot file"
+        return f"it is a zip archive (what torch.save writes), not a {name} file"
     if data[:1] == b"\x80" or data[:1] in (b"(", b"}", b"]", b"c"):
         return "it looks like a pickle, which this loader never unpickles"
     if data.startswith(b"\x93NUMPY"):
-        return "it is a NumPy .npy file, not a snapshot file"
-    return f"it does not start with the snapshot signature {MAGIC!r} (it starts with {data[:8]!r})"
+        return f"it is a NumPy .npy file, not a {name} file"
+    if data.startswith(MAGIC):
+        return f"it is a deterministic-ctx snapshot file, not a {name} file"
+    return (
+        f"it does not start with the {name} signature {kind.magic!r} (it starts with {data[:8]!r})"
+    )
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -224,36 +258,39 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def decode(data: bytes, origin: str) -> StateDict:
-    """The state dict in a file's bytes; :class:`InvalidSnapshotError` if they are not one."""
-    if data[: len(MAGIC)] != MAGIC[: len(data)] or not data:
-        raise InvalidSnapshotError(origin, _looks_like(data))
+def decode(data: bytes, origin: str, kind: FileKind = SNAPSHOT_FILE) -> StateDict:
+    """The state dict in a file's bytes; ``kind.error`` (:class:`InvalidSnapshotError`)
+    if they are not one."""
+    error = kind.error
+    magic = kind.magic
+    if data[: len(magic)] != magic[: len(data)] or not data:
+        raise error(origin, _looks_like(data, kind))
     if len(data) < _HEAD + _DIGEST:
-        raise InvalidSnapshotError(origin, f"truncated: {len(data)} bytes, no room for a header")
+        raise error(origin, f"truncated: {len(data)} bytes, no room for a header")
     version, reserved, header_len, data_len = _PREAMBLE.unpack_from(data, len(MAGIC))
     if version > VERSION:
-        raise InvalidSnapshotError(
+        raise error(
             origin,
             f"format version {version} is newer than this deterministic-ctx reads ({VERSION}): "
             f"upgrade deterministic-ctx to load it",
         )
     if version != VERSION or reserved != 0:
-        raise InvalidSnapshotError(origin, f"unknown format version {version}.{reserved}")
+        raise error(origin, f"unknown format version {version}.{reserved}")
     expected = _HEAD + header_len + data_len + _DIGEST  # Python ints: no overflow
     if len(data) != expected:
         what = "truncated" if len(data) < expected else "trailing bytes"
-        raise InvalidSnapshotError(
+        raise error(
             origin, f"{what}: the file has {len(data)} bytes, its header declares {expected}"
         )
     if hashlib.sha256(data[:-_DIGEST]).digest() != data[-_DIGEST:]:
-        raise InvalidSnapshotError(origin, "corrupted: the SHA-256 checksum does not match")
+        raise error(origin, "corrupted: the SHA-256 checksum does not match")
     try:
         header = json.loads(
             data[_HEAD : _HEAD + header_len].decode("utf-8"), object_pairs_hook=_unique_keys
         )
         return _attach(header, memoryview(data)[_HEAD + header_len : _HEAD + header_len + data_len])
     except (ValueError, TypeError, RecursionError) as exc:
-        raise InvalidSnapshotError(origin, f"bad header: {exc}") from exc
+        raise error(origin, f"bad header: {exc}") from exc
 
 
 def _attach(header: object, blob: memoryview) -> StateDict:
@@ -286,9 +323,19 @@ def _attach(header: object, blob: memoryview) -> StateDict:
                     raise ValueError(f"{path}: tensor {i} is used twice")
                 used.add(i)
                 return tensors[i]
-            return {k: attach(v, f"{path}.{k}", depth + 1) for k, v in value.items()}
+            # Scalars are taken as they are, without a call or a path each (traces hold
+            # many); below the depth limit only, which they would exceed.
+            flat = depth < _MAX_DEPTH
+            return {
+                k: v if flat and type(v) in _SCALARS else attach(v, f"{path}.{k}", depth + 1)
+                for k, v in value.items()
+            }
         if isinstance(value, list):
-            return [attach(v, f"{path}[{j}]", depth + 1) for j, v in enumerate(value)]
+            flat = depth < _MAX_DEPTH
+            return [
+                v if flat and type(v) in _SCALARS else attach(v, f"{path}[{j}]", depth + 1)
+                for j, v in enumerate(value)
+            ]
         return value
 
     state = attach(h["state"], "state", 0)
@@ -307,7 +354,7 @@ def origin_of(path: str | os.PathLike[str]) -> str:
     return f"file {os.fspath(path)!r}"
 
 
-def read(path: str | os.PathLike[str]) -> bytes:
+def read(path: str | os.PathLike[str], kind: FileKind = SNAPSHOT_FILE) -> bytes:
     """The file's bytes, refusing to read more than :data:`MAX_FILE_BYTES`."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -323,8 +370,8 @@ def read(path: str | os.PathLike[str]) -> bytes:
             data += chunk
             want = 1 << 16
     if size > MAX_FILE_BYTES or len(data) > MAX_FILE_BYTES:
-        raise InvalidSnapshotError(
-            origin_of(path), f"larger than any snapshot (the limit is {MAX_FILE_BYTES} bytes)"
+        raise kind.error(
+            origin_of(path), f"larger than any {kind.name} (the limit is {MAX_FILE_BYTES} bytes)"
         )
     return bytes(data)
 

@@ -1,6 +1,6 @@
 """The command line: ``deterministic-ctx`` / ``python -m deterministic_ctx``.
 
-Two subcommands:
+Three subcommands:
 
 * ``report [--json] [--init-cuda]`` prints the determinism report of a fresh
   interpreter (see :func:`deterministic_ctx.reporting.report`).
@@ -9,25 +9,33 @@ Two subcommands:
   runs an unmodified script as ``python script.py args ...`` would, after
   applying :func:`~deterministic_ctx.seed_everything` settings, so that it
   draws the same numbers on every run.
+* ``trace record [run's options] [--backward] OUT [--] script.py [args ...]``
+  runs a script as ``run`` does, in a ``deterministic`` block of those
+  settings, and writes its trace to ``OUT`` (see :mod:`deterministic_ctx.trace`);
+  ``trace compare [--json] A B`` compares two trace files, recorded on any
+  machines.
 
 ``PYTHONHASHSEED`` only takes effect when an interpreter starts, so ``run``
-restarts the interpreter once with ``PYTHONHASHSEED`` set to the seed when it
+(and ``trace record``) restarts the interpreter once with ``PYTHONHASHSEED`` set to the seed when it
 is not already: ``str`` and ``bytes`` hashes, and so the iteration order of
 sets, are then the same on every run too.  Everything up to that restart
 (parsing, checking the script exists) imports neither torch nor NumPy, so the
 interpreter that is thrown away costs milliseconds, not the seconds torch takes
 to load; the engine is imported only in the restarted interpreter.
 
-Exit codes: ``0`` success; for ``run``, the script's own exit status
-(``sys.exit(n)`` gives ``n``; an uncaught exception ``1``, its traceback
-printed as Python prints it); ``2`` a usage error (bad arguments, a script or
-module that does not exist); ``130`` interrupted by Ctrl-C.
+Exit codes: ``0`` success (for ``trace compare``: the traces agree); for
+``trace compare``, ``1`` when the traces differ; for ``run`` and ``trace
+record``, the script's own exit status (``sys.exit(n)`` gives ``n``; an
+uncaught exception ``1``, its traceback printed as Python prints it); ``2`` a
+usage error (bad arguments, a script or module that does not exist, a file
+that is not a trace); ``130`` interrupted by Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -37,7 +45,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 from types import TracebackType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 # The version only: a leaf module, so ``--version`` and ``run``'s restart load no torch.
 from ._version import __version__
@@ -60,19 +68,25 @@ EXIT_INTERRUPTED = 130
 #: imports torch; ``tests/test_cli.py`` checks that the two agree, and
 #: ``seed_everything`` validates the seed again after the restart.
 MAX_SEED = 2**32 - 1
+#: The signature of trace files, ``deterministic_ctx.trace.TRACE_FILE.magic``: repeated for the
+#: same reason, and checked the same way.
+TRACE_MAGIC = b"\x89DCT\r\n\x1a\n"
 
 _EXIT_CODES = f"""\
 exit status:
-  {EXIT_OK}    success
-  N    run: the script's own exit status (sys.exit(N)); {EXIT_ERROR} if it raised an uncaught
-       exception, whose traceback is printed as Python prints it
-  {EXIT_USAGE}    usage error: bad arguments, a script or module that does not exist
+  {EXIT_OK}    success (trace compare: the traces agree)
+  {EXIT_ERROR}    trace compare: the traces differ
+  N    run, trace record: the script's own exit status (sys.exit(N)); {EXIT_ERROR} if it raised
+       an uncaught exception, whose traceback is printed as Python prints it
+  {EXIT_USAGE}    usage error: bad arguments, a script or module that does not exist, a file
+       that is not a trace
   {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
 """
 
 _DESCRIPTION = """\
 Reproducible randomness for PyTorch programs from the command line: check an
-environment's determinism setup, or run an unmodified script reproducibly.
+environment's determinism setup, run an unmodified script reproducibly, or
+record its trace on one machine and compare it with another's.
 """
 
 _EPILOG = f"""\
@@ -82,6 +96,8 @@ examples:
   {PROG} run --seed 3 -- train.py --epochs 2
   {PROG} run -m mypackage.train --epochs 2
   python -m deterministic_ctx run train.py
+  {PROG} trace record a.trace -- train.py --epochs 1
+  {PROG} trace compare a.trace b.trace
 
 {_EXIT_CODES}"""
 
@@ -112,9 +128,9 @@ examples:
   {PROG} run --seed 3 -- train.py --seed-is-not-mine 7
   {PROG} run --warn-only -m mypackage.train
 
-exit status: the script's own (sys.exit(N) gives N, an uncaught exception
-{EXIT_ERROR}, Ctrl-C {EXIT_INTERRUPTED}); {EXIT_USAGE} for a usage error or a script or module that
-does not exist.
+exit status: the script's own (sys.exit(N) gives N, an uncaught exception {EXIT_ERROR});
+{EXIT_INTERRUPTED} when interrupted (Ctrl-C), and then no trace is written; {EXIT_USAGE} for a usage
+error or a script or module that does not exist.
 """
 
 _REPORT_DESCRIPTION = """\
@@ -123,6 +139,58 @@ library versions, determinism flags, the relevant environment variables,
 which RNGs are seeded, CUDA facts and warnings for known problems. The
 report never initializes CUDA itself; pass --init-cuda to include device
 facts (device names, cuDNN version)."""
+
+_TRACE_DESCRIPTION = """\
+Record the trace of a script on one machine, and compare traces recorded on
+different machines, GPU models, thread counts or library versions: the first
+module call whose results differ, and the facts of the environments that
+differ, most likely culprits first."""
+
+_TRACE_RECORD_USAGE = f"""\
+{PROG} trace record [-h] [--seed N] [--backward] [--warn-only] [--no-flags]
+                                      [--no-fill] [--compiled-rng eager]
+                                      OUT [--] script.py [args ...]
+       {PROG} trace record [options] OUT -m module [args ...]"""
+
+_TRACE_RECORD_DESCRIPTION = """\
+Run a Python script as `deterministic-ctx run` does (as __main__, seeded as
+random.seed(N); np.random.seed(N); torch.manual_seed(N) would, deterministic
+algorithms on, PYTHONHASHSEED=N), inside one deterministic block whose global
+module hooks fingerprint the outputs of every module call of the whole script
+(with --backward, the gradients too), then write the trace to OUT: those
+fingerprints, the final parameters and buffers of every model, the tensors
+left in the script's global variables (a script has no return value), and
+the environment (versions, CPU, threads, CUDA devices once the script used
+CUDA, precision and determinism flags). The trace is written also when the
+script exits with an error (not when interrupted); the exit status is the
+script's.
+
+The options end at the script (or module) name, after OUT: everything after
+it goes to the script. `--` may separate them."""
+
+_TRACE_RECORD_EPILOG = f"""\
+examples:
+  {PROG} trace record a.trace train.py --steps 2
+  {PROG} trace record --seed 3 --backward b.trace -- train.py --steps 2
+  {PROG} trace record c.trace -m mypackage.train
+
+exit status: the script's own (sys.exit(N) gives N, an uncaught exception \
+{EXIT_ERROR});
+{EXIT_INTERRUPTED} when interrupted (Ctrl-C), and then no trace is written; {EXIT_USAGE} for a \
+usage
+error or a script or module that does not exist.
+"""
+
+_TRACE_COMPARE_DESCRIPTION = """\
+Compare two traces written by `trace record` or record_trace(): the first
+module call (or gradient, return value, final parameter) whose fingerprints
+differ, and the environment facts that differ, most likely culprits first."""
+
+_TRACE_COMPARE_EPILOG = f"""\
+exit status: {EXIT_OK} the traces agree, {EXIT_ERROR} they differ, {EXIT_USAGE} a usage error \
+or a file that
+is not a readable trace.
+"""
 
 
 def _seed_argument(text: str) -> int:
@@ -138,14 +206,61 @@ def _seed_argument(text: str) -> int:
     raise argparse.ArgumentTypeError(f"must be an integer in 0 .. {MAX_SEED}, got {text!r}")
 
 
-def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """The command's parser and its ``run`` subparser."""
+class _Parsers(NamedTuple):
+    """The command's parser, and the subparsers whose errors ``main`` prints itself."""
+
+    main: argparse.ArgumentParser
+    run: argparse.ArgumentParser
+    trace_record: argparse.ArgumentParser
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options of ``run``, which ``trace record`` shares."""
+    parser.add_argument(
+        "--seed",
+        type=_seed_argument,
+        default=0,
+        metavar="N",
+        help=f"the seed, an integer in 0 .. {MAX_SEED} (default: 0)",
+    )
+    parser.add_argument(
+        "--warn-only",
+        action="store_true",
+        help="operations without a deterministic implementation warn instead of raising",
+    )
+    parser.add_argument(
+        "--no-flags",
+        action="store_true",
+        help="seed only: leave the determinism flags and variables as they are",
+    )
+    parser.add_argument(
+        "--no-fill",
+        action="store_true",
+        help="torch.utils.deterministic.fill_uninitialized_memory off",
+    )
+    parser.add_argument(
+        "--compiled-rng",
+        choices=["eager"],
+        default=None,
+        help="eager: code compiled with torch.compile draws eager's random numbers "
+        "(inductor's fallback_random)",
+    )
+    parser.add_argument(
+        "-m",
+        dest="module",
+        metavar="module",
+        help="run a library module as a script, like python -m module",
+    )
+
+
+def _parsers() -> _Parsers:
+    """The command's parser and its subparsers."""
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
         prog=PROG, description=_DESCRIPTION, epilog=_EPILOG, formatter_class=formatter
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{report,run}")
+    commands = parser.add_subparsers(dest="command", metavar="{report,run,trace}")
     commands.required = True
 
     report = commands.add_parser(
@@ -171,42 +286,43 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         epilog=_RUN_EPILOG,
         formatter_class=formatter,
     )
-    run.add_argument(
-        "--seed",
-        type=_seed_argument,
-        default=0,
-        metavar="N",
-        help=f"the seed, an integer in 0 .. {MAX_SEED} (default: 0)",
+    _add_run_options(run)
+
+    trace = commands.add_parser(
+        "trace",
+        help="record a script's trace, or compare traces recorded on two machines",
+        description=_TRACE_DESCRIPTION,
+        epilog=_EXIT_CODES,
+        formatter_class=formatter,
     )
-    run.add_argument(
-        "--warn-only",
+    actions = trace.add_subparsers(dest="trace_command", metavar="{record,compare}")
+    actions.required = True
+    record = actions.add_parser(
+        "record",
+        help="run a script reproducibly and write its trace",
+        usage=_TRACE_RECORD_USAGE,
+        description=_TRACE_RECORD_DESCRIPTION,
+        epilog=_TRACE_RECORD_EPILOG,
+        formatter_class=formatter,
+    )
+    _add_run_options(record)
+    record.add_argument(
+        "--backward",
         action="store_true",
-        help="operations without a deterministic implementation warn instead of raising",
+        help="fingerprint the gradients too (each call's inputs and each module's parameters)",
     )
-    run.add_argument(
-        "--no-flags",
-        action="store_true",
-        help="seed only: leave the determinism flags and variables as they are",
+    record.add_argument("output", metavar="OUT", help="the trace file to write")
+    compare = actions.add_parser(
+        "compare",
+        help="compare two trace files: the first differing module call, and the environments",
+        description=_TRACE_COMPARE_DESCRIPTION,
+        epilog=_TRACE_COMPARE_EPILOG,
+        formatter_class=formatter,
     )
-    run.add_argument(
-        "--no-fill",
-        action="store_true",
-        help="torch.utils.deterministic.fill_uninitialized_memory off",
-    )
-    run.add_argument(
-        "--compiled-rng",
-        choices=["eager"],
-        default=None,
-        help="eager: code compiled with torch.compile draws eager's random numbers "
-        "(inductor's fallback_random)",
-    )
-    run.add_argument(
-        "-m",
-        dest="module",
-        metavar="module",
-        help="run a library module as a script, like python -m module",
-    )
-    return parser, run
+    compare.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    compare.add_argument("a", metavar="A", help="a trace file")
+    compare.add_argument("b", metavar="B", help="another trace file")
+    return _Parsers(parser, run, record)
 
 
 #: ``run`` options that take a value, for splitting the command line at the script.
@@ -239,6 +355,44 @@ def _split_run(tokens: Sequence[str]) -> tuple[list[str], list[str]]:
     return options, rest[1:] if rest[:1] == ["--"] else rest
 
 
+def _split_trace_record(tokens: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split the words after ``trace record`` into our options with ``OUT``, and the
+    script's command.
+
+    As for ``run``, but the first word that is not an option is ``OUT``, and the
+    options may go on after it; ``--`` ends them (the word after it is ``OUT``
+    if none was given yet).
+
+    Example:
+        >>> _split_trace_record(["a.trace", "--seed", "3", "train.py", "--seed", "5"])
+        (['a.trace', '--seed', '3'], ['train.py', '--seed', '5'])
+        >>> _split_trace_record(["--backward", "a.trace", "--", "-odd.py"])
+        (['--backward', 'a.trace'], ['-odd.py'])
+        >>> _split_trace_record(["a.trace", "-m", "pkg.mod", "-v"])
+        (['a.trace', '-m', 'pkg.mod'], ['-v'])
+    """
+    options: list[str] = []
+    rest = list(tokens)
+    out = False
+    while rest:
+        word = rest.pop(0)
+        if word == "--":
+            if not out and rest:  # `--` then OUT: argparse takes it as a positional
+                options += ["--", rest.pop(0)]
+            return options, rest
+        if not _is_option(word):
+            if out:
+                rest.insert(0, word)  # the script
+                return options, rest
+            out = True
+        options.append(word)
+        if word in _RUN_VALUE_OPTIONS and rest:
+            options.append(rest.pop(0))
+        if word.startswith("-m"):  # -m module: the module's arguments follow
+            return options, rest
+    return options, rest
+
+
 def _is_option(word: str) -> bool:
     """Whether ``word`` is one of our options (``-`` is stdin's name and ``--`` the separator)."""
     return word.startswith("-") and word not in ("-", "--")
@@ -262,19 +416,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     from_command_line = argv is None
     args = list(sys.argv[1:] if argv is None else argv)
-    parser, run_parser = _parsers()
+    parsers = _parsers()
     command: list[str] = []
     if args and args[0] == "run":
         options, command = _split_run(args[1:])
         args = ["run", *options]
+    elif args[:2] == ["trace", "record"]:
+        options, command = _split_trace_record(args[2:])
+        args = ["trace", "record", *options]
     try:
-        ns = parser.parse_args(args)
+        ns = parsers.main.parse_args(args)
     except SystemExit as exc:  # --help, --version and usage errors
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if ns.command == "report":
         return _report(as_json=ns.json, init_cuda=ns.init_cuda)
+    if ns.command == "trace" and ns.trace_command == "compare":
+        return _trace_compare(ns.a, ns.b, as_json=ns.json)
+    if ns.command == "trace":
+        return _trace_record(
+            parsers.trace_record,
+            output=ns.output,
+            backward=ns.backward,
+            settings=_Settings.of(ns),
+            module=ns.module,
+            command=command,
+            restart=from_command_line,
+        )
     return _run(
-        run_parser,
+        parsers.run,
         seed=ns.seed,
         warn_only=ns.warn_only,
         flags=not ns.no_flags,
@@ -323,12 +492,12 @@ class _Target(NamedTuple):
             return os.getcwd()
         return os.path.dirname(os.path.abspath(self.name))
 
-    def run(self) -> None:
-        """Run it as ``__main__``, as ``python script.py`` / ``python -m module`` would."""
+    def run(self) -> dict[str, Any]:
+        """Run it as ``__main__``, as ``python script.py`` / ``python -m module`` would;
+        its global variables when it ended."""
         if self.is_module:
-            runpy.run_module(self.name, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(self.name, run_name="__main__")
+            return runpy.run_module(self.name, run_name="__main__", alter_sys=True)
+        return runpy.run_path(self.name, run_name="__main__")
 
 
 class _UsageError(Exception):
@@ -472,6 +641,156 @@ def _restart_with_hashseed(seed: int) -> int | None:
             return EXIT_INTERRUPTED
     os.execve(sys.executable, argv, env)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+# --- trace ----------------------------------------------------------------------------------------
+
+
+class _Settings(NamedTuple):
+    """The block settings of ``run``'s options, which ``trace record`` shares."""
+
+    seed: int
+    warn_only: bool
+    flags: bool
+    fill_uninitialized_memory: bool
+    compiled_rng: str | None
+
+    @classmethod
+    def of(cls, ns: argparse.Namespace) -> _Settings:
+        return cls(ns.seed, ns.warn_only, not ns.no_flags, not ns.no_fill, ns.compiled_rng)
+
+
+@dataclasses.dataclass
+class _Outcome:
+    """How a recorded script ended: its exit status, and the ``SystemExit`` to re-raise."""
+
+    status: int = EXIT_OK
+    exit: SystemExit | None = None
+
+
+def _trace_record(
+    parser: argparse.ArgumentParser,
+    *,
+    output: str,
+    backward: bool,
+    settings: _Settings,
+    module: str | None,
+    command: list[str],
+    restart: bool,
+) -> int:
+    """``trace record``: check, restart for ``PYTHONHASHSEED``, run the target in a
+    recording block, write the trace."""
+    try:
+        target = _target(module, command)
+        _check_output(output)
+        status = _restart_with_hashseed(settings.seed) if restart else None
+        if status is not None:  # Windows: the restarted command ran in a child process
+            return status
+        _set_up_main(target)
+        # Only now, in the interpreter that runs the script, is torch imported.
+        from .context import deterministic
+        from .trace import record_in, script_result
+
+        block = deterministic(
+            settings.seed,
+            warn_only=settings.warn_only,
+            flags=settings.flags,
+            fill_uninitialized_memory=settings.fill_uninitialized_memory,
+            compiled_rng=settings.compiled_rng,  # type: ignore[arg-type]  # argparse checked it
+        )
+        outcome = _Outcome()
+
+        def script() -> dict[str, Any] | None:
+            _find_module(target)  # in the block: finding it imports its parent packages
+            namespace = _execute_recorded(target, outcome)
+            return None if namespace is None else script_result(namespace)
+
+        name = f"-m {target.name}" if target.is_module else target.name
+        trace = record_in(
+            block,
+            script,
+            backward=backward,
+            source=f"script {' '.join([name, *target.args])}",
+            root="globals",
+        )
+    except _UsageError as exc:
+        if exc.show_usage:
+            parser.print_usage(sys.stderr)
+        print(f"{PROG} trace record: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if outcome.status == EXIT_INTERRUPTED:
+        print(f"{PROG} trace record: interrupted: no trace written", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    dataclasses.replace(trace, status=outcome.status).save(output)
+    print(
+        f"{PROG} trace record: wrote {output} ({trace.calls} module calls, seed {settings.seed})",
+        file=sys.stderr,
+    )
+    if outcome.exit is not None:
+        raise outcome.exit  # Python prints its message and picks the status, as for run
+    return outcome.status
+
+
+def _check_output(output: str) -> None:
+    """Refuse an ``OUT`` that could not be written, before the script runs, and one that
+    is a file of another kind: ``trace record train.py out.trace`` (``OUT`` and the
+    script swapped) must not replace the script with a trace."""
+    directory = os.path.dirname(os.path.abspath(output))
+    if os.path.isdir(output):
+        raise _UsageError(f"OUT {output!r} is a directory")
+    if not os.path.isdir(directory):
+        raise _UsageError(f"can't write {output!r}: no such directory {directory!r}")
+    try:
+        with open(output, "rb") as f:
+            start = f.read(len(TRACE_MAGIC))
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise _UsageError(f"can't write {output!r}: {exc.strerror or exc}") from None
+    if start and start != TRACE_MAGIC:
+        raise _UsageError(
+            f"OUT {output!r} exists and is not a trace file: refusing to replace it "
+            "(OUT comes before the script)"
+        )
+
+
+def _execute_recorded(target: _Target, outcome: _Outcome) -> dict[str, Any] | None:
+    """Run ``target`` for a trace: its global variables, or ``None`` if it did not end
+    normally; how it ended goes to ``outcome``.
+
+    Nothing propagates, so that the recording completes: a ``SystemExit`` is
+    kept to be raised once the trace is written, any other exception printed as
+    Python prints an uncaught one (from here, without the recording's frames).
+    """
+    try:
+        return target.run()
+    except SystemExit as exc:
+        outcome.exit = exc
+        code = exc.code
+        outcome.status = 0 if code is None else code if isinstance(code, int) else EXIT_ERROR
+    except KeyboardInterrupt as exc:
+        _print_exception(exc)
+        outcome.status = EXIT_INTERRUPTED
+    except BaseException as exc:
+        _print_exception(exc)
+        outcome.status = EXIT_ERROR
+    return None
+
+
+def _trace_compare(a: str, b: str, *, as_json: bool) -> int:
+    """``trace compare``: the comparison, printed; 0 when the traces agree, 1 when not."""
+    from .trace import InvalidTraceError, compare_traces
+
+    try:
+        comparison = compare_traces(a, b)
+    except (InvalidTraceError, OSError) as exc:
+        print(f"{PROG} trace compare: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if as_json:
+        print(json.dumps(comparison.to_dict(), indent=2))
+    else:
+        print(comparison)
+    return EXIT_OK if comparison.agree else EXIT_ERROR
 
 
 def _print_exception(exc: BaseException) -> None:

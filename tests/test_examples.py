@@ -74,6 +74,17 @@ def test_quickstart_output(runs):
     assert "caller's torch RNG untouched: True" in stdout
 
 
+@pytest.mark.slow
+def test_trace_compare_example_names_the_loss_and_the_thread_count(runs):
+    proc = run_example(runs, "trace_compare.py")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert sum(line.startswith("recorded ") for line in out.splitlines()) == 2
+    assert "Traces diverge: B differs from A first at module call #4, (root) (MSELoss)" in out
+    assert "process.num_threads: 1 (A) vs 2 (B)" in out
+    assert "`deterministic-ctx trace compare` would exit with status 1" in out
+
+
 @needs_gloo
 @pytest.mark.slow
 def test_ddp_example_prints_the_same_losses_twice(runs):

@@ -1,0 +1,1231 @@
+"""Traces: a run's fingerprints and environment, recorded on one machine and compared on another.
+
+:func:`locate_divergence <deterministic_ctx.locate.locate_divergence>` compares
+two runs in one process.  When the same seed gives other results on another
+machine, GPU model or torch version, the two runs never meet: record a trace
+on each machine with :func:`record_trace` (or ``deterministic-ctx trace record``
+for an unmodified script), bring the files together, and
+:func:`compare_traces` names the first module call that differs and the facts
+of the two environments that differ, most likely culprits first.
+
+A trace holds, in call order, the fingerprints of every module call's outputs
+(and, with ``backward=True``, of the gradients), of the return value's leaves
+and of the final parameters and buffers, as :func:`~deterministic_ctx.record.record_run`
+records them for ``locate_divergence``; and the environment that decides
+results, read inside the block right after ``fn`` returned (so the flags and
+thread count are those ``fn`` ran with): Python, torch, NumPy and CUDA/cuDNN
+versions, the platform, CPU model, vector instruction set and BLAS, the
+thread counts, CUDA device names, compute capabilities and SM counts, the
+TF32 and matmul precision settings, the determinism flags and the managed
+environment variables (most of them from :func:`~deterministic_ctx.reporting.report`).
+
+CUDA is never initialized for a trace: device facts are recorded only when
+``fn`` (or the script) initialized CUDA itself.  Where it did not, nothing it
+computed ran on a GPU, so no device fact can explain its results.
+
+A trace keeps a 16-byte BLAKE2b digest of each fingerprint rather than the
+fingerprint itself: 16 bytes per tensor whatever its size.  Two tensors of one
+shape and dtype have equal digests exactly when their fingerprints are equal
+(but for a 128-bit hash collision).  Neither tells *where* two tensors differ:
+a trace has no values, so a divergence names the module call and the tensor,
+never the index or the size of the difference.
+
+**File**: the container of :mod:`~deterministic_ctx.checkpoint` (sizes checked
+against the file's length, a SHA-256 checksum, JSON, nothing ever unpickled)
+with the signature ``b"\\x89DCT\\r\\n\\x1a\\n"`` and this state, version 1::
+
+    {"format": "deterministic_ctx.trace", "version": 1,
+     "source": "function train_step", "recorded": "2025-01-31T12:00:00+00:00",
+     "status": null,            # a script's exit status; null for a function
+     "seed": 0, "backward": false,
+     "ops": false,              # optional: whether per-op events were recorded
+     "environment": {"versions.torch": "2.13.0+cpu", "process.num_threads": 8, ...},
+     "modules": [[root class, qualified name, class name], ...],
+     "calls": [[module, start], ...],   # per module call: its index in modules, and
+                                        # how many events had been recorded when it started
+     "events": [[key, phase, what, module or null, call or null,
+                 [[path, dtype, digest or null, *shape], ...]], ...],
+     "digests": uint8 tensor, 16 bytes per distinct fingerprint}
+
+``phase`` is ``"forward"``, ``"backward"``, ``"result"`` (a leaf of the return
+value), ``"final"`` or ``"op"`` (an operation inside a module call, only when
+``"ops"`` is true: room for per-op entries, which nothing records yet; their
+``what`` is the op and the user's line, ``"aten.addmm.default at train.py:42"``,
+their module and call those of the module call they ran in).  A
+newer version, an unknown field, a wrong type, an index out of range or a
+file over the checkpoint size limit raises :class:`InvalidTraceError`, an
+:class:`~deterministic_ctx.InvalidSnapshotError`.
+
+Example:
+    >>> import torch
+    >>> from deterministic_ctx.trace import compare_traces, record_trace
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    >>> a = record_trace(model, torch.ones(2, 4))
+    >>> b = record_trace(model, torch.ones(2, 4))
+    >>> a.calls, compare_traces(a, b).agree
+    (3, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import os
+import platform
+import re
+import struct
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from .checkpoint import FileKind, InvalidSnapshotError, decode, encode, origin_of, read, write
+from .compare import short_repr, tensor_leaves
+from .context import deterministic
+from .fingerprint import fingerprint
+from .locate import Divergence
+from .record import Event, Run, record_run
+from .rerun import SavedState, call_and_consume, check_fn, objects_to_reset
+from .timeline import Finding, compare_runs
+
+__all__ = [
+    "FORMAT",
+    "TRACE_FILE",
+    "VERSION",
+    "EnvironmentDifference",
+    "InvalidTraceError",
+    "Trace",
+    "TraceComparison",
+    "compare_traces",
+    "environment",
+    "record_in",
+    "record_trace",
+    "script_result",
+]
+
+#: A fact of the environment: plain JSON scalars only.
+Fact = str | int | float | bool | None
+
+FORMAT = "deterministic_ctx.trace"
+VERSION = 1
+_DIGEST = 16
+_PHASES = ("forward", "backward", "result", "final", "op")
+#: Longer strings, deeper shapes and longer keys are not made by a recording: refused.
+_MAX_TEXT = 1 << 16
+_MAX_DIMS = 64
+_MAX_KEY = 16
+
+
+class InvalidTraceError(InvalidSnapshotError):
+    """A trace file (or its data) cannot be read: a snapshot-like error for traces.
+
+    A subclass of :class:`~deterministic_ctx.InvalidSnapshotError` (so of
+    ``ValueError``), raised for the same kinds of bad input as a corrupted
+    snapshot: truncated or corrupted, another kind of file, a newer format
+    version, a field of the wrong type or out of range.  ``origin`` names the
+    file and ``problem`` says what is wrong.
+
+    Example:
+        >>> str(InvalidTraceError("file 'a.trace'", "truncated"))
+        "invalid trace file 'a.trace': truncated"
+    """
+
+    def __init__(self, origin: str, problem: str) -> None:
+        super().__init__(origin, problem)
+        self.args = (f"invalid trace {origin}: {problem}",)
+
+
+#: The container of a trace file (see :mod:`~deterministic_ctx.checkpoint`).
+TRACE_FILE = FileKind("trace", b"\x89DCT\r\n\x1a\n", InvalidTraceError)
+
+
+# --- the trace ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Trace:
+    """One recorded run: fingerprints in call order and the environment.
+
+    ``source`` says what ran (``"function train_step"``, ``"script train.py
+    --epochs 2"``), ``recorded`` when (ISO 8601, UTC), ``status`` a script's
+    exit status (``None`` for a function).  ``environment`` maps fact names
+    (``"versions.torch"``, ``"process.num_threads"``, ``"cuda.devices[0].sm_count"``)
+    to plain values.  ``structure`` is who was called, per module call:
+    ``(root class, qualified name, class name)``; ``starts`` how many events
+    had been recorded when each call started; ``events`` the events
+    (:class:`~deterministic_ctx.record.Event`) whose ``slots`` point into
+    ``digests``.  ``ops`` says whether per-op events were recorded.  Made by
+    :func:`record_trace`; :meth:`save` and :meth:`load` write and read files.
+
+    Example:
+        >>> import torch
+        >>> trace = record_trace(torch.nn.Linear(2, 2), torch.ones(1, 2))
+        >>> [(e.phase, e.what) for e in trace.events][:2]
+        [('forward', 'output'), ('result', 'result')]
+        >>> trace.environment["process.num_threads"] == torch.get_num_threads()
+        True
+    """
+
+    source: str
+    recorded: str
+    seed: int
+    backward: bool
+    environment: Mapping[str, Fact] = dataclasses.field(repr=False)
+    structure: tuple[tuple[str, str, str], ...] = dataclasses.field(repr=False)
+    starts: tuple[int, ...] = dataclasses.field(repr=False)
+    events: tuple[Event, ...] = dataclasses.field(repr=False)
+    digests: bytes = dataclasses.field(repr=False)
+    status: int | None = None
+    ops: bool = False
+
+    @property
+    def calls(self) -> int:
+        """The number of module calls."""
+        return len(self.structure)
+
+    def fingerprints(self, event: Event) -> tuple[bytes | None, ...]:
+        """The digests of ``event``'s tensors' fingerprints (``None``: none)."""
+        data = self.digests
+        return tuple([None if s is None else data[s[1] : s[2]] for s in event.slots])
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the trace to ``path`` atomically, in a format that never unpickles.
+
+        Example:
+            >>> import tempfile, torch
+            >>> trace = record_trace(torch.nn.Linear(2, 2), torch.ones(1, 2))
+            >>> with tempfile.TemporaryDirectory() as tmp:
+            ...     trace.save(f"{tmp}/run.trace")
+            ...     Trace.load(f"{tmp}/run.trace") == trace
+            True
+        """
+        path = _checked_path(path, "path")
+        write(path, self.to_bytes())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Trace:
+        """Read a trace written by :meth:`save`; nothing in the file is executed.
+
+        Bad input raises :class:`InvalidTraceError` naming the file and the
+        problem; a missing file ``FileNotFoundError``.  See :meth:`save`.
+        """
+        path = _checked_path(path, "path")
+        return cls.from_bytes(read(path, TRACE_FILE), origin_of(path))
+
+    def to_bytes(self) -> bytes:
+        """The file's bytes (what :meth:`save` writes).
+
+        Example:
+            >>> import torch
+            >>> trace = record_trace(torch.nn.Linear(2, 2), torch.ones(1, 2))
+            >>> Trace.from_bytes(trace.to_bytes()) == trace
+            True
+        """
+        return encode(_to_state(self), TRACE_FILE)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, origin: str = "data") -> Trace:
+        """The trace in ``data``; :class:`InvalidTraceError` naming ``origin`` if there is none."""
+        state = decode(data, origin, TRACE_FILE)
+        try:
+            return _from_state(state)
+        except ValueError as exc:
+            raise InvalidTraceError(origin, str(exc)) from exc
+        except Exception as exc:  # whatever a field made a check trip over is bad input too
+            raise InvalidTraceError(origin, f"{type(exc).__name__}: {exc}") from exc
+
+
+# --- recording ------------------------------------------------------------------------------------
+
+
+def record_trace(
+    fn: Callable[..., Any],
+    /,
+    *args: Any,
+    path: str | os.PathLike[str] | None = None,
+    seed: int = 0,
+    backward: bool = False,
+    warn_only: bool = False,
+    reset: Iterable[Any] = (),
+    **kwargs: Any,
+) -> Trace:
+    """Run ``fn(*args, **kwargs)`` once in a fresh block and record its trace.
+
+    The run is what one run of :func:`~deterministic_ctx.locate.locate_divergence`
+    is: a fresh ``deterministic(seed, warn_only=warn_only)`` block with global
+    module hooks that fingerprint every module call's outputs in call order
+    (with ``backward=True`` also the gradients), then the return value's
+    leaves and the final parameters and buffers of every model seen.  The
+    environment is read inside the block right after ``fn`` returns (see the
+    module docstring).  Modules and optimizers passed as ``fn`` or as direct
+    arguments, and the objects in ``reset``, are put back to their state
+    before the run afterwards, as :func:`~deterministic_ctx.verify.assert_reproducible`
+    does.
+
+    With ``path`` the trace is also written there (atomically); either way it
+    is returned.  Compare two with :func:`compare_traces`.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        >>> trace = record_trace(model, torch.ones(2, 4), seed=3)
+        >>> trace.seed, trace.calls, trace.source
+        (3, 3, 'module Sequential')
+    """
+    block = deterministic(seed, warn_only=warn_only)
+    if path is not None:
+        path = _checked_path(path, "path")
+        _check_directory(path)
+    trace = record_in(block, fn, args, kwargs, backward=backward, reset=reset)
+    if path is not None:
+        trace.save(path)
+    return trace
+
+
+def record_in(
+    block: deterministic,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    backward: bool = False,
+    reset: Iterable[Any] = (),
+    source: str | None = None,
+    root: str = "result",
+) -> Trace:
+    """:func:`record_trace` with a block of any settings (the command line's ``trace record``).
+
+    ``source`` describes what ran (default: ``fn``'s name); ``root`` names the
+    return value in the leaves' paths (``result["loss"]``; a script's is
+    ``globals``).
+
+    Example:
+        >>> import torch
+        >>> from deterministic_ctx import deterministic
+        >>> trace = record_in(deterministic(0, flags=False), torch.nn.Tanh(), (torch.ones(3),))
+        >>> trace.environment["flags.deterministic_algorithms"]
+        False
+    """
+    check_fn(fn)
+    if not isinstance(backward, bool):
+        raise TypeError(f"backward must be True or False, got {backward!r}")
+    kwargs = dict(kwargs or {})
+    objects = objects_to_reset(fn, args, kwargs, reset)
+    roots = [o for o in objects if isinstance(o, torch.nn.Module)]
+    saved = SavedState(objects)
+    facts: dict[str, Fact] = {}
+
+    def observed(*a: Any, **k: Any) -> Any:
+        result = call_and_consume(fn, a, k)
+        facts.update(environment())  # inside the block, as fn left it
+        return result
+
+    try:
+        run = record_run(block, observed, args, kwargs, roots, backward=backward)
+    finally:
+        saved.load()
+    return _trace_of(
+        run,
+        source=_describe(fn) if source is None else source,
+        seed=block.seed,
+        backward=backward,
+        environment=facts,
+        root=root,
+    )
+
+
+def script_result(namespace: Mapping[str, Any]) -> dict[str, Any]:
+    """What a trace of a script records as its return value: the script's global variables
+    that hold tensors or NumPy arrays (directly or in lists, tuples and dicts).
+
+    Names starting with ``_`` are left out, and so are numbers and strings: a
+    script's globals hold timestamps and paths that differ from run to run.
+
+    Example:
+        >>> import torch
+        >>> sorted(script_result({"loss": torch.ones(1), "start": 3.5, "_x": torch.ones(1)}))
+        ['loss']
+    """
+    return {
+        name: value
+        for name, value in namespace.items()
+        if not name.startswith("_") and _holds_arrays(value)
+    }
+
+
+def _holds_arrays(value: object) -> bool:
+    if isinstance(value, np.ndarray):
+        return True
+    if isinstance(value, torch.nn.Module):
+        return False  # its parameters are fingerprinted as the final state
+    if isinstance(value, Mapping):
+        return any(_holds_arrays(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_arrays(v) for v in value)
+    return any(True for _ in tensor_leaves(value, ""))
+
+
+def _describe(fn: object) -> str:
+    if isinstance(fn, torch.nn.Module):
+        return f"module {type(fn).__qualname__}"
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    module = getattr(fn, "__module__", None)
+    return f"function {module}.{name}" if module not in (None, "__main__") else f"function {name}"
+
+
+def _trace_of(
+    run: Run,
+    *,
+    source: str,
+    seed: int,
+    backward: bool,
+    environment: dict[str, Fact],
+    root: str,
+) -> Trace:
+    """The trace of a recorded run: digests for its fingerprints, and its return value's
+    leaves as ``"result"`` events before the final state."""
+    table: dict[bytes, int] = {}
+
+    def slot(digest: bytes | None) -> tuple[int, int, int] | None:
+        if digest is None:
+            return None
+        index = table.setdefault(digest, len(table))
+        return (0, _DIGEST * index, _DIGEST * (index + 1))
+
+    by_slot: dict[tuple[int, int, int], bytes] = {}
+    data = run.data
+    events: list[Event] = []
+    for e in run.events:
+        slots: list[tuple[int, int, int] | None] = []
+        for s in e.slots:
+            if s is None:
+                slots.append(None)
+                continue
+            digest = by_slot.get(s)
+            if digest is None:
+                digest = by_slot[s] = _digest(data[s[0]][s[1] : s[2]])
+            slots.append(slot(digest))
+        events.append(dataclasses.replace(e, slots=tuple(slots)))
+    results = []
+    for path, leaf in _leaves(run.result, root, set()):
+        shape, dtype, digest = _leaf_digest(leaf)
+        results.append(
+            Event(
+                ("result", path),
+                "result",
+                path,
+                paths=(path,),
+                shapes=(shape,),
+                dtypes=(dtype,),
+                slots=(slot(digest),),
+            )
+        )
+    first_final = next((i for i, e in enumerate(events) if e.phase == "final"), len(events))
+    events[first_final:first_final] = results
+    return Trace(
+        source=source,
+        recorded=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        seed=seed,
+        backward=backward,
+        environment=environment,
+        structure=tuple(run.structure),
+        starts=tuple(run.starts),
+        events=tuple(events),
+        digests=b"".join(table),
+    )
+
+
+def _digest(data: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(data, digest_size=_DIGEST).digest()
+
+
+def _key_path(key: object) -> str:
+    # As compare.first_difference names paths: result["loss"], result[0].
+    if isinstance(key, str):
+        return '["' + key.replace("\\", "\\\\").replace('"', '\\"') + '"]'
+    return f"[{key!r}]"
+
+
+def _leaves(value: object, path: str, seen: set[int]) -> Iterator[tuple[str, object]]:
+    """The leaves of a return value with their paths, recursing into mappings, lists,
+    tuples (named tuples by field) and dataclasses, as :mod:`.compare` does."""
+    children = _children(value)
+    if children is None:
+        yield path, value
+        return
+    if id(value) in seen:  # a cycle: already on the way here
+        return
+    seen.add(id(value))
+    for suffix, child in children:
+        yield from _leaves(child, path + suffix, seen)
+    seen.discard(id(value))
+
+
+def _children(value: object) -> list[tuple[str, object]] | None:
+    """``(path suffix, child)`` of a container; ``None`` for a leaf."""
+    if isinstance(value, Mapping):
+        return [(_key_path(k), v) for k, v in value.items()]
+    if isinstance(value, tuple) and hasattr(type(value), "_fields"):
+        fields: tuple[str, ...] = type(value)._fields  # type: ignore[attr-defined]
+        return [(f".{name}", getattr(value, name)) for name in fields]
+    if isinstance(value, (list, tuple)):
+        return [(f"[{i}]", v) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [
+            (f".{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value) if f.compare
+        ]
+    return None
+
+
+def _leaf_digest(leaf: object) -> tuple[tuple[int, ...], str, bytes | None]:
+    """Shape, dtype (a type name for Python values) and digest of one leaf; ``None``
+    for a leaf compared by type only (an object of another kind)."""
+    if isinstance(leaf, torch.Tensor):
+        found = fingerprint(leaf)
+        data = None if found is None else found.detach().cpu().numpy().tobytes()
+        dtype = str(leaf.dtype).removeprefix("torch.")
+        return tuple(leaf.shape), dtype, None if data is None else _digest(data)
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        array = np.ascontiguousarray(leaf)
+        if array.dtype.hasobject:
+            return tuple(array.shape), str(array.dtype), None
+        return tuple(array.shape), str(array.dtype), _digest(array.tobytes())
+    raw: bytes | None
+    if isinstance(leaf, bool) or leaf is None:
+        raw = repr(leaf).encode()
+    elif isinstance(leaf, int):
+        raw = str(leaf).encode()
+    elif isinstance(leaf, float):
+        raw = struct.pack("<d", leaf)  # by its bits, as compare does: -0.0 is not 0.0
+    elif isinstance(leaf, complex):
+        raw = struct.pack("<dd", leaf.real, leaf.imag)
+    elif isinstance(leaf, str):
+        raw = leaf.encode("utf-8", "surrogatepass")
+    elif isinstance(leaf, bytes):
+        raw = leaf
+    else:
+        raw = None
+    return (), type(leaf).__qualname__, None if raw is None else _digest(raw)
+
+
+# --- the environment ------------------------------------------------------------------------------
+
+
+def environment() -> dict[str, Fact]:
+    """The facts of this process that decide results, as flat ``{name: value}``.
+
+    Most come from :func:`~deterministic_ctx.reporting.report` (its versions,
+    flags, environment variables, CUDA facts, process facts and torch.compile
+    settings; not its RNG statuses and problems), flattened to names like
+    ``"flags.deterministic_algorithms"`` and ``"cuda.devices[0].name"``; then
+    what a report does not show: the CPU model, vector instruction set
+    (``cpu.capability``), core count, BLAS and parallel backend, the
+    inter-op thread count, torch's git revision and, once CUDA is initialized,
+    each device's SM count.  Never initializes CUDA.
+
+    Example:
+        >>> facts = environment()
+        >>> sorted(k for k in facts if k.startswith("cpu."))[:2]
+        ['cpu.blas', 'cpu.capability']
+    """
+    from .reporting import report
+
+    data = report().to_dict()
+    cuda = torch.cuda
+    if cuda.is_initialized():  # type: ignore[no-untyped-call]  # only then: asking otherwise would initialize CUDA
+        for device in data["cuda"].get("devices", ()):
+            props = cuda.get_device_properties(device["index"])
+            device["sm_count"] = props.multi_processor_count
+    versions = data["versions"]
+    versions["torch_git"] = getattr(torch.version, "git_version", None)
+    facts: dict[str, Fact] = {}
+    for section in ("versions", "cuda", "process", "flags", "env", "torch_compile"):
+        _flatten(data.get(section), section, facts)
+    facts["process.num_interop_threads"] = torch.get_num_interop_threads()
+    facts.update(_cpu_facts())
+    return facts
+
+
+def _flatten(value: object, name: str, into: dict[str, Fact]) -> None:
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            _flatten(item, f"{name}.{key}", into)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _flatten(item, f"{name}[{i}]", into)
+    elif value is None or isinstance(value, (bool, int, float, str)):
+        into[name] = value
+    else:
+        into[name] = str(value)
+
+
+def _cpu_facts() -> dict[str, Fact]:
+    """The CPU and the CPU kernels torch picks on it."""
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: None)
+    config = _search(r"BLAS_INFO=([^,\s]+)", torch.__config__.show)
+    backend = _search(r"ATen parallel backend: (.+)", torch.__config__.parallel_info)
+    return {
+        "cpu.model": _cpu_model(),
+        "cpu.machine": platform.machine(),
+        "cpu.count": os.cpu_count(),
+        "cpu.capability": capability(),
+        "cpu.blas": config,
+        "cpu.parallel_backend": backend,
+    }
+
+
+def _search(pattern: str, text: Callable[[], str]) -> str | None:
+    try:
+        found = re.search(pattern, text())
+    except Exception:  # a build without the information: the fact is unknown, not an error
+        return None
+    return found.group(1).strip() if found else None
+
+
+def _cpu_model() -> str | None:
+    """The CPU's model name: ``/proc/cpuinfo`` on Linux (``platform.processor()`` is empty
+    there), else what ``platform`` says."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() in ("model name", "Model", "Hardware", "cpu model"):
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+# --- comparing ------------------------------------------------------------------------------------
+
+#: The order of culprits: ``(category, why it changes results)``, most likely first.
+_CATEGORIES: tuple[tuple[str, str], ...] = (
+    ("seed", "every random draw depends on the seed"),
+    (
+        "versions",
+        "kernels, their defaults and their random streams change between torch, CUDA and "
+        "cuDNN releases",
+    ),
+    (
+        "device",
+        "the GPU model, its compute capability and SM count choose kernels and how work is "
+        "split (CUDA random streams depend on the SM count)",
+    ),
+    (
+        "threads",
+        "CPU kernels split reductions by the thread count, so floating-point sums round "
+        "differently",
+    ),
+    ("precision", "TF32 and reduced-precision matmuls and convolutions round differently"),
+    ("flags", "determinism flags and variables choose between kernels"),
+    (
+        "cpu",
+        "the CPU's vector instructions (AVX2, AVX-512) and the BLAS library choose other kernels",
+    ),
+    ("other", ""),
+)
+_RANK = {name: rank for rank, (name, _) in enumerate(_CATEGORIES)}
+_WHY = dict(_CATEGORIES)
+_VERSION_FACTS = frozenset(
+    {"versions.torch", "versions.torch_git", "cuda.compiled_version", "cuda.cudnn_version"}
+)
+_THREAD_FACTS = frozenset(
+    {
+        "process.num_threads",
+        "process.num_interop_threads",
+        "env.OMP_NUM_THREADS",
+        "env.MKL_NUM_THREADS",
+    }
+)
+_PRECISION_FACTS = frozenset(
+    {
+        "flags.float32_matmul_precision",
+        "flags.cudnn_allow_tf32",
+        "flags.onednn_allow_tf32",
+        "env.NVIDIA_TF32_OVERRIDE",
+    }
+)
+
+
+#: torch.compile's settings, recorded only where its config modules are loaded (``None``:
+#: inductor is not): whether they are depends on what else the process imported, not on
+#: what decides results, so they are compared only when both traces recorded them.
+_LOADED_ONLY = ("torch_compile.", "flags.inductor_deterministic")
+
+
+def _category(name: str) -> str:
+    """Which kind of culprit the fact ``name`` is (see :data:`_CATEGORIES`)."""
+    if name == "seed":
+        return "seed"
+    if name in _VERSION_FACTS:
+        return "versions"
+    if name.startswith("cuda.") or name == "env.CUDA_VISIBLE_DEVICES":
+        return "device"
+    if name in _THREAD_FACTS:
+        return "threads"
+    if name in _PRECISION_FACTS or name.startswith("flags.fp32_precision."):
+        return "precision"
+    if name.startswith(("flags.", "env.", "process.env_at_start.", "torch_compile.")):
+        return "flags"
+    if name == "process.hash_randomization":
+        return "flags"
+    if name.startswith("cpu."):
+        return "cpu"
+    return "other"
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvironmentDifference:
+    """One fact that differs between the environments of two traces.
+
+    ``a`` and ``b`` are its values; ``in_a`` / ``in_b`` are false where a trace
+    did not record it (CUDA facts of a run that never used CUDA, say).
+    ``category`` is the kind of culprit (``"seed"``, ``"versions"``,
+    ``"device"``, ``"threads"``, ``"precision"``, ``"flags"``, ``"cpu"``,
+    ``"other"``: the order of :attr:`TraceComparison.environment`) and
+    ``why`` how it changes results.
+
+    Example:
+        >>> d = EnvironmentDifference("process.num_threads", 8, 1, "threads", "...")
+        >>> str(d)
+        'process.num_threads: 8 (A) vs 1 (B)'
+    """
+
+    name: str
+    a: Fact
+    b: Fact
+    category: str
+    why: str
+    in_a: bool = True
+    in_b: bool = True
+
+    def __str__(self) -> str:
+        a = repr(self.a) if isinstance(self.a, str) else str(self.a)
+        b = repr(self.b) if isinstance(self.b, str) else str(self.b)
+        return (
+            f"{self.name}: {a if self.in_a else '(not recorded)'} (A) vs "
+            f"{b if self.in_b else '(not recorded)'} (B)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceComparison:
+    """What :func:`compare_traces` found.
+
+    ``agree`` is true when every fingerprint of the two traces matched (module
+    outputs, gradients, the return value, final parameters and buffers);
+    otherwise ``divergence`` is the first difference in A's call order, named
+    as :class:`~deterministic_ctx.locate.Divergence` names it for
+    ``locate_divergence`` (``run`` is 2: trace B; ``index`` and
+    ``max_abs_diff`` are ``None``, a trace has no values).  ``environment``
+    lists the facts that differ, most likely culprits first: the seed, then
+    torch/CUDA/cuDNN versions, the GPU (model, capability, SM count), thread
+    counts, TF32 and matmul precision, determinism flags and variables, the
+    CPU (model, instruction set, BLAS), then the rest; in each kind, in A's
+    order.  ``a`` / ``b`` describe the traces, ``calls`` their numbers of
+    module calls, ``compared`` the fingerprinted events that agreed (before
+    the divergence, or in all), ``notes`` what was left out of the comparison.
+    ``str()`` is for people, ``to_dict()`` for tools.
+    """
+
+    a: str
+    b: str
+    calls: tuple[int, int]
+    compared: int
+    divergence: Divergence | None
+    environment: tuple[EnvironmentDifference, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def agree(self) -> bool:
+        return self.divergence is None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data: ints, strings, lists, dicts, bools, floats and ``None`` only.
+
+        Example:
+            >>> import json, torch
+            >>> t = record_trace(torch.nn.Linear(2, 2), torch.ones(1, 2))
+            >>> json.loads(json.dumps(compare_traces(t, t).to_dict()))["agree"]
+            True
+        """
+        out: dict[str, Any] = {
+            "agree": self.agree,
+            "a": self.a,
+            "b": self.b,
+            "calls": list(self.calls),
+            "compared": self.compared,
+            "divergence": None,
+            "environment": [dataclasses.asdict(d) for d in self.environment],
+            "notes": list(self.notes),
+        }
+        d = self.divergence
+        if d is not None:
+            div = dataclasses.asdict(d)
+            div["shapes"] = [list(s) for s in d.shapes]
+            div["other_shapes"] = [list(s) for s in d.other_shapes]
+            div["index"] = None
+            div["location"] = d.location
+            out["divergence"] = div
+        return out
+
+    def __str__(self) -> str:
+        d = self.divergence
+        if d is None:
+            lines = [
+                f"Traces agree: {self.calls[0]} module calls; all {self.compared} fingerprints "
+                "(module outputs and gradients, the return value, the final parameters and "
+                "buffers) are identical."
+            ]
+        else:
+            lines = [f"Traces diverge: B differs from A first at {_where(d)}"]
+        lines += [f"  A: {self.a}", f"  B: {self.b}"]
+        if d is not None:
+            if d.root is not None and d.module is not None:
+                lines.append(f"  in model {d.root}; module call order counts from 0")
+            if d.shapes:
+                lines.append(f"  shapes: {', '.join(map(str, d.shapes))}")
+            lines.append(f"  {d.detail}")
+            lines.append(f"  {self.compared} earlier fingerprint(s) agree")
+        lines += [f"  note: {note}" for note in self.notes]
+        if not self.environment:
+            lines.append("Environment: the recorded facts are identical")
+            return "\n".join(lines)
+        count = len(self.environment)
+        anyway = " (the results agree all the same)" if d is None else ""
+        lines.append(f"Environment: {count} fact(s) differ{anyway}, most likely culprits first:")
+        category = None
+        for diff in self.environment:
+            if diff.category != category and diff.why:
+                lines.append(f"  [{diff.category}] {diff.why}")
+            category = diff.category
+            lines.append(f"    {diff}")
+        return "\n".join(lines)
+
+
+def _where(d: Divergence) -> str:
+    """Where a divergence is, as :class:`~deterministic_ctx.locate.DivergenceReport` says it."""
+    if d.phase == "forward":
+        where = f"module call #{d.call_index}, {d.location}"
+        return where if d.kind in ("call", "missing", "extra") else f"{where}, forward {d.what}"
+    if d.phase == "backward":
+        return f"{d.location} (call #{d.call_index}), backward: {d.what}"
+    if d.phase == "final":
+        return f"{d.location}: {d.what}"
+    if d.phase == "op":
+        return f"{d.what} in module call #{d.call_index}, {d.location}"
+    return f"the return value at {d.what}"
+
+
+def compare_traces(
+    a: Trace | str | os.PathLike[str], b: Trace | str | os.PathLike[str]
+) -> TraceComparison:
+    """Compare two traces (objects or files): the first module call whose fingerprints
+    differ, and the environment facts that differ.
+
+    The timeline is compared as ``locate_divergence`` compares two runs (A is
+    its run 1, B its run 2): module calls in A's order, a module called in one
+    trace and not the other, shapes and dtypes, then fingerprints, then the
+    final parameters and buffers.  Traces recorded with and without
+    ``backward`` are compared without the gradients (a note says so).  Files
+    are read with :meth:`Trace.load`: bad input raises :class:`InvalidTraceError`.
+
+    Example:
+        >>> import torch
+        >>> def step(scale):
+        ...     model = torch.nn.Linear(4, 2)
+        ...     return model(torch.ones(1, 4)) * scale
+        >>> report = compare_traces(record_trace(step, 1.0), record_trace(step, 2.0))
+        >>> report.agree, report.divergence.phase, report.divergence.what
+        (False, 'result', 'result')
+    """
+    name_a, trace_a = _trace_arg(a, "a", "A")
+    name_b, trace_b = _trace_arg(b, "b", "B")
+    notes: list[str] = []
+    drop_a: set[str] = set()
+    drop_b: set[str] = set()
+    for phase, flag, what in (("backward", "backward", "gradients"), ("op", "ops", "op events")):
+        in_a, in_b = getattr(trace_a, flag), getattr(trace_b, flag)
+        if in_a != in_b:
+            (drop_a if in_a else drop_b).add(phase)
+            notes.append(
+                f"only {'A' if in_a else 'B'} recorded {what} ({flag}=True): compared without them"
+            )
+    if trace_a.status != trace_b.status:
+        notes.append(
+            f"the scripts exited with status {trace_a.status} (A) and {trace_b.status} (B)"
+        )
+    finding, agreed = compare_runs(_as_run(trace_a, drop_a), _as_run(trace_b, drop_b), run=2)
+    return TraceComparison(
+        a=name_a,
+        b=name_b,
+        calls=(trace_a.calls, trace_b.calls),
+        compared=agreed,
+        divergence=None if finding is None else _divergence(finding),
+        environment=_environment_differences(trace_a, trace_b),
+        notes=tuple(notes),
+    )
+
+
+def _trace_arg(value: object, name: str, side: str) -> tuple[str, Trace]:
+    """A trace argument of :func:`compare_traces` (a trace or a path), and how the report
+    names it."""
+    if isinstance(value, Trace):
+        trace, where = value, f"trace {side}"
+    elif isinstance(value, (str, os.PathLike)):
+        trace, where = Trace.load(value), os.fspath(value)
+    else:
+        raise TypeError(
+            f"{name} must be a Trace or the path of a trace file, got "
+            f"{type(value).__qualname__} {short_repr(value)}"
+        )
+    status = "" if trace.status is None else f", exit status {trace.status}"
+    return f"{where} ({trace.source}, seed {trace.seed}{status}, recorded {trace.recorded})", trace
+
+
+def _as_run(trace: Trace, drop: set[str]) -> Run:
+    """The trace as a recorded run for :func:`~deterministic_ctx.timeline.compare_runs`,
+    without the events of the phases in ``drop``."""
+    events: list[Event] = list(trace.events)
+    starts = list(trace.starts)
+    if drop:
+        kept: list[Event] = []
+        before = [0]  # before[i]: events kept among the first i
+        for e in events:
+            if e.phase not in drop:
+                kept.append(e)
+            before.append(len(kept))
+        events, starts = kept, [before[s] for s in starts]
+    # Slots point into one buffer, the digests; the return value is in the events.
+    return Run(events, [trace.digests], None, list(trace.structure), starts, None)
+
+
+_RUN_NAMES = ((re.compile(r"\brun 1\b"), "A"), (re.compile(r"\brun 2\b"), "B"))
+
+
+def _divergence(finding: Finding) -> Divergence:
+    """The public description of ``finding``, trace B against trace A."""
+    e = finding.event
+    what = e.what
+    detail = finding.detail
+    if finding.kind == "values":
+        if e.phase == "forward" and len(e.paths) > 1:
+            what = e.paths[finding.leaf]  # which output of several
+        detail = (
+            f"the fingerprints of {e.paths[finding.leaf]} differ (a trace keeps fingerprints, "
+            "not values: where and by how much is unknown)"
+        )
+    for pattern, side in _RUN_NAMES:  # the timeline's messages name runs 1 and 2
+        detail = pattern.sub(side, detail)
+    return Divergence(
+        phase=e.phase,
+        kind=finding.kind,
+        module=e.module,
+        module_type=e.module_type,
+        root=e.root,
+        call_index=e.call_index,
+        what=what,
+        shapes=e.shapes,
+        other_shapes=() if finding.other is None else finding.other.shapes,
+        index=None,
+        max_abs_diff=None,
+        run=2,
+        detail=detail,
+    )
+
+
+def _environment_differences(a: Trace, b: Trace) -> tuple[EnvironmentDifference, ...]:
+    """The facts that differ (the seed among them), most likely culprits first."""
+    facts_a: dict[str, Fact] = {"seed": a.seed, **a.environment}
+    facts_b: dict[str, Fact] = {"seed": b.seed, **b.environment}
+    found = []
+    for name in [*facts_a, *(n for n in facts_b if n not in facts_a)]:
+        in_a, in_b = name in facts_a, name in facts_b
+        x, y = facts_a.get(name), facts_b.get(name)
+        if in_a and in_b and type(x) is type(y) and x == y:
+            continue
+        if name.startswith(_LOADED_ONLY) and (x is None or y is None):
+            continue
+        category = _category(name)
+        found.append(EnvironmentDifference(name, x, y, category, _WHY[category], in_a, in_b))
+    # sorted() is stable: in each category, A's order.
+    return tuple(sorted(found, key=lambda d: _RANK[d.category]))
+
+
+# --- the file's state -----------------------------------------------------------------------------
+
+
+def _checked_path(path: object, name: str) -> str:
+    checked = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if not isinstance(checked, str):
+        raise TypeError(
+            f"{name} must be a str or os.PathLike, got {type(path).__qualname__} {short_repr(path)}"
+        )
+    return checked
+
+
+def _check_directory(path: str) -> None:
+    """Fail before the run, not after it, when the trace could not be written."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"path: the directory {directory!r} of {path!r} does not exist")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"path: {path!r} is a directory")
+
+
+def _to_state(trace: Trace) -> dict[str, Any]:
+    modules: dict[tuple[str, str, str], int] = {}
+
+    def module(label: tuple[str, str, str]) -> int:
+        return modules.setdefault(label, len(modules))
+
+    calls = [
+        [module(label), start] for label, start in zip(trace.structure, trace.starts, strict=True)
+    ]
+    events = []
+    for e in trace.events:
+        label = None
+        if e.root is not None and e.module is not None and e.module_type is not None:
+            label = module((e.root, e.module, e.module_type))
+        leaves = [
+            [path, dtype, None if slot is None else slot[1] // _DIGEST, *shape]
+            for path, shape, dtype, slot in zip(e.paths, e.shapes, e.dtypes, e.slots, strict=True)
+        ]
+        events.append([list(e.key), e.phase, e.what, label, e.call_index, leaves])
+    # frombuffer refuses an empty buffer; the device is explicit (the default may be another).
+    digests = (
+        torch.frombuffer(bytearray(trace.digests), dtype=torch.uint8)
+        if trace.digests
+        else torch.empty(0, dtype=torch.uint8, device="cpu")
+    )
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "source": trace.source,
+        "recorded": trace.recorded,
+        "status": trace.status,
+        "seed": trace.seed,
+        "backward": trace.backward,
+        "ops": trace.ops,
+        "environment": dict(trace.environment),
+        "modules": [list(label) for label in modules],
+        "calls": calls,
+        "events": events,
+        "digests": digests,
+    }
+
+
+_REQUIRED = (
+    "format",
+    "version",
+    "source",
+    "recorded",
+    "status",
+    "seed",
+    "backward",
+    "environment",
+    "modules",
+    "calls",
+    "events",
+    "digests",
+)
+
+
+def _from_state(state: dict[str, Any]) -> Trace:
+    """Check every field of a decoded trace; ``ValueError`` naming the first bad one."""
+    top = _fields(state, "trace", _REQUIRED, ("ops",))
+    _text(top["format"], "format")
+    if top["format"] != FORMAT:
+        raise ValueError(f"format: expected {FORMAT!r}, got {short_repr(top['format'])}")
+    version = top["version"]
+    if type(version) is int and version > VERSION:
+        raise ValueError(
+            f"version {version} is newer than this deterministic-ctx reads ({VERSION}): "
+            "upgrade deterministic-ctx to read it"
+        )
+    _int(version, "version", VERSION, VERSION)
+    status = top["status"]
+    if status is not None:
+        _int(status, "status", -(2**31), 2**31 - 1)
+    ops = _bool(top.get("ops", False), "ops")
+    digests = top["digests"]
+    if (
+        not (
+            isinstance(digests, torch.Tensor)
+            and digests.dtype == torch.uint8
+            and digests.dim() == 1
+        )
+        or digests.numel() % _DIGEST
+    ):
+        raise ValueError(f"digests: expected a uint8 tensor of {_DIGEST} bytes per fingerprint")
+    count = digests.numel() // _DIGEST
+    environment = {
+        _text(name, "environment key"): _fact(value, f"environment[{name!r}]")
+        for name, value in _mapping(top["environment"], "environment").items()
+    }
+    modules = []
+    for i, label in enumerate(_list(top["modules"], "modules")):
+        root, name, kind = _list(label, f"modules[{i}]", 3, 3)
+        path = f"modules[{i}]"
+        modules.append((_text(root, path), _text(name, path), _text(kind, path)))
+    structure: list[tuple[str, str, str]] = []
+    starts: list[int] = []
+    raw_events = _list(top["events"], "events")
+    for i, call in enumerate(_list(top["calls"], "calls")):
+        index, start = _list(call, f"calls[{i}]", 2, 2)
+        structure.append(modules[_int(index, f"calls[{i}][0]", 0, len(modules) - 1)])
+        low = starts[-1] if starts else 0
+        starts.append(_int(start, f"calls[{i}][1]", low, len(raw_events)))
+    events = [
+        _event(raw, f"events[{i}]", modules, len(structure), count, ops)
+        for i, raw in enumerate(raw_events)
+    ]
+    return Trace(
+        source=_text(top["source"], "source"),
+        recorded=_text(top["recorded"], "recorded"),
+        seed=_int(top["seed"], "seed", 0, 2**64 - 1),
+        backward=_bool(top["backward"], "backward"),
+        environment=environment,
+        structure=tuple(structure),
+        starts=tuple(starts),
+        events=tuple(events),
+        digests=digests.numpy().tobytes(),
+        status=status,
+        ops=ops,
+    )
+
+
+def _event(
+    raw: object,
+    path: str,
+    modules: list[tuple[str, str, str]],
+    calls: int,
+    digests: int,
+    ops: bool,
+) -> Event:
+    """One event of the file.  A trace holds many: each check is a plain comparison first,
+    and only a value that fails it goes to the reader that names the problem (and raises)."""
+    if type(raw) is not list or len(raw) != 6:
+        _list(raw, path, 6, 6)
+    key, phase, what, module, call, leaves = cast("list[Any]", raw)
+    if type(key) is not list or not 0 < len(key) <= _MAX_KEY:
+        _list(key, f"{path}[0]", 1, _MAX_KEY)
+    for j, item in enumerate(key):
+        if type(item) is not int and (type(item) is not str or len(item) > _MAX_TEXT):
+            _text(item, f"{path}[0][{j}]")
+    if phase not in _PHASES or (phase == "op" and not ops):  # a str: _PHASES holds only str
+        allowed = _PHASES if ops else _PHASES[:-1]
+        got = _got(phase) if type(phase) is not str else repr(phase[:60])
+        raise ValueError(f"{path}[1]: expected one of {', '.join(allowed)}, got {got}")
+    if type(what) is not str or len(what) > _MAX_TEXT:
+        _text(what, f"{path}[2]")
+    label: tuple[str | None, str | None, str | None] = _NO_MODULE
+    if module is not None:
+        if type(module) is not int or not 0 <= module < len(modules):
+            _int(module, f"{path}[3]", 0, len(modules) - 1)
+        label = modules[module]
+    if call is not None and (type(call) is not int or not 0 <= call < calls):
+        _int(call, f"{path}[4]", 0, calls - 1)
+    if type(leaves) is not list:
+        _list(leaves, f"{path}[5]")
+    paths, shapes, dtypes, slots = [], [], [], []
+    for j, leaf in enumerate(leaves):
+        if type(leaf) is not list or not 3 <= len(leaf) <= 3 + _MAX_DIMS:
+            _list(leaf, f"{path}[5][{j}]", 3, 3 + _MAX_DIMS)
+        name, dtype, digest, *dims = leaf
+        if type(name) is not str or len(name) > _MAX_TEXT:
+            _text(name, f"{path}[5][{j}][0]")
+        if type(dtype) is not str or len(dtype) > _MAX_TEXT:
+            _text(dtype, f"{path}[5][{j}][1]")
+        if digest is not None and (type(digest) is not int or not 0 <= digest < digests):
+            _int(digest, f"{path}[5][{j}][2]", 0, digests - 1)
+        for k, n in enumerate(dims):
+            if type(n) is not int or not 0 <= n < 2**63:
+                _int(n, f"{path}[5][{j}][{3 + k}]", 0, 2**63 - 1)
+        paths.append(name)
+        shapes.append(tuple(dims))
+        dtypes.append(dtype)
+        slots.append(None if digest is None else (0, _DIGEST * digest, _DIGEST * (digest + 1)))
+    return Event(
+        tuple(key),
+        phase,
+        what,
+        *label,
+        call,
+        tuple(paths),
+        tuple(shapes),
+        tuple(dtypes),
+        tuple(slots),
+    )
+
+
+#: The module of an event that belongs to none (a leaf of the return value).
+_NO_MODULE: tuple[None, None, None] = (None, None, None)
+
+
+# Checked reading of plain data: exact types only (a subclass could run code), a path in
+# every message.  Like the snapshot sources' readers, which integrations cannot import.
+
+
+def _got(value: object) -> str:
+    kind = type(value)
+    if kind in (int, float, str, bool, type(None)):
+        return f"{kind.__name__} {short_repr(value)}"
+    return f"a {kind.__name__}"
+
+
+def _mapping(value: object, path: str) -> dict[str, Any]:
+    if type(value) is not dict or any(type(k) is not str for k in value):
+        raise ValueError(f"{path}: expected a dict with string keys, got {_got(value)}")
+    return value
+
+
+def _fields(
+    value: object, path: str, required: Iterable[str], optional: Iterable[str] = ()
+) -> dict[str, Any]:
+    found = _mapping(value, path)
+    need, may = set(required), set(optional)
+    missing = sorted(need - found.keys())
+    if missing:
+        raise ValueError(f"{path}: missing field(s) {', '.join(missing)}")
+    extra = sorted(map(repr, found.keys() - need - may))
+    if extra:
+        raise ValueError(f"{path}: unexpected field(s) {', '.join(extra)}")
+    return found
+
+
+def _list(value: object, path: str, low: int = 0, high: int | None = None) -> list[Any]:
+    if type(value) is not list or len(value) < low or (high is not None and len(value) > high):
+        size = f"{low} .. {high}" if high is not None else f"at least {low}"
+        raise ValueError(f"{path}: expected a list of {size} items, got {_got(value)}")
+    return value
+
+
+def _int(value: object, path: str, low: int, high: int) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"{path}: expected an int in {low} .. {high}, got {_got(value)}")
+    return value
+
+
+def _bool(value: object, path: str) -> bool:
+    if type(value) is not bool:
+        raise ValueError(f"{path}: expected True or False, got {_got(value)}")
+    return value
+
+
+def _text(value: object, path: str) -> str:
+    if type(value) is not str or len(value) > _MAX_TEXT:
+        raise ValueError(
+            f"{path}: expected a string of at most {_MAX_TEXT} characters, got {_got(value)}"
+        )
+    return value
+
+
+def _fact(value: object, path: str) -> Fact:
+    if type(value) is str:
+        return _text(value, path)
+    if value is None or type(value) in (int, float, bool):
+        return value  # type: ignore[return-value]  # checked just above
+    raise ValueError(f"{path}: expected a string, number, bool or null, got {_got(value)}")
