@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from ._errors import GraphCaptureError, InvalidSnapshotError, LockWaitWarning, RestoreError
     from ._lock import set_lock_warning
     from ._seed import derive_seed
+    from .audit import AuditFinding, AuditReport, audit_nondeterminism
     from .context import deterministic, isolated
     from .data import chain_worker_init, seed_worker, seeded_generator
     from .decorate import reproducible
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from .snapshot import Snapshot
     from .sources import register_rng, registered_rngs, unregister_rng
     from .sources.environ import managed_env_vars, register_env_var
+    from .trace import InvalidTraceError, Trace, TraceComparison, compare_traces, record_trace
     from .verify import (
         BatchInvarianceError,
         CompiledMismatchError,
@@ -51,21 +53,28 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     )
 
 __all__ = [
+    "AuditFinding",
+    "AuditReport",
     "BatchInvarianceError",
     "CompiledMismatchError",
     "DeterminismReport",
     "DivergenceReport",
     "GraphCaptureError",
     "InvalidSnapshotError",
+    "InvalidTraceError",
     "LockWaitWarning",
     "NotReproducibleError",
     "RestoreError",
     "Snapshot",
+    "Trace",
+    "TraceComparison",
     "assert_batch_invariant",
     "assert_compiled_matches_eager",
     "assert_reproducible",
+    "audit_nondeterminism",
     "broadcast_seed",
     "chain_worker_init",
+    "compare_traces",
     "derive_seed",
     "determinism_report",
     "deterministic",
@@ -73,6 +82,7 @@ __all__ = [
     "locate_divergence",
     "managed_env_vars",
     "rank_seed",
+    "record_trace",
     "register_env_var",
     "register_rng",
     "registered_rngs",
@@ -87,21 +97,28 @@ __all__ = [
 
 #: Where each public name lives: ``(module, attribute)``.
 _WHERE: dict[str, tuple[str, str]] = {
+    "AuditFinding": (".audit", "AuditFinding"),
+    "AuditReport": (".audit", "AuditReport"),
     "BatchInvarianceError": (".verify", "BatchInvarianceError"),
     "CompiledMismatchError": (".verify", "CompiledMismatchError"),
     "DeterminismReport": (".reporting", "DeterminismReport"),
     "DivergenceReport": (".locate", "DivergenceReport"),
     "GraphCaptureError": ("._errors", "GraphCaptureError"),
     "InvalidSnapshotError": ("._errors", "InvalidSnapshotError"),
+    "InvalidTraceError": (".trace", "InvalidTraceError"),
     "LockWaitWarning": ("._errors", "LockWaitWarning"),
     "NotReproducibleError": (".verify", "NotReproducibleError"),
     "RestoreError": ("._errors", "RestoreError"),
     "Snapshot": (".snapshot", "Snapshot"),
+    "Trace": (".trace", "Trace"),
+    "TraceComparison": (".trace", "TraceComparison"),
     "assert_batch_invariant": (".verify", "assert_batch_invariant"),
     "assert_compiled_matches_eager": (".verify", "assert_compiled_matches_eager"),
     "assert_reproducible": (".verify", "assert_reproducible"),
+    "audit_nondeterminism": (".audit", "audit_nondeterminism"),
     "broadcast_seed": (".distributed", "broadcast_seed"),
     "chain_worker_init": (".data", "chain_worker_init"),
+    "compare_traces": (".trace", "compare_traces"),
     "derive_seed": ("._seed", "derive_seed"),
     "determinism_report": (".reporting", "report"),
     "deterministic": (".context", "deterministic"),
@@ -109,6 +126,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "locate_divergence": (".locate", "locate_divergence"),
     "managed_env_vars": (".sources.environ", "managed_env_vars"),
     "rank_seed": (".distributed", "rank_seed"),
+    "record_trace": (".trace", "record_trace"),
     "register_env_var": (".sources.environ", "register_env_var"),
     "register_rng": (".sources", "register_rng"),
     "registered_rngs": (".sources", "registered_rngs"),
