@@ -796,15 +796,14 @@ def assert_batch_invariant(
     shape, so their rows differ from lone ones although every call starts
     from the same seed.
 
-    Returns ``fn(batch, *args, **kwargs)``.  Raises :class:`BatchInvarianceError`
-    naming the first differing row (in the order checked), the path of the
-    result's leaf, the element and the max absolute difference, with a hint
-    (modules in training mode among those reset, then the usual causes); an
-    exception from a lone call is that error's cause.  The options are
-    keyword-only (``functools.partial`` passes ``fn`` arguments of the same
-    names); bad ones raise :class:`TypeError` or :class:`ValueError` before
-    ``fn`` runs, and a result not batched along ``out_dim`` raises
-    :class:`ValueError`.
+    Returns ``fn(batch, *args, **kwargs)`` (as the last call left it, where ``fn`` writes into a
+    reused output buffer: the rows are compared with a copy). Raises
+    :class:`BatchInvarianceError` naming the first differing row (in the order checked), the
+    path of the result's leaf, the element and the max absolute difference, with a hint (modules
+    in training mode among those reset, then the usual causes); an exception from a lone call is
+    that error's cause.  The options are keyword-only (``functools.partial`` passes ``fn``
+    arguments of the same names); bad ones raise :class:`TypeError` or :class:`ValueError`
+    before ``fn`` runs, and a result not batched along ``out_dim`` raises :class:`ValueError`.
 
     Example:
         >>> import torch
@@ -836,6 +835,12 @@ def assert_batch_invariant(
         leaves, result_dims = _result_layout(batched, out_dim, size, name)
         leaf_dims = {path: d for (path, _), d in zip(leaves, result_dims, strict=True)}
         result_tensors = [t for _, t in leaves]
+        # Copied now: a fn that writes into a reused output buffer would
+        # otherwise overwrite the batched rows with the lone ones before the
+        # comparison (the check would compare each lone result with itself).
+        expected_rows = {
+            i: _row(batched, result_tensors, result_dims, i, copied=True) for i in checked
+        }
         for i in checked:
             saved.load()
             alone = _alone(name, dim, i)
@@ -851,7 +856,7 @@ def assert_batch_invariant(
                     dim=dim,
                     out_dim=out_dim,
                 ) from exc
-            expected = _row(batched, result_tensors, result_dims, i, copied=False)
+            expected = expected_rows.pop(i)
             found = first_difference(expected, got)
             if found is not None:
                 raise _batch_error(

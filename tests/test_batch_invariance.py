@@ -671,3 +671,23 @@ def test_check_fails_exactly_when_the_oracle_finds_a_row(shape, data, kind):
     assert err.path == "result"
     assert err.index[dim] == expected[0]
     assert err.dim == err.out_dim == dim
+
+
+def test_a_reused_output_buffer_cannot_hide_a_batch_dependence():
+    # fn writes into one buffer for every call: the lone calls would overwrite
+    # the batched rows before the comparison without the copy.
+    buffer = torch.empty(0)
+
+    def normalize(x: torch.Tensor) -> torch.Tensor:
+        nonlocal buffer
+        out = x - x.mean(dim=0)
+        if buffer.shape != out.shape:
+            buffer = torch.empty_like(out)
+        buffer[: len(out)] = out
+        return buffer[: len(out)]
+
+    batch = torch.arange(12.0).reshape(4, 3)
+    for rows in (None, [0]):
+        with pytest.raises(BatchInvarianceError) as raised:
+            assert_batch_invariant(normalize, batch, rows=rows)
+        assert raised.value.row == 0
