@@ -56,11 +56,21 @@ def _leave_anyway(blocks: dict[object, list[_Open]], task: object) -> _Paused:
     return paused
 
 
+def _leave_if_entered(blocks: dict[object, list[_Open]], task: object, depth: int) -> None:
+    """After an exception in ``__enter__``: if the block was entered (the
+    interrupt came as ``_push`` returned: where a PEP 523 frame evaluator,
+    dynamo's, is installed, Python handles pending signals after every call
+    returns), nobody will call ``__exit__``: leave it here."""
+    stack = blocks.get(task)
+    if stack is not None and len(stack) > depth:
+        paused = _leave_anyway(blocks, task)
+        if paused is not None:
+            resume_compiler(paused[0])
+
+
 def _paused_here(callback: object) -> _Paused:
-    """What ``__enter__`` keeps when it paused dynamo's ``callback`` (``None``
-    outside compiled code): the callback and the frame of the ``with``."""
-    if callback is None:
-        return None
+    """What ``__enter__`` keeps when it paused dynamo's ``callback``: the
+    callback and the frame of the ``with``."""
     frame = sys._getframe(2)  # the frame of the ``with`` (above __enter__)
     return None if frame.f_code.co_flags & _SUSPENDABLE else (callback, frame)
 
@@ -94,7 +104,14 @@ class _Blocks:
         # or they would be compiled and draw inductor's numbers: dynamo is
         # paused first, before any Python frame is called, until the exit.
         # Outside compiled code this swaps None for None.
-        return self._push(self._blocks.setdefault(None, []), _paused_here(pause_compiler()))
+        # (``_paused_here`` only inside compiled code: no frame for it elsewhere.)
+        stack = self._blocks.setdefault(None, [])
+        depth = len(stack)
+        try:
+            return self._push(stack, None if (cb := pause_compiler()) is None else _paused_here(cb))
+        except BaseException:
+            _leave_if_entered(self._blocks, None, depth)
+            raise
 
     def __exit__(
         self,
@@ -125,7 +142,14 @@ class _Blocks:
         resume_compiler(paused[0] if paused is not None and paused[1] is sys._getframe(1) else now)
 
     async def __aenter__(self: _B) -> _B:
-        return self._enter(_current_task())
+        task = _current_task()
+        stack = self._stack_of(task)
+        depth = len(stack)
+        try:
+            return self._push(stack, None)
+        except BaseException:
+            _leave_if_entered(self._blocks, task, depth)
+            raise
 
     async def __aexit__(
         self,
@@ -142,12 +166,13 @@ class _Blocks:
             _leave_anyway(self._blocks, _current_task())
             raise
 
-    def _enter(self: _B, task: object) -> _B:
+    def _stack_of(self, task: object) -> list[_Open]:
+        """The open blocks of ``task`` (an asyncio task, or ``None``)."""
         blocks = self._blocks
         if len(blocks) > 1:  # drop the emptied stacks of finished tasks
             for done in [t for t, stack in blocks.items() if t is not None and not stack]:
                 del blocks[done]
-        return self._push(blocks.setdefault(task, []), None)
+        return blocks.setdefault(task, [])
 
     def _push(self: _B, stack: list[_Open], paused: _Paused) -> _B:
         """Enter a new block, recorded on ``stack`` (this object's blocks of

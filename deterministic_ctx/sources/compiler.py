@@ -287,7 +287,8 @@ def refuse_while_tracing() -> None:
     generators have when it runs: refused.  Code dynamo runs eagerly after a
     graph break is not tracing, and blocks there work.
     """
-    if _is_compiling() and _tracing_here():
+    # The per-thread modes first: two C calls, where is_compiling() is a Python one.
+    if _tracing_here() and _is_compiling():
         raise RuntimeError(
             "deterministic-ctx: a block cannot start while torch traces a graph "
             "(torch.compiler.is_compiling() is True: torch.export, say): it would seed and "
