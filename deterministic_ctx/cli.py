@@ -9,9 +9,10 @@ Three subcommands:
   runs an unmodified script as ``python script.py args ...`` would, after
   applying :func:`~deterministic_ctx.seed_everything` settings, so that it
   draws the same numbers on every run.
-* ``trace record [run's options] [--backward] OUT [--] script.py [args ...]``
+* ``trace record [run's options] [--backward] [--ops] OUT [--] script.py [args ...]``
   runs a script as ``run`` does, in a ``deterministic`` block of those
-  settings, and writes its trace to ``OUT`` (see :mod:`deterministic_ctx.trace`);
+  settings, and writes its trace to ``OUT`` (see :mod:`deterministic_ctx.trace`;
+  ``--ops`` records every aten op call too);
   ``trace compare [--json] A B`` compares two trace files, recorded on any
   machines.
 
@@ -147,8 +148,8 @@ module call whose results differ, and the facts of the environments that
 differ, most likely culprits first."""
 
 _TRACE_RECORD_USAGE = f"""\
-{PROG} trace record [-h] [--seed N] [--backward] [--warn-only] [--no-flags]
-                                      [--no-fill] [--compiled-rng eager]
+{PROG} trace record [-h] [--seed N] [--backward] [--ops] [--warn-only]
+                                      [--no-flags] [--no-fill] [--compiled-rng eager]
                                       OUT [--] script.py [args ...]
        {PROG} trace record [options] OUT -m module [args ...]"""
 
@@ -157,13 +158,16 @@ Run a Python script as `deterministic-ctx run` does (as __main__, seeded as
 random.seed(N); np.random.seed(N); torch.manual_seed(N) would, deterministic
 algorithms on, PYTHONHASHSEED=N), inside one deterministic block whose global
 module hooks fingerprint the outputs of every module call of the whole script
-(with --backward, the gradients too), then write the trace to OUT: those
+(with --backward, the gradients too; with --ops, every aten op call too, with
+the line of the script that made it), then write the trace to OUT: those
 fingerprints, the final parameters and buffers of every model, the tensors
 left in the script's global variables (a script has no return value), and
 the environment (versions, CPU, threads, CUDA devices once the script used
 CUDA, precision and determinism flags). The trace is written also when the
 script exits with an error (not when interrupted); the exit status is the
-script's.
+script's. `trace compare` of two traces recorded with --ops names the first
+op call whose results differ, and its file:line; --ops makes the script run
+several times slower and the file larger: record a step or two.
 
 The options end at the script (or module) name, after OUT: everything after
 it goes to the script. `--` may separate them."""
@@ -172,7 +176,8 @@ _TRACE_RECORD_EPILOG = f"""\
 examples:
   {PROG} trace record a.trace train.py --steps 2
   {PROG} trace record --seed 3 --backward b.trace -- train.py --steps 2
-  {PROG} trace record c.trace -m mypackage.train
+  {PROG} trace record --ops c.trace train.py --steps 1
+  {PROG} trace record d.trace -m mypackage.train
 
 exit status: the script's own (sys.exit(N) gives N, an uncaught exception \
 {EXIT_ERROR});
@@ -183,7 +188,8 @@ error or a script or module that does not exist.
 
 _TRACE_COMPARE_DESCRIPTION = """\
 Compare two traces written by `trace record` or record_trace(): the first
-module call (or gradient, return value, final parameter) whose fingerprints
+module call (or gradient, return value, final parameter; of two traces
+recorded with --ops, the op call, with its file:line) whose fingerprints
 differ, and the environment facts that differ, most likely culprits first."""
 
 _TRACE_COMPARE_EPILOG = f"""\
@@ -311,6 +317,12 @@ def _parsers() -> _Parsers:
         action="store_true",
         help="fingerprint the gradients too (each call's inputs and each module's parameters)",
     )
+    record.add_argument(
+        "--ops",
+        action="store_true",
+        help="record every aten op call too (its results' fingerprints and the script's "
+        "file:line), so that compare names the first op that differs; several times slower",
+    )
     record.add_argument("output", metavar="OUT", help="the trace file to write")
     compare = actions.add_parser(
         "compare",
@@ -437,6 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parsers.trace_record,
             output=ns.output,
             backward=ns.backward,
+            ops=ns.ops,
             settings=_Settings.of(ns),
             module=ns.module,
             command=command,
@@ -673,6 +686,7 @@ def _trace_record(
     *,
     output: str,
     backward: bool,
+    ops: bool,
     settings: _Settings,
     module: str | None,
     command: list[str],
@@ -710,6 +724,7 @@ def _trace_record(
             block,
             script,
             backward=backward,
+            ops=ops,
             source=f"script {' '.join([name, *target.args])}",
             root="globals",
         )
@@ -722,10 +737,10 @@ def _trace_record(
         print(f"{PROG} trace record: interrupted: no trace written", file=sys.stderr)
         return EXIT_INTERRUPTED
     dataclasses.replace(trace, status=outcome.status).save(output)
-    print(
-        f"{PROG} trace record: wrote {output} ({trace.calls} module calls, seed {settings.seed})",
-        file=sys.stderr,
-    )
+    counted = f"{trace.calls} module calls"
+    if ops:
+        counted += f", {sum(e.phase == 'op' for e in trace.events)} op calls"
+    print(f"{PROG} trace record: wrote {output} ({counted}, seed {settings.seed})", file=sys.stderr)
     if outcome.exit is not None:
         raise outcome.exit  # Python prints its message and picks the status, as for run
     return outcome.status

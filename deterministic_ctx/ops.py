@@ -572,6 +572,13 @@ class OpRecorder:
             raise RuntimeError("OpRecorder.calls is available once the recorder has exited")
         return self._calls
 
+    @property
+    def count(self) -> int:
+        """How many op calls have been recorded so far: a position in the recording, by
+        which other records (a run's events, module calls) are placed among its op calls."""
+        calls = self._calls
+        return len(self._records) if calls is None else len(calls)
+
     def stop(self) -> None:
         """Record nothing more.  Called in the thread that entered the recorder while its
         mode is the innermost one, outside a backward pass, this also takes the mode off

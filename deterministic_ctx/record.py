@@ -177,6 +177,10 @@ class _Recorder:
         # events had been recorded by then (where the call sits in the timeline).
         self.structure: list[tuple[str, str, str]] = []
         self.starts: list[int] = []
+        # With a window, how many op calls had been recorded when each event was recorded
+        # and when each module call started: where the op calls sit in the timeline.
+        self.ops_at_events: list[int] = []
+        self.ops_at_calls: list[int] = []
         self._thread = threading.get_ident()
         self._stack: list[tuple[torch.nn.Module, int]] = []
         self._last_call: dict[int, int] = {}
@@ -232,6 +236,8 @@ class _Recorder:
             key = (*base, occurrence)
             tensors = [(p, t.shape, t.dtype, self._fingerprint(t)) for p, t in leaves]
             self._records.append((key, phase, what, label, call_index, tensors))
+            if self.ops is not None:
+                self.ops_at_events.append(self.ops.count)
             if key == self.capture:
                 self.captured = [(p, t.detach().clone()) for p, t in leaves]
         return key
@@ -280,6 +286,8 @@ class _Recorder:
         with self._lock:
             self.structure.append(label)
             self.starts.append(len(self._records))
+            if self.ops is not None:
+                self.ops_at_calls.append(self.ops.count)
         if self.window is not None:
             self._window_at_call(index)
         if not self.backward:
@@ -443,8 +451,10 @@ class Run:
     order calls start: ``(root, name, class name)``), ``starts`` (how many
     events had been recorded when each call started), ``captured`` (the
     tensors of the event asked for, if it happened) and ``ops`` (the op calls
-    of the window asked for; ``None`` without one).  See the module's
-    example.
+    of the window asked for; ``None`` without one).  With a window,
+    ``ops_at_events`` and ``ops_at_calls`` say how many op calls had been
+    recorded when each event was recorded and when each module call started
+    (where the op calls sit in the timeline).  See the module's example.
     """
 
     events: list[Event]
@@ -454,6 +464,8 @@ class Run:
     starts: list[int]
     captured: list[tuple[str, torch.Tensor]] | None
     ops: list[OpCall] | None = None
+    ops_at_events: list[int] | None = None
+    ops_at_calls: list[int] | None = None
 
     def fingerprints(self, event: Event) -> tuple[bytes | None, ...]:
         """The fingerprints of ``event``'s tensors, as bytes (``None``: none).
@@ -502,4 +514,7 @@ def record_run(
             rec.remove_hooks()
         rec.final_state()
     data = rec.host_data()
-    return Run(rec.events(), data, result, rec.structure, rec.starts, rec.captured, op_calls)
+    marks = (None, None) if op_calls is None else (rec.ops_at_events, rec.ops_at_calls)
+    return Run(
+        rec.events(), data, result, rec.structure, rec.starts, rec.captured, op_calls, *marks
+    )

@@ -11,8 +11,12 @@ of the two environments that differ, most likely culprits first.
 A trace holds, in call order, the fingerprints of every module call's outputs
 (and, with ``backward=True``, of the gradients), of the return value's leaves
 and of the final parameters and buffers, as :func:`~deterministic_ctx.record.record_run`
-records them for ``locate_divergence``; and the environment that decides
-results, read inside the block right after ``fn`` returned (so the flags and
+records them for ``locate_divergence``; with ``ops=True`` also every aten op
+call of the run (:class:`~deterministic_ctx.ops.OpRecorder`: the op, the
+user's ``file:line``, the fingerprints of its outputs and of the inputs it got
+from outside the recorded ops), so that a comparison names the first op whose
+result differs, before the module output it feeds; and the environment that
+decides results, read inside the block right after ``fn`` returned (so the flags and
 thread count are those ``fn`` ran with): Python, torch, NumPy and CUDA/cuDNN
 versions, the platform, CPU model, vector instruction set and BLAS, the
 thread counts, CUDA device names, compute capabilities and SM counts, the
@@ -48,10 +52,13 @@ with the signature ``b"\\x89DCT\\r\\n\\x1a\\n"`` and this state, version 1::
      "digests": uint8 tensor, 16 bytes per distinct fingerprint}
 
 ``phase`` is ``"forward"``, ``"backward"``, ``"result"`` (a leaf of the return
-value), ``"final"`` or ``"op"`` (an operation inside a module call, only when
-``"ops"`` is true: room for per-op entries, which nothing records yet; their
-``what`` is the op and the user's line, ``"aten.addmm.default at train.py:42"``,
-their module and call those of the module call they ran in).  A
+value), ``"final"`` or ``"op"`` (an aten op call, only when ``"ops"`` is true:
+``what`` is the op and the user's line, ``"aten.addmm.default at train.py:42
+(in step)"``, a path under the working directory relative to it; module and
+call are those of the innermost module call it ran in, or null; the key is
+``["op", k, n]``, the ``n``-th op call after ``k`` module calls had started;
+the leaves are the inputs from outside the recorded ops, ``"input 'weight'"``,
+then the outputs and the arguments changed in place).  A
 newer version, an unknown field, a wrong type, an index out of range or a
 file over the checkpoint size limit raises :class:`InvalidTraceError`, an
 :class:`~deterministic_ctx.InvalidSnapshotError`.
@@ -70,7 +77,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import hashlib
+import importlib
 import os
 import platform
 import re
@@ -86,7 +95,8 @@ from .compare import short_repr, tensor_leaves
 from .context import deterministic
 from .fingerprint import fingerprint
 from .locate import Divergence
-from .record import Event, Run, record_run
+from .ops import OpCall, TensorPrint, first_op_difference
+from .record import Event, OpWindow, Run, record_run
 from .rerun import SavedState, call_and_consume, check_fn, objects_to_reset
 from .timeline import Finding, compare_runs
 
@@ -247,6 +257,7 @@ def record_trace(
     path: str | os.PathLike[str] | None = None,
     seed: int = 0,
     backward: bool = False,
+    ops: bool = False,
     warn_only: bool = False,
     reset: Iterable[Any] = (),
     **kwargs: Any,
@@ -257,12 +268,17 @@ def record_trace(
     is: a fresh ``deterministic(seed, warn_only=warn_only)`` block with global
     module hooks that fingerprint every module call's outputs in call order
     (with ``backward=True`` also the gradients), then the return value's
-    leaves and the final parameters and buffers of every model seen.  The
-    environment is read inside the block right after ``fn`` returns (see the
-    module docstring).  Modules and optimizers passed as ``fn`` or as direct
-    arguments, and the objects in ``reset``, are put back to their state
-    before the run afterwards, as :func:`~deterministic_ctx.verify.assert_reproducible`
-    does.
+    leaves and the final parameters and buffers of every model seen.  With
+    ``ops=True`` every aten op call ``fn`` makes (its backward passes'
+    included) is recorded too, in the timeline, with the user's ``file:line``
+    and the fingerprints of its outputs and outside inputs
+    (:class:`~deterministic_ctx.ops.OpRecorder`; on a CPU about 0.2 ms and
+    150 bytes of file per op call, and the first recording of a process
+    imports ``torch._dynamo``, about 2 s).  The environment is read inside
+    the block right after ``fn`` returns (see the module docstring).
+    Modules and optimizers passed as ``fn`` or as direct arguments, and the
+    objects in ``reset``, are put back to their state before the run
+    afterwards, as :func:`~deterministic_ctx.verify.assert_reproducible` does.
 
     With ``path`` the trace is also written there (atomically); either way it
     is returned.  Compare two with :func:`compare_traces`.
@@ -273,12 +289,16 @@ def record_trace(
         >>> trace = record_trace(model, torch.ones(2, 4), seed=3)
         >>> trace.seed, trace.calls, trace.source
         (3, 3, 'module Sequential')
+        >>> with_ops = record_trace(model, torch.ones(2, 4), ops=True)
+        >>> with_ops.ops, [e.what.split()[0] for e in with_ops.events if e.phase == "op"][:3]
+        (True, ['aten.t.default', 'aten.addmm.default', 'aten.relu.default'])
     """
     block = deterministic(seed, warn_only=warn_only)
+    _check_flag(ops, "ops")  # before the run, like the path
     if path is not None:
         path = _checked_path(path, "path")
         _check_directory(path)
-    trace = record_in(block, fn, args, kwargs, backward=backward, reset=reset)
+    trace = record_in(block, fn, args, kwargs, backward=backward, ops=ops, reset=reset)
     if path is not None:
         trace.save(path)
     return trace
@@ -291,6 +311,7 @@ def record_in(
     kwargs: Mapping[str, Any] | None = None,
     *,
     backward: bool = False,
+    ops: bool = False,
     reset: Iterable[Any] = (),
     source: str | None = None,
     root: str = "result",
@@ -309,8 +330,8 @@ def record_in(
         False
     """
     check_fn(fn)
-    if not isinstance(backward, bool):
-        raise TypeError(f"backward must be True or False, got {backward!r}")
+    _check_flag(backward, "backward")
+    _check_flag(ops, "ops")
     kwargs = dict(kwargs or {})
     objects = objects_to_reset(fn, args, kwargs, reset)
     roots = [o for o in objects if isinstance(o, torch.nn.Module)]
@@ -322,8 +343,15 @@ def record_in(
         facts.update(environment())  # inside the block, as fn left it
         return result
 
+    # The whole call of fn (a backward pass in it included), not the final state.
+    window = OpWindow() if ops else None
+    if ops:
+        # The first op recording of a process imports dynamo, which loads inductor's
+        # config: imported before the block, the block sets inductor's determinism flag
+        # in the first trace of a process as in the next ones (an environment fact).
+        importlib.import_module("torch._dynamo")
     try:
-        run = record_run(block, observed, args, kwargs, roots, backward=backward)
+        run = record_run(block, observed, args, kwargs, roots, backward=backward, ops=window)
     finally:
         saved.load()
     return _trace_of(
@@ -367,6 +395,11 @@ def _holds_arrays(value: object) -> bool:
     return any(True for _ in tensor_leaves(value, ""))
 
 
+def _check_flag(value: object, name: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {short_repr(value)}")
+
+
 def _describe(fn: object) -> str:
     if isinstance(fn, torch.nn.Module):
         return f"module {type(fn).__qualname__}"
@@ -384,8 +417,9 @@ def _trace_of(
     environment: dict[str, Fact],
     root: str,
 ) -> Trace:
-    """The trace of a recorded run: digests for its fingerprints, and its return value's
-    leaves as ``"result"`` events before the final state."""
+    """The trace of a recorded run: digests for its fingerprints, its op calls (if it
+    recorded them) as ``"op"`` events in the timeline, and its return value's leaves as
+    ``"result"`` events before the final state."""
     table: dict[bytes, int] = {}
 
     def slot(digest: bytes | None) -> tuple[int, int, int] | None:
@@ -408,6 +442,9 @@ def _trace_of(
                 digest = by_slot[s] = _digest(data[s[0]][s[1] : s[2]])
             slots.append(slot(digest))
         events.append(dataclasses.replace(e, slots=tuple(slots)))
+    starts = list(run.starts)
+    if run.ops is not None:
+        events, starts = _with_op_events(run, events, slot)
     results = []
     for path, leaf in _leaves(run.result, root, set()):
         shape, dtype, digest = _leaf_digest(leaf)
@@ -431,10 +468,100 @@ def _trace_of(
         backward=backward,
         environment=environment,
         structure=tuple(run.structure),
-        starts=tuple(run.starts),
+        starts=tuple(starts),
         events=tuple(events),
         digests=b"".join(table),
+        ops=run.ops is not None,
     )
+
+
+def _with_op_events(
+    run: Run, events: list[Event], slot: Callable[[bytes | None], tuple[int, int, int] | None]
+) -> tuple[list[Event], list[int]]:
+    """``events`` (the run's, with digest slots) with the run's op calls among them, and
+    where each module call starts in that timeline.
+
+    An op call goes before the first event recorded after it ran, so before the
+    output of the module call it ran in.  The run says how many op calls had been
+    recorded at each event and at each module call's start: walking both, the module
+    calls running at each op call are known (the innermost is the op's module).
+    """
+    at_events = run.ops_at_events or []
+    at_calls = run.ops_at_calls or []
+    starts = run.starts
+    merged: list[Event] = []
+    running: list[int] = []  # module calls that started and did not end, innermost last
+    started = placed = 0
+    numbers: dict[int, int] = {}  # after k module calls started: op calls so far
+    for i, call in enumerate(run.ops or ()):
+        while True:
+            start = started < len(at_calls) and at_calls[started] <= i
+            event = placed < len(events) and at_events[placed] <= i
+            if start and (not event or starts[started] <= placed):
+                running.append(started)
+                started += 1
+            elif event:
+                e = events[placed]
+                if e.phase == "forward" and e.call_index in running:  # the call ended
+                    del running[running.index(e.call_index) :]
+                merged.append(e)
+                placed += 1
+            else:
+                break
+        n = numbers.get(started, 0)
+        numbers[started] = n + 1
+        inside = running[-1] if running else None
+        merged.append(_op_event(call, ("op", started, n), inside, run.structure, slot))
+    merged += events[placed:]
+    # Op calls made before a module call started are exactly the first at_calls[c].
+    return merged, [s + k for s, k in zip(starts, at_calls, strict=True)]
+
+
+def _op_event(
+    call: OpCall,
+    key: tuple[Any, ...],
+    inside: int | None,
+    structure: list[tuple[str, str, str]],
+    slot: Callable[[bytes | None], tuple[int, int, int] | None],
+) -> Event:
+    """The event of one op call: its inputs from outside the recorded ops, then its
+    outputs (the order :func:`~deterministic_ctx.ops.first_op_difference` checks)."""
+    prints = (*call.inputs, *call.outputs)
+    label: tuple[str | None, str | None, str | None] = (
+        _NO_MODULE if inside is None else structure[inside]
+    )
+    where = dataclasses.replace(call, location=_relative(call.location))
+    return Event(
+        key,
+        "op",
+        where.described(),
+        *label,
+        inside,
+        tuple([p.path for p in prints]),
+        tuple([p.shape for p in prints]),
+        tuple([p.dtype for p in prints]),
+        tuple([slot(None if p.fingerprint is None else _digest(p.fingerprint)) for p in prints]),
+    )
+
+
+def _relative(location: str | None) -> str | None:
+    """``file:line`` with a file under the working directory relative to it: the same
+    script in two checkouts has the same name in both traces."""
+    if location is None:
+        return None
+    file, colon, line = location.rpartition(":")
+    return f"{_relative_file(file, os.getcwd())}:{line}" if colon else location
+
+
+@functools.lru_cache(maxsize=1024)  # per file: a run makes many op calls in few files
+def _relative_file(file: str, directory: str) -> str:
+    if not os.path.isabs(file):
+        return file
+    try:
+        relative = os.path.relpath(file, directory)
+    except ValueError:  # another drive (Windows)
+        return file
+    return file if relative == os.pardir or relative.startswith(os.pardir + os.sep) else relative
 
 
 def _digest(data: bytes | memoryview) -> bytes:
@@ -726,8 +853,15 @@ class TraceComparison:
     CPU (model, instruction set, BLAS), then the rest; in each kind, in A's
     order.  ``a`` / ``b`` describe the traces, ``calls`` their numbers of
     module calls, ``compared`` the fingerprinted events that agreed (before
-    the divergence, or in all), ``notes`` what was left out of the comparison.
-    ``str()`` is for people, ``to_dict()`` for tools.
+    the divergence, or in all), ``notes`` what was left out of the comparison,
+    ``ops`` whether op calls were compared (both traces recorded them).  Then
+    the first difference may be an op call's (``divergence.phase`` is
+    ``"op"``): ``divergence.op`` and ``divergence.op_location`` name it and
+    the user's ``file:line`` as ``locate_divergence(..., ops=True)`` does,
+    ``op_detail`` says which of its tensors differs and what that means
+    (``kind`` is ``"call"`` when the traces called different ops there), and
+    ``module`` / ``call_index`` are the innermost module call it ran in
+    (``None`` outside any).  ``str()`` is for people, ``to_dict()`` for tools.
     """
 
     a: str
@@ -737,6 +871,7 @@ class TraceComparison:
     divergence: Divergence | None
     environment: tuple[EnvironmentDifference, ...]
     notes: tuple[str, ...] = ()
+    ops: bool = False
 
     @property
     def agree(self) -> bool:
@@ -760,6 +895,7 @@ class TraceComparison:
             "divergence": None,
             "environment": [dataclasses.asdict(d) for d in self.environment],
             "notes": list(self.notes),
+            "ops": self.ops,
         }
         d = self.divergence
         if d is not None:
@@ -774,10 +910,11 @@ class TraceComparison:
     def __str__(self) -> str:
         d = self.divergence
         if d is None:
+            ops = "op calls, " if self.ops else ""
             lines = [
                 f"Traces agree: {self.calls[0]} module calls; all {self.compared} fingerprints "
-                "(module outputs and gradients, the return value, the final parameters and "
-                "buffers) are identical."
+                f"({ops}module outputs and gradients, the return value, the final parameters "
+                "and buffers) are identical."
             ]
         else:
             lines = [f"Traces diverge: B differs from A first at {_where(d)}"]
@@ -788,6 +925,8 @@ class TraceComparison:
             if d.shapes:
                 lines.append(f"  shapes: {', '.join(map(str, d.shapes))}")
             lines.append(f"  {d.detail}")
+            if d.op_detail is not None:
+                lines.append(f"  first differing op: {d.op_detail}")
             lines.append(f"  {self.compared} earlier fingerprint(s) agree")
         lines += [f"  note: {note}" for note in self.notes]
         if not self.environment:
@@ -815,7 +954,12 @@ def _where(d: Divergence) -> str:
     if d.phase == "final":
         return f"{d.location}: {d.what}"
     if d.phase == "op":
-        return f"{d.what} in module call #{d.call_index}, {d.location}"
+        op = d.what if d.op is None else d.op
+        if d.op_location is not None:
+            op += f" at {d.op_location}"
+        if d.module is None:
+            return f"{op}, outside any module call"
+        return f"{op} in module call #{d.call_index}, {d.location}"
     return f"the return value at {d.what}"
 
 
@@ -828,9 +972,18 @@ def compare_traces(
     The timeline is compared as ``locate_divergence`` compares two runs (A is
     its run 1, B its run 2): module calls in A's order, a module called in one
     trace and not the other, shapes and dtypes, then fingerprints, then the
-    final parameters and buffers.  Traces recorded with and without
-    ``backward`` are compared without the gradients (a note says so).  Files
-    are read with :meth:`Trace.load`: bad input raises :class:`InvalidTraceError`.
+    final parameters and buffers.  When both traces recorded op calls
+    (``ops=True``), they are in the timeline too, each before the output of
+    the module call it ran in: the first op call whose fingerprints, shapes
+    or dtypes differ is named before the module output it feeds, as
+    ``divergence.op`` and ``divergence.op_location``.  Op calls are matched
+    by position (the ``n``-th after the same module call started; another op
+    there with the same results is not a difference), so traces whose op
+    sequences differ (another torch version that decomposes an op otherwise,
+    say) diverge where their results part (``kind`` ``"call"``).  Traces
+    recorded with and without ``backward`` or ``ops`` are compared without
+    the gradients or op calls (a note says so).  Files are read with
+    :meth:`Trace.load`: bad input raises :class:`InvalidTraceError`.
 
     Example:
         >>> import torch
@@ -857,15 +1010,18 @@ def compare_traces(
         notes.append(
             f"the scripts exited with status {trace_a.status} (A) and {trace_b.status} (B)"
         )
-    finding, agreed = compare_runs(_as_run(trace_a, drop_a), _as_run(trace_b, drop_b), run=2)
+    run_a, run_b = _as_run(trace_a, drop_a), _as_run(trace_b, drop_b)
+    unfilled = False in (trace_a.environment.get(_FILL), trace_b.environment.get(_FILL))
+    finding, agreed = compare_runs(run_a, run_b, run=2)
     return TraceComparison(
         a=name_a,
         b=name_b,
         calls=(trace_a.calls, trace_b.calls),
         compared=agreed,
-        divergence=None if finding is None else _divergence(finding),
+        divergence=None if finding is None else _divergence(finding, run_a, run_b, unfilled),
         environment=_environment_differences(trace_a, trace_b),
         notes=tuple(notes),
+        ops=trace_a.ops and trace_b.ops,
     )
 
 
@@ -905,11 +1061,18 @@ def _as_run(trace: Trace, drop: set[str]) -> Run:
 _RUN_NAMES = ((re.compile(r"\brun 1\b"), "A"), (re.compile(r"\brun 2\b"), "B"))
 
 
-def _divergence(finding: Finding) -> Divergence:
-    """The public description of ``finding``, trace B against trace A."""
+def _divergence(finding: Finding, a: Run, b: Run, unfilled: bool = False) -> Divergence:
+    """The public description of ``finding``, trace B (``b``) against trace A (``a``);
+    ``unfilled``: a trace was recorded without filling uninitialized memory."""
     e = finding.event
     what = e.what
     detail = finding.detail
+    kind = finding.kind
+    op: tuple[str | None, str | None, str | None] = (None, None, None)
+    if e.phase == "op":
+        kind, op = _op_divergence(finding, a, b)
+        if unfilled and op[0] is not None and op[0].startswith(_UNINITIALIZED):
+            op = (op[0], op[1], f"{op[2]}; {_UNFILLED}")
     if finding.kind == "values":
         if e.phase == "forward" and len(e.paths) > 1:
             what = e.paths[finding.leaf]  # which output of several
@@ -921,7 +1084,7 @@ def _divergence(finding: Finding) -> Divergence:
         detail = pattern.sub(side, detail)
     return Divergence(
         phase=e.phase,
-        kind=finding.kind,
+        kind=kind,
         module=e.module,
         module_type=e.module_type,
         root=e.root,
@@ -933,6 +1096,86 @@ def _divergence(finding: Finding) -> Divergence:
         max_abs_diff=None,
         run=2,
         detail=detail,
+        op=op[0],
+        op_location=op[1],
+        op_detail=op[2],
+    )
+
+
+#: The environment fact of torch.utils.deterministic.fill_uninitialized_memory.
+_FILL = "flags.fill_uninitialized_memory"
+#: Ops whose outputs hold whatever the memory held unless that flag is on.
+_UNINITIALIZED = ("aten.empty", "aten.new_empty")
+_UNFILLED = (
+    "a trace was recorded with flags.fill_uninitialized_memory off, so this op's output "
+    "holds whatever the memory held: record both with it on (the default of a deterministic "
+    "block; the command line's --no-fill and --no-flags turn it off)"
+)
+
+
+def _op_divergence(
+    finding: Finding, a: Run, b: Run
+) -> tuple[str, tuple[str | None, str | None, str | None]]:
+    """The kind of a difference found at an op event, and ``(op, op_location, op_detail)``
+    as :func:`~deterministic_ctx.locate.locate_divergence` names them: the op calls of the
+    two traces at that point, compared by :func:`~deterministic_ctx.ops.first_op_difference`
+    (which tensor differs, and what that says)."""
+    e, other = finding.event, finding.other
+    if finding.kind == "extra":  # only B called it: the event is B's
+        call = _op_call(e, b)
+        where = f"B called {call.described()}, A made only {_since(e.key)}"
+        return "extra", (call.op, call.location, where)
+    call = _op_call(e, a)
+    ops = [x for x in a.events if x.phase == "op"]
+    count = f"op call #{next(i for i, x in enumerate(ops) if x is e)} of {len(ops)} in A"
+    if other is None:
+        where = f"{count}: A called {call.described()}, B made only {_since(e.key)}"
+        return "missing", (call.op, call.location, where)
+    diff = first_op_difference([call], [_op_call(other, b)], left="A", right="B")
+    if diff is None:  # unreached: both compare the same fields; a report all the same
+        return finding.kind, (call.op, call.location, f"{call.described()}, {count}")
+    if diff.kind == "op":  # another op was called at this point
+        return "call", (call.op, call.location, f"{count}: {diff.detail}")
+    return finding.kind, (call.op, call.location, f"{call.described()}, {count}: {diff.detail}")
+
+
+def _since(key: tuple[Any, ...]) -> str:
+    """How many op calls the other trace made in the stretch of the op event ``key``."""
+    started, number = key[1], key[2]
+    if started == 0:
+        return f"{number} op call(s) before its first module call"
+    return f"{number} op call(s) since module call #{started - 1} started"
+
+
+#: ``what`` of an op event: :meth:`~deterministic_ctx.ops.OpCall.described`'s format.
+_OP_WHAT = re.compile(
+    r"(?P<op>\S+)(?: at (?P<location>.+?:\d+)(?: \(in (?P<function>[^()]*)\))?)?"
+    r"(?:, in the backward of (?P<node>\S+))?"
+)
+
+
+def _op_call(event: Event, run: Run) -> OpCall:
+    """The op call an op event records, back from the event (the digests stand for the
+    fingerprints)."""
+    match = _OP_WHAT.fullmatch(event.what)
+    parts: dict[str, str | None] = (
+        match.groupdict() if match else {"op": event.what, "location": None}
+    )
+    prints = [
+        TensorPrint(path, shape, dtype, digest)
+        for path, shape, dtype, digest in zip(
+            event.paths, event.shapes, event.dtypes, run.fingerprints(event), strict=True
+        )
+    ]
+    inputs = tuple(p for p in prints if p.path.startswith("input "))
+    return OpCall(
+        0,
+        parts["op"] or event.what,
+        parts.get("location"),
+        parts.get("function"),
+        parts.get("node"),
+        tuple(p for p in prints if not p.path.startswith("input ")),
+        inputs,
     )
 
 

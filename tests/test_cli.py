@@ -154,7 +154,14 @@ def test_help_reads_well(capsys):
     assert main(["report", "--help"]) == 0
     rep = capsys.readouterr().out
     assert "--json" in rep and "--init-cuda" in rep
-    assert all(len(line) <= 100 for line in (top.stdout + run + rep).splitlines())
+
+    assert main(["trace", "record", "--help"]) == 0
+    record = capsys.readouterr().out
+    assert "trace record [-h] [--seed N] [--backward] [--ops] [--warn-only]" in record
+    for text in ("\n  --ops ", "trace record --ops c.trace train.py", "exit status"):
+        assert text in record
+    texts = (top.stdout, run, rep, record)
+    assert all(len(line) <= 100 for text in texts for line in text.splitlines())
 
 
 def test_console_script_is_installed_and_matches_python_m():

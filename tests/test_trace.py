@@ -7,6 +7,9 @@ The promises tested here:
 * two traces of the same run agree; traces that differ name the first differing module
   call as ``locate_divergence`` names it, and the environment facts that differ, most
   likely culprits first (recorded in subprocesses with different thread counts, too);
+* with ``ops=True`` every aten op call is in the timeline, before the output of the
+  module call it ran in, and two traces name the first differing op and the user's
+  ``file:line``; with ops in one trace only, the comparison is the module-level one;
 * a bad trace file raises ``InvalidTraceError``, an ``InvalidSnapshotError``, like a bad
   snapshot, and nothing in it is ever unpickled;
 * ``deterministic-ctx trace compare`` exits 0 / 1 / 2, ``trace record`` records a script.
@@ -18,6 +21,7 @@ import contextlib
 import copy
 import dataclasses
 import hashlib
+import inspect
 import json
 import os
 import pickle
@@ -33,7 +37,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from deterministic_ctx import InvalidSnapshotError, Snapshot, checkpoint, isolated
+from deterministic_ctx import InvalidSnapshotError, Snapshot, checkpoint, deterministic, isolated
 from deterministic_ctx import cli as cli_module
 from deterministic_ctx.cli import _split_trace_record, main
 from deterministic_ctx.record import Event
@@ -43,6 +47,7 @@ from deterministic_ctx.trace import (
     InvalidTraceError,
     Trace,
     compare_traces,
+    record_in,
     record_trace,
     script_result,
 )
@@ -319,8 +324,8 @@ def test_environment_differences_most_likely_culprits_first(trace):
     )
 
 
-def test_room_for_per_op_events(trace):
-    """Nothing records op events yet; the format holds them and the comparison handles them."""
+def test_hand_made_op_events(trace):
+    """The format holds op events and the comparison handles them, whoever made them."""
     events = list(trace.events)
     op = Event(
         ("op", 1, 0),
@@ -353,6 +358,198 @@ def test_room_for_per_op_events(trace):
     assert "first at aten.addmm.default in module call #1, 0 (Linear)" in str(report)
 
 
+# --- op calls (ops=True) ----------------------------------------------------------------------------
+
+
+class Shift(nn.Module):
+    """``torch.<op>(x, delta)`` then ReLU; ``extra`` makes one more op call at the end."""
+
+    def __init__(self, delta: float = 0.0, op: str = "add", extra: bool = False) -> None:
+        super().__init__()
+        self.delta, self.op, self.extra = delta, op, extra
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = getattr(torch, self.op)(x, self.delta).relu()  # the shifted op
+        if self.extra:
+            torch.ones(1)
+        return y
+
+
+def shifted_step(delta: float = 0.0, op: str = "add", extra: bool = False) -> torch.Tensor:
+    """A training step's forward and backward; module calls: Sequential #0, Linear #1,
+    Shift #2, Linear #3."""
+    model = nn.Sequential(nn.Linear(8, 8), Shift(delta, op, extra), nn.Linear(8, 2))
+    loss = model(torch.randn(4, 8)).square().mean()
+    loss.backward()
+    return loss.detach()
+
+
+def _where_shifted() -> str:
+    """``file:line`` of the shifted op, as a trace names it (relative to the working
+    directory)."""
+    lines, start = inspect.getsourcelines(Shift.forward)
+    line = start + next(i for i, text in enumerate(lines) if "# the shifted op" in text)
+    return f"{os.path.relpath(__file__)}:{line}"
+
+
+@pytest.fixture(scope="module")
+def shifted() -> Trace:
+    return record_trace(shifted_step, ops=True)
+
+
+def _check_timeline(trace: Trace) -> None:
+    """Each op event sits after its module call started and before that call's output;
+    its key counts the module calls started before it."""
+    events = trace.events
+    output = {e.call_index: i for i, e in enumerate(events) if e.phase == "forward"}
+    numbers: dict[int, int] = {}
+    for position, e in enumerate(events):
+        if e.phase != "op":
+            continue
+        started = sum(start <= position for start in trace.starts)
+        assert e.key == ("op", started, numbers.get(started, 0))
+        numbers[started] = numbers.get(started, 0) + 1
+        if e.call_index is not None:
+            assert trace.starts[e.call_index] <= position < output[e.call_index]
+
+
+def test_ops_are_recorded_in_the_timeline(shifted):
+    trace = shifted
+    assert trace.ops and trace.calls == 4
+    _check_timeline(trace)
+    ops = [e for e in trace.events if e.phase == "op"]
+    inside = [e.what for e in ops if e.call_index == 2]
+    assert inside[0] == f"aten.add.Tensor at {_where_shifted()} (in Shift.forward)"
+    assert inside[1].startswith("aten.relu.default at ")
+    assert {e.module_type for e in ops if e.call_index is not None} == {"Linear", "Shift"}
+    assert any(e.call_index is None and "aten.randn" in e.what for e in ops)  # outside modules
+    backward = [e.what for e in ops if ", in the backward of " in e.what]
+    assert backward and all(e.call_index is None for e in ops if ", in the backward of " in e.what)
+    with isolated():  # initializing draws from torch's global generator
+        linear = nn.Linear(4, 2)
+    outside = record_trace(linear, torch.ones(3, 4), ops=True)
+    addmm = next(e for e in outside.events if e.what.startswith("aten.addmm.default"))
+    # The parameters and the batch came from outside the recorded ops: inputs, then outputs.
+    assert addmm.paths == ("input 'self'", "input 'mat1'", "output")
+    assert all(len(d) == 16 for e in ops for d in trace.fingerprints(e) if d)
+    # Ops end before the return value and the final state.
+    phases = [e.phase for e in trace.events]
+    last_op = len(phases) - 1 - phases[::-1].index("op")
+    assert set(phases[last_op + 1 :]) == {"result", "final"}
+    with_grads = record_trace(shifted_step, ops=True, backward=True)
+    _check_timeline(with_grads)
+    kinds = [e.phase for e in with_grads.events if e.phase in ("op", "backward")]
+    first_grad = kinds.index("backward")
+    assert "op" in kinds[first_grad:]  # gradients and backward op calls interleave
+
+
+def test_identical_traces_with_ops_agree(shifted):
+    report = compare_traces(shifted, record_trace(shifted_step, ops=True))
+    assert report.agree and report.ops and report.environment == ()
+    assert report.compared == sum(e.phase != "result" for e in shifted.events) + 1
+    assert "fingerprints (op calls, module outputs and gradients" in str(report)
+    assert report.to_dict()["ops"] is True
+
+
+def test_the_first_differing_op_and_its_line_are_named(shifted):
+    other = record_trace(shifted_step, 1e-3, ops=True)
+    report = compare_traces(shifted, other)
+    d = report.divergence
+    where = _where_shifted()
+    assert (d.phase, d.kind, d.op, d.op_location) == ("op", "values", "aten.add.Tensor", where)
+    assert (d.module, d.module_type, d.call_index, d.root) == ("1", "Shift", 2, "Sequential")
+    assert d.op_detail.startswith(f"aten.add.Tensor at {where} (in Shift.forward), op call #")
+    assert d.op_detail.endswith(
+        "its output differs between A and B while every tensor it read agreed: "
+        "the op made the difference"
+    )
+    text = str(report)
+    assert f"first at aten.add.Tensor at {where} in module call #2, 1 (Shift)" in text
+    assert f"  first differing op: aten.add.Tensor at {where}" in text
+    data = json.loads(json.dumps(report.to_dict()))["divergence"]
+    assert (data["op"], data["op_location"], data["location"]) == (
+        "aten.add.Tensor",
+        where,
+        "1 (Shift)",
+    )
+    # Without ops, the same traces name the module call, as before.
+    plain = compare_traces(record_trace(shifted_step), record_trace(shifted_step, 1e-3))
+    d = plain.divergence
+    assert (d.phase, d.call_index, d.what, d.op, d.op_detail) == (
+        "forward",
+        2,
+        "output",
+        None,
+        None,
+    )
+    assert "first differing op" not in str(plain) and not plain.ops
+    # Ops in one trace only: the module-level comparison, and a note.
+    for mixed, side in ((compare_traces(shifted, record_trace(shifted_step, 1e-3)), "A"),
+                        (compare_traces(record_trace(shifted_step), other), "B")):  # fmt: skip
+        assert mixed.notes == (f"only {side} recorded op events (ops=True): compared without them",)
+        d = mixed.divergence
+        assert (d.phase, d.call_index, d.op) == ("forward", 2, None)
+        assert mixed.compared == plain.compared and not mixed.ops
+
+
+def test_another_op_or_fewer_op_calls_are_named(shifted):
+    report = compare_traces(shifted, record_trace(shifted_step, 1.0, op="sub", ops=True))
+    d = report.divergence
+    assert (d.kind, d.op, d.call_index) == ("call", "aten.add.Tensor", 2)
+    assert "A called aten.add.Tensor at " in d.op_detail
+    assert ", B called aten.sub.Tensor at " in d.op_detail
+    extra = record_trace(shifted_step, extra=True, ops=True)
+    missing = compare_traces(extra, shifted).divergence
+    assert (missing.kind, missing.op, missing.call_index) == ("missing", "aten.ones.default", 2)
+    assert missing.op_detail.endswith(
+        "B made only 3 op call(s) since module call #2 started"
+    )  # the add, the ReLU, and the detach that saves the ReLU's output for backward
+    found = compare_traces(shifted, extra).divergence
+    assert (found.kind, found.op, found.call_index) == ("extra", "aten.ones.default", 2)
+    assert found.op_detail.startswith("B called aten.ones.default at ")
+
+
+def test_uninitialized_memory_is_explained():
+    """Without fill_uninitialized_memory (``--no-fill``), torch.empty's output is whatever
+    the memory held: when it is the first op that differs, the report says why."""
+
+    def build() -> torch.Tensor:
+        return nn.Linear(64, 64)(torch.ones(2, 64))
+
+    for fill in (False, True):
+        trace = record_in(deterministic(0, fill_uninitialized_memory=fill), build, ops=True)
+        assert trace.environment["flags.fill_uninitialized_memory"] is fill
+        # Other bytes in the memory torch.empty returned (the allocator decides: made here).
+        first = next(i for i, e in enumerate(trace.events) if e.phase == "op")
+        empty = trace.events[first]
+        assert empty.what.startswith("aten.empty.memory_format at ")
+        other = dataclasses.replace(empty, slots=(trace.events[-1].slots[0],))
+        events = (*trace.events[:first], other, *trace.events[first + 1 :])
+        d = compare_traces(trace, dataclasses.replace(trace, events=events)).divergence
+        assert d.op == "aten.empty.memory_format"
+        assert ("flags.fill_uninitialized_memory off" in d.op_detail) is not fill
+        if not fill:
+            assert d.op_detail.endswith("the command line's --no-fill and --no-flags turn it off)")
+
+
+def test_op_events_survive_the_file(tmp_path, shifted):
+    path = tmp_path / "ops.trace"
+    shifted.save(path)
+    loaded = Trace.load(path)
+    assert loaded == shifted and loaded.ops
+    state = state_of(shifted)
+    assert state["ops"] is True
+    key, phase, what, module, call, _ = next(e for e in state["events"] if e[1] == "op")
+    assert (key[0], phase, module, call) == ("op", "op", None, None)  # before any module call
+    assert what.startswith("aten.empty.memory_format at ")  # the first Linear's weight
+    assert compare_traces(path, shifted).agree
+    without = dataclasses.replace(shifted, ops=False)
+    with pytest.raises(
+        InvalidTraceError, match=r"expected one of forward, backward, result, final"
+    ):
+        Trace.from_bytes(without.to_bytes())
+
+
 # --- bad arguments --------------------------------------------------------------------------------
 
 
@@ -367,6 +564,10 @@ def test_bad_arguments(tmp_path, trace):
         record_trace(forward_pass, path=3)
     with pytest.raises(TypeError, match="backward must be True or False"):
         record_trace(forward_pass, backward="yes")
+    calls = []
+    with pytest.raises(TypeError, match=r"^ops must be True or False, got 'yes'"):
+        record_trace(calls.append, 1, ops="yes")
+    assert calls == []
     with pytest.raises(TypeError, match="fn must be callable"):
         record_trace(3)
     with pytest.raises(ValueError, match="seed"):
@@ -610,6 +811,11 @@ def test_usage_errors(capsys, tmp_path, monkeypatch, argv, message):
         ),
         (["--", "a.trace", "s.py"], ["--", "a.trace"], ["s.py"]),
         (["a.trace", "-m", "pkg.mod", "-v"], ["a.trace", "-m", "pkg.mod"], ["-v"]),
+        (
+            ["--ops", "a.trace", "--ops", "s.py", "--ops"],
+            ["--ops", "a.trace", "--ops"],
+            ["s.py", "--ops"],
+        ),
         (["-h"], ["-h"], []),
         ([], [], []),
     ],
@@ -661,6 +867,47 @@ def test_cli_record_in_process(tmp_path, monkeypatch, capsys):
     assert (d.kind, d.phase, d.what) == ("missing", "result", 'globals["out"]')
 
 
+SHIFT_SCRIPT = """\
+import sys, torch
+from torch import nn
+
+class Shift(nn.Module):
+    def forward(self, x):
+        return torch.add(x, float(sys.argv[1]))
+
+model = nn.Sequential(nn.Linear(8, 8), Shift(), nn.Linear(8, 2))
+out = model(torch.randn(4, 8))
+"""
+
+
+def test_cli_record_ops(tmp_path, monkeypatch, capsys):
+    """``trace record --ops``: op calls placed at the script's lines (relative to the
+    working directory), and named by ``trace compare``."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "shift.py").write_text(SHIFT_SCRIPT)
+    assert main(["trace", "record", "--ops", "a.trace", "shift.py", "0"]) == 0
+    err = capsys.readouterr().err
+    trace = Trace.load(tmp_path / "a.trace")
+    count = sum(e.phase == "op" for e in trace.events)
+    assert trace.ops and count > 10
+    assert f"wrote a.trace (4 module calls, {count} op calls, seed 0)" in err
+    assert main(["trace", "record", "b.trace", "--ops", "--", "shift.py", "0.001"]) == 0
+    capsys.readouterr()
+    assert main(["trace", "record", "c.trace", "shift.py", "0.001"]) == 0
+    assert "wrote c.trace (4 module calls, seed 0)" in capsys.readouterr().err
+    assert not Trace.load(tmp_path / "c.trace").ops
+    assert main(["trace", "compare", "a.trace", "b.trace"]) == 1
+    out = capsys.readouterr().out
+    assert "first at aten.add.Tensor at shift.py:6 in module call #2, 1 (Shift)" in out
+    assert "first differing op: aten.add.Tensor at shift.py:6 (in Shift.forward), " in out
+    assert main(["trace", "compare", "--json", "a.trace", "c.trace"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["notes"] == ["only A recorded op events (ops=True): compared without them"]
+    assert (data["divergence"]["location"], data["divergence"]["op"]) == ("1 (Shift)", None)
+
+
 # --- across processes -------------------------------------------------------------------------------
 
 RECORDER = """\
@@ -692,6 +939,49 @@ def test_traces_recorded_in_two_processes_with_different_thread_counts(tmp_path)
     assert (d.module, d.module_type, d.what) == ("3", "Total", "output")
     assert [(e.name, e.a, e.b) for e in report.environment] == [("process.num_threads", 1, 2)]
     assert compare_traces(paths[1], paths[2]).agree
+
+
+OP_RECORDER = """\
+import os, sys, torch
+from torch import nn
+from deterministic_ctx.trace import record_trace
+
+class Shift(nn.Module):
+    def forward(self, x):
+        return torch.add(x, float(os.environ.get("NUDGE", "0"))).relu()
+
+def step():
+    model = nn.Sequential(nn.Linear(64, 64), Shift(), nn.Linear(64, 8))
+    loss = model(torch.randn(256, 64)).square().mean()
+    loss.backward()
+    return loss
+
+record_trace(step, path=sys.argv[1] + ".ops", ops=True)
+record_trace(step, path=sys.argv[1])
+"""
+
+
+@pytest.mark.slow
+def test_traces_with_ops_recorded_in_two_processes(tmp_path):
+    """An op whose result differs only where an environment variable is set: traces
+    with ops name it and its line, traces without the module call."""
+    script = tmp_path / "record.py"
+    script.write_text(OP_RECORDER)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    run_python([str(script), a], check=True)
+    run_python([str(script), b], env={"NUDGE": "1e-6"}, check=True)
+    report = compare_traces(a + ".ops", b + ".ops")
+    d = report.divergence
+    where = f"{script}:7"  # the script is outside the working directory: its full path
+    assert (d.phase, d.kind, d.op, d.op_location) == ("op", "values", "aten.add.Tensor", where)
+    assert (d.module, d.module_type, d.call_index) == ("1", "Shift", 2)
+    assert f"first at aten.add.Tensor at {where} in module call #2, 1 (Shift)" in str(report)
+    assert report.environment == ()  # NUDGE is no fact that decides results
+    plain = compare_traces(a, b).divergence
+    assert (plain.phase, plain.call_index, plain.op) == ("forward", 2, None)
+    mixed = compare_traces(a + ".ops", b)
+    assert mixed.divergence == plain and mixed.notes
+    assert compare_traces(a + ".ops", a + ".ops").agree
 
 
 SCRIPT = """\
