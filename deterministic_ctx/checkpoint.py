@@ -284,10 +284,16 @@ def decode(data: bytes, origin: str, kind: FileKind = SNAPSHOT_FILE) -> StateDic
         )
     if hashlib.sha256(data[:-_DIGEST]).digest() != data[-_DIGEST:]:
         raise error(origin, "corrupted: the SHA-256 checksum does not match")
+    raw = data[_HEAD : _HEAD + header_len]
+    # The checksum is no defence against a crafted file.  Parsing builds a
+    # Python object per list or dict: real headers hold one per ~30 bytes, a
+    # crafted ``[[],[],...]`` one per 3, which would cost gigabytes before any
+    # field is checked.  Counted in C first (brackets inside strings count
+    # too: a bound, not a parse).
+    if raw.count(b"[") + raw.count(b"{") > max(1 << 16, header_len // 8):
+        raise error(origin, "bad header: far more lists and objects than its size allows")
     try:
-        header = json.loads(
-            data[_HEAD : _HEAD + header_len].decode("utf-8"), object_pairs_hook=_unique_keys
-        )
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
         return _attach(header, memoryview(data)[_HEAD + header_len : _HEAD + header_len + data_len])
     except (ValueError, TypeError, RecursionError) as exc:
         raise error(origin, f"bad header: {exc}") from exc

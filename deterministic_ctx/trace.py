@@ -691,7 +691,7 @@ def _flatten(value: object, name: str, into: dict[str, Fact]) -> None:
 def _cpu_facts() -> dict[str, Fact]:
     """The CPU and the CPU kernels torch picks on it."""
     capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: None)
-    config = _search(r"BLAS_INFO=([^,\s]+)", torch.__config__.show)
+    config = _blas()
     backend = _search(r"ATen parallel backend: (.+)", torch.__config__.parallel_info)
     return {
         "cpu.model": _cpu_model(),
@@ -701,6 +701,16 @@ def _cpu_facts() -> dict[str, Fact]:
         "cpu.blas": config,
         "cpu.parallel_backend": backend,
     }
+
+
+@functools.cache
+def _blas() -> str | None:
+    """The BLAS torch was built with (constant per process)."""
+    if (torch.version.cuda or torch.version.hip) and not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        # ``torch.__config__.show()`` asks the CUDA runtime for a device count
+        # on CUDA builds, which starts CUDA: a trace never does that.
+        return "mkl" if torch.backends.mkl.is_available() else None  # type: ignore[no-untyped-call]
+    return _search(r"BLAS_INFO=([^,\s]+)", torch.__config__.show)
 
 
 def _search(pattern: str, text: Callable[[], str]) -> str | None:

@@ -1033,3 +1033,12 @@ def test_trace_help_loads_no_torch():
         }
         assert "deterministic_ctx.cli" in imported
         assert {"torch", "numpy"} & imported == set(), command
+
+
+def test_a_header_of_empty_lists_is_refused_before_it_is_parsed():
+    # A crafted file can be checksummed like a real one: a header made of
+    # millions of empty lists would cost gigabytes to parse before any field
+    # is checked; the loader refuses it from its size first.
+    state = {"state": {"events": [[]] * 200_000}}
+    with pytest.raises(InvalidTraceError, match="more lists and objects than its size allows"):
+        Trace.from_bytes(checkpoint.encode(state, TRACE_FILE), "file 'crafted.trace'")
