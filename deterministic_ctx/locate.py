@@ -22,7 +22,11 @@ must have arisen, and the first op call whose result differs between them is
 named with the user's ``file:line``.  That stretch is:
 
 * a module's output differs: the op calls *during that module call* (its
-  children's included), found by its call index;
+  children's included), found by its call index.  When what differs first
+  there is a tensor the call read but did not make (its input, made by code
+  between module calls, or a parameter), two more re-runs record the op calls
+  from the start of ``fn`` until that call starts, and the first that differs
+  there is named; when none does, no op is named and ``op_detail`` says so;
 * the two runs called different modules (control flow): the op calls from
   the start of ``fn`` until that call starts;
 * a gradient differs: the op calls autograd's engine runs, from the start of
@@ -32,6 +36,10 @@ named with the user's ``file:line``.  That stretch is:
 * the return value or a final parameter differs (every module call agreed):
   every op call of ``fn``.
 
+In every stretch, a differing tensor that an op only read and that no
+recorded op made names no op: ``op`` stays ``None`` and ``op_detail`` names
+the op that read it, and says the tensor came from outside the stretch.
+
 Recording costs a pass through Python per op call made while the dispatch
 mode is on (about 20 µs on a CPU) and fingerprints of each recorded op's
 outputs and outside inputs; the mode is on only for the stretch, except that
@@ -40,8 +48,7 @@ backward, control-flow and whole-run stretches keep it on from the start of
 nothing.  On a 6-block MLP (a busy 2-core CPU) it added about 10% to
 ``locate_divergence`` for a module's output, 1.8 times for a gradient
 (anomaly mode, and the backward pass recorded) and 4 times for a whole
-training step; the first recording of a process also imports
-``torch._dynamo`` (about 2 s).
+training step.
 
 This module builds the report; the work is done by :mod:`.record` (hooks
 that record one run), :mod:`.timeline` (the first difference between two
@@ -61,7 +68,7 @@ import torch
 
 from .compare import short_repr, tensor_difference
 from .context import deterministic
-from .ops import first_op_difference
+from .ops import OpDifference, first_op_difference
 from .record import OpWindow, Run, record_run
 from .rerun import SavedState, check_fn, check_runs, objects_to_reset
 from .timeline import Finding, compare_runs
@@ -94,7 +101,8 @@ class Divergence:
         detail: one readable sentence.
         op: with ``ops=True``, the first aten op call whose result differs
             between two more runs, e.g. ``"aten.index_add_.default"``; ``None``
-            without ``ops=True`` or when none differed.
+            without ``ops=True``, when none differed, or when what differed first
+            is a tensor that no recorded op made (``op_detail`` names its reader).
         op_location: ``"file:line"`` of the user's code that called that op
             (library frames skipped; in a backward pass, the line of a custom
             ``backward``, else the forward line that made the autograd node).
@@ -301,7 +309,12 @@ def locate_divergence(
                     # itself, ...): keep the module-level report, say why no op is named.
                     drilled = (None, None, _recording_failed(err, window))
                 else:
-                    drilled = _first_op(reruns, window, numbers)
+                    diff = _op_difference(reruns, window, numbers)
+                    drilled = _first_op(reruns, window, numbers, diff)
+                    if diff is not None and diff.from_outside and window.call is not None:
+                        # The call read a tensor made before it started (by code between
+                        # module calls): record from the start of fn up to the call.
+                        drilled = _made_before(again, window.call, diff, (runs + 3, runs + 4))
             if key is not None:
                 if reruns is None:
                     reruns = (again(key), again(key))
@@ -340,15 +353,28 @@ def _recording_failed(err: Exception, window: OpWindow) -> str:
     )
 
 
-def _first_op(
+def _op_difference(
     reruns: tuple[Run, Run], window: OpWindow, numbers: tuple[int, int]
-) -> tuple[str | None, str | None, str]:
-    """``(op, op_location, op_detail)``: the first op call that differs between two
-    re-runs (numbered ``numbers``) that recorded the op calls of ``window``."""
+) -> OpDifference | None:
+    """The first op call that differs between two re-runs (numbered ``numbers``) that
+    recorded the op calls of ``window``."""
     a, b = (r.ops or [] for r in reruns)
     left, right = (f"run {n}" for n in numbers)
+    return first_op_difference(a, b, left=left, right=right)
+
+
+def _first_op(
+    reruns: tuple[Run, Run],
+    window: OpWindow,
+    numbers: tuple[int, int],
+    diff: OpDifference | None,
+) -> tuple[str | None, str | None, str]:
+    """``(op, op_location, op_detail)`` for ``diff``, the first op call that differs
+    between two re-runs (numbered ``numbers``) that recorded the op calls of ``window``
+    (see :func:`_op_difference`)."""
+    a = reruns[0].ops or []
+    left, right = (f"run {n}" for n in numbers)
     where = window.describe()
-    diff = first_op_difference(a, b, left=left, right=right)
     if diff is None:
         if not a:
             detail = (
@@ -368,7 +394,42 @@ def _first_op(
     else:
         count = f"op call #{diff.index} of {len(a)} recorded {where} in {left}"
         detail = f"{call.described()}, {count}: {diff.detail}"
+    if diff.from_outside:
+        # That op only read the tensor: naming it would blame an innocent op.
+        return None, None, f"none: {detail}"
     return call.op, call.location, detail
+
+
+def _made_before(
+    again: Callable[[tuple[Any, ...] | None, OpWindow | None], Run],
+    index: int,
+    read: OpDifference,
+    numbers: tuple[int, int],
+) -> tuple[str | None, str | None, str]:
+    """``(op, op_location, op_detail)`` when module call #``index`` read a differing
+    tensor that it did not make (``read``): the first op call that differs in two more
+    re-runs (numbered ``numbers``) that record from the start of ``fn`` until the call."""
+    window = OpWindow(before_call=index)
+    reader = (
+        f"module call #{index} read a differing tensor that no op during the call made "
+        f"({read.what}, read by {read.call.described()})"
+    )
+    try:
+        reruns = (again(None, window), again(None, window))
+    except Exception as err:
+        return None, None, f"none: {reader}; {_recording_failed(err, window)[6:]}"
+    diff = _op_difference(reruns, window, numbers)
+    op, location, detail = _first_op(reruns, window, numbers, diff)
+    if diff is None:
+        detail = (
+            f"none: {reader}, and {detail[6:]}; so it was changed outside torch ops "
+            "(e.g. through NumPy or a data pointer), or the difference comes and goes"
+        )
+    elif op is None:
+        detail = f"none: {reader}; {detail[6:]}"
+    else:
+        detail = f"{reader}; the first op call before the call that differs: {detail}"
+    return op, location, detail
 
 
 def _measured(finding: Finding, reruns: tuple[Run, Run], numbers: tuple[int, int]) -> Finding:

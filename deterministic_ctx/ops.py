@@ -15,10 +15,14 @@ since a model's ``forward`` often lives in one), and exact fingerprints
 (:mod:`.fingerprint`) of its outputs, of the arguments it changed in place,
 and of each tensor input that no recorded op made (a parameter, a batch, a
 tensor made with NumPy), taken before the op runs, at every use (so a change
-made behind torch's back, e.g. through a NumPy view, shows at the next op
-that reads it).  So the first entry that differs between two recordings is
-either an op's result, whose inputs all agreed, or an input from outside,
-which says the difference came from elsewhere.
+made behind torch's back to such a tensor, e.g. through a NumPy view, shows at
+the next op that reads it).  So the first entry that differs between two
+recordings is either an op's result, whose inputs all agreed, or an input
+from outside, which says the difference came from elsewhere.  A tensor that a
+recorded op made is trusted to hold what that op left in it and is not
+fingerprinted again when read: a change to it that bypasses torch (through a
+NumPy view or a data pointer) is not seen, and the next op that reads it is
+named as if it made the difference.
 
 Fingerprints are computed on the tensors' own devices and kept there until
 the recorder exits, then moved to the host in one copy per device, like a
@@ -27,8 +31,7 @@ the recorder's mode is on goes through Python (about 20 µs on a CPU), and
 every recorded one also has its user frame found and its outputs and
 outside inputs fingerprinted (a few small torch ops each): a recorded
 training step of a 6-block MLP took about 4 times as long as a plain one on
-a busy 2-core CPU.  The first recorder of a process also imports
-``torch._dynamo`` (about 2 s), which guards every dispatch mode.
+a busy 2-core CPU.
 
 Example:
     >>> import torch
@@ -234,6 +237,28 @@ class OpDifference:
     what: str
     detail: str
 
+    @property
+    def from_outside(self) -> bool:
+        """Whether the difference is a tensor input that no recorded op made (its values,
+        shape or dtype), read by :attr:`call`: that op only read it, and what made it
+        ran before the recording or outside torch ops.  An op that brings Python or
+        NumPy data into torch (``torch.tensor``, ``torch.from_numpy``) is not such a
+        reader: it is where the outside data comes in.
+
+        Example:
+            >>> a = OpCall(0, "aten.neg.default", None, None, None, (),
+            ...            (TensorPrint("input 'self'", (2,), "float32", b"a"),))
+            >>> b = dataclasses.replace(
+            ...     a, inputs=(TensorPrint("input 'self'", (2,), "float32", b"b"),))
+            >>> first_op_difference([a], [b]).from_outside
+            True
+        """
+        return (
+            self.kind in ("input", "shape")
+            and self.what.startswith("input ")
+            and self.call.op not in _FRESH
+        )
+
 
 def first_op_difference(
     a: Sequence[OpCall], b: Sequence[OpCall], *, left: str = "run 1", right: str = "run 2"
@@ -436,12 +461,35 @@ class _Paused(threading.local):
     depth = 0
 
 
+def _hand_over(recorder: OpRecorder, func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+    return recorder._dispatch(func, args, kwargs or {})
+
+
+@functools.cache
+def _hand_over_unseen_by_dynamo() -> Any:
+    """:func:`_hand_over`, which Dynamo never traces (imported only once Dynamo is)."""
+    import torch._dynamo
+
+    return torch._dynamo.disable(_hand_over, recursive=True)  # type: ignore[no-untyped-call]
+
+
 class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """The dispatch mode: hands every op call to its recorder."""
 
     def __init__(self, recorder: OpRecorder) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.recorder = recorder
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # When this is True (the default), TorchDispatchMode.__init_subclass__ wraps
+        # __torch_dispatch__ in torch._disable_dynamo, which imports torch._dynamo at its
+        # first call: about 2 s in the first recording of a process, and a change of
+        # process state that traces report.  What the wrapper protects against is
+        # Dynamo tracing into this Python code while it compiles a function run under
+        # the mode; Dynamo can do that only once it is imported, so __torch_dispatch__
+        # goes through torch._dynamo.disable exactly then, and never imports it itself.
+        return False
 
     def __torch_dispatch__(
         self,
@@ -450,7 +498,9 @@ class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        return self.recorder._dispatch(func, args, kwargs or {})
+        if "torch._dynamo" in sys.modules:
+            return _hand_over_unseen_by_dynamo()(self.recorder, func, args, kwargs)
+        return _hand_over(self.recorder, func, args, kwargs)
 
 
 class OpRecorder:
