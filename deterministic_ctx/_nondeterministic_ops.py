@@ -19,7 +19,14 @@ the ``deterministicAlgorithms()`` switches in ATen's CUDA kernels, the
 some native ops with decompositions whose backward is deterministic.  Where
 the docstring and the code disagree, the code wins (the docstring still lists
 ``F.interpolate(mode="bilinear")`` backward among the ops that raise, but
-``F.interpolate`` no longer calls that kernel in deterministic mode).
+``F.interpolate`` no longer calls that kernel in deterministic mode).  Some
+entries come from the kernels alone, the docstring does not list them:
+``scatter_reduce`` with ``"amax"``/``"amin"`` (``scatter_reduce_two_cuda_kernel``
+alerts for every reduction; only sum and mean are rerouted to ``index_put_``),
+``index_reduce`` (``index_reduce_func_cuda_impl`` alerts for every reduction),
+and the older ``scatter_(reduce="add"|"multiply")``: ``"add"`` is rerouted to
+``index_put_``, ``"multiply"`` multiplies atomically with no alert at all, so
+deterministic mode leaves it nondeterministic without a word (``"none"``).
 
 Not listed, because their CUDA kernels are deterministic: ``index_put`` with
 ``accumulate=True`` (always sorted on CUDA), ``embedding`` backward and
@@ -32,13 +39,14 @@ Example:
     >>> from deterministic_ctx._nondeterministic_ops import TABLE, entries_for
     >>> [e.key for e in entries_for("put_")]
     ['put', 'put-accumulate']
-    >>> all(e.behaviour in ("raise", "warn", "deterministic") for e in TABLE)
+    >>> all(e.behaviour in ("raise", "warn", "deterministic", "none") for e in TABLE)
     True
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -60,8 +68,9 @@ CHECKED_TORCH = "2.13"
 
 #: What ``torch.use_deterministic_algorithms(True)`` does on CUDA: ``"raise"`` a
 #: ``RuntimeError`` (no deterministic kernel), ``"warn"`` and keep the
-#: nondeterministic kernel, or switch to a ``"deterministic"`` kernel.
-Behaviour = Literal["raise", "warn", "deterministic"]
+#: nondeterministic kernel, switch to a ``"deterministic"`` kernel, or ``"none"``:
+#: nothing, the kernel stays nondeterministic without an error or a warning.
+Behaviour = Literal["raise", "warn", "deterministic", "none"]
 Phase = Literal["forward", "backward"]
 #: ``"op"``: matched per aten op call; ``"function"``: matched per call of a torch
 #: Python function (``ops`` are then qualified function names); ``"uninitialized"``:
@@ -193,6 +202,13 @@ def _cumsum_floating(call: OpCall) -> bool:
     return bool(dtype.is_floating_point or dtype.is_complex)
 
 
+def _reduce_of_floating(*reduce: str) -> Callable[[OpCall], bool]:
+    def condition(call: OpCall) -> bool:
+        return call.get("reduce") in reduce and _floating(call.get("self"))
+
+    return condition
+
+
 def _called_from(function: str) -> Callable[[OpCall], bool]:
     def condition(call: OpCall) -> bool:
         return function in call.callers
@@ -252,6 +268,26 @@ def _ex_scatter_reduce(reduce: str) -> Callable[[torch.device], Any]:
 def _ex_scatter(d: torch.device) -> Any:
     index = torch.randint(0, 4, (4096,), device=d)
     return torch.zeros(4, device=d).scatter_(0, index, torch.randn(4096, device=d))
+
+
+def _ex_scatter_old_reduce(reduce: str) -> Callable[[torch.device], Any]:
+    def example(d: torch.device) -> Any:
+        index = torch.randint(0, 4, (4096,), device=d)
+        # Factors near 1, so that a product of ~1000 of them neither overflows nor vanishes.
+        src = 1 + torch.randn(4096, device=d) / 100
+        with warnings.catch_warnings():  # torch's deprecation of reduce=, not the point here
+            warnings.filterwarnings("ignore", message="The reduce argument of torch.scatter")
+            return torch.ones(4, device=d).scatter_(0, index, src, reduce=reduce)
+
+    return example
+
+
+def _ex_index_reduce(d: torch.device) -> Any:
+    index = torch.randint(0, 4, (4096,), device=d)
+    src = 1 + torch.randn(4096, 8, device=d) / 100
+    with warnings.catch_warnings():  # "index_reduce() is in beta": not the point here
+        warnings.filterwarnings("ignore", message="index_reduce")
+        return torch.ones(4, 8, device=d).index_reduce_(0, index, src, "prod")
 
 
 def _ex_index_copy(d: torch.device) -> Any:
@@ -440,6 +476,58 @@ TABLE: tuple[OpEntry, ...] = (
         condition="reduce='prod'",
         when=lambda call: call.get("reduce") == "prod",
         example=_ex_scatter_reduce("prod"),
+    ),
+    OpEntry(
+        "scatter_reduce-amax",
+        ("scatter_reduce", "scatter_reduce_"),
+        "raise",
+        "forward",
+        "scatter_reduce with reduce='amax' or 'amin' runs a CUDA kernel that torch marks "
+        "nondeterministic for every reduction; only 'sum' and 'mean' have a deterministic "
+        "path, so this raises, although a maximum depends on the order only through ties "
+        "such as 0.0 and -0.0 (not in torch's docstring: from the CUDA kernel).",
+        condition="reduce='amax' or 'amin'",
+        when=lambda call: call.get("reduce") in ("amax", "amin"),
+        example=_ex_scatter_reduce("amax"),
+    ),
+    OpEntry(
+        "index_reduce",
+        ("index_reduce", "index_reduce_"),
+        "raise",
+        "forward",
+        f"index_reduce reduces atomically on CUDA with every reduction ('prod', 'mean', "
+        f"'amax', 'amin'); {_NO_KERNEL} (not in torch's docstring: from the CUDA kernel). "
+        "scatter_reduce with 'sum' or 'mean' has one.",
+        example=_ex_index_reduce,
+    ),
+    OpEntry(
+        "scatter-add",
+        ("scatter", "scatter_"),
+        "deterministic",
+        "forward",
+        f"scatter_ with reduce='add' {_ATOMIC}; deterministic mode goes through a sorted "
+        "index_put_ (not in torch's docstring: from scatter_impl). scatter_add_ is the same "
+        "without the deprecated argument.",
+        condition="src is a tensor, reduce='add', self is floating point or complex",
+        when=lambda call: (
+            isinstance(call.get("src"), torch.Tensor) and _reduce_of_floating("add")(call)
+        ),
+        example=_ex_scatter_old_reduce("add"),
+    ),
+    OpEntry(
+        "scatter-multiply",
+        ("scatter", "scatter_"),
+        "none",
+        "forward",
+        "scatter_ with reduce='multiply' multiplies atomically on CUDA, so the order of "
+        "floating-point products varies; torch neither reroutes nor flags it, so it stays "
+        "nondeterministic under deterministic mode, silently. Use scatter_reduce("
+        "reduce='prod'), which raises there, or a log-sum with scatter_add_.",
+        condition="src is a tensor, reduce='multiply', self is floating point or complex",
+        when=lambda call: (
+            isinstance(call.get("src"), torch.Tensor) and _reduce_of_floating("multiply")(call)
+        ),
+        example=_ex_scatter_old_reduce("multiply"),
     ),
     OpEntry(
         "scatter",

@@ -9,16 +9,21 @@ against a table of the cases (:mod:`._nondeterministic_ops`, checked against
 one torch release): the op, the condition on its arguments
 (``index_put_(accumulate=False)``, ``scatter_reduce(reduce="prod")``,
 ``EmbeddingBag(mode="max")`` backward, ...) and what deterministic mode does
-on CUDA: raise, warn, or switch to a deterministic kernel.  Each finding names
+on CUDA: raise, warn, switch to a deterministic kernel, or nothing.  Each finding names
 the module that made the call and the user's ``file:line`` (frames of torch,
 of this package and of the standard library are skipped); an op of autograd's
 backward pass is attributed to the forward call that created it.
 
 Why the CPU and not the meta device: ``fn`` builds or holds its own tensors,
 which the audit cannot move; data-dependent ops (``nonzero``, ``.item()``,
-Python control flow on values) do not run on meta tensors; and the CPU runs
-the same aten ops at the level the audit watches.  Where the CPU runs another
-kernel than CUDA would (attention with dropout), the table says so.
+Python control flow on values) do not run on meta tensors; and for most ops
+the CPU runs the same aten ops at the level the audit watches.  Where the CPU
+runs another kernel than CUDA would (attention with dropout), the table says
+so.  Recurrent layers are the exception the table cannot cover: on CUDA,
+``nn.RNN``/``nn.LSTM``/``nn.GRU`` run cuDNN's RNN ops, on the CPU other ones
+(``mkldnn_rnn_layer``), so the audit never sees the CUDA ops; the report adds
+a note when such a module ran (torch documents them as deterministic on CUDA
+only with ``CUBLAS_WORKSPACE_CONFIG`` set).
 
 Example:
     >>> import torch
@@ -59,6 +64,7 @@ from ._nondeterministic_ops import (
 from .compare import short_repr, tensor_leaves
 from .context import deterministic
 from .internal import CUBLAS_VALID
+from .ops import is_library_file
 from .rerun import SavedState, call_and_consume, check_fn, objects_to_reset
 
 __all__ = ["AuditFinding", "AuditReport", "audit_nondeterminism"]
@@ -77,8 +83,9 @@ class AuditFinding:
         location: the user's ``file:line`` (relative to the working directory
             when inside it); for a backward op, where its forward op was called.
         behaviour: what ``torch.use_deterministic_algorithms(True)`` (with the
-            audit's ``warn_only``) does on CUDA: ``"raise"``, ``"warn"`` or
-            ``"deterministic"`` (switches to a deterministic kernel).
+            audit's ``warn_only``) does on CUDA: ``"raise"``, ``"warn"``,
+            ``"deterministic"`` (switches to a deterministic kernel) or ``"none"``
+            (nothing: the op stays nondeterministic, silently).
         phase: ``"forward"``, or ``"backward"`` (in autograd's backward pass).
         note: why, and what to do, from the table.
         condition: the table's condition on the arguments, in words.
@@ -114,6 +121,7 @@ _VERBS: dict[str, str] = {
     "raise": "it raises (no deterministic CUDA kernel)",
     "warn": "it warns and stays nondeterministic",
     "deterministic": "it becomes deterministic",
+    "none": "it stays nondeterministic, with no error or warning",
 }
 
 
@@ -206,9 +214,9 @@ class AuditReport:
 
 # --- where a call comes from ------------------------------------------------------------------
 
-#: Top-level modules whose frames are library frames: skipped when naming the user's line.
-_OWN = frozenset({"torch", "deterministic_ctx", "_deterministic_ctx_pytest"})
-_STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) | {"__future__"}
+#: Top-level modules of this project: library frames wherever they are installed (the
+#: pytest plugin is a top-level module beside the package).
+_OWN = frozenset({"deterministic_ctx", "_deterministic_ctx_pytest"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,15 +242,19 @@ class _Frames:
     @staticmethod
     def _classify(frame: FrameType) -> str | None:
         """``None`` for a user frame; the qualified name for a torch frame
-        (``torch.nn.functional.pad``); ``""`` for another library frame."""
+        (``torch.nn.functional.pad``); ``""`` for another library frame.
+
+        Library code is told by file path, the rule :mod:`.ops` uses: a module name
+        says too little (``sys.stdlib_module_names`` has ``test``, ``code`` and
+        ``types``, common names of a user's own modules)."""
         module = str(frame.f_globals.get("__name__", ""))
         top = module.partition(".")[0]
-        if top not in _OWN and top not in _STDLIB:
-            return None
-        if top != "torch":
-            return ""
         code = frame.f_code
-        return f"{module}.{getattr(code, 'co_qualname', code.co_name)}"  # Python 3.11+
+        if top == "torch":
+            return f"{module}.{getattr(code, 'co_qualname', code.co_name)}"  # Python 3.11+
+        if top in _OWN or is_library_file(code.co_filename):
+            return ""
+        return None
 
     def _path(self, filename: str) -> str:
         path = self._paths.get(filename)
@@ -303,6 +315,8 @@ class _Modules:
         self._keep: list[torch.nn.Module] = []  # keeps the ids valid while the audit runs
         self._stack: list[tuple[torch.nn.Module, str, str]] = []
         self._thread = threading.get_ident()
+        #: Class names of the recurrent modules that ran (see the module's docstring).
+        self.recurrent: set[str] = set()
         for root in roots:
             self._name(root)
 
@@ -324,6 +338,8 @@ class _Modules:
     def pre_hook(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         if threading.get_ident() == self._thread:
             self._stack.append((module, *self._name(module)))
+            if isinstance(module, torch.nn.RNNBase):
+                self.recurrent.add(type(module).__qualname__)
 
     def post_hook(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if threading.get_ident() != self._thread:
@@ -420,11 +436,24 @@ def _reads_values(func: Any, name: str) -> bool:
     ops do not)."""
     if name in _METADATA or name in _CREATE or name.endswith("_like") or name.startswith("new_"):
         return False
+    # In-place views (t_, transpose_, squeeze_, as_strided_, ...) change only the
+    # tensor's metadata; their ``is_view`` is False, their tag says it.
+    if torch.Tag.inplace_view in getattr(func, "tags", ()):
+        return False
     return not getattr(func, "is_view", False)
 
 
 class _Auditor(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__
     """Sees every aten op call of the run and keeps what matches the table."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # When this is True (torch's default), TorchDispatchMode.__init_subclass__ wraps
+        # __torch_dispatch__ in torch._disable_dynamo, which imports torch._dynamo at the
+        # first op call: ~2 s, and process state that traces record.  Dynamo cannot
+        # be compiling anything it was never imported for: __torch_dispatch__ turns it
+        # off itself, only when torch._dynamo is loaded.
+        return False
 
     def __init__(self, modules: _Modules, *, backward: bool, warn_only: bool) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -499,13 +528,17 @@ class _Auditor(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
         args: tuple[Any, ...] = (),
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
+        if "torch._dynamo" not in sys.modules:
+            return self._dispatch(func, args, kwargs or {})
+        return _dispatch_without_dynamo()(self, func, args, kwargs or {})
+
+    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
         self.calls += 1
         if self._pending:
             self.resolve()
         name = func.overloadpacket.__name__
         node = _current_node()
-        frame = sys._getframe(1)
+        frame = _caller(sys._getframe(1))
         site: _Site | None = None
         if node is not None:
             self.backward_calls += 1
@@ -582,6 +615,35 @@ class _Auditor(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
                 note = f"{_UNINITIALIZED.note} Read by {func} at {reader.location}."
                 entry = dataclasses.replace(_UNINITIALIZED, note=note)
                 self.add(entry, op, site, "forward")
+
+
+#: Frames of this module between an op's caller and the audit's bookkeeping.
+_DISPATCH_FRAMES = frozenset({"__torch_dispatch__", "_dispatch"})
+
+
+def _caller(frame: FrameType | None) -> FrameType | None:
+    """The first frame outside the audit's own dispatch frames (and dynamo's disabling
+    wrapper, when it is in between)."""
+    while frame is not None and (
+        (frame.f_globals.get("__name__") == __name__ and frame.f_code.co_name in _DISPATCH_FRAMES)
+        or str(frame.f_globals.get("__name__", "")).startswith("torch._dynamo")
+    ):
+        frame = frame.f_back
+    return frame
+
+
+_without_dynamo: Callable[..., Any] | None = None
+
+
+def _dispatch_without_dynamo() -> Callable[..., Any]:
+    """``_Auditor._dispatch`` with TorchDynamo off inside it, as torch's own wrapper would
+    have it, built once torch._dynamo is loaded anyway."""
+    global _without_dynamo
+    if _without_dynamo is None:
+        import torch._dynamo
+
+        _without_dynamo = torch._dynamo.disable(_Auditor._dispatch, recursive=True)  # type: ignore[no-untyped-call]
+    return _without_dynamo
 
 
 class _Functions(TorchFunctionMode):
@@ -813,6 +875,13 @@ def audit_nondeterminism(
             "fn runs cuBLAS matmuls: on CUDA, use_deterministic_algorithms(True) raises at the "
             f"first one unless CUBLAS_WORKSPACE_CONFIG is {' or '.join(CUBLAS_VALID)} "
             "(deterministic() blocks set it); here it is " + _env_value("CUBLAS_WORKSPACE_CONFIG")
+        )
+    if modules.recurrent:
+        notes.append(
+            f"fn runs {', '.join(sorted(modules.recurrent))}: on CUDA, recurrent layers run "
+            "cuDNN's RNN ops, which the audit cannot see (the CPU runs other ones); torch "
+            "documents them as deterministic on CUDA only with CUBLAS_WORKSPACE_CONFIG set "
+            f"({' or '.join(CUBLAS_VALID)}); here it is " + _env_value("CUBLAS_WORKSPACE_CONFIG")
         )
     return AuditReport(
         tuple(auditor.findings.values()),

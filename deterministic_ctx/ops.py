@@ -80,6 +80,7 @@ __all__ = [
     "Slot",
     "TensorPrint",
     "first_op_difference",
+    "is_library_file",
 ]
 
 #: Which op calls an :class:`OpRecorder` records: all, those made outside autograd's
@@ -369,12 +370,12 @@ _SITE_DIRS = ("site-packages", "dist-packages")
 def _is_library(code: CodeType) -> bool:
     found = _LIBRARY.get(code)
     if found is None:
-        found = _LIBRARY[code] = _is_library_file(code.co_filename)
+        found = _LIBRARY[code] = is_library_file(code.co_filename)
     return found
 
 
 @functools.lru_cache(maxsize=4096)  # per file: anomaly mode's stacks name files, not code
-def _is_library_file(filename: str) -> bool:
+def is_library_file(filename: str) -> bool:
     if filename.startswith("<"):  # "<frozen importlib._bootstrap>" is; "<string>", "<stdin>" not
         return filename.startswith("<frozen")
     path = os.path.realpath(filename)
@@ -424,7 +425,7 @@ def _node_location(node: Any) -> tuple[str, str] | None:
         return None
     for entry in reversed(stack):  # innermost frame last
         match = _TRACEBACK_LINE.match(str(entry))
-        if match is not None and not _is_library_file(match["file"]):
+        if match is not None and not is_library_file(match["file"]):
             return f"{match['file']}:{match['line']}", match["function"]
     return None
 
