@@ -271,7 +271,8 @@ def _tracing_here() -> bool:
     tracer is per thread."""
     if _get_mode is None or not _MODE_KEYS:
         return True  # an older torch: trust is_compiling() alone
-    return any(_get_mode(key) is not None for key in _MODE_KEYS)
+    # map over the C getter, not a generator: this runs at every block's start.
+    return any(map(_get_mode, _MODE_KEYS))
 
 
 def refuse_while_tracing() -> None:
