@@ -47,6 +47,10 @@ from .sources import (
     source_named,
 )
 from .sources._config import unchanged_config
+from .sources._plain import fields as plain_fields
+from .sources._plain import flag as plain_flag
+from .sources._plain import integer as plain_integer
+from .sources._plain import mapping as plain_mapping
 from .sources.compiler import compiled_settings
 from .sources.environ import CUBLAS_VALID, managed_env_vars, register_env_var
 from .sources.environ import SEED as SEED_ENV_VAR
@@ -69,6 +73,10 @@ __all__ = [
     "inside_block",
     "managed_env_vars",
     "opaque",
+    "plain_fields",
+    "plain_flag",
+    "plain_integer",
+    "plain_mapping",
     "process_rank",
     "register_env_var",
     "register_rng",

@@ -94,6 +94,7 @@ from .checkpoint import FileKind, InvalidSnapshotError, decode, encode, origin_o
 from .compare import short_repr, tensor_leaves
 from .context import deterministic
 from .fingerprint import fingerprint
+from .internal import plain_fields, plain_flag, plain_integer, plain_mapping
 from .locate import Divergence
 from .ops import OpCall, TensorPrint, first_op_difference
 from .record import Event, OpWindow, Run, record_run
@@ -1288,7 +1289,7 @@ _REQUIRED = (
 
 def _from_state(state: dict[str, Any]) -> Trace:
     """Check every field of a decoded trace; ``ValueError`` naming the first bad one."""
-    top = _fields(state, "trace", _REQUIRED, ("ops",))
+    top = plain_fields(state, "trace", _REQUIRED, ("ops",))
     _text(top["format"], "format")
     if top["format"] != FORMAT:
         raise ValueError(f"format: expected {FORMAT!r}, got {short_repr(top['format'])}")
@@ -1298,11 +1299,11 @@ def _from_state(state: dict[str, Any]) -> Trace:
             f"version {version} is newer than this deterministic-ctx reads ({VERSION}): "
             "upgrade deterministic-ctx to read it"
         )
-    _int(version, "version", VERSION, VERSION)
+    plain_integer(version, "version", VERSION, VERSION)
     status = top["status"]
     if status is not None:
-        _int(status, "status", -(2**31), 2**31 - 1)
-    ops = _bool(top.get("ops", False), "ops")
+        plain_integer(status, "status", -(2**31), 2**31 - 1)
+    ops = plain_flag(top.get("ops", False), "ops")
     digests = top["digests"]
     if (
         not (
@@ -1316,7 +1317,7 @@ def _from_state(state: dict[str, Any]) -> Trace:
     count = digests.numel() // _DIGEST
     environment = {
         _text(name, "environment key"): _fact(value, f"environment[{name!r}]")
-        for name, value in _mapping(top["environment"], "environment").items()
+        for name, value in plain_mapping(top["environment"], "environment").items()
     }
     modules = []
     for i, label in enumerate(_list(top["modules"], "modules")):
@@ -1328,9 +1329,9 @@ def _from_state(state: dict[str, Any]) -> Trace:
     raw_events = _list(top["events"], "events")
     for i, call in enumerate(_list(top["calls"], "calls")):
         index, start = _list(call, f"calls[{i}]", 2, 2)
-        structure.append(modules[_int(index, f"calls[{i}][0]", 0, len(modules) - 1)])
+        structure.append(modules[plain_integer(index, f"calls[{i}][0]", 0, len(modules) - 1)])
         low = starts[-1] if starts else 0
-        starts.append(_int(start, f"calls[{i}][1]", low, len(raw_events)))
+        starts.append(plain_integer(start, f"calls[{i}][1]", low, len(raw_events)))
     events = [
         _event(raw, f"events[{i}]", modules, len(structure), count, ops)
         for i, raw in enumerate(raw_events)
@@ -1338,8 +1339,8 @@ def _from_state(state: dict[str, Any]) -> Trace:
     return Trace(
         source=_text(top["source"], "source"),
         recorded=_text(top["recorded"], "recorded"),
-        seed=_int(top["seed"], "seed", 0, 2**64 - 1),
-        backward=_bool(top["backward"], "backward"),
+        seed=plain_integer(top["seed"], "seed", 0, 2**64 - 1),
+        backward=plain_flag(top["backward"], "backward"),
         environment=environment,
         structure=tuple(structure),
         starts=tuple(starts),
@@ -1377,10 +1378,10 @@ def _event(
     label: tuple[str | None, str | None, str | None] = _NO_MODULE
     if module is not None:
         if type(module) is not int or not 0 <= module < len(modules):
-            _int(module, f"{path}[3]", 0, len(modules) - 1)
+            plain_integer(module, f"{path}[3]", 0, len(modules) - 1)
         label = modules[module]
     if call is not None and (type(call) is not int or not 0 <= call < calls):
-        _int(call, f"{path}[4]", 0, calls - 1)
+        plain_integer(call, f"{path}[4]", 0, calls - 1)
     if type(leaves) is not list:
         _list(leaves, f"{path}[5]")
     paths, shapes, dtypes, slots = [], [], [], []
@@ -1393,10 +1394,10 @@ def _event(
         if type(dtype) is not str or len(dtype) > _MAX_TEXT:
             _text(dtype, f"{path}[5][{j}][1]")
         if digest is not None and (type(digest) is not int or not 0 <= digest < digests):
-            _int(digest, f"{path}[5][{j}][2]", 0, digests - 1)
+            plain_integer(digest, f"{path}[5][{j}][2]", 0, digests - 1)
         for k, n in enumerate(dims):
             if type(n) is not int or not 0 <= n < 2**63:
-                _int(n, f"{path}[5][{j}][{3 + k}]", 0, 2**63 - 1)
+                plain_integer(n, f"{path}[5][{j}][{3 + k}]", 0, 2**63 - 1)
         paths.append(name)
         shapes.append(tuple(dims))
         dtypes.append(dtype)
@@ -1418,8 +1419,8 @@ def _event(
 _NO_MODULE: tuple[None, None, None] = (None, None, None)
 
 
-# Checked reading of plain data: exact types only (a subclass could run code), a path in
-# every message.  Like the snapshot sources' readers, which integrations cannot import.
+# Checked reading of plain data: the snapshot sources' readers (through the internal API),
+# and two they do not have: exact types only (a subclass could run code), a path in every message.
 
 
 def _got(value: object) -> str:
@@ -1429,42 +1430,10 @@ def _got(value: object) -> str:
     return f"a {kind.__name__}"
 
 
-def _mapping(value: object, path: str) -> dict[str, Any]:
-    if type(value) is not dict or any(type(k) is not str for k in value):
-        raise ValueError(f"{path}: expected a dict with string keys, got {_got(value)}")
-    return value
-
-
-def _fields(
-    value: object, path: str, required: Iterable[str], optional: Iterable[str] = ()
-) -> dict[str, Any]:
-    found = _mapping(value, path)
-    need, may = set(required), set(optional)
-    missing = sorted(need - found.keys())
-    if missing:
-        raise ValueError(f"{path}: missing field(s) {', '.join(missing)}")
-    extra = sorted(map(repr, found.keys() - need - may))
-    if extra:
-        raise ValueError(f"{path}: unexpected field(s) {', '.join(extra)}")
-    return found
-
-
 def _list(value: object, path: str, low: int = 0, high: int | None = None) -> list[Any]:
     if type(value) is not list or len(value) < low or (high is not None and len(value) > high):
         size = f"{low} .. {high}" if high is not None else f"at least {low}"
         raise ValueError(f"{path}: expected a list of {size} items, got {_got(value)}")
-    return value
-
-
-def _int(value: object, path: str, low: int, high: int) -> int:
-    if type(value) is not int or not low <= value <= high:
-        raise ValueError(f"{path}: expected an int in {low} .. {high}, got {_got(value)}")
-    return value
-
-
-def _bool(value: object, path: str) -> bool:
-    if type(value) is not bool:
-        raise ValueError(f"{path}: expected True or False, got {_got(value)}")
     return value
 
 
