@@ -675,10 +675,12 @@ class _Settings(NamedTuple):
 
 @dataclasses.dataclass
 class _Outcome:
-    """How a recorded script ended: its exit status, and the ``SystemExit`` to re-raise."""
+    """How a recorded script ended: its exit status, the ``SystemExit`` to re-raise,
+    and whether Ctrl-C stopped it (a script may exit with status 130 itself)."""
 
     status: int = EXIT_OK
     exit: SystemExit | None = None
+    interrupted: bool = False
 
 
 def _trace_record(
@@ -733,7 +735,7 @@ def _trace_record(
             parser.print_usage(sys.stderr)
         print(f"{PROG} trace record: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    if outcome.status == EXIT_INTERRUPTED:
+    if outcome.interrupted:
         print(f"{PROG} trace record: interrupted: no trace written", file=sys.stderr)
         return EXIT_INTERRUPTED
     dataclasses.replace(trace, status=outcome.status).save(output)
@@ -786,6 +788,7 @@ def _execute_recorded(target: _Target, outcome: _Outcome) -> dict[str, Any] | No
     except KeyboardInterrupt as exc:
         _print_exception(exc)
         outcome.status = EXIT_INTERRUPTED
+        outcome.interrupted = True
     except BaseException as exc:
         _print_exception(exc)
         outcome.status = EXIT_ERROR

@@ -840,6 +840,8 @@ def test_cli_record_in_process(tmp_path, monkeypatch, capsys):
             raise ValueError("boom")
         if sys.argv[1:] == ["exit"]:
             sys.exit(3)
+        if sys.argv[1:] == ["exit130"]:
+            sys.exit(130)  # its own status, not an interrupt
         """)
     )
     out = tmp_path / "a.trace"
@@ -863,6 +865,11 @@ def test_cli_record_in_process(tmp_path, monkeypatch, capsys):
     assert Trace.load(out).status == 3
     report = compare_traces(trace, out)
     assert "the scripts exited with status 0 (A) and 3 (B)" in report.notes
+    other = tmp_path / "b.trace"
+    with pytest.raises(SystemExit) as info:
+        main(["trace", "record", "--seed", "3", str(other), str(script), "exit130"])
+    assert info.value.code == 130
+    assert Trace.load(other).status == 130  # written: only Ctrl-C writes none
     d = report.divergence
     assert (d.kind, d.phase, d.what) == ("missing", "result", 'globals["out"]')
 
