@@ -50,7 +50,6 @@ from typing import Any
 import torch
 from torch.nn.modules import module as _nn_module
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._nondeterministic_ops import (
     CHECKED_TORCH,
@@ -64,7 +63,7 @@ from ._nondeterministic_ops import (
 from .compare import short_repr, tensor_leaves
 from .context import deterministic
 from .internal import CUBLAS_VALID
-from .ops import is_library_file
+from .ops import QuietDispatchMode, is_library_file
 from .rerun import SavedState, call_and_consume, check_fn, objects_to_reset
 
 __all__ = ["AuditFinding", "AuditReport", "audit_nondeterminism"]
@@ -443,17 +442,9 @@ def _reads_values(func: Any, name: str) -> bool:
     return not getattr(func, "is_view", False)
 
 
-class _Auditor(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__
-    """Sees every aten op call of the run and keeps what matches the table."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # When this is True (torch's default), TorchDispatchMode.__init_subclass__ wraps
-        # __torch_dispatch__ in torch._disable_dynamo, which imports torch._dynamo at the
-        # first op call: ~2 s, and process state that traces record.  Dynamo cannot
-        # be compiling anything it was never imported for: __torch_dispatch__ turns it
-        # off itself, only when torch._dynamo is loaded.
-        return False
+class _Auditor(QuietDispatchMode):
+    """Sees every aten op call of the run and keeps what matches the table
+    (never importing torch._dynamo: see :class:`~deterministic_ctx.ops.QuietDispatchMode`)."""
 
     def __init__(self, modules: _Modules, *, backward: bool, warn_only: bool) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -520,17 +511,6 @@ class _Auditor(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
             entry.condition,
             entry.key,
         )
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> Any:
-        if "torch._dynamo" not in sys.modules:
-            return self._dispatch(func, args, kwargs or {})
-        return _dispatch_without_dynamo()(self, func, args, kwargs or {})
 
     def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
         self.calls += 1
@@ -617,33 +597,24 @@ class _Auditor(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
                 self.add(entry, op, site, "forward")
 
 
-#: Frames of this module between an op's caller and the audit's bookkeeping.
-_DISPATCH_FRAMES = frozenset({"__torch_dispatch__", "_dispatch"})
+#: Frames of this module and of ops.py's QuietDispatchMode between an op's caller
+#: and the audit's bookkeeping.
+_DISPATCH_FRAMES = frozenset({"__torch_dispatch__", "_hand_over", "_dispatch"})
+_DISPATCH_MODULES = frozenset({__name__, QuietDispatchMode.__module__})
 
 
 def _caller(frame: FrameType | None) -> FrameType | None:
     """The first frame outside the audit's own dispatch frames (and dynamo's disabling
     wrapper, when it is in between)."""
     while frame is not None and (
-        (frame.f_globals.get("__name__") == __name__ and frame.f_code.co_name in _DISPATCH_FRAMES)
+        (
+            frame.f_globals.get("__name__") in _DISPATCH_MODULES
+            and frame.f_code.co_name in _DISPATCH_FRAMES
+        )
         or str(frame.f_globals.get("__name__", "")).startswith("torch._dynamo")
     ):
         frame = frame.f_back
     return frame
-
-
-_without_dynamo: Callable[..., Any] | None = None
-
-
-def _dispatch_without_dynamo() -> Callable[..., Any]:
-    """``_Auditor._dispatch`` with TorchDynamo off inside it, as torch's own wrapper would
-    have it, built once torch._dynamo is loaded anyway."""
-    global _without_dynamo
-    if _without_dynamo is None:
-        import torch._dynamo
-
-        _without_dynamo = torch._dynamo.disable(_Auditor._dispatch, recursive=True)  # type: ignore[no-untyped-call]
-    return _without_dynamo
 
 
 class _Functions(TorchFunctionMode):

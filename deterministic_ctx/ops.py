@@ -77,6 +77,7 @@ __all__ = [
     "OpCall",
     "OpDifference",
     "OpRecorder",
+    "QuietDispatchMode",
     "Slot",
     "TensorPrint",
     "first_op_difference",
@@ -462,8 +463,8 @@ class _Paused(threading.local):
     depth = 0
 
 
-def _hand_over(recorder: OpRecorder, func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
-    return recorder._dispatch(func, args, kwargs or {})
+def _hand_over(mode: QuietDispatchMode, func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+    return mode._dispatch(func, args, kwargs or {})
 
 
 @functools.cache
@@ -474,12 +475,22 @@ def _hand_over_unseen_by_dynamo() -> Any:
     return torch._dynamo.disable(_hand_over, recursive=True)  # type: ignore[no-untyped-call]
 
 
-class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """The dispatch mode: hands every op call to its recorder."""
+class QuietDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """A dispatch mode that never imports ``torch._dynamo`` itself: subclasses
+    implement ``_dispatch(func, args, kwargs)``, called for every op call.
 
-    def __init__(self, recorder: OpRecorder) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.recorder = recorder
+    Example:
+        >>> import torch
+        >>> class Count(QuietDispatchMode):
+        ...     calls = 0
+        ...     def _dispatch(self, func, args, kwargs):
+        ...         self.calls += 1
+        ...         return func(*args, **kwargs)
+        >>> with Count() as mode:
+        ...     _ = torch.ones(2) + 1
+        >>> mode.calls > 0
+        True
+    """
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -500,8 +511,22 @@ class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         if "torch._dynamo" in sys.modules:
-            return _hand_over_unseen_by_dynamo()(self.recorder, func, args, kwargs)
-        return _hand_over(self.recorder, func, args, kwargs)
+            return _hand_over_unseen_by_dynamo()(self, func, args, kwargs)
+        return _hand_over(self, func, args, kwargs)
+
+    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        raise NotImplementedError
+
+
+class _Mode(QuietDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__
+    """The dispatch mode: hands every op call to its recorder."""
+
+    def __init__(self, recorder: OpRecorder) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.recorder = recorder
+
+    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        return self.recorder._dispatch(func, args, kwargs)
 
 
 class OpRecorder:
