@@ -332,9 +332,18 @@ def _mismatch_hint(backend: str | Callable[..., Any], eager_rng: bool) -> str:
             "is off): pass compiled_rng='eager' to make compiled random ops use eager's "
             "kernels.  If fn draws no random numbers: " + arithmetic
         )
+    reorder = ""
+    if tuple(int(part) for part in torch.__version__.split(".")[:2] if part.isdigit()) < (2, 13):
+        # Seen on torch 2.11 (not on 2.13): dropout then torch.rand in one graph drew
+        # eager's numbers in the other order.
+        reorder = (
+            "on this torch, inductor may run the random ops of one graph in another order "
+            "than eager (seen on torch 2.11 with two random ops; not on 2.13); "
+        )
     return (
         "Random ops ran eager's kernels (fallback_random), so the likely causes are: "
-        "np.random calls in fn (compiled, they draw from torch's generator unless "
+        + reorder
+        + "np.random calls in fn (compiled, they draw from torch's generator unless "
         "torch._dynamo.config.use_numpy_random_stream is on); a model or optimizer fn reaches "
         "through a closure and that was not reset between the runs (pass it in reset=); "
         "or arithmetic: " + arithmetic

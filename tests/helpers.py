@@ -140,3 +140,25 @@ class RandomLike:
 
     def random(self) -> float:
         return self._r.random()
+
+
+def config_override(config: Any, key: str) -> object:
+    """The user override of a torch config entry (torch's sentinel if unset).
+
+    torch 2.12 and later keep it in a ``ContextVar``, older torch in a plain
+    attribute; test-only access to torch internals, in either layout.
+    """
+    override = config._config[key].user_override
+    return override.get() if hasattr(override, "set") else override
+
+
+def set_config_override(config: Any, key: str, value: object) -> None:
+    """Write the user override of a torch config entry as torch's own patcher does."""
+    entry = config._config[key]
+    if hasattr(entry.user_override, "set"):
+        entry.user_override.set(value)
+        config._hash_dirty_var.set(True)
+        config._mark_get_dict_dirty(key)
+    else:
+        entry.user_override = value
+        config._is_dirty = True

@@ -25,6 +25,14 @@ from deterministic_ctx import (
 
 X = torch.ones(8)
 
+#: On torch 2.11 inductor was seen to reorder the random ops of one graph (dropout, then
+#: torch.rand) even with fallback_random, so a graph with two random ops draws eager's
+#: numbers in another order; checked equal on torch 2.13.
+_REORDERS = tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13)
+two_random_ops = pytest.mark.skipif(
+    _REORDERS, reason="this torch's inductor reorders random ops within a graph"
+)
+
 
 def noisy(x):
     """Dropout and torch.rand: inductor draws them with its own generator unless told not to."""
@@ -46,6 +54,7 @@ def assert_same(a, b):
 
 
 @pytest.mark.slow
+@two_random_ops
 def test_dropout_and_rand_match_eager_with_compiled_rng_eager():
     out = assert_compiled_matches_eager(noisy, X, seed=3)
     assert_same(out, eager(noisy, X, seed=3))
@@ -53,6 +62,7 @@ def test_dropout_and_rand_match_eager_with_compiled_rng_eager():
 
 
 @pytest.mark.slow
+@two_random_ops
 def test_caller_rng_and_inductor_config_are_untouched():
     import torch._inductor.config as inductor_config
 
@@ -89,6 +99,7 @@ def test_inductors_own_random_numbers_fail_with_the_leaf_and_the_hint():
 
 
 @pytest.mark.slow
+@two_random_ops
 def test_code_compiled_earlier_is_neither_reused_nor_changed():
     # Compiled by the caller in a block: inductor's own numbers, and the very guards of the
     # check's block (deterministic algorithms on).  Dynamo keys its cache by code object, so a

@@ -4,11 +4,17 @@ and written as torch's own patcher does.
 A config module tells a value the user set from a default (``_is_default``),
 and its compile-cache keys see the difference.  So the state of an entry is
 its *user override*: the value someone set, or :data:`AT_DEFAULT` when nobody
-did.  It is read and written the way torch's ``_make_closure_patcher`` does:
-the override's ``ContextVar``, then the module's hash and ``get_dict`` caches
-marked dirty.  That is also cheaper than ``getattr(config, key)`` (about
-1.2 µs per read, 0.8 µs per write).  Overrides are per thread (a
-``ContextVar`` in torch), so a restore writes the calling thread's.
+did.  It is read and written the way torch's own patcher does, in either of
+the two layouts torch has had:
+
+* torch 2.12 and later: the override is a ``ContextVar`` (per thread and per
+  asyncio task, so a restore writes the calling thread's), and the module's
+  hash and ``get_dict`` caches are marked dirty after a write;
+* torch 2.11 and earlier: the override is a plain attribute of the entry
+  (process-wide), and the module's ``_is_dirty`` flag is set after a write.
+
+That is also cheaper than ``getattr(config, key)`` (about 1.2 µs per read,
+0.8 µs per write).
 
 A module that is not imported is never imported here: its entries read as
 not imported, and a restore leaves them alone.  An entry imported *after* a
@@ -64,6 +70,26 @@ class _Found(NamedTuple):
     #: The value is the override, else the entry's default (no alias, env
     #: variable or justknob in between): no need for the costly getattr.
     plain: bool
+    #: The override is a ``ContextVar`` (torch >= 2.12), else a plain attribute.
+    var: bool
+
+
+def _get(found: _Found) -> object:
+    """The entry's user override (torch's sentinel where nobody set it)."""
+    override = found.entry.user_override
+    return override.get() if found.var else override
+
+
+def _put(found: _Found, key: str, target: object) -> None:
+    """Write the override as torch's patcher does, and mark the module's caches dirty."""
+    if found.var:
+        found.entry.user_override.set(target)
+        # The caches of the compile-cache key and of get_dict (torch's own patcher does this).
+        found.config._hash_dirty_var.set(True)
+        found.config._mark_get_dict_dirty(key)
+    else:
+        found.entry.user_override = target
+        found.config._is_dirty = True  # the compile-cache key is hashed again
 
 
 class ConfigEntry:
@@ -108,7 +134,7 @@ class ConfigEntry:
         if found.entry is None:
             value = getattr(found.config, self.key)
             return value, value
-        override = found.entry.user_override.get()
+        override = _get(found)
         if override is found.unset:
             value = found.entry.default if found.plain else getattr(found.config, self.key)
             return value, AT_DEFAULT
@@ -116,13 +142,13 @@ class ConfigEntry:
         return value, override
 
     def override(self) -> object:
-        """What :meth:`read` returns second, alone (a ``ContextVar`` read)."""
+        """What :meth:`read` returns second, alone (one read of the override)."""
         found = self.located()
         if found is None:
             return AT_DEFAULT
         if found.entry is None:
             return getattr(found.config, self.key)
-        override = found.entry.user_override.get()
+        override = _get(found)
         return AT_DEFAULT if override is found.unset else override
 
     def set(self, value: object) -> None:
@@ -148,11 +174,8 @@ class ConfigEntry:
         self._write(found, found.unset if want == AT_DEFAULT else want)
 
     def _write(self, found: _Found, target: object) -> None:
-        if found.entry.user_override.get() is not target:
-            found.entry.user_override.set(target)
-            # The caches of the compile-cache key and of get_dict (torch's own patcher does this).
-            found.config._hash_dirty_var.set(True)
-            found.config._mark_get_dict_dirty(self.key)
+        if _get(found) is not target:
+            _put(found, self.key, target)
 
     def default(self, found: _Found | None = None) -> Any:
         """The entry's default, where its module is imported (else ``None``)."""
@@ -166,19 +189,31 @@ class ConfigEntry:
         return None if self._unknown_default is None else self._unknown_default()
 
 
-def _inspect(config: Any, key: str) -> _Found:
-    entries = getattr(config, "_config", None)
-    entry = entries.get(key) if isinstance(entries, dict) else None
-    override = getattr(entry, "user_override", None)
-    unset = getattr(sys.modules.get("torch.utils._config_module"), "_UNSET_SENTINEL", None)
-    if not (
-        unset is not None
-        and callable(getattr(override, "get", None))
+def _layout(config: Any, entry: Any) -> bool | None:
+    """``True``: the override is a ``ContextVar`` (torch >= 2.12); ``False``: a plain
+    attribute (torch <= 2.11); ``None``: neither layout is recognised."""
+    if entry is None or not hasattr(entry, "user_override"):
+        return None
+    override = entry.user_override
+    if (
+        callable(getattr(override, "get", None))
         and callable(getattr(override, "set", None))
         and callable(getattr(config, "_mark_get_dict_dirty", None))
         and hasattr(config, "_hash_dirty_var")
     ):
-        return _Found(config, None, None, False)
+        return True
+    if hasattr(config, "_is_dirty") and not hasattr(config, "_hash_dirty_var"):
+        return False
+    return None
+
+
+def _inspect(config: Any, key: str) -> _Found:
+    entries = getattr(config, "_config", None)
+    entry = entries.get(key) if isinstance(entries, dict) else None
+    unset = getattr(sys.modules.get("torch.utils._config_module"), "_UNSET_SENTINEL", None)
+    var = _layout(config, entry)
+    if unset is None or var is None:
+        return _Found(config, None, None, False, False)
     plain = (
         getattr(entry, "alias", None) is None
         and getattr(entry, "justknob", None) is None
@@ -186,7 +221,7 @@ def _inspect(config: Any, key: str) -> _Found:
         and getattr(entry, "env_value_default", None) is unset
         and isinstance(getattr(entry, "default", None), (bool, int, float, str))
     )
-    return _Found(config, entry, unset, plain)
+    return _Found(config, entry, unset, plain, var)
 
 
 @contextlib.contextmanager
@@ -201,18 +236,22 @@ def unchanged_config(module: str) -> Iterator[None]:
     """
     config = sys.modules.get(module)
     entries = getattr(config, "_config", None)
-    if not isinstance(entries, dict) or not all(
-        callable(getattr(getattr(entry, "user_override", None), "get", None))
-        for entry in entries.values()
-    ):
+    unset = getattr(sys.modules.get("torch.utils._config_module"), "_UNSET_SENTINEL", None)
+    found: dict[str, _Found] = {}
+    if isinstance(entries, dict):
+        for key, entry in entries.items():
+            var = _layout(config, entry)
+            if var is None:
+                found = {}
+                break
+            found[key] = _Found(config, entry, unset, False, var)
+    if not found:
         yield
         return
-    saved = [(key, entry, entry.user_override.get()) for key, entry in entries.items()]
+    saved = [(key, f, _get(f)) for key, f in found.items()]
     try:
         yield
     finally:
-        for key, entry, override in saved:
-            if entry.user_override.get() is not override:
-                entry.user_override.set(override)
-                config._hash_dirty_var.set(True)  # type: ignore[union-attr]
-                config._mark_get_dict_dirty(key)  # type: ignore[union-attr]
+        for key, f, override in saved:
+            if _get(f) is not override:
+                _put(f, key, override)

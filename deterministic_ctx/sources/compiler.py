@@ -118,7 +118,7 @@ def _rebind(modules: tuple[Any, ...]) -> _Binding:
     found = [entry.located() for entry in ENTRIES]
     variables = (
         tuple(f.entry.user_override for f in found if f is not None)
-        if all(f is not None and f.entry is not None and f.plain for f in found)
+        if all(f is not None and f.entry is not None and f.plain and f.var for f in found)
         else None
     )
     get = type(variables[0]).get if variables else None
