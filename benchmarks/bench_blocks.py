@@ -1,6 +1,6 @@
 """Cost of entering and leaving a block, against baselines measured in the same run.
 
-Run:  python benchmarks/bench_blocks.py [--repeats N] [--number N]
+Run:  python benchmarks/bench_blocks.py [--repeats N] [--number N] [--cuda]
 
 Prints medians (µs per operation) over interleaved repeats, so machine noise
 hits every row alike, then the ratios the performance targets of issue 15 are
@@ -304,7 +304,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--number", type=int, default=2000)
+    parser.add_argument(
+        "--cuda",
+        action="store_true",
+        help="initialize CUDA first: blocks (and Lightning's isolate_rng) then save and "
+        "restore every CUDA generator too; the floor row stays CPU-only",
+    )
     args = parser.parse_args(argv)
+    if args.cuda:
+        torch.cuda.init()
     # Lightning imports it anyway; the rows marked NO_INDUCTOR hide it again.
     importlib.import_module(_CONFIG)
 
@@ -323,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     medians = measure(cases, args.repeats, args.number)
     print(f"torch {torch.__version__}, numpy {np.__version__}, Python {sys.version.split()[0]}")
+    if torch.cuda.is_initialized():
+        print(f"CUDA initialized: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")
     print(f"median of {args.repeats} repeats x {args.number} calls, µs per call\n")
     width = max(map(len, medians))
     for name, value in medians.items():

@@ -1,6 +1,6 @@
 """Cost of locate_divergence and assert_reproducible on small models, and of one fingerprint.
 
-Run:  python benchmarks/bench_locate.py [--device cpu|cuda] [--repeats N] [--threads N]
+Run:  python benchmarks/bench_locate.py [--device cpu|cuda] [--repeats N] [--threads N] [--large]
 
 For each model and workload it prints the median wall time (ms) of:
 
@@ -75,12 +75,17 @@ class CNN(nn.Module):
         return self.head(self.features(x))
 
 
-def workloads(device: torch.device) -> list[tuple[str, nn.Module, Callable[[], object]]]:
-    out = []
-    for name, model, x in (
+def workloads(
+    device: torch.device, large: bool = False
+) -> list[tuple[str, nn.Module, Callable[[], object]]]:
+    models = [
         ("mlp 256x6, batch 128", MLP(), torch.randn(128, 32)),
         ("cnn 32ch x6, 16x3x32x32", CNN(), torch.randn(16, 3, 32, 32)),
-    ):
+    ]
+    if large:  # a few million parameters: 6 x (1024 x 1024) linear layers, 6.3M
+        models.append(("mlp 1024x6 (6.3M), batch 512", MLP(1024), torch.randn(512, 32)))
+    out = []
+    for name, model, x in models:
         model, x = model.to(device), x.to(device)
         target = torch.randint(0, 10, (x.shape[0],), device=device)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -114,14 +119,16 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def bench_workloads(device: torch.device, repeats: int) -> list[tuple[str, str, float]]:
+def bench_workloads(
+    device: torch.device, repeats: int, large: bool = False
+) -> list[tuple[str, str, float]]:
     """Print the table of workloads; return ``(workload, row, ratio to one run)`` of the MLP."""
     print(
         f"{'workload':<38} {'calls':>5} {'1 run':>7} {'assert_r':>8} {'locate':>7} "
         f"{'locate+bw':>9} {'x1':>5} {'x1 bw':>5} {'µs/call':>7} {'µs/call bw':>10}"
     )
     ratios: list[tuple[str, str, float]] = []
-    for name, state, fn in workloads(device):
+    for name, state, fn in workloads(device, large):
         reset = list(state) if isinstance(state, tuple) else [state]
         block = deterministic(seed=0)
 
@@ -155,7 +162,7 @@ def bench_workloads(device: torch.device, repeats: int) -> list[tuple[str, str, 
             f"{med['locate']:>7.2f} {med['locate+bw']:>9.2f} {x1['locate']:>5.2f} "
             f"{x1['locate+bw']:>5.2f} {per_call:>7.0f} {per_call_bw:>10.0f}"
         )
-        if name.startswith("mlp"):
+        if name.startswith("mlp 256"):
             ratios += [(name, key, ratio) for key, ratio in x1.items()]
     return ratios
 
@@ -202,6 +209,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument(
+        "--large", action="store_true", help="add an MLP of 6.3M parameters (batch 512)"
+    )
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -211,7 +221,7 @@ def main() -> None:
         f"medians of {args.repeats} repeats (ms unless marked)"
     )
     with deterministic(seed=0):  # model initialization and inputs: the same every time
-        ratios = bench_workloads(device, args.repeats)
+        ratios = bench_workloads(device, args.repeats, args.large)
         print_targets(ratios)
         bench_fingerprint(device, args.repeats)
 

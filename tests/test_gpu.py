@@ -7,6 +7,7 @@ cannot be undone, so each scenario runs in a fresh interpreter.
 
 from __future__ import annotations
 
+import json
 import textwrap
 
 import pytest
@@ -39,26 +40,52 @@ def test_block_never_initializes_cuda():
 
 
 def test_cuda_first_initialized_inside_block():
-    out = _run("""
+    """Inside: the block's seed.  After: what initialization gives without the block,
+    i.e. torch's own per-process random seed, or the stream of a seed queued before."""
+    code = """
         import torch
         from deterministic_ctx import deterministic
         with deterministic(seed=3):
             inside = torch.rand(4, device="cuda").tolist()   # first CUDA use
-        after = torch.rand(4, device="cuda").tolist()
-        print(inside); print(after)
-    """)
+        print(inside); print(torch.rand(4, device="cuda").tolist(), torch.cuda.initial_seed())
+    """
+    out, again = _run(code), _run(code)
     reference = _run("""
         import torch
         torch.manual_seed(3)
         print(torch.rand(4, device="cuda").tolist())
     """)
-    untouched = _run("""
-        import torch
-        print(torch.rand(4, device="cuda").tolist())   # a fresh process's CUDA stream
-    """)
     inside, after = out.strip().splitlines()
-    assert inside == reference.strip()
-    assert after == untouched.strip()
+    assert inside == reference.strip() == again.splitlines()[0]
+    after_draws, after_seed = after.rsplit(" ", 1)
+    # Initialization seeds from the OS: two processes differ after the block, as they
+    # would without it, and nothing is left of the block's seed.
+    assert after != again.splitlines()[1]
+    assert int(after_seed) != 3
+    assert (
+        after_draws
+        != _run("""
+        import torch
+        torch.manual_seed(3)
+        torch.rand(4, device="cuda")
+        print(torch.rand(4, device="cuda").tolist())
+    """).strip()
+    )
+    # A seed queued before the block is what the program draws from afterwards.
+    queued = _run("""
+        import torch
+        from deterministic_ctx import deterministic
+        torch.manual_seed(5)                     # queued for CUDA: not initialized yet
+        with deterministic(seed=3):
+            torch.rand(4, device="cuda")
+        print(torch.rand(4, device="cuda").tolist())
+    """)
+    expected = _run("""
+        import torch
+        torch.manual_seed(5)
+        print(torch.rand(4, device="cuda").tolist())
+    """)
+    assert queued.strip() == expected.strip()
 
 
 def test_live_cuda_generators_restored_bitwise():
@@ -96,3 +123,182 @@ def test_cuda_training_step_is_deterministic():
         print(a == b, a)
     """)
     assert out.startswith("True")
+
+
+def test_cuda_training_loop_bitwise_under_block_and_nondeterministic_without():
+    """cuDNN convolutions, cuBLAS matmuls, dropout, batch norm, AdamW and an
+    ``index_add_`` (atomics) in the forward: two runs in ``deterministic(seed=0)``
+    agree bit for bit; without the block the atomics make runs differ."""
+    out = _run("""
+        import torch
+        from deterministic_ctx import deterministic
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.conv = torch.nn.Conv2d(3, 32, 3, padding=1)
+                self.bn = torch.nn.BatchNorm2d(32)
+                self.drop = torch.nn.Dropout(0.2)
+                self.fc = torch.nn.Linear(32 * 16 * 16, 64)
+                self.head = torch.nn.Linear(64, 10)
+            def forward(self, x, index):
+                h = self.drop(torch.relu(self.bn(self.conv(x)))).flatten(1)
+                h = self.fc(h)
+                # 64 rows summed into 8 with atomics: the order decides the rounding
+                pooled = torch.zeros(8, h.shape[1], device=h.device).index_add_(0, index, h)
+                return self.head(pooled)
+
+        def train(steps=5):
+            torch.manual_seed(0)
+            model = Net().cuda()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            x = torch.randn(64, 3, 16, 16, device="cuda")
+            index = torch.randint(0, 8, (64,), device="cuda")
+            for _ in range(steps):
+                opt.zero_grad()
+                model(x, index).square().mean().backward()
+                opt.step()
+            torch.cuda.synchronize()
+            return torch.cat([p.detach().flatten() for p in model.parameters()]).cpu()
+
+        with deterministic(seed=0):
+            a = train()
+        with deterministic(seed=0):
+            b = train()
+        print(torch.equal(a.view(torch.int32), b.view(torch.int32)))
+
+        # Without the block: index_add_ on floats uses atomics.  A large pile-up makes
+        # a different summation order (and so a different result) all but certain.
+        torch.manual_seed(0)
+        values = torch.randn(1 << 22, device="cuda")
+        index = torch.randint(0, 4, (1 << 22,), device="cuda")
+        sums = {tuple(torch.zeros(4, device="cuda").index_add_(0, index, values).tolist())
+                for _ in range(20)}
+        print(len(sums) > 1)
+        with deterministic(seed=0):
+            sums = {tuple(torch.zeros(4, device="cuda").index_add_(0, index, values).tolist())
+                    for _ in range(20)}
+        print(len(sums) == 1)
+    """)
+    assert out.split() == ["True", "True", "True"]
+
+
+def test_deterministic_algorithms_raise_on_cuda_inside_the_block_only():
+    out = _run("""
+        import torch
+        from deterministic_ctx import deterministic
+        x = torch.rand(1000, device="cuda")
+        with deterministic(seed=0):
+            try:
+                torch.histc(x, bins=10)   # no deterministic CUDA kernel
+                print("no error")
+            except RuntimeError as exc:
+                print("raised", "deterministic" in str(exc))
+        torch.histc(x, bins=10)
+        torch.cuda.synchronize()
+        print("after ok", torch.are_deterministic_algorithms_enabled())
+    """)
+    assert out.splitlines() == ["raised True", "after ok False"]
+
+
+def test_cublas_workspace_config_set_by_the_block_takes_effect():
+    """A block sets ``CUBLAS_WORKSPACE_CONFIG`` before the first cuBLAS call and unsets it
+    after.  torch before 2.10 refuses cuBLAS under deterministic algorithms without it;
+    later torch gives each handle and stream its own workspace and no longer asks
+    (pytorch/pytorch#161749: seen on torch 2.11 + CUDA 13, H200)."""
+    control = _run("""
+        import os, torch
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        torch.use_deterministic_algorithms(True)
+        a = torch.rand(64, 64, device="cuda")
+        try:
+            a @ a
+            print("no error")
+        except RuntimeError as exc:
+            print("raised", "CUBLAS_WORKSPACE_CONFIG" in str(exc))
+    """).strip()
+    assert control in ("raised True", "no error")
+    ours = _run("""
+        import os, torch
+        from deterministic_ctx import deterministic
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        a = torch.rand(64, 64, device="cuda")
+        with deterministic(seed=0):
+            inside = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+            first = (a @ a).sum().item()      # the process's first cuBLAS call
+            second = (a @ a).sum().item()
+        print(inside, first == second, "CUBLAS_WORKSPACE_CONFIG" in os.environ)
+    """)
+    assert ours.strip() == ":4096:8 True False"
+
+
+def test_locate_divergence_fingerprints_on_the_device_without_host_copies():
+    """What moves to the host during ``locate_divergence`` is fingerprints, not tensors:
+    a dispatch mode counts every element copied from CUDA to the CPU."""
+    out = _run("""
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from deterministic_ctx import deterministic, locate_divergence
+
+        class HostCopies(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.elements = 0
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                sources = [a for a in args if isinstance(a, torch.Tensor) and a.is_cuda]
+                results = out if isinstance(out, (tuple, list)) else [out]
+                for r in results:
+                    if isinstance(r, torch.Tensor) and r.device.type == "cpu" and sources:
+                        self.elements += r.numel()
+                return out
+
+        with deterministic(seed=0):
+            model = torch.nn.Sequential(*[torch.nn.Sequential(
+                torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Dropout(0.1))
+                for _ in range(4)]).cuda()
+            x = torch.randn(512, 1024, device="cuda")
+        activations = 4 * 3 * x.numel() + sum(p.numel() for p in model.parameters())
+        with HostCopies() as copies:
+            report = locate_divergence(model, x, backward=True)
+        print(report.divergence is None, copies.elements, activations)
+    """)
+    agreed, copied, total = out.split()
+    assert agreed == "True"
+    assert int(copied) < int(total) // 50, (copied, total)
+
+
+def test_snapshot_of_cuda_states_saves_and_loads_in_a_fresh_process(tmp_path):
+    path = tmp_path / "rng.snapshot"
+    first = _run(f"""
+        import torch
+        from deterministic_ctx import Snapshot
+        torch.cuda.manual_seed_all(5)
+        torch.rand(7, device="cuda")
+        Snapshot.capture().save({str(path)!r})
+        print(torch.rand(4, device="cuda").tolist())
+    """)
+    second = _run(f"""
+        import torch
+        from deterministic_ctx import Snapshot
+        torch.rand(100, device="cuda")      # a different CUDA stream before the load
+        Snapshot.load({str(path)!r}).restore()
+        print(torch.rand(4, device="cuda").tolist())
+    """)
+    assert first.strip() == second.strip()
+
+
+def test_report_names_the_cuda_device_and_libraries():
+    out = _run("""
+        import json, torch
+        from deterministic_ctx import report
+        torch.cuda.init()
+        data = report().to_dict()
+        cuda = data["cuda"]
+        print(json.dumps([cuda["initialized"], cuda["device_count"],
+                          cuda["devices"][0]["name"], cuda["devices"][0]["capability"]]))
+    """)
+    initialized, count, name, capability = json.loads(out)
+    assert initialized is True and count >= 1
+    assert name == _run("import torch; print(torch.cuda.get_device_name(0))").strip()
+    assert capability.count(".") == 1

@@ -17,6 +17,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from tests.helpers import ROOT, run_python
 
@@ -102,9 +103,20 @@ SKIPPED: dict[str, str] = {
     "examples/ddp_training.py runs this pattern on real gloo ranks (tests/test_examples.py)",
     "%load_ext deterministic_ctx": "an IPython magic: tests/test_ipython.py runs it in a kernel",
     "%%deterministic 3": "an IPython magic: tests/test_ipython.py runs it in a kernel",
-    "g = torch.cuda.CUDAGraph()": "needs a CUDA device: tests/test_cuda_graphs.py runs this "
-    "pattern on a GPU (marked gpu)",
 }
+
+#: A line of a block that needs a CUDA device -> what runs instead where there is none.
+NEEDS_CUDA: dict[str, str] = {
+    "g = torch.cuda.CUDAGraph()": "needs a CUDA device: tests/test_cuda_graphs.py runs this "
+    "pattern with a fake device",
+}
+
+
+def _runs_here(block: str) -> bool:
+    if _pick(SKIPPED, block) is not None:
+        return False
+    return _pick(NEEDS_CUDA, block) is None or torch.cuda.is_available()
+
 
 README_RUNNER = """
 import contextlib, io, json, os, sys, tempfile, traceback
@@ -151,11 +163,7 @@ def _label(block: str) -> str:
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> list[str | None]:
     """Each runnable block's traceback (``None``: it ran), in README order."""
-    jobs = [
-        (_pick(PLACEHOLDERS, block) or "", block)
-        for block in BLOCKS
-        if _pick(SKIPPED, block) is None
-    ]
+    jobs = [(_pick(PLACEHOLDERS, block) or "", block) for block in BLOCKS if _runs_here(block)]
     path = tmp_path_factory.mktemp("readme") / "jobs.json"
     path.write_text(json.dumps(jobs))
     proc = run_python([], code=README_RUNNER, env={"README_JOBS": str(path)}, check=True)
@@ -164,19 +172,28 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> list[str | None]:
 
 
 def test_every_entry_of_the_tables_still_matches_a_block():
-    for table in (PLACEHOLDERS, SKIPPED):
+    for table in (PLACEHOLDERS, SKIPPED, NEEDS_CUDA):
         for line in table:
             assert any(line in block for block in BLOCKS), f"no README block has {line!r}"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[_label(b) for b in BLOCKS])
+@pytest.mark.parametrize(
+    "index",
+    [
+        pytest.param(i, marks=pytest.mark.gpu) if _pick(NEEDS_CUDA, b) else i
+        for i, b in enumerate(BLOCKS)
+    ],
+    ids=[_label(b) for b in BLOCKS],
+)
 def test_readme_block_runs(outcomes, index):
     block = BLOCKS[index]
     reason = _pick(SKIPPED, block)
+    if reason is None and not _runs_here(block):
+        reason = _pick(NEEDS_CUDA, block)
     if reason is not None:
         pytest.skip(reason)
-    position = sum(1 for b in BLOCKS[:index] if _pick(SKIPPED, b) is None)
+    position = sum(1 for b in BLOCKS[:index] if _runs_here(b))
     error = outcomes[position]
     assert error is None, f"README block:\n{block}\nfailed:\n{error}"
 

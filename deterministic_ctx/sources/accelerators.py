@@ -15,7 +15,10 @@ So a captured state is either *live* (per-device generator states, read only
 once the device is initialized) or *lazy* (what is queued).  If the device is
 first initialized inside a block, it was seeded from the block's seed, and on
 exit every generator is set to what initialization would have produced from
-the captured queue: a fresh generator, then the captured queued calls.
+the captured queue: a fresh generator seeded from the OS's randomness, as
+torch's own initialization seeds it, then the captured queued calls (a
+``torch.manual_seed`` queued before the block is replayed, so its stream is
+the one the program would have drawn).
 
 **Graph capture (CUDA graphs, XPU graphs).**  While the calling thread's
 current stream is capturing a graph, the sources *refuse*: capturing,
@@ -145,7 +148,14 @@ class LazyAcceleratorSource:
         return self._can_initialize
 
     def _torch_fresh_state(self, index: int) -> torch.Tensor:
-        return torch.Generator(device=torch.device(self._device_type, index)).get_state()
+        # What initialization gives a default generator: torch seeds it from the
+        # OS's randomness (``Generator.seed()``), so a fresh process's stream is
+        # unpredictable, not the fixed ``default_rng_seed_val`` of a bare
+        # ``torch.Generator(device)`` (seen on an H200: torch.cuda.initial_seed()
+        # differs from process to process).
+        generator = torch.Generator(device=torch.device(self._device_type, index))
+        generator.seed()
+        return generator.get_state()
 
     def _bad_fork(self) -> bool:
         check = getattr(self._m, "_is_in_bad_fork", None)
