@@ -13,7 +13,9 @@ structure with other seeds or ranks (unlike ``seed + rank``).
 from __future__ import annotations
 
 import numbers
+import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
@@ -113,16 +115,114 @@ def validate_compiled_rng(compiled_rng: object) -> CompiledRng:
     )
 
 
+#: (group, launcher) pairs already warned about by :func:`process_rank`.
+_WARNED: set[tuple[tuple[int, int], tuple[int, int]]] = set()
+
+
 def process_rank() -> int:
-    """The global rank of this process in torch.distributed's default group, else 0.
+    """The global rank of this process: what ``rank="auto"`` stands for.
+
+    In this order:
+
+    * the rank in torch.distributed's default process group, where one is
+      initialized;
+    * else the launcher's ``RANK``: ``torchrun`` (like
+      ``torch.distributed.launch``, DeepSpeed and accelerate) exports it with
+      ``WORLD_SIZE`` before the script starts, so a block or
+      ``seed_everything`` that runs before ``init_process_group`` seeds what
+      it would seed after it;
+    * else 0: one process.
+
+    Only the global rank counts.  The local rank (``LOCAL_RANK``: which
+    device the process drives) and the node rank (``GROUP_RANK``) never
+    enter a seed, so a global rank draws the same numbers whether the world
+    is laid out as 1 node x 4 processes or 2 x 2.
+
+    The launcher's variables are checked whenever ``RANK`` or ``WORLD_SIZE``
+    is set (``ValueError`` naming the variable): both must be, as decimal
+    ints with ``0 <= RANK < WORLD_SIZE``, and ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK``, where set, must fit them.  A
+    process group whose rank or size differs from them wins, with a
+    ``RuntimeWarning`` (once per pair): the process did not come from the
+    launcher that set them (it inherited them, say from a torchrun worker that
+    spawned it), so what ``"auto"`` gave before ``init_process_group`` was
+    another rank's seeds.
 
     Never imports ``torch.distributed`` itself: if it was never imported, no
     process group can exist.
+
+    Example:
+        >>> process_rank()  # no process group, no launcher
+        0
     """
+    environ = os.environ
+    launcher: tuple[int, int] | None = None  # (RANK, WORLD_SIZE)
+    if "RANK" in environ or "WORLD_SIZE" in environ:
+
+        def number(name: str, least: int = 0) -> int | None:
+            text = environ.get(name)
+            if text is None:
+                return None
+            # Decimal digits only: int() also takes " 3", "+3", "1_0" and
+            # non-ASCII digits, none of which a launcher writes.
+            if not (text.isascii() and text.isdigit()) or int(text) < least:
+                raise ValueError(
+                    f"the environment variable {name}={text!r:.40} is not "
+                    f"{'a positive' if least else 'a non-negative'} int; rank='auto' reads "
+                    f"the launcher's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and "
+                    f"GROUP_RANK variables"
+                )
+            return int(text)
+
+        rank, world = number("RANK"), number("WORLD_SIZE", 1)
+        if rank is None or world is None:
+            have, missing = ("RANK", "WORLD_SIZE") if world is None else ("WORLD_SIZE", "RANK")
+            raise ValueError(
+                f"the environment variable {have} is set but {missing} is not: launchers such "
+                f"as torchrun export both, and rank='auto' trusts RANK only with its "
+                f"WORLD_SIZE (set both, or neither)"
+            )
+        local, local_world = number("LOCAL_RANK"), number("LOCAL_WORLD_SIZE", 1)
+        node = number("GROUP_RANK")
+        problems = [
+            f"RANK={rank} is not below WORLD_SIZE={world}" if rank >= world else "",
+            f"LOCAL_RANK={local} is not below LOCAL_WORLD_SIZE={local_world}"
+            if local is not None and local_world is not None and local >= local_world
+            else "",
+            f"LOCAL_WORLD_SIZE={local_world} exceeds WORLD_SIZE={world}"
+            if local_world is not None and local_world > world
+            else "",
+            f"GROUP_RANK={node} is not below WORLD_SIZE={world}"
+            if node is not None and node >= world
+            else "",
+        ]
+        if any(problems):
+            raise ValueError(
+                "the launcher's environment variables disagree: "
+                + "; ".join(p for p in problems if p)
+            )
+        launcher = (rank, world)
     dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return 0
-    return int(dist.get_rank())
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        group = (int(dist.get_rank()), int(dist.get_world_size()))
+        if launcher is not None and group != launcher and (group, launcher) not in _WARNED:
+            # The group is the truth now; the variables were inherited (a process a
+            # torchrun worker started itself, say).  Raising would break such programs,
+            # which worked before; a silent switch would hide that rank='auto' meant
+            # another rank before init_process_group.  So: the group wins, said once.
+            _WARNED.add((group, launcher))
+            warnings.warn(
+                f"rank='auto': the process group says rank {group[0]} of {group[1]}, but the "
+                f"environment says RANK={launcher[0]}, WORLD_SIZE={launcher[1]}, which this "
+                f"process inherited from a launcher it did not come from; the group's rank is "
+                f"used, so rank='auto' before init_process_group meant rank {launcher[0]}. "
+                f"Remove RANK and WORLD_SIZE from the environment of processes you start "
+                f"yourself, or pass rank= explicitly",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return group[0]
+    return 0 if launcher is None else launcher[0]
 
 
 def seed_for_rank(seed: int, rank: int) -> int:

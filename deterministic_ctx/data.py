@@ -12,7 +12,9 @@ What needs :data:`seed_worker` (or :func:`chain_worker_init`):
 
 * ranks: the base seed comes from torch's generator, which is *shared* across
   ranks (model initialization must agree), so without it every rank's workers
-  draw the same augmentation; ``seed_worker`` mixes in the rank;
+  draw the same augmentation; ``seed_worker`` mixes in the global rank (never
+  the local or node rank: on two nodes, local rank 0 of each is a different
+  rank, and a global rank's workers draw the same whatever the layout);
 * registered user RNGs (:func:`~deterministic_ctx.register_rng`): each worker
   holds a copy of the parent's, so without it all workers repeat one stream.
 
@@ -63,12 +65,13 @@ def seeded_generator(
         seed: an int seed, or a :class:`deterministic` object, whose ``seed``
             and ``rank`` are used.
         key: names the generator among others of the same seed.
-        rank: a non-negative int or ``"auto"``: one generator per rank (a
-            ``DataLoader`` that shuffles the whole dataset on every rank should
-            not give every rank the same batches).  ``None`` (the default):
-            the ``deterministic`` object's rank, and for an int seed, the same
-            generator on every rank (what ``random_split`` needs).  ``"auto"``
-            is looked up now.
+        rank: a non-negative int or ``"auto"`` (the global rank, see
+            :func:`~deterministic_ctx.distributed.ranks`): one generator per
+            rank (a ``DataLoader`` that shuffles the whole dataset on every
+            rank should not give every rank the same batches).  ``None`` (the
+            default): the ``deterministic`` object's rank, and for an int seed,
+            the same generator on every rank (what ``random_split`` needs).
+            ``"auto"`` is looked up now.
 
     Example:
         >>> import torch
@@ -163,14 +166,15 @@ class _WorkerSeeder:
 
 #: ``DataLoader(worker_init_fn=seed_worker)``: seeds ``random``, NumPy's global
 #: RNG, torch and every registered user RNG in each worker, from torch's
-#: per-iterator base seed, the worker id and the rank of the process group
-#: (``rank="auto"``), with well-mixed :class:`numpy.random.SeedSequence`
-#: sub-seeds.  Workers never share a stream, ranks never share workers'
-#: streams, and runs repeat.  Works with ``fork``, ``spawn`` and ``forkserver``
-#: workers: for the latter two the rank is resolved in the parent and the
-#: registered RNGs travel with the dataset.  It is a picklable callable
-#: ``seed_worker(worker_id)``; to add your own ``worker_init_fn``, or to give
-#: a rank by hand, use :func:`chain_worker_init`.
+#: per-iterator base seed, the worker id and the global rank (``rank="auto"``:
+#: the process group's, else the launcher's ``RANK``), with well-mixed
+#: :class:`numpy.random.SeedSequence` sub-seeds.  Workers never share a stream,
+#: ranks never share workers' streams, and runs repeat.  Works with ``fork``,
+#: ``spawn`` and ``forkserver`` workers: for the latter two the rank is
+#: resolved in the parent and the registered RNGs travel with the dataset.  It
+#: is a picklable callable ``seed_worker(worker_id)``; to add your own
+#: ``worker_init_fn``, or to give a rank by hand, use
+#: :func:`chain_worker_init`.
 seed_worker: Callable[[int], None] = _WorkerSeeder(None, "auto")
 
 
@@ -185,9 +189,10 @@ def chain_worker_init(
 
     Args:
         fn: your own ``worker_init_fn``, or ``None``.
-        rank: the rank to mix into worker seeds: ``"auto"`` (the process
-            group's, resolved when the workers start), an int for ranks you
-            manage yourself, or ``None`` (as rank 0).
+        rank: the rank to mix into worker seeds: ``"auto"`` (the global
+            rank: the process group's, else the launcher's ``RANK``; resolved
+            when the workers start), an int for ranks you manage yourself, or
+            ``None`` (as rank 0).
 
     Example:
         >>> from torch.utils.data import DataLoader
