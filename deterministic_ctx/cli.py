@@ -5,10 +5,12 @@ Three subcommands:
 * ``report [--json] [--init-cuda]`` prints the determinism report of a fresh
   interpreter (see :func:`deterministic_ctx.reporting.report`).
 * ``run [--seed N] [--warn-only] [--no-flags] [--no-fill] [--compiled-rng eager]
-  [--] script.py [args ...]`` (or ``-m module``)
+  [--deterministic-collectives] [--] script.py [args ...]`` (or ``-m module``)
   runs an unmodified script as ``python script.py args ...`` would, after
   applying :func:`~deterministic_ctx.seed_everything` settings, so that it
-  draws the same numbers on every run.
+  draws the same numbers on every run; ``--deterministic-collectives`` sets
+  NCCL's variables for reductions in a fixed order (``DETERMINISTIC_COLLECTIVES``)
+  in its environment, before it can start a process group.
 * ``trace record [run's options] [--backward] [--ops] OUT [--] script.py [args ...]``
   runs a script as ``run`` does, in a ``deterministic`` block of those
   settings, and writes its trace to ``OUT`` (see :mod:`deterministic_ctx.trace`;
@@ -72,6 +74,13 @@ MAX_SEED = 2**32 - 1
 #: The signature of trace files, ``deterministic_ctx.trace.TRACE_FILE.magic``: repeated for the
 #: same reason, and checked the same way.
 TRACE_MAGIC = b"\x89DCT\r\n\x1a\n"
+#: ``deterministic_ctx.sources.environ.DETERMINISTIC_COLLECTIVES``, repeated for the same
+#: reason, and checked the same way: the values ``run --deterministic-collectives`` sets.
+DETERMINISTIC_COLLECTIVES = {
+    "NCCL_ALGO": "Ring",
+    "NCCL_NVLS_ENABLE": "0",
+    "NCCL_COLLNET_ENABLE": "0",
+}
 
 _EXIT_CODES = f"""\
 exit status:
@@ -104,7 +113,8 @@ examples:
 
 _RUN_USAGE = f"""\
 {PROG} run [-h] [--seed N] [--warn-only] [--no-flags] [--no-fill]
-                             [--compiled-rng eager] [--] script.py [args ...]
+                             [--compiled-rng eager] [--deterministic-collectives]
+                             [--] script.py [args ...]
        {PROG} run [options] -m module [args ...]"""
 
 _RUN_DESCRIPTION = """\
@@ -120,6 +130,13 @@ already N the interpreter is restarted once with PYTHONHASHSEED=N: string
 hashes and set iteration order are then reproducible as well (export
 PYTHONHASHSEED=N beforehand to skip the restart). Child processes inherit it.
 
+--deterministic-collectives sets NCCL_ALGO=Ring, NCCL_NVLS_ENABLE=0 and
+NCCL_COLLNET_ENABLE=0 in the script's environment (replacing other values),
+so that NCCL all-reduces sum in the same order on every run: NCCL reads them
+when the script starts its process group. To launch several ranks, run
+torchrun under it (`run --deterministic-collectives -m torch.distributed.run
+...`), or it under torchrun (`torchrun ... -m deterministic_ctx run ...`).
+
 The options above end at the script (or module) name: everything after it
 goes to the script. `--` may separate them."""
 
@@ -128,6 +145,7 @@ examples:
   {PROG} run train.py --lr 0.1            # seed 0
   {PROG} run --seed 3 -- train.py --seed-is-not-mine 7
   {PROG} run --warn-only -m mypackage.train
+  {PROG} run --deterministic-collectives -m torch.distributed.run --nproc-per-node=2 t.py
 
 exit status: the script's own (sys.exit(N) gives N, an uncaught exception {EXIT_ERROR});
 {EXIT_INTERRUPTED} when interrupted (Ctrl-C), and then no trace is written; {EXIT_USAGE} for a usage
@@ -293,6 +311,12 @@ def _parsers() -> _Parsers:
         formatter_class=formatter,
     )
     _add_run_options(run)
+    run.add_argument(
+        "--deterministic-collectives",
+        action="store_true",
+        help="set NCCL_ALGO=Ring, NCCL_NVLS_ENABLE=0 and NCCL_COLLNET_ENABLE=0 for the script "
+        "and its children, so that NCCL reductions sum in a fixed order",
+    )
 
     trace = commands.add_parser(
         "trace",
@@ -462,6 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         flags=not ns.no_flags,
         fill_uninitialized_memory=not ns.no_fill,
         compiled_rng=ns.compiled_rng,
+        collectives=ns.deterministic_collectives,
         module=ns.module,
         command=command,
         restart=from_command_line,
@@ -529,6 +554,7 @@ def _run(
     flags: bool,
     fill_uninitialized_memory: bool,
     compiled_rng: str | None,
+    collectives: bool,
     module: str | None,
     command: list[str],
     restart: bool,
@@ -536,6 +562,8 @@ def _run(
     """``run``: check the target, restart for ``PYTHONHASHSEED``, seed, then run the target."""
     try:
         target = _target(module, command)
+        if collectives:  # before the restart: the new interpreter starts with them
+            _set_collectives()
         status = _restart_with_hashseed(seed) if restart else None
         if status is not None:  # Windows: the restarted command ran in a child process
             return status
@@ -551,6 +579,12 @@ def _run(
             fill_uninitialized_memory=fill_uninitialized_memory,
             compiled_rng=compiled_rng,  # type: ignore[arg-type]  # argparse checked the choice
         )
+        if collectives:
+            # Set in this process when it did not restart: tell the report that they were
+            # set before any process group (it cannot know otherwise).
+            from .reporting.collectives import observe
+
+            observe()
         _find_module(target)
     except _UsageError as exc:
         if exc.show_usage:
@@ -624,6 +658,15 @@ def _execute(target: _Target) -> int:
         _print_exception(exc)
         return EXIT_ERROR
     return EXIT_OK
+
+
+def _set_collectives() -> None:
+    """Set :data:`DETERMINISTIC_COLLECTIVES` in ``os.environ``, saying which values it replaces."""
+    for name, value in DETERMINISTIC_COLLECTIVES.items():
+        before = os.environ.get(name)
+        if before is not None and before != value:
+            print(f"{PROG} run: note: {name} was {before!r}, now {value!r}", file=sys.stderr)
+        os.environ[name] = value
 
 
 def _restart_with_hashseed(seed: int) -> int | None:

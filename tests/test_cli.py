@@ -140,11 +140,14 @@ def test_help_reads_well(capsys):
     assert main(["run", "--help"]) == 0
     run = capsys.readouterr().out
     assert "deterministic-ctx run [-h] [--seed N] [--warn-only] [--no-flags] [--no-fill]" in run
-    assert "[--compiled-rng eager] [--] script.py [args ...]" in run
+    assert "[--compiled-rng eager] [--deterministic-collectives]\n" in run
+    assert "[--] script.py [args ...]" in run
     for text in (
         "-m module",
         "--seed N",
         "--warn-only",
+        "NCCL_ALGO=Ring",
+        "-m torch.distributed.run",
         "PYTHONHASHSEED",
         "(default: 0)",
         "exit status",
@@ -413,6 +416,58 @@ def test_run_without_restart_is_one_interpreter(tmp_path):
     assert (proc.returncode, proc.stdout) == (0, "ran\n"), proc.stderr
     (only,) = modules_imported_per_interpreter(proc.stderr)
     assert {"deterministic_ctx.cli", "torch", "numpy"} <= only
+
+
+def test_deterministic_collectives_are_the_librarys():
+    """``run --deterministic-collectives`` sets its own copy of the values (no torch before the
+    restart): the library's."""
+    from deterministic_ctx.sources.environ import DETERMINISTIC_COLLECTIVES
+
+    assert dict(DETERMINISTIC_COLLECTIVES) == cli_module.DETERMINISTIC_COLLECTIVES
+
+
+COLLECTIVES_PROBE = """\
+import json, os, sys, tempfile
+import torch.distributed as dist
+from deterministic_ctx.reporting import report
+
+names = ("NCCL_ALGO", "NCCL_NVLS_ENABLE", "NCCL_COLLNET_ENABLE")
+dist.init_process_group(
+    "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1
+)
+r = report()
+dist.destroy_process_group()
+print(json.dumps({
+    "env": {n: os.environ.get(n) for n in names},
+    "before": r.collectives["env_before_use"],
+    "problems": [p.code for p in r.problems if p.code.startswith("nccl")],
+}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("restart", [True, False], ids=["restart", "no-restart"])
+def test_run_deterministic_collectives(tmp_path, restart):
+    script = tmp_path / "collectives.py"
+    script.write_text(COLLECTIVES_PROBE)
+    env = base_env(None if restart else 0)
+    for name in ("NCCL_NVLS_ENABLE", "NCCL_COLLNET_ENABLE", "NCCL_CONF_FILE"):
+        env.pop(name, None)
+    env["NCCL_ALGO"] = "Tree"  # a user's value: replaced, and said so
+    proc = cli("run", "--deterministic-collectives", str(script), env=env)
+    out = probe_output(proc)
+    assert out["env"] == {"NCCL_ALGO": "Ring", "NCCL_NVLS_ENABLE": "0", "NCCL_COLLNET_ENABLE": "0"}
+    assert proc.stderr.count("note: NCCL_ALGO was 'Tree', now 'Ring'") == 1
+    # The report knows they were set before the group: no note that it cannot tell.
+    assert out["before"]["env"]["NCCL_ALGO"] == "Ring"
+    assert out["problems"] == []
+    # Without the option, nothing is set.
+    plain = probe_output(cli("run", str(script), env=env))
+    assert plain["env"] == {
+        "NCCL_ALGO": "Tree",
+        "NCCL_NVLS_ENABLE": None,
+        "NCCL_COLLNET_ENABLE": None,
+    }
 
 
 def test_seed_range_is_the_librarys():

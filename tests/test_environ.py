@@ -388,3 +388,37 @@ def test_a_registered_name_loads_only_where_it_is_registered(monkeypatch):
     monkeypatch.setattr(environ_mod, "_MANAGED_SET", frozenset(environ_mod._MANAGED))
     with pytest.raises(InvalidSnapshotError, match=f"register_env_var\\('{name}'\\)"):
         Snapshot.from_state_dict(state)
+
+
+#: The NCCL names added after the first release of the list (reasons in ``ENV_VARS``).
+LATER_NCCL = (
+    "NCCL_MIN_NCHANNELS",
+    "NCCL_MAX_NCHANNELS",
+    "NCCL_MIN_CTAS",
+    "NCCL_MAX_CTAS",
+    "NCCL_BUFFSIZE",
+    "NCCL_TOPO_FILE",
+    "NCCL_TUNER_PLUGIN",
+)
+
+
+@pytest.mark.usefixtures("live_state")
+def test_a_state_saved_before_the_later_nccl_names_loads_and_leaves_them_alone(clean_env):
+    clean_env.setenv("NCCL_ALGO", "Ring")
+    state = Snapshot.capture().state_dict()
+    entry = state["sources"]["environ"]
+    assert set(LATER_NCCL) <= set(entry["unset"])
+    # What the version before them wrote: the same format, without those names.
+    entry["unset"] = [n for n in entry["unset"] if n not in LATER_NCCL]
+    for name in LATER_NCCL:
+        clean_env.setenv(name, "kept")
+    clean_env.setenv("NCCL_ALGO", "Tree")
+    Snapshot.from_state_dict(state).restore()
+    assert os.environ["NCCL_ALGO"] == "Ring"
+    assert env_of(LATER_NCCL) == dict.fromkeys(LATER_NCCL, "kept")
+    # A snapshot of this version restores them too.
+    snap = Snapshot.capture()
+    for name in LATER_NCCL:
+        os.environ[name] = "changed"
+    snap.restore()
+    assert env_of(LATER_NCCL) == dict.fromkeys(LATER_NCCL, "kept")

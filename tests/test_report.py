@@ -47,6 +47,7 @@ def test_structure_json_and_text():
         "process",
         "problems",
         "torch_compile",
+        "collectives",
     }
     assert data["versions"]["torch"] == torch.__version__
     assert data["flags"]["deterministic_algorithms"] == torch.are_deterministic_algorithms_enabled()
@@ -55,6 +56,10 @@ def test_structure_json_and_text():
     assert set(managed_env_vars()) <= set(data["env"])  # every variable blocks restore
     assert {"random", "numpy", "torch.cpu"} <= {s["name"] for s in data["rngs"]}
     assert data["cuda"]["initialized"] == torch.cuda.is_initialized()
+    assert data["collectives"]["process_group"]["initialized"] is False
+    assert set(data["collectives"]["env"]) == {
+        n for n in managed_env_vars() if n.startswith("NCCL_")
+    }
     text = str(r)
     for title in (
         "Determinism report",
@@ -63,6 +68,7 @@ def test_structure_json_and_text():
         "RNGs",
         "torch.compile",
         "CUDA",
+        "Collectives",
         "Process",
         "Problems",
     ):
@@ -246,6 +252,14 @@ def problems(
             torch_compile=torch_compile,
         )
     )
+
+
+def test_reports_built_before_the_collectives_section_still_build_and_print():
+    r = report()
+    fields = [getattr(r, f) for f in ("versions", "in_block", "flags", "env", "rngs", "cuda")]
+    old = DeterminismReport(*fields, r.process, r.problems, r.torch_compile)
+    assert old.collectives == {}
+    assert "Collectives" not in str(old) and "Problems" in str(old)
 
 
 def test_a_good_setup_has_no_problems():

@@ -3,10 +3,12 @@
 A structured, JSON-serializable :class:`DeterminismReport` with a readable
 ``str``: library versions, the determinism flags, the relevant environment
 variables, which RNGs look seeded, torch.compile's random-number settings
-(once torch.compile is in use), CUDA facts, and a list of known problems
+(once torch.compile is in use), CUDA facts, the process group and NCCL's
+variables (with what each value means), and a list of known problems
 (``cudnn.benchmark`` on, ``CUBLAS_WORKSPACE_CONFIG`` missing or set after CUDA
 started, ``PYTHONHASHSEED`` unset with spawned workers, nondeterministic
-algorithms allowed, compiled random numbers that differ from eager ones, ...).
+algorithms allowed, compiled random numbers that differ from eager ones, NCCL
+variables changed after the process group started, ...).
 
 Reading the report changes nothing: it never initializes CUDA (device facts
 are read only once ``torch.cuda.is_initialized()``), never imports
@@ -17,8 +19,9 @@ it is imported inside the functions that need it.
 
 One module per step of making the report: :mod:`.model` (the report's
 types and their rendering), :mod:`.facts` (flags, environment, CUDA,
-process), :mod:`.rngs` (one function per RNG family) and :mod:`.rules` (one
-function per problem); :func:`report` here puts them together.
+process), :mod:`.collectives` (process group, NCCL), :mod:`.rngs` (one
+function per RNG family) and :mod:`.rules` (one function per problem);
+:func:`report` here puts them together.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import os
 import sys
 from typing import Any
 
+from . import collectives as _collectives
 from . import facts as _facts
 from . import rngs as _rngs
 from . import rules as _rules
@@ -74,6 +78,7 @@ def report() -> DeterminismReport:
         "num_threads": torch.get_num_threads(),
         "env_at_start": _facts.startup_env(),
     }
+    collectives = _collectives.collective_facts(torch, process["env_at_start"])
     versions = {
         "deterministic-ctx": VERSION,
         "torch": torch.__version__,
@@ -89,7 +94,8 @@ def report() -> DeterminismReport:
         start_method=method,
         rngs=rngs,
         torch_compile=torch_compile,
+        collectives=collectives,
     )
     return DeterminismReport(
-        versions, in_block, flags, env, rngs, cuda, process, problems, torch_compile
+        versions, in_block, flags, env, rngs, cuda, process, problems, torch_compile, collectives
     )

@@ -46,6 +46,11 @@ class DeterminismReport:
     holds torch.compile's random-number settings as ``{"module.key": value}``
     (``"torch._inductor.config.fallback_random": False``, ...), for the config
     modules already imported: empty when torch.compile has not been used.
+    ``collectives`` holds the process group (``process_group``), NCCL's
+    variables (``env``) with what each value means (``meaning``), the values
+    NCCL's configuration files give unset ones (``config_files``,
+    ``effective``), and what reports saw before NCCL read them and at the
+    first look after (``env_before_use``, ``env_first_seen_in_use``).
     """
 
     versions: dict[str, str | None]
@@ -58,6 +63,9 @@ class DeterminismReport:
     problems: tuple[Problem, ...]
     # Last, with a default: reports built positionally before it existed still build.
     torch_compile: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: The process group and NCCL's variables (see :mod:`.collectives`); empty in reports
+    #: built before it existed.
+    collectives: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def warnings(self) -> tuple[Problem, ...]:
@@ -90,6 +98,7 @@ class DeterminismReport:
         lines += _rng_section(self.rngs)
         lines += _compile_section(self.torch_compile)
         lines += _section("CUDA", self.cuda)
+        lines += _collectives_section(self.collectives)
         lines += _section("Process", self.process)
         lines += _problem_section(self.problems)
         return "\n".join(lines)
@@ -116,6 +125,44 @@ def _compile_section(settings: Mapping[str, Any]) -> list[str]:
         # The report never imports inductor to ask (that costs about a second).
         lines.append("  not used in this process: torch._inductor is not imported")
     return lines
+
+
+def _collectives_section(facts: Mapping[str, Any]) -> list[str]:
+    if not facts:
+        return []
+    group = facts.get("process_group", {})
+    if not group.get("available", True):
+        shown = "torch.distributed not available"
+    elif not group.get("initialized"):
+        shown = "not initialized"
+    else:
+        communicators = {True: "created", False: "not yet created", None: "unknown"}
+        shown = (
+            f"{group['backend']} ({group['backend_config']}), rank {group['rank']} of "
+            f"{group['world_size']}"
+        )
+        if group.get("uses_nccl"):
+            shown += f"; NCCL communicators {communicators[group.get('nccl_communicators')]}"
+    rows: dict[str, Any] = {
+        "process group": shown,
+        "NCCL": facts.get("nccl_version")
+        or ("built in" if facts.get("nccl_available") else "not in this torch build"),
+    }
+    env, meaning = facts.get("env", {}), facts.get("meaning", {})
+    effective = facts.get("effective", env)
+    # Every variable's meaning where NCCL can run; elsewhere only the ones set.
+    everything = facts.get("nccl_available") or group.get("uses_nccl")
+    unset = []
+    for name, value in env.items():
+        if everything or effective.get(name) is not None:
+            rows[name] = f"{'(unset)' if value is None else value}: {meaning.get(name, '')}"
+        else:
+            unset.append(name)
+    if unset:
+        rows["unset"] = ", ".join(unset)
+    for path, values in facts.get("config_files", {}).items():
+        rows[f"from {path}"] = values
+    return _section("Collectives", rows)
 
 
 def _problem_section(problems: tuple[Problem, ...]) -> list[str]:

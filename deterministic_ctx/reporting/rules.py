@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .collectives import COLLNET_ALGORITHMS, NVLS_ALGORITHMS, PER_COMMUNICATOR, may_use
 from .model import Problem, RngStatus
 
 __all__ = ["RULES", "Facts", "problems"]
@@ -28,6 +29,8 @@ class Facts:
     #: ``{"module.key": value}`` of torch.compile's random-number settings, for the config
     #: modules already imported (empty when none is: torch.compile has not been used).
     torch_compile: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: The collectives section (see :func:`.collectives.collective_facts`); empty: no facts.
+    collectives: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def gpu(self) -> bool:
@@ -238,6 +241,130 @@ def _compiled_numpy_rng(f: Facts) -> Problem | None:
     )
 
 
+def _group(f: Facts) -> Mapping[str, Any]:
+    """The process group's facts: ``{}`` when none is initialized."""
+    group = f.collectives.get("process_group") or {}
+    return group if group.get("initialized") else {}
+
+
+def _changed(
+    then: Mapping[str, str | None], now: Mapping[str, str | None], now_is: str = "now"
+) -> str:
+    """``"NAME ('a' then, unset now), ..."`` for the names whose values differ; ``""`` if none."""
+    return ", ".join(
+        f"{name} ({_value(then[name])} then, {_value(now[name])} {now_is})"
+        for name in then
+        if name in now and then[name] != now[name]
+    )
+
+
+def _value(value: str | None) -> str:
+    return "unset" if value is None else repr(value)
+
+
+def _nccl_env_late(f: Facts) -> Problem | None:
+    # Certain: the value differs from the one a report saw once NCCL had read it (the group's
+    # communicators created; for other backends, the group started).
+    group, seen = _group(f), f.collectives.get("env_first_seen_in_use")
+    if not group or seen is None:
+        return None
+    now = f.collectives.get("env", {})
+    changed = _changed(seen, now)
+    if not changed:
+        return None
+    advice = "; set NCCL variables before init_process_group"
+    if not group.get("uses_nccl"):
+        return Problem(
+            "note",
+            "nccl-env-late",
+            f"{changed}: changed after the process group started; no effect on it (backend "
+            f"{group.get('backend')!r} does not use NCCL), but NCCL groups created later would "
+            "reduce in another order than ones created before" + advice,
+        )
+    names = [n for n in seen if n in now and seen[n] != now[n]]
+    later = [n for n in names if n in PER_COMMUNICATOR]
+    reach = (
+        f"{', '.join(later)} will reach communicators created from now on (new_group), "
+        "which then reduce in another order than the group's"
+        if later
+        else "NCCL reads them once per process: the change has no effect"
+    )
+    return Problem(
+        "warning",
+        "nccl-env-late",
+        f"{changed}: changed after the process group started using NCCL: its communicators "
+        f"keep the values NCCL read when it created them; {reach}" + advice,
+    )
+
+
+def _nccl_env_changed(f: Facts) -> Problem | None:
+    # Uncertain: changed between a look before NCCL read them (a report, or the process
+    # start) and the first look after.
+    group = _group(f)
+    before = f.collectives.get("env_before_use")
+    seen = f.collectives.get("env_first_seen_in_use")
+    if not group.get("uses_nccl") or before is None or seen is None:
+        return None
+    changed = _changed(before["env"], seen, "when a report first saw the group using NCCL")
+    if not changed:
+        return None
+    return Problem(
+        "note",
+        "nccl-env-changed",
+        f"{changed}: changed in this process since {before['source']}; NCCL sees a value only "
+        "if it was set before it created the group's communicators (in init_process_group or "
+        "at the first collective), and the report cannot tell when this one was set; set NCCL "
+        "variables in the launcher's environment, or call report() once before "
+        "init_process_group, for it to tell",
+    )
+
+
+def _nccl_in_network(f: Facts, name: str, algorithms: frozenset[str], on: bool) -> bool:
+    """Whether NCCL may reduce with ``algorithms``, switched on by ``name``'s value."""
+    effective = f.collectives.get("effective", {})
+    return on and may_use(effective.get("NCCL_ALGO"), algorithms) and name in effective
+
+
+def _nccl_nvls(f: Facts) -> Problem | None:
+    effective = f.collectives.get("effective", {})
+    value = effective.get("NCCL_NVLS_ENABLE")
+    if not _nccl_in_network(f, "NCCL_NVLS_ENABLE", NVLS_ALGORITHMS, value != "0"):
+        return None
+    # Asked for (or NCCL_ALGO set without ruling it out) where NCCL exists: a warning.
+    # Left to NCCL's default: a note, and only for a group that uses NCCL.
+    chosen = value is not None or effective.get("NCCL_ALGO") is not None
+    if chosen and (f.collectives.get("nccl_available") or _group(f).get("uses_nccl")):
+        level = "warning"
+    elif _group(f).get("uses_nccl"):
+        level = "note"
+    else:
+        return None
+    return Problem(
+        level,
+        "nccl-nvls",
+        "NCCL may reduce with NVLink SHARP (NCCL_NVLS_ENABLE is "
+        f"{_value(value)}, NCCL_ALGO {_value(effective.get('NCCL_ALGO'))}): on NVSwitch systems "
+        "with Hopper or later GPUs the switch sums in an order not fixed from call to call; "
+        "set NCCL_NVLS_ENABLE=0 (or NCCL_ALGO=Ring) before init_process_group",
+    )
+
+
+def _nccl_collnet(f: Facts) -> Problem | None:
+    effective = f.collectives.get("effective", {})
+    value = effective.get("NCCL_COLLNET_ENABLE")
+    if not _nccl_in_network(f, "NCCL_COLLNET_ENABLE", COLLNET_ALGORITHMS, value == "1"):
+        return None
+    if not (f.collectives.get("nccl_available") or _group(f).get("uses_nccl")):
+        return None
+    return Problem(
+        "warning",
+        "nccl-collnet",
+        "NCCL_COLLNET_ENABLE is '1': NCCL may reduce in the network's switches (SHARP), in an "
+        "order it does not control; set NCCL_COLLNET_ENABLE=0 (or NCCL_ALGO=Ring) before "
+        "init_process_group",
+    )
+
+
 def _unseeded(f: Facts) -> Problem | None:
     if not any(r.name == "torch.cpu" and r.seeded is False for r in f.rngs):
         return None
@@ -264,6 +391,10 @@ RULES: tuple[Callable[[Facts], Problem | None], ...] = (
     _inductor,
     _compiled_rng,
     _compiled_numpy_rng,
+    _nccl_env_late,
+    _nccl_env_changed,
+    _nccl_nvls,
+    _nccl_collnet,
     _unseeded,
 )
 
@@ -277,7 +408,10 @@ def problems(
     start_method: str,
     rngs: tuple[RngStatus, ...],
     torch_compile: Mapping[str, Any] | None = None,
+    collectives: Mapping[str, Any] | None = None,
 ) -> tuple[Problem, ...]:
     """Known problems, from the facts alone (a pure function, so each rule is testable)."""
-    facts = Facts(flags, env, startup_env, cuda, start_method, rngs, torch_compile or {})
+    facts = Facts(
+        flags, env, startup_env, cuda, start_method, rngs, torch_compile or {}, collectives or {}
+    )
     return tuple(problem for rule in RULES if (problem := rule(facts)) is not None)

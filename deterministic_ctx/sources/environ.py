@@ -16,6 +16,28 @@ other libraries export their state there (Lightning's ``PL_GLOBAL_SEED``,
 transformers' ``enable_full_determinism``), and a block must not leak it.
 A variable that was absent is absent again after the block.
 
+Collectives: NCCL's variables that decide the order in which a reduction sums
+(algorithm, protocol, NVLink SHARP, CollNet, channels, buffer size, topology,
+tuner plugin) are managed too, captured and restored, never set: NCCL reads
+them when it creates a communicator (``NCCL_ALGO``, ``NCCL_PROTO``,
+``NCCL_COLLNET_ENABLE``, ``NCCL_TOPO_FILE``, the tuner plugin) or once per
+process, at its first use, and keeps them (the others), so a value set in a
+block would reach only the communicators created in it, and outlive the
+block in them.  :data:`DETERMINISTIC_COLLECTIVES` holds the values to set
+before ``init_process_group`` instead; see its comment.
+
+Example:
+    >>> import os
+    >>> from deterministic_ctx import deterministic
+    >>> from deterministic_ctx.sources.environ import DETERMINISTIC_COLLECTIVES
+    >>> DETERMINISTIC_COLLECTIVES["NCCL_ALGO"]
+    'Ring'
+    >>> before = os.environ.get("NCCL_ALGO")
+    >>> with deterministic(seed=0):
+    ...     os.environ["NCCL_ALGO"] = "Tree"  # too late for NCCL anyway: restored on exit
+    >>> os.environ.get("NCCL_ALGO") == before
+    True
+
 Cost: a capture reads one dict entry per managed name (``os.environ`` keeps
 its values in a plain dict under encoded keys), whatever the size of the
 environment; a restore reads them again, compares two tuples and writes only
@@ -26,9 +48,10 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from itertools import compress
 from operator import ne
+from types import MappingProxyType
 from typing import Any
 
 from .._settings import Settings
@@ -36,6 +59,7 @@ from . import _plain
 
 __all__ = [
     "CUBLAS_VALID",
+    "DETERMINISTIC_COLLECTIVES",
     "ENV_VARS",
     "SEED",
     "EnvironSource",
@@ -55,7 +79,9 @@ SEED = "DETERMINISTIC_CTX_SEED"
 #: seeds or whether results are deterministic.  Only the first two are changed
 #: on entry.  (Thread counts, ``CUDA_VISIBLE_DEVICES`` and TF32 overrides are
 #: left out: they choose resources or precision, and are read once at start-up;
-#: the report shows them.)
+#: the report shows them.  So are NCCL's transport and debugging variables and
+#: PyTorch's ``TORCH_NCCL_*``, which handle errors, streams, timeouts and
+#: buffer registration but never choose how a reduction sums.)
 ENV_VARS: tuple[tuple[str, str], ...] = (
     (CUBLAS, "cuBLAS is deterministic only with :4096:8 or :16:8 (set in a block)"),
     (HASHSEED, "str hash seed of child processes, spawn workers too (set in a block)"),
@@ -72,9 +98,48 @@ ENV_VARS: tuple[tuple[str, str], ...] = (
     ("NCCL_PROTO", "NCCL's protocol (LL, LL128, Simple) changes how reductions are summed"),
     ("NCCL_NVLS_ENABLE", "NVLink SHARP reduces in the switch, in no fixed order"),
     ("NCCL_COLLNET_ENABLE", "CollNet (in-network SHARP) reductions, in no fixed order"),
+    # A ring all-reduce sums each element starting at the rank that owns the
+    # element's chunk; the chunk layout follows the channel count and the chunk
+    # size, so these change the bits of a sum (though not its run-to-run stability).
+    ("NCCL_MIN_NCHANNELS", "NCCL's channel count splits each reduction: sums in another order"),
+    ("NCCL_MAX_NCHANNELS", "NCCL's channel count splits each reduction: sums in another order"),
+    ("NCCL_MIN_CTAS", "NCCL 2.17+ name of the channel count (a CTA per channel): the same"),
+    ("NCCL_MAX_CTAS", "NCCL 2.17+ name of the channel count (a CTA per channel): the same"),
+    ("NCCL_BUFFSIZE", "NCCL's chunk size follows it: where each element's ring sum starts"),
+    ("NCCL_TOPO_FILE", "the topology NCCL builds its rings from: another ring, another order"),
+    ("NCCL_TUNER_PLUGIN", "an NCCL tuner plugin picks algorithm, protocol, channels per call"),
     ("TORCHINDUCTOR_DETERMINISTIC", "default of inductor's deterministic flag at its first import"),
     ("MKL_CBWR", "Intel MKL's conditional numerical reproducibility (torch's x86 CPU BLAS)"),
     (SEED, "seed_everything's exported seed: seed_everything() in a child process reuses it"),
+)
+
+#: Environment values for reproducible NCCL reductions, to set before
+#: ``torch.distributed.init_process_group`` (in the launcher's environment, or
+#: ``os.environ.update(DETERMINISTIC_COLLECTIVES)`` first thing in the script):
+#: NCCL reads them when it creates a communicator, or once per process.
+#: A deterministic block never sets them (see the module's docstring).
+#:
+#: * ``NCCL_ALGO=Ring``: NCCL's ring sums every element in an order fixed by
+#:   the ring, whatever the message size (NCCL's tuner otherwise switches
+#:   between Ring, Tree, NVLS, CollNet and PAT by size and topology, and its
+#:   thresholds change between versions); Megatron-LM's deterministic mode
+#:   makes the same choice.  Cost: Tree's lower latency for small messages
+#:   across many nodes, and NVLS's switch offload.
+#: * ``NCCL_NVLS_ENABLE=0``: NVLink SHARP reduces inside the NVSwitch, in an
+#:   order that is not fixed from one call to the next (NCCL issue 1497); ``0``
+#:   also allocates no NVLS memory.  Cost: NVLS bandwidth on NVSwitch systems
+#:   with Hopper or later GPUs.
+#: * ``NCCL_COLLNET_ENABLE=0``: CollNet reduces in the network (SHARP
+#:   switches), outside NCCL's control.  Already NCCL's default; set so that an
+#:   ``nccl.conf`` file cannot turn it on (NCCL applies those files only to
+#:   variables the environment leaves unset).
+#:
+#: ``NCCL_ALGO=Ring`` alone already excludes NVLS and CollNet; the other two
+#: keep them off if ``NCCL_ALGO`` is changed later.  ``NCCL_PROTO`` is left to
+#: NCCL: its protocol choice depends only on message size and topology, and
+#: NCCL's documentation advises against setting it.
+DETERMINISTIC_COLLECTIVES: Mapping[str, str] = MappingProxyType(
+    {"NCCL_ALGO": "Ring", "NCCL_NVLS_ENABLE": "0", "NCCL_COLLNET_ENABLE": "0"}
 )
 
 _lock = threading.Lock()
