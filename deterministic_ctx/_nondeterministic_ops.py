@@ -6,34 +6,50 @@ Data, not logic: one :class:`OpEntry` per case, in :data:`TABLE`.  An entry
 names the aten ops it covers (overload packet names: ``"index_put_"`` covers
 ``aten.index_put_.default`` and ``aten.index_put_.hacked_twin``), the
 condition on the call's arguments (a small predicate, and the same condition
-in words), the behaviour under deterministic mode, the phase the op normally
-runs in, a note, and a runnable example that the GPU test
-(``tests/test_audit.py``) runs on a real CUDA device to check the behaviour.
-Entries for one op are tried in order; the first whose condition holds wins.
+in words), the behaviour under deterministic mode (and, where torch changed
+it, the behaviour on earlier releases), the phase the op normally runs in, a
+note, and a runnable example that the GPU test (``tests/test_audit.py``) runs
+on a real CUDA device to check the behaviour.  Entries for one op are tried in
+order; the first whose condition holds wins.
 
-Sources, checked against torch :data:`CHECKED_TORCH`: the docstring of
-``torch.use_deterministic_algorithms``, the ``alertNotDeterministic`` calls and
-the ``deterministicAlgorithms()`` switches in ATen's CUDA kernels, the
-``test_nondeterministic_alert_*`` tests of ``test/test_torch.py``, and
-``torch/nn/functional.py``, which on CUDA under deterministic mode replaces
-some native ops with decompositions whose backward is deterministic.  Where
-the docstring and the code disagree, the code wins (the docstring still lists
-``F.interpolate(mode="bilinear")`` backward among the ops that raise, but
-``F.interpolate`` no longer calls that kernel in deterministic mode).  Some
-entries come from the kernels alone, the docstring does not list them:
-``scatter_reduce`` with ``"amax"``/``"amin"`` (``scatter_reduce_two_cuda_kernel``
-alerts for every reduction; only sum and mean are rerouted to ``index_put_``),
-``index_reduce`` (``index_reduce_func_cuda_impl`` alerts for every reduction),
-and the older ``scatter_(reduce="add"|"multiply")``: ``"add"`` is rerouted to
-``index_put_``, ``"multiply"`` multiplies atomically with no alert at all, so
-deterministic mode leaves it nondeterministic without a word (``"none"``).
+The releases it was checked against are :data:`CHECKED_TORCH`; :data:`CHECKS`
+says how.  On torch 2.11 every entry's example ran on an NVIDIA H200 (torch
+2.11.0+cu130, 2026-11-23) under ``use_deterministic_algorithms(True)`` and
+``(True, warn_only=True)``: what it did there is the table's 2.11 behaviour
+(an entry's :attr:`~OpEntry.observed`).  On torch 2.13 the behaviours are
+read, not run: ``torch/nn/functional.py`` and ``torch/_decomp`` of 2.13.0 (the
+Python routes around native kernels), the ``use_deterministic_algorithms``
+docstring, and the alert names and kernels present in ``libtorch_cuda.so`` of
+the 2.13.0+cu130 wheel (git ``cf30153c``), compared with 2.11.0's (git
+``70d99e99``).  Where they disagree, the code wins over the docstring, which
+is stale in both releases: it still lists ``cumsum`` and ``ReflectionPad2d``
+among the ops that raise, and 2.13's lists ``MaxPool3d`` among those that
+become deterministic although only ``F.max_pool3d(return_indices=True)`` does.
+
+What changed between the two releases: ``F.max_pool3d_with_indices``
+(``return_indices=True``) on CUDA in deterministic mode computes the pooling
+with a decomposition whose backward is deterministic from 2.13 on (absent in
+2.12.0's ``functional.py``); the default ``F.max_pool3d`` still calls the
+native kernel, which raises.  Entries that differ from torch's docstring, from
+the kernels: ``scatter_reduce`` with ``"amax"``/``"amin"`` neither raises nor
+warns although its atomic maximum can pick either of ``0.0`` and ``-0.0``;
+``index_reduce`` raises for every reduction; ``scatter_(reduce="multiply")``
+raises (``scatter_reduce_cuda_kernel``) while ``reduce="add"`` is rerouted to
+``index_put_``; ``cumsum`` switches to a deterministic scan;
+``ReflectionPad2d`` backward has a deterministic kernel
+(``reflection_pad2d_backward_det_out_kernel``), ``ReflectionPad1d``/``3d`` do
+not; ``AdaptiveMaxPool3d`` backward accumulates atomically and is not flagged
+(``"none"``).
 
 Not listed, because their CUDA kernels are deterministic: ``index_put`` with
 ``accumulate=True`` (always sorted on CUDA), ``embedding`` backward and
 ``EmbeddingBag`` backward with ``mode="sum"`` / ``"mean"`` (sorted),
 ``nll_loss`` on 1-D/2-D input, ``avg_pool2d`` and ``max_pool2d`` backward,
-nearest-neighbour upsampling, matmuls (cuBLAS is deterministic given a valid
-``CUBLAS_WORKSPACE_CONFIG``; the audit's report says when it is not).
+nearest-neighbour upsampling, ``kthvalue`` (no alert since before 2.11, and
+ties gave the same indices on the H200), ``cumsum`` along a dimension that is
+not the whole tensor, ``scatter_`` with a scalar value (every update is the
+same), matmuls (cuBLAS; torch 2.10 dropped the ``CUBLAS_WORKSPACE_CONFIG``
+check, see :data:`CUBLAS_CONFIG_CHECKED_BEFORE`).
 
 Example:
     >>> from deterministic_ctx._nondeterministic_ops import TABLE, entries_for
@@ -41,6 +57,9 @@ Example:
     ['put', 'put-accumulate']
     >>> all(e.behaviour in ("raise", "warn", "deterministic", "none") for e in TABLE)
     True
+    >>> pool = entries_for("max_pool3d_with_indices_backward")[0]
+    >>> pool.behaviour_on("2.11.0+cu130"), pool.behaviour_on("2.13.0")
+    ('raise', 'deterministic')
 """
 
 from __future__ import annotations
@@ -55,16 +74,26 @@ import torch.nn.functional as F
 
 __all__ = [
     "CHECKED_TORCH",
+    "CHECKS",
+    "CUBLAS_CONFIG_CHECKED_BEFORE",
     "TABLE",
     "Behaviour",
+    "Check",
     "OpCall",
     "OpEntry",
     "entries_for",
+    "nearest_checked",
+    "release_of",
     "uninitialized_entry",
 ]
 
-#: The torch release (major.minor) the table was checked against.
-CHECKED_TORCH = "2.13"
+#: The torch releases (major.minor) the table was checked against, oldest first.
+CHECKED_TORCH: tuple[str, ...] = ("2.11", "2.13")
+
+#: Up to (not including) this torch release, cuBLAS matmuls raise under deterministic
+#: mode unless ``CUBLAS_WORKSPACE_CONFIG`` is ``:4096:8`` or ``:16:8``; torch 2.10 dropped
+#: the check (pytorch#161749), and neither 2.11.0 nor 2.13.0 has its message.
+CUBLAS_CONFIG_CHECKED_BEFORE = "2.10"
 
 #: What ``torch.use_deterministic_algorithms(True)`` does on CUDA: ``"raise"`` a
 #: ``RuntimeError`` (no deterministic kernel), ``"warn"`` and keep the
@@ -72,10 +101,78 @@ CHECKED_TORCH = "2.13"
 #: nothing, the kernel stays nondeterministic without an error or a warning.
 Behaviour = Literal["raise", "warn", "deterministic", "none"]
 Phase = Literal["forward", "backward"]
+#: How a release's behaviours were checked: ``"observed"`` (every example run on a real
+#: GPU) or ``"source"`` (read from torch's code, docs and binaries; not run).
+How = Literal["observed", "source"]
 #: ``"op"``: matched per aten op call; ``"function"``: matched per call of a torch
 #: Python function (``ops`` are then qualified function names); ``"uninitialized"``:
 #: ops that create uninitialized memory, reported when it is read before written.
 Kind = Literal["op", "function", "uninitialized"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """How the table was checked against one torch release.
+
+    Example:
+        >>> CHECKS[0].release, CHECKS[0].how
+        ('2.11', 'observed')
+    """
+
+    release: str
+    how: How
+    what: str
+
+    def describe(self) -> str:
+        """``"2.11 (observed on a GPU)"``-style words for reports."""
+        how = "observed on a GPU" if self.how == "observed" else "read from source"
+        return f"{self.release} ({how})"
+
+
+#: One per release of :data:`CHECKED_TORCH`, in the same order.
+CHECKS: tuple[Check, ...] = (
+    Check(
+        "2.11",
+        "observed",
+        "every entry's example run under use_deterministic_algorithms(True) and (True, "
+        "warn_only=True) with torch 2.11.0+cu130 (CUDA 13.0, Python 3.12) on an NVIDIA H200, "
+        "2026-11-23",
+    ),
+    Check(
+        "2.13",
+        "source",
+        "torch 2.13.0 (git cf30153c): torch/nn/functional.py, torch/_decomp, the "
+        "use_deterministic_algorithms docstring, and the alert names and kernels in "
+        "libtorch_cuda.so of the 2.13.0+cu130 wheel, compared with 2.11.0's; not run on a GPU",
+    ),
+)
+
+
+def release_of(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a torch version string; ``(0, 0)`` when it has none.
+
+    Example:
+        >>> release_of("2.11.0+cu130"), release_of("2.13.0a0+gitcf30153"), release_of("2.13")
+        ((2, 11), (2, 13), (2, 13))
+    """
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or "0")
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def nearest_checked(version: str) -> Check:
+    """The check of ``version``'s release, or else of the newest checked release before it
+    (the oldest one for a release older than all of them).
+
+    Example:
+        >>> [nearest_checked(v).release for v in ("2.11.0", "2.12.1", "2.14.0", "2.9.1")]
+        ['2.11', '2.11', '2.13', '2.11']
+    """
+    running = release_of(version)
+    earlier = [c for c in CHECKS if release_of(c.release) <= running]
+    return earlier[-1] if earlier else CHECKS[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +212,8 @@ class OpEntry:
         key: a short unique name, e.g. ``"put-accumulate"``.
         ops: aten overload packet names (``kind="op"``), or qualified function
             names (``kind="function"``).
-        behaviour: under ``use_deterministic_algorithms(True)``.
+        behaviour: under ``use_deterministic_algorithms(True)``, on the newest release
+            of :data:`CHECKED_TORCH` and on any release that ``earlier`` does not cover.
         phase: where the op normally runs (``"backward"``: in autograd's
             backward pass, e.g. ``upsample_bilinear2d_backward``).
         note: why it is nondeterministic, and what to do.
@@ -131,7 +229,13 @@ class OpEntry:
         unless_dispatched: for ``kind="function"``, aten ops (packet names)
             whose dispatch during the call means another entry covers it.
         example: builds tensors on a device and runs the case; returns what it
-            computed.  The GPU test checks ``behaviour`` with it.
+            computed.  The GPU test checks the behaviour with it.
+        earlier: where torch changed the behaviour: ``(release, behaviour)`` pairs,
+            oldest first, each the behaviour on torch releases before ``release``
+            (``(("2.13", "raise"),)``: raises before 2.13, ``behaviour`` from then on).
+        observed: the releases of :data:`CHECKED_TORCH` on which the example ran on a
+            real GPU and did what the table says; on the others the behaviour was read
+            from torch's source (see :data:`CHECKS`).
 
     Example:
         >>> entry = entries_for("put_")[0]
@@ -139,6 +243,8 @@ class OpEntry:
         True
         >>> entry.behaviour_under(warn_only=True)
         'warn'
+        >>> entry.observed
+        ('2.11',)
     """
 
     key: str
@@ -153,18 +259,37 @@ class OpEntry:
     parameters: tuple[str, ...] = ()
     unless_dispatched: tuple[str, ...] = ()
     example: Callable[[torch.device], Any] | None = None
+    earlier: tuple[tuple[str, Behaviour], ...] = ()
+    observed: tuple[str, ...] = ("2.11",)
 
     def matches(self, call: OpCall) -> bool:
         """Whether this entry covers ``call``."""
         return call.name in self.ops and (self.when is None or bool(self.when(call)))
 
-    def behaviour_under(self, *, warn_only: bool) -> Behaviour:
-        """What ``use_deterministic_algorithms(True, warn_only=warn_only)`` does."""
+    def behaviour_on(self, version: str | None = None) -> Behaviour:
+        """What ``use_deterministic_algorithms(True)`` does on torch ``version`` (a
+        ``torch.__version__`` string; ``None``: the newest checked release).
+
+        Example:
+            >>> entries_for("cumsum")[0].behaviour_on("2.11.0+cu130")
+            'deterministic'
+        """
+        if version is not None:
+            running = release_of(version)
+            for release, behaviour in self.earlier:
+                if running < release_of(release):
+                    return behaviour
+        return self.behaviour
+
+    def behaviour_under(self, *, warn_only: bool, version: str | None = None) -> Behaviour:
+        """What ``use_deterministic_algorithms(True, warn_only=warn_only)`` does on torch
+        ``version`` (``None``: the newest checked release)."""
+        behaviour = self.behaviour_on(version)
         if not warn_only:
-            return self.behaviour
+            return behaviour
         if self.warn_only_behaviour is not None:
             return self.warn_only_behaviour
-        return "warn" if self.behaviour == "raise" else self.behaviour
+        return "warn" if behaviour == "raise" else behaviour
 
 
 # --- conditions --------------------------------------------------------------------------------
@@ -194,12 +319,19 @@ def _index_put_races(call: OpCall) -> bool:
     return not all(i.dtype in (torch.bool, torch.uint8) for i in indices)
 
 
-def _cumsum_floating(call: OpCall) -> bool:
+def _cumsum_scans_whole(call: OpCall) -> bool:
+    """A floating-point cumsum along a dimension that holds every element (a 1-D tensor):
+    the only case CUDA runs as one device-wide scan, whose order of additions varies;
+    along any other dimension each thread sums one row in order."""
+    t = call.get("self")
+    if not isinstance(t, torch.Tensor) or t.numel() <= 1:
+        return False
     # The kernel runs in the result's dtype: ``dtype=`` when given.
-    dtype = call.get("dtype")
-    if dtype is None:
-        return _floating(call.get("self"))
-    return bool(dtype.is_floating_point or dtype.is_complex)
+    dtype = call.get("dtype") or t.dtype
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return False
+    dim = call.get("dim", 0)
+    return bool(t.numel() == t.size(dim))
 
 
 def _reduce_of_floating(*reduce: str) -> Callable[[OpCall], bool]:
@@ -265,6 +397,13 @@ def _ex_scatter_reduce(reduce: str) -> Callable[[torch.device], Any]:
     return example
 
 
+def _ex_scatter_reduce_signed_zeros(d: torch.device) -> Any:
+    # 0.0 and -0.0 compare equal: which one an atomic maximum keeps depends on the order.
+    index = torch.randint(0, 4, (1 << 16,), device=d)
+    src = torch.where(torch.rand(1 << 16, device=d) < 0.5, 0.0, -0.0)
+    return torch.zeros(4, device=d).scatter_reduce(0, index, src, "amax", include_self=False)
+
+
 def _ex_scatter(d: torch.device) -> Any:
     index = torch.randint(0, 4, (4096,), device=d)
     return torch.zeros(4, device=d).scatter_(0, index, torch.randn(4096, device=d))
@@ -286,7 +425,9 @@ def _ex_index_reduce(d: torch.device) -> Any:
     index = torch.randint(0, 4, (4096,), device=d)
     src = 1 + torch.randn(4096, 8, device=d) / 100
     with warnings.catch_warnings():  # "index_reduce() is in beta": not the point here
-        warnings.filterwarnings("ignore", message="index_reduce")
+        # Only that one: a bare "index_reduce" would also swallow deterministic mode's
+        # warning, "index_reduce_cuda does not have a deterministic implementation".
+        warnings.filterwarnings("ignore", message=r"index_reduce\(\) is in beta")
         return torch.ones(4, 8, device=d).index_reduce_(0, index, src, "prod")
 
 
@@ -312,10 +453,6 @@ def _ex_bincount(d: torch.device) -> Any:
     return torch.bincount(
         torch.randint(0, 8, (4096,), device=d), weights=torch.rand(4096, device=d)
     )
-
-
-def _ex_kthvalue(d: torch.device) -> Any:
-    return torch.randn(64, device=d).kthvalue(5)
 
 
 def _ex_median(d: torch.device) -> Any:
@@ -480,15 +617,16 @@ TABLE: tuple[OpEntry, ...] = (
     OpEntry(
         "scatter_reduce-amax",
         ("scatter_reduce", "scatter_reduce_"),
-        "raise",
+        "none",
         "forward",
-        "scatter_reduce with reduce='amax' or 'amin' runs a CUDA kernel that torch marks "
-        "nondeterministic for every reduction; only 'sum' and 'mean' have a deterministic "
-        "path, so this raises, although a maximum depends on the order only through ties "
-        "such as 0.0 and -0.0 (not in torch's docstring: from the CUDA kernel).",
-        condition="reduce='amax' or 'amin'",
-        when=lambda call: call.get("reduce") in ("amax", "amin"),
-        example=_ex_scatter_reduce("amax"),
+        "scatter_reduce with reduce='amax' or 'amin' takes an atomic maximum (minimum) on "
+        "CUDA: the value is the same in any order, but of equal values such as 0.0 and -0.0 "
+        "whichever comes last is kept, so the sign of a zero varies; torch neither reroutes "
+        "nor flags it (on an H200, 3 runs under deterministic mode gave 3 results). Integer "
+        "values are exact.",
+        condition="reduce='amax' or 'amin', floating point",
+        when=lambda call: call.get("reduce") in ("amax", "amin") and _floating(call.get("self")),
+        example=_ex_scatter_reduce_signed_zeros,
     ),
     OpEntry(
         "index_reduce",
@@ -496,8 +634,8 @@ TABLE: tuple[OpEntry, ...] = (
         "raise",
         "forward",
         f"index_reduce reduces atomically on CUDA with every reduction ('prod', 'mean', "
-        f"'amax', 'amin'); {_NO_KERNEL} (not in torch's docstring: from the CUDA kernel). "
-        "scatter_reduce with 'sum' or 'mean' has one.",
+        f"'amax', 'amin'); {_NO_KERNEL}, torch flags every reduction (index_reduce_cuda; not "
+        "in torch's docstring). scatter_reduce with 'sum' or 'mean' has one.",
         example=_ex_index_reduce,
     ),
     OpEntry(
@@ -517,12 +655,11 @@ TABLE: tuple[OpEntry, ...] = (
     OpEntry(
         "scatter-multiply",
         ("scatter", "scatter_"),
-        "none",
+        "raise",
         "forward",
         "scatter_ with reduce='multiply' multiplies atomically on CUDA, so the order of "
-        "floating-point products varies; torch neither reroutes nor flags it, so it stays "
-        "nondeterministic under deterministic mode, silently. Use scatter_reduce("
-        "reduce='prod'), which raises there, or a log-sum with scatter_add_.",
+        f"floating-point products varies; {_NO_KERNEL} (scatter_reduce_cuda_kernel; not in "
+        "torch's docstring). A log-sum with scatter_add_ has one.",
         condition="src is a tensor, reduce='multiply', self is floating point or complex",
         when=lambda call: (
             isinstance(call.get("src"), torch.Tensor) and _reduce_of_floating("multiply")(call)
@@ -564,12 +701,16 @@ TABLE: tuple[OpEntry, ...] = (
     OpEntry(
         "cumsum",
         ("cumsum", "cumsum_"),
-        "raise",
+        "deterministic",
         "forward",
-        "cumsum of floating-point or complex values on CUDA has no deterministic kernel "
-        "(pytorch#75240); its backward is a cumsum too. Integer cumsum is exact.",
-        condition="floating point or complex (the result's dtype)",
-        when=_cumsum_floating,
+        "cumsum of floating-point or complex values along a dimension that holds every "
+        "element (a 1-D tensor) runs as one device-wide scan on CUDA, whose order of "
+        "additions varies; deterministic mode switches to a deterministic scan (torch's "
+        "docstring still says it raises). Its backward is a cumsum too. Along any other "
+        "dimension, and for integers, cumsum is deterministic.",
+        condition="floating point or complex (the result's dtype), along a dimension holding "
+        "every element",
+        when=_cumsum_scans_whole,
         example=_ex_cumsum,
     ),
     OpEntry(
@@ -591,14 +732,6 @@ TABLE: tuple[OpEntry, ...] = (
         condition="weights given",
         when=lambda call: call.get("weights") is not None,
         example=_ex_bincount,
-    ),
-    OpEntry(
-        "kthvalue",
-        ("kthvalue",),
-        "raise",
-        "forward",
-        "kthvalue on CUDA returns any of several equal values' indices; " + _NO_KERNEL + ".",
-        example=_ex_kthvalue,
     ),
     OpEntry(
         "median-indices",
@@ -681,10 +814,11 @@ TABLE: tuple[OpEntry, ...] = (
     OpEntry(
         "adaptive_max_pool3d",
         ("adaptive_max_pool3d_backward",),
-        "raise",
+        "none",
         "backward",
-        f"AdaptiveMaxPool3d backward {_ATOMIC}; {_NO_KERNEL} (not in torch's docstring: "
-        "from the CUDA kernel).",
+        f"AdaptiveMaxPool3d backward {_ATOMIC} when windows overlap; torch neither reroutes "
+        "nor flags it, so it stays nondeterministic under deterministic mode, silently (on an "
+        "H200, 3 runs under deterministic mode gave 3 gradients). AdaptiveMaxPool2d raises.",
         example=_grad_of(lambda x: F.adaptive_max_pool3d(x, 3), 2, 3, 8, 8, 8),
     ),
     OpEntry(
@@ -707,21 +841,51 @@ TABLE: tuple[OpEntry, ...] = (
         example=_ex_max_unpool,
     ),
     OpEntry(
-        "max_pool3d",
+        "max_pool3d-F.max_pool3d",
         ("max_pool3d_with_indices_backward",),
         "deterministic",
         "backward",
-        f"MaxPool3d backward {_ATOMIC} when windows overlap; deterministic mode uses a "
-        "deterministic implementation.",
+        f"MaxPool3d backward {_ATOMIC} when windows overlap; from torch 2.13, in "
+        "deterministic mode F.max_pool3d(return_indices=True) computes the pooling with a "
+        "decomposition whose backward is deterministic. Before 2.13 it raises.",
+        condition="called through F.max_pool3d(return_indices=True) (nn.MaxPool3d("
+        "return_indices=True))",
+        when=_called_from("torch.nn.functional.max_pool3d_with_indices"),
+        example=_grad_of(
+            lambda x: F.max_pool3d(x, 3, stride=2, return_indices=True)[0], 2, 3, 9, 9, 9
+        ),
+        earlier=(("2.13", "raise"),),
+    ),
+    OpEntry(
+        "max_pool3d",
+        ("max_pool3d_with_indices_backward",),
+        "raise",
+        "backward",
+        f"MaxPool3d backward {_ATOMIC} when windows overlap; {_NO_KERNEL}. From torch 2.13, "
+        "F.max_pool3d(..., return_indices=True) avoids it in deterministic mode; the default "
+        "(return_indices=False) still runs this kernel, although torch 2.13's docstring lists "
+        "MaxPool3d as deterministic.",
         example=_grad_of(lambda x: F.max_pool3d(x, 3, stride=2), 2, 3, 9, 9, 9),
     ),
     OpEntry(
+        "reflection_pad2d",
+        ("reflection_pad2d_backward",),
+        "deterministic",
+        "backward",
+        f"ReflectionPad2d (F.pad(mode='reflect') padding two dimensions) backward {_ATOMIC}; "
+        "deterministic mode switches to a kernel without atomics (pytorch#136241; torch's "
+        "docstring still says it raises).",
+        example=_grad_of(lambda x: F.pad(x, (2, 3, 2, 3), mode="reflect"), 2, 3, 8, 8),
+    ),
+    OpEntry(
         "reflection_pad",
-        ("reflection_pad1d_backward", "reflection_pad2d_backward", "reflection_pad3d_backward"),
+        ("reflection_pad1d_backward", "reflection_pad3d_backward"),
         "raise",
         "backward",
-        f"ReflectionPad1d/2d/3d (F.pad(mode='reflect')) backward {_ATOMIC}; {_NO_KERNEL}.",
-        example=_grad_of(lambda x: F.pad(x, (2, 3, 2, 3), mode="reflect"), 2, 3, 8, 8),
+        f"ReflectionPad1d/3d (F.pad(mode='reflect') padding one or three dimensions) backward "
+        f"{_ATOMIC}; "
+        f"{_NO_KERNEL} (ReflectionPad2d has one).",
+        example=_grad_of(lambda x: F.pad(x, (2, 3), mode="reflect"), 2, 3, 8),
     ),
     OpEntry(
         "replication_pad-F.pad",

@@ -6,7 +6,8 @@ GPU, one op at a time, or from a list in torch's docs.  The audit runs the
 function once, wherever its tensors are (a CPU is enough), under a
 ``TorchDispatchMode`` that sees every aten op call, and matches each call
 against a table of the cases (:mod:`._nondeterministic_ops`, checked against
-one torch release): the op, the condition on its arguments
+torch 2.11 on a GPU and 2.13 from source; where torch changed a behaviour, the
+running release's is used): the op, the condition on its arguments
 (``index_put_(accumulate=False)``, ``scatter_reduce(reduce="prod")``,
 ``EmbeddingBag(mode="max")`` backward, ...) and what deterministic mode does
 on CUDA: raise, warn, switch to a deterministic kernel, or nothing.  Each finding names
@@ -53,11 +54,14 @@ from torch.overrides import TorchFunctionMode
 
 from ._nondeterministic_ops import (
     CHECKED_TORCH,
+    CUBLAS_CONFIG_CHECKED_BEFORE,
     TABLE,
     Behaviour,
     OpCall,
     OpEntry,
     entries_for,
+    nearest_checked,
+    release_of,
     uninitialized_entry,
 )
 from .compare import short_repr, tensor_leaves
@@ -130,9 +134,11 @@ class AuditReport:
 
     ``findings`` in the order they first happened; ``calls`` counts the aten op
     calls audited; ``backward`` says whether a backward pass was audited (run
-    by ``fn`` or by the audit); ``warn_only`` is the audit's; ``notes`` are
-    facts beside the findings (a torch version the table was not checked
-    against, a missing ``CUBLAS_WORKSPACE_CONFIG``, no backward to audit).
+    by ``fn`` or by the audit); ``warn_only`` is the audit's; ``checked_against``
+    is the release of the table's checks that the behaviours come from (the
+    running one, or the nearest checked one before it); ``notes`` are facts
+    beside the findings (a torch release the table was not checked against, a
+    missing ``CUBLAS_WORKSPACE_CONFIG`` before torch 2.10, no backward to audit).
 
     Like a list of findings, a report is true when it has any: ``if report:``
     reads "if something was found"; :attr:`clean` says the opposite.
@@ -189,9 +195,10 @@ class AuditReport:
         )
         scope = "forward and backward" if self.backward else "forward only"
         if self.clean:
+            checked = nearest_checked(self.checked_against).describe()
             lines = [
                 f"No op call is nondeterministic on CUDA ({self.calls} aten op calls audited, "
-                f"{scope}; table checked against torch {self.checked_against})."
+                f"{scope}). Table checked against torch {checked}."
             ]
         else:
             raising = len(self.raising)
@@ -356,8 +363,28 @@ class _Modules:
 #: The current autograd node while autograd's backward runs (torch >= 2.1 has it).
 _current_node: Callable[[], Any] = getattr(torch._C, "_current_autograd_node", lambda: None)
 
-#: Ops that run on cuBLAS on CUDA: they raise in deterministic mode without a valid
-#: ``CUBLAS_WORKSPACE_CONFIG``.
+#: A node's ``_sequence_nr()`` when it has none (``AccumulateGrad``): UINT64_MAX.
+_NO_SEQUENCE_NR = 2**64 - 1
+
+
+def _node_key(node: Any) -> tuple[str, int] | None:
+    """A key that names an autograd node for its whole life; ``None`` for a node without one.
+
+    Not ``hash(node)``: once no reference to a C++ node's Python object is left, torch may
+    free it and make a new one at the next access (torch 2.11 does), and the freed
+    object's id, which is its hash, comes back for another node.  A node's sequence
+    number is set when the node is made and is unique among the nodes its thread made;
+    with the class name it names the node across Python objects.
+    """
+    sequence_nr = getattr(node, "_sequence_nr", None)
+    if sequence_nr is None:
+        return None
+    number = int(sequence_nr())
+    return None if number == _NO_SEQUENCE_NR else (type(node).__name__, number)
+
+
+#: Ops that run on cuBLAS on CUDA: before torch 2.10 they raise in deterministic mode
+#: without a valid ``CUBLAS_WORKSPACE_CONFIG``.
 _CUBLAS = frozenset(
     {"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_addmm_activation"}
 )
@@ -446,12 +473,13 @@ class _Auditor(QuietDispatchMode):
     """Sees every aten op call of the run and keeps what matches the table
     (never importing torch._dynamo: see :class:`~deterministic_ctx.ops.QuietDispatchMode`)."""
 
-    def __init__(self, modules: _Modules, *, backward: bool, warn_only: bool) -> None:
+    def __init__(self, modules: _Modules, *, backward: bool, warn_only: bool, version: str) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.modules = modules
         self.frames = _Frames()
         self.backward = backward
         self.warn_only = warn_only
+        self.version = version
         self.calls = 0
         self.backward_calls = 0
         self.cublas = False
@@ -459,9 +487,9 @@ class _Auditor(QuietDispatchMode):
         # Outputs of the last forward op that needed gradients: their autograd nodes
         # exist only once the op has returned, so they are looked up at the next call.
         self._pending: list[tuple[weakref.ref[torch.Tensor], _Site]] = []
-        # Autograd node (its hash, stable for the node's life) -> its class name and where
-        # its forward op was called: a backward op is attributed to that call.
-        self._nodes: dict[int, tuple[str, _Site]] = {}
+        # Autograd node (see _node_key) -> where its forward op was called: a backward op
+        # is attributed to that call.
+        self._nodes: dict[tuple[str, int], _Site] = {}
         # Storage -> (storage, where and by which op it was created), while nothing wrote it.
         self._uninitialized: dict[int, tuple[Any, _Site, str]] = {}
         # Per watched function call in progress: the aten ops it dispatched.
@@ -475,9 +503,10 @@ class _Auditor(QuietDispatchMode):
         return _Site(location, module, module_type, callers)
 
     def _backward_site(self, node: Any, frame: FrameType | None) -> _Site:
-        known = self._nodes.get(hash(node))
-        if known is not None and known[0] == type(node).__name__:
-            return known[1]
+        key = _node_key(node)
+        known = None if key is None else self._nodes.get(key)
+        if known is not None:
+            return known
         # A node whose creation was not seen (a custom autograd.Function): the user's
         # frame now is the best there is, e.g. a line of its backward().
         location, callers = self.frames.user_frame(frame)
@@ -487,9 +516,9 @@ class _Auditor(QuietDispatchMode):
         """Attribute the autograd nodes of the last forward op's outputs to its call."""
         for ref, site in self._pending:
             t = ref()
-            node = None if t is None else t.grad_fn
-            if node is not None:
-                self._nodes[hash(node)] = (type(node).__name__, site)
+            key = None if t is None or t.grad_fn is None else _node_key(t.grad_fn)
+            if key is not None:
+                self._nodes[key] = site
         self._pending.clear()
 
     # Findings.
@@ -505,7 +534,7 @@ class _Auditor(QuietDispatchMode):
             site.module,
             site.module_type,
             site.location,
-            entry.behaviour_under(warn_only=self.warn_only),
+            entry.behaviour_under(warn_only=self.warn_only, version=self.version),
             phase,
             entry.note,
             entry.condition,
@@ -693,13 +722,16 @@ def _watched_functions() -> dict[Any, tuple[str, OpEntry]]:
 def _graph_leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The leaf tensors (AccumulateGrad nodes) that ``outputs``' graph reaches."""
     leaves: dict[int, torch.Tensor] = {}
-    seen: set[int] = set()
+    # Visited nodes by id, kept referenced: while a node's Python object is alive, torch
+    # hands out that object for the node, so ids neither change nor recur for another node
+    # during the walk (torch 2.11 frees unreferenced ones, and their ids come back).
+    seen: dict[int, Any] = {}
     todo = [t.grad_fn for t in outputs]
     while todo:
         node = todo.pop()
-        if node is None or hash(node) in seen:
+        if node is None or id(node) in seen:
             continue
-        seen.add(hash(node))
+        seen[id(node)] = node
         variable = getattr(node, "variable", None)
         if isinstance(variable, torch.Tensor):
             leaves.setdefault(id(variable), variable)
@@ -718,22 +750,24 @@ def _differentiable(result: Any) -> list[torch.Tensor]:
 _version_warned = False
 
 
-def _check_version() -> str | None:
-    """A note (and, once per process, a warning) when torch is not the release the
-    table was checked against."""
+def _check_version(version: str) -> tuple[str, str | None]:
+    """The checked release whose behaviours apply to torch ``version``, and a note (and,
+    once per process, a warning) when ``version`` is not of a release in
+    :data:`CHECKED_TORCH`."""
     global _version_warned
-    running = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-    if running == CHECKED_TORCH:
-        return None
+    release = nearest_checked(version).release
+    if "{}.{}".format(*release_of(version)) in CHECKED_TORCH:
+        return release, None
     note = (
-        f"torch {torch.__version__} is running; the table was checked against torch "
-        f"{CHECKED_TORCH}: ops that became deterministic or lost their deterministic kernel "
-        "since are not accounted for"
+        f"torch {version} is running; the table was checked against torch "
+        f"{' and '.join(CHECKED_TORCH)}: the behaviours of {release} are used, with the "
+        "changes the table knows of; ops that became deterministic or lost their "
+        "deterministic kernel in between are not accounted for"
     )
     if not _version_warned:
         _version_warned = True
         warnings.warn(note, stacklevel=3)
-    return note
+    return release, note
 
 
 def _env_value(name: str) -> str:
@@ -763,11 +797,13 @@ def audit_nondeterminism(
     ``fn`` runs where its tensors are (a CPU is enough: the aten ops are the
     same; see the module's docstring for why not the meta device) under a
     dispatch mode that matches every op call against a table checked against
-    one torch release (a warning, once, on another).  Each finding names the
-    op, the module that called it, the user's ``file:line``, the phase, and
-    what ``torch.use_deterministic_algorithms(True, warn_only=warn_only)``
-    would do on CUDA: ``"raise"``, ``"warn"``, or ``"deterministic"`` (switch
-    to a deterministic kernel).  Calls at one place are counted, not repeated.
+    torch 2.11 and 2.13 (a warning, once, on another release).  Each finding
+    names the op, the module that called it, the user's ``file:line``, the
+    phase, and what ``torch.use_deterministic_algorithms(True,
+    warn_only=warn_only)`` would do on CUDA with the running torch:
+    ``"raise"``, ``"warn"``, ``"deterministic"`` (switch to a deterministic
+    kernel) or ``"none"`` (nothing: it stays nondeterministic, silently).
+    Calls at one place are counted, not repeated.
     Memory from ``torch.empty`` read before anything wrote it is listed too.
 
     With ``backward=True``, autograd's backward ops are audited: those ``fn``
@@ -797,10 +833,12 @@ def audit_nondeterminism(
     backward = _check_flag(backward, "backward")
     warn_only = _check_flag(warn_only, "warn_only")
     objects = objects_to_reset(fn, args, kwargs, reset)
-    notes = [n for n in [_check_version()] if n is not None]
+    version = str(torch.__version__)
+    checked_against, version_note = _check_version(version)
+    notes = [] if version_note is None else [version_note]
     roots = [o for o in objects if isinstance(o, torch.nn.Module)]
     modules = _Modules(roots)
-    auditor = _Auditor(modules, backward=backward, warn_only=warn_only)
+    auditor = _Auditor(modules, backward=backward, warn_only=warn_only, version=version)
     functions = _Functions(auditor, _watched_functions())
     ran_backward = False
     saved = SavedState(objects)
@@ -841,7 +879,11 @@ def audit_nondeterminism(
             "fn ran no backward pass and returned no floating-point tensor with a gradient "
             "function: no backward op was audited"
         )
-    if auditor.cublas and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in CUBLAS_VALID:
+    if (
+        auditor.cublas
+        and release_of(version) < release_of(CUBLAS_CONFIG_CHECKED_BEFORE)
+        and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in CUBLAS_VALID
+    ):
         notes.append(
             "fn runs cuBLAS matmuls: on CUDA, use_deterministic_algorithms(True) raises at the "
             f"first one unless CUBLAS_WORKSPACE_CONFIG is {' or '.join(CUBLAS_VALID)} "
@@ -859,7 +901,7 @@ def audit_nondeterminism(
         auditor.calls,
         backward and ran_backward,
         warn_only,
-        torch.__version__,
-        CHECKED_TORCH,
+        version,
+        checked_against,
         tuple(notes),
     )
