@@ -119,7 +119,7 @@ def _runs_here(block: str) -> bool:
 
 
 README_RUNNER = """
-import contextlib, io, json, os, sys, tempfile, traceback
+import contextlib, io, json, os, sys, tempfile, traceback, types
 from deterministic_ctx import Snapshot, registered_rngs, unregister_rng
 
 with open(os.environ["README_JOBS"]) as f:
@@ -131,7 +131,10 @@ for prelude, code in jobs:
     cwd = os.getcwd()
     with tempfile.TemporaryDirectory() as tmp:
         os.chdir(tmp)
-        namespace = {"__name__": "readme_block"}
+        # A real module: dynamo (torch 2.11) imports the module a compiled function is from.
+        module = types.ModuleType("readme_block")
+        sys.modules["readme_block"] = module
+        namespace = module.__dict__
         try:
             with contextlib.redirect_stdout(io.StringIO()):
                 exec(compile(prelude, "<placeholders>", "exec"), namespace)
@@ -141,6 +144,7 @@ for prelude, code in jobs:
             results.append(traceback.format_exc(limit=4))
         finally:
             os.chdir(cwd)
+            sys.modules.pop("readme_block", None)
             for _key, obj in registered_rngs():  # NumPy's are held until unregistered
                 if not any(obj is other for other in before):
                     unregister_rng(obj)
