@@ -58,7 +58,25 @@ def _np_state() -> tuple[Any, ...]:
 
 def _lazy(module: Any) -> tuple[Any, ...]:
     t = module._lazy_seed_tracker
-    return (t.manual_seed_all_cb, t.manual_seed_cb, tuple(t.call_order), len(module._queued_calls))
+    return (
+        _queued(t.manual_seed_all_cb),
+        _queued(t.manual_seed_cb),
+        tuple(map(_queued, t.call_order)),
+        len(module._queued_calls),
+    )
+
+
+def _queued(entry: Any) -> Any:
+    """A queued ``(callback, traceback)`` compared by what it does: two seed callbacks
+    queued by two calls are two closures, equal when they seed the same number."""
+    if not isinstance(entry, tuple) or not entry:
+        return entry
+    fn = entry[0]
+    closure = getattr(fn, "__closure__", None)
+    if closure is None:
+        return (fn, *entry[1:2])
+    cells = tuple(c.cell_contents for c in closure if isinstance(c.cell_contents, (int, str)))
+    return (getattr(fn, "__qualname__", fn), cells, tuple(entry[1]) if len(entry) > 1 else ())
 
 
 def _flags() -> tuple[Any, ...]:
@@ -199,5 +217,5 @@ def _first_initialized(before: Any, after: Any) -> bool:
     state after is not checked here: tests/test_gpu.py checks that case itself."""
     if not (isinstance(after[0], bytes) and not isinstance(before[0], bytes)):
         return False
-    seed_all, seed_one, order, _queued = before[0]  # torch queues calls of its own too
+    seed_all, seed_one, order, _count = before[0]  # torch queues calls of its own too
     return seed_all is None and seed_one is None and not order
