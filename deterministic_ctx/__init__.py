@@ -33,15 +33,17 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from .audit import AuditFinding, AuditReport, audit_nondeterminism
     from .context import deterministic, isolated
     from .data import chain_worker_init, seed_worker, seeded_generator
+    from .dcp import RngState
     from .decorate import reproducible
-    from .distributed import broadcast_seed, rank_seed
+    from .distributed import Ranks, broadcast_seed, rank_seed, ranks
     from .locate import DivergenceReport, locate_divergence
     from .reporting import DeterminismReport, report
     from .reporting import report as determinism_report
     from .seeding import seed_everything
     from .snapshot import Snapshot
     from .sources import register_rng, registered_rngs, unregister_rng
-    from .sources.environ import managed_env_vars, register_env_var
+    from .sources.environ import DETERMINISTIC_COLLECTIVES, managed_env_vars, register_env_var
+    from .sync import RngStateError, sync_rng_state
     from .trace import InvalidTraceError, Trace, TraceComparison, compare_traces, record_trace
     from .verify import (
         BatchInvarianceError,
@@ -53,6 +55,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     )
 
 __all__ = [
+    "DETERMINISTIC_COLLECTIVES",
     "AuditFinding",
     "AuditReport",
     "BatchInvarianceError",
@@ -64,7 +67,10 @@ __all__ = [
     "InvalidTraceError",
     "LockWaitWarning",
     "NotReproducibleError",
+    "Ranks",
     "RestoreError",
+    "RngState",
+    "RngStateError",
     "Snapshot",
     "Trace",
     "TraceComparison",
@@ -82,6 +88,7 @@ __all__ = [
     "locate_divergence",
     "managed_env_vars",
     "rank_seed",
+    "ranks",
     "record_trace",
     "register_env_var",
     "register_rng",
@@ -92,6 +99,7 @@ __all__ = [
     "seed_worker",
     "seeded_generator",
     "set_lock_warning",
+    "sync_rng_state",
     "unregister_rng",
 ]
 
@@ -101,6 +109,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "AuditReport": (".audit", "AuditReport"),
     "BatchInvarianceError": (".verify", "BatchInvarianceError"),
     "CompiledMismatchError": (".verify", "CompiledMismatchError"),
+    "DETERMINISTIC_COLLECTIVES": (".sources.environ", "DETERMINISTIC_COLLECTIVES"),
     "DeterminismReport": (".reporting", "DeterminismReport"),
     "DivergenceReport": (".locate", "DivergenceReport"),
     "GraphCaptureError": ("._errors", "GraphCaptureError"),
@@ -108,7 +117,10 @@ _WHERE: dict[str, tuple[str, str]] = {
     "InvalidTraceError": (".trace", "InvalidTraceError"),
     "LockWaitWarning": ("._errors", "LockWaitWarning"),
     "NotReproducibleError": (".verify", "NotReproducibleError"),
+    "Ranks": (".distributed", "Ranks"),
     "RestoreError": ("._errors", "RestoreError"),
+    "RngState": (".dcp", "RngState"),
+    "RngStateError": (".sync", "RngStateError"),
     "Snapshot": (".snapshot", "Snapshot"),
     "Trace": (".trace", "Trace"),
     "TraceComparison": (".trace", "TraceComparison"),
@@ -126,6 +138,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "locate_divergence": (".locate", "locate_divergence"),
     "managed_env_vars": (".sources.environ", "managed_env_vars"),
     "rank_seed": (".distributed", "rank_seed"),
+    "ranks": (".distributed", "ranks"),
     "record_trace": (".trace", "record_trace"),
     "register_env_var": (".sources.environ", "register_env_var"),
     "register_rng": (".sources", "register_rng"),
@@ -136,6 +149,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "seed_worker": (".data", "seed_worker"),
     "seeded_generator": (".data", "seeded_generator"),
     "set_lock_warning": ("._lock", "set_lock_warning"),
+    "sync_rng_state": (".sync", "sync_rng_state"),
     "unregister_rng": (".sources", "unregister_rng"),
 }
 

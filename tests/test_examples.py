@@ -20,7 +20,10 @@ import deterministic_ctx
 from deterministic_ctx import Snapshot
 from tests.helpers import ROOT, run_python
 
-EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+#: Examples with a test module of their own, which runs them and checks what they print:
+#: run again here, they would only double the suite's time.
+OWN_TESTS = {"multinode_resume.py": "tests/test_multinode_example.py"}
+EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if p.name not in OWN_TESTS)
 #: Seconds per training run of the DDP example (its ranks, their workers, a gloo group).
 LAUNCH_TIMEOUT = 180.0
 
