@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from .snapshot import Snapshot
     from .sources import register_rng, registered_rngs, unregister_rng
     from .sources.environ import DETERMINISTIC_COLLECTIVES, managed_env_vars, register_env_var
+    from .streams import RngStreams
     from .sync import RngStateError, sync_rng_state
     from .trace import InvalidTraceError, Trace, TraceComparison, compare_traces, record_trace
     from .verify import (
@@ -71,6 +72,7 @@ __all__ = [
     "RestoreError",
     "RngState",
     "RngStateError",
+    "RngStreams",
     "Snapshot",
     "Trace",
     "TraceComparison",
@@ -121,6 +123,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "RestoreError": ("._errors", "RestoreError"),
     "RngState": (".dcp", "RngState"),
     "RngStateError": (".sync", "RngStateError"),
+    "RngStreams": (".streams", "RngStreams"),
     "Snapshot": (".snapshot", "Snapshot"),
     "Trace": (".trace", "Trace"),
     "TraceComparison": (".trace", "TraceComparison"),

@@ -73,7 +73,7 @@ from deterministic_ctx.sources import environ as _environ
 from deterministic_ctx.sources.fused import FusedPlan, build
 from deterministic_ctx.world import World
 from tests._oracle import World as Oracle
-from tests.helpers import RandomLike, draw, run_python, solo
+from tests.helpers import RandomLike, draw, run_python, set_config_override, solo
 
 B: Any = torch.backends
 _RANDOM_SOURCE: Any = _sources.source_named("random")
@@ -398,12 +398,14 @@ def _set_bit_generator(ctx: Ctx, arg: tuple[str, int]) -> str | None:
     return None
 
 
-def _register(ctx: Ctx, arg: tuple[str, int]) -> None:
-    kind, k = arg
+def _register(ctx: Ctx, arg: tuple[Any, ...]) -> None:
+    # (kind, seed) or (kind, seed, shared): a shared RNG gets the block's shared
+    # seed under rank=, the others its per-rank one.
+    kind, k, *shared = arg
     obj = RNG_KINDS[kind](k)
     if any(obj is other for other in ctx.rngs):
         return
-    register_rng(obj, key=f"rng{len(ctx.registered)}")
+    register_rng(obj, key=f"rng{len(ctx.registered)}", shared=bool(shared and shared[0]))
     ctx.rngs.append(obj)
     ctx.registered.append(obj)
 
@@ -454,8 +456,7 @@ def _set_config(module: str, key: str) -> Callable[[Ctx, Any], None]:
         if value is None:
             from torch.utils._config_module import _UNSET_SENTINEL
 
-            config._config[key].user_override.set(_UNSET_SENTINEL)
-            config._hash_dirty_var.set(True)
+            set_config_override(config, key, _UNSET_SENTINEL)
         else:
             setattr(config, key, value)
 
@@ -594,7 +595,7 @@ OPS: dict[str, tuple[Callable[[Ctx, Any], Any], st.SearchStrategy[Any]]] = {
 #: Ops of the prelude only: what a block does not restore (registrations,
 #: a rebound ``random.random``) or what changes the set of managed names.
 PRELUDE_OPS: dict[str, tuple[Callable[[Ctx, Any], Any], st.SearchStrategy[Any]]] = {
-    "register_rng": (_register, st.tuples(st.sampled_from(sorted(RNG_KINDS)), SEEDS)),
+    "register_rng": (_register, st.tuples(st.sampled_from(sorted(RNG_KINDS)), SEEDS, BOOLS)),
     "unregister_rng": (_unregister, st.integers(0, 7)),
     "random.random = other.random": (_rebind_random, st.none() | SEEDS),
     "set the unmanaged test variable": (
@@ -962,7 +963,8 @@ def test_every_kind_of_registered_rng_in_nested_blocks(registry):
     # Without the generator whose seed() raises (blocks fail to enter: drawn by
     # Hypothesis, and tested below).
     kinds = sorted(k for k in RNG_KINDS if k != "seed raises")
-    prelude = [("register_rng", (kind, i)) for i, kind in enumerate(kinds)]
+    # Every other one shared: the inner block's rank=5 seeds the two halves apart.
+    prelude = [("register_rng", (kind, i, i % 2 == 1)) for i, kind in enumerate(kinds)]
     prelude += [
         ("torch.manual_seed", 3),
         ("torch.cuda.set_rng_state", 9),

@@ -309,3 +309,67 @@ def test_round_trip_of_a_mersenne_twister_state_through_a_file():
             Snapshot.load(Path(tmp) / "s").restore()
     finally:
         unregister_rng(like)
+
+
+# -- generator states (1-D uint8 CPU tensors) in a random-like state ----------------------
+
+
+class TorchBacked:
+    """Random-like around two torch generators: its state holds their state tensors."""
+
+    def __init__(self) -> None:
+        self.gens = [torch.Generator(), torch.Generator()]
+
+    def seed(self, s: int) -> None:
+        for i, g in enumerate(self.gens):
+            g.manual_seed(s + i)
+
+    def getstate(self) -> Any:
+        return {"label": "pair", "states": tuple(g.get_state() for g in self.gens)}
+
+    def setstate(self, state: Any) -> None:
+        for g, s in zip(self.gens, state["states"], strict=True):
+            g.set_state(s)
+
+    def draw(self) -> list[float]:
+        return [torch.rand(1, generator=g).item() for g in self.gens]
+
+
+def test_generator_states_in_a_random_like_state_round_trip_through_a_file(tmp_path):
+    obj = register_rng(TorchBacked(), key="torch-backed")
+    try:
+        obj.draw()
+        Snapshot.capture().save(tmp_path / "s")
+        expected = [obj.draw() for _ in range(3)]
+        Snapshot.load(tmp_path / "s").restore()
+        assert [obj.draw() for _ in range(3)] == expected
+        state = Snapshot.capture().state_dict()
+        saved = state["sources"]["user"][-1]["state"]
+        assert saved["shape"] == "dssstxx"  # {"label": "pair", "states": (x, x)}
+        tensors = [v for v in saved["values"] if isinstance(v, torch.Tensor)]
+        assert [t.numel() for t in tensors] == [5056, 5056]
+        assert all(t is not s for t, s in zip(tensors, obj.getstate()["states"], strict=True))
+    finally:
+        unregister_rng(obj)
+
+
+def test_tensors_a_snapshot_cannot_hold_are_refused_with_their_place():
+    with pytest.raises(user_rngs._NotPlain, match=r"getstate\(\)\[1\] is a cpu torch.float32"):
+        user_rngs._tree_to_plain((1, torch.zeros(2)))
+    with pytest.raises(user_rngs._NotPlain, match="only 1-D uint8 CPU tensors"):
+        user_rngs._tree_to_plain([torch.zeros(2, 2, dtype=torch.uint8)])
+    with pytest.raises(user_rngs._NotPlain, match=r"has a key of type torch\.Tensor"):
+        user_rngs._tree_to_plain({torch.zeros(1, dtype=torch.uint8): 1})
+    with pytest.raises(user_rngs._NotPlain, match="tensor bytes"):
+        user_rngs._tree_to_plain([torch.zeros(1 << 21, dtype=torch.uint8)] * 3)
+    for values, message in [
+        ([3], "expected a uint8 tensor, got int"),
+        ([torch.zeros(2)], "expected a 1-D uint8 tensor"),
+        ([], "too few"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            user_rngs._tree_from_plain({"shape": "x", "values": values, "sizes": []}, "s")
+    back = user_rngs._tree_from_plain(
+        {"shape": "tx", "values": [torch.arange(3, dtype=torch.uint8)], "sizes": [1]}, "s"
+    )
+    assert isinstance(back, tuple) and back[0].tolist() == [0, 1, 2]

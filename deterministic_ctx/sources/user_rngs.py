@@ -4,15 +4,21 @@ Each registered object is captured, seeded and restored with every block.
 Its seed inside a block is ``derive_seed(block_seed, "user", key)``: stable
 across runs as long as the key is, and unrelated to the seed of any other
 object.  Under ``rank=`` the block's per-rank seed takes the place of
-``block_seed`` (user RNGs are data-side, like ``random`` and NumPy).  The key
-is the one given to ``register_rng`` or, by default, the registration
-ordinal (``"0"``, ``"1"``, …).
+``block_seed`` (user RNGs are data-side, like ``random`` and NumPy), except
+for RNGs registered with ``shared=True``: they keep the block's shared seed,
+like torch's generators, for state that must agree across ranks (parallel RNG
+streams, :mod:`deterministic_ctx.streams`).  The key is the one given to
+``register_rng`` or, by default, the registration ordinal (``"0"``, ``"1"``,
+…).
 
 Accepted: ``random.Random``, ``numpy.random.Generator``,
 ``numpy.random.RandomState``, ``torch.Generator``, and any object with
 ``seed()``, ``getstate()`` and ``setstate()`` methods (Hypothesis's
 ``register_random`` protocol), seeded with a 32-bit
-``derive_seed(block_seed, "user", key)``.
+``derive_seed(block_seed, "user", key)``.  A snapshot saves such an object's
+state when ``getstate()`` returns plain data: ints, floats, strings, bools,
+``None``, and 1-D uint8 CPU tensors (generator states, as
+``torch.Generator.get_state()`` returns them) in lists, tuples and dicts.
 
 Installed packages contribute RNGs through the ``deterministic_ctx.rngs``
 entry-point group (:data:`ENTRY_POINT_GROUP`): each entry point loads to a
@@ -24,10 +30,11 @@ first), never at ``import deterministic_ctx``; an object registered already
 keeps its first key (as for any second ``register_rng``).  A broken entry point is skipped with a
 ``RuntimeWarning`` naming it and the error, registering none of its RNGs.
 
-Objects that can be weakly referenced (``random.Random``, ``torch.Generator``,
-most Python classes) are held by weak reference.  NumPy generators and bit
-generators cannot be (their C types lack ``__weakref__``), so they are held
-until :func:`unregister_rng`.
+Objects that can be weakly referenced (``random.Random``, ``torch.Generator``
+on torch 2.13, most Python classes) are held by weak reference.  NumPy
+generators and bit generators cannot be (their C types lack ``__weakref__``),
+nor can torch 2.11's ``torch.Generator`` (seen on a GPU machine), so they are
+held until :func:`unregister_rng`.
 
 The registry stays as small as the set of live RNGs, however many were
 registered and collected: each weak reference's callback removes its entry
@@ -383,12 +390,15 @@ class _Entry:
         "memo",
         "mode",
         "mt",
+        "shared",
         "token",
         "view",
         "view2",
     )
 
-    def __init__(self, obj: object, key: str, kind: _Kind, token: int) -> None:
+    def __init__(
+        self, obj: object, key: str, kind: _Kind, token: int, shared: bool = False
+    ) -> None:
         # ``get()`` returns the object, or ``None`` once it has been collected.
         self.get: Callable[[], Any]
         try:
@@ -398,6 +408,8 @@ class _Entry:
         self.token = token
         self.key = key
         self.kind = kind
+        #: Seeded from a block's shared seed (``Settings.seed``), not its per-rank one.
+        self.shared = shared
         self.layout = fast_layout_for(obj)
         self._memo: tuple[int, int] | None = None  # (block seed, derived seed)
         #: ``(block seed, state)``: what seeding with that block seed left (-1:
@@ -632,7 +644,7 @@ def _find(obj: object) -> _Entry | None:
     return entry if entry is not None and entry.get() is obj else None
 
 
-def register_rng(obj: T, *, key: str | None = None) -> T:
+def register_rng(obj: T, *, key: str | None = None, shared: bool = False) -> T:
     """Manage a user-owned RNG in every deterministic block; returns ``obj``.
 
     Accepted: ``random.Random``, ``numpy.random.Generator``,
@@ -643,9 +655,17 @@ def register_rng(obj: T, *, key: str | None = None) -> T:
     ``random.Random``, ``Generator`` and torch, 32 for ``RandomState`` and
     random-like objects, whose ``seed(int)`` is called); on exit its state is
     restored (``setstate(getstate())`` for random-like objects).  Registering
-    the same object again is a no-op.  Objects that can be weakly referenced
-    are held by weak reference and leave the registry when collected; NumPy's
-    types are held until :func:`unregister_rng`.
+    the same object again is a no-op (with another ``shared``, a
+    ``ValueError``).  Objects that can be weakly referenced are held by weak
+    reference and leave the registry when collected; NumPy's types are held
+    until :func:`unregister_rng`.
+
+    ``seed`` above is the block's per-rank seed under ``rank=`` (user RNGs
+    are data-side, like ``random`` and NumPy: augmentation differs across
+    ranks).  With ``shared=True`` it is the block's shared seed instead, the
+    one torch's generators get, so the RNG draws alike on every rank: for
+    state that must agree across ranks, such as the streams of
+    :class:`~deterministic_ctx.streams.RngStreams` (registered this way).
 
     Example:
         >>> import random
@@ -658,15 +678,31 @@ def register_rng(obj: T, *, key: str | None = None) -> T:
         >>> a == b
         True
         >>> unregister_rng(augment)
+        >>> masks = register_rng(random.Random(), key="masks", shared=True)
+        >>> with deterministic(seed=0, rank=1):
+        ...     on_rank_1 = masks.random()
+        >>> with deterministic(seed=0, rank=2):
+        ...     on_rank_1 == masks.random()  # the shared seed: alike on every rank
+        True
+        >>> unregister_rng(masks)
     """
     kind = _kind_of(obj)
     if key is not None and not isinstance(key, str):
         raise TypeError(f"key must be a str or None, got {type(key).__name__} {key!r}")
+    if not isinstance(shared, bool):
+        raise TypeError(f"shared must be True or False, got {shared!r:.80}")
     with _lock:
-        if _find(obj) is not None:
+        found = _find(obj)
+        if found is not None:
+            if found.shared != shared:
+                raise ValueError(
+                    f"register_rng(): {_short_repr(obj)} is registered already with "
+                    f"shared={found.shared}; call unregister_rng() first to register it with "
+                    f"shared={shared}"
+                )
             return obj
         token = next(_tokens)
-        entry = _Entry(obj, key if key is not None else str(next(_counter)), kind, token)
+        entry = _Entry(obj, key if key is not None else str(next(_counter)), kind, token, shared)
         _entries[token] = entry
         _by_id[id(obj)] = token
         _changed()
@@ -710,9 +746,13 @@ def registered_rngs() -> list[tuple[str, object]]:
     return [(k, o) for k, o in live if o is not None]
 
 
-def seed_registered_rngs(seed: int) -> None:
+def seed_registered_rngs(seed: int, *, shared_seed: int | None = None) -> None:
     """Seed every registered RNG from ``seed`` as a block seeded with it does
     (each with ``derive_seed(seed, "user", key)``), without capturing anything.
+
+    RNGs registered with ``shared=True`` are seeded from ``shared_seed``
+    instead, where it is given (a block under ``rank=`` gives its shared
+    seed there and its per-rank seed as ``seed``).
 
     Example:
         >>> import random
@@ -726,6 +766,9 @@ def seed_registered_rngs(seed: int) -> None:
         obj = entry.get()
         if obj is None:
             continue
+        if entry.shared and shared_seed is not None:
+            _seed_entry(entry, obj, shared_seed)
+            continue
         memo = entry.memo
         if memo[0] != seed:
             entry.seed_slow(obj, seed)
@@ -736,6 +779,18 @@ def seed_registered_rngs(seed: int) -> None:
             obj.gauss_next = None
         else:
             entry.put(obj, memo[1])
+
+
+def _seed_entry(entry: _Entry, obj: Any, seed: int) -> None:
+    """One entry of :func:`seed_registered_rngs`'s loop (the rarer shared ones)."""
+    memo = entry.memo
+    if memo[0] != seed:
+        entry.seed_slow(obj, seed)
+    elif entry.mt is not None:
+        entry.mt[:] = memo[1]
+        obj.gauss_next = None
+    else:
+        entry.put(obj, memo[1])
 
 
 class UserRngSource:
@@ -763,7 +818,8 @@ class UserRngSource:
         return tuple(out)
 
     def apply(self, settings: Settings) -> None:
-        seed_registered_rngs(settings.rank_seed)  # per rank, like ``random`` and NumPy
+        # Per rank, like ``random`` and NumPy; ``shared=True`` ones like torch.
+        seed_registered_rngs(settings.rank_seed, shared_seed=settings.seed)
 
     def restore(self, state: tuple[_Record, ...]) -> None:
         """Put every RNG of ``state`` back.  One that fails does not stop the
@@ -908,8 +964,13 @@ _MAX_NODES = 1 << 16
 _MAX_TEXT = 1 << 20  # characters of all strings together
 _MAX_INT_BITS = 4096  # JSON writes ints as decimal digits; Python caps them at 4300
 _MAX_DEPTH = 64
+#: Bytes of all tensors together: a CPU generator's state is 5056 bytes.
+_MAX_TENSOR_BYTES = 1 << 22
 #: One letter per item, in prefix order: scalars, then containers.
 _SCALARS: dict[type, str] = {int: "i", float: "f", str: "s", bool: "b", type(None): "n"}
+#: The letter of a tensor leaf (a generator state): a value, like a scalar,
+#: but never a dict key.
+_TENSOR = "x"
 _CONTAINERS: dict[type, str] = {tuple: "t", list: "l", dict: "d"}
 
 
@@ -922,22 +983,37 @@ def _tree_to_plain(value: object) -> dict[str, Any]:
 
     ``{"shape": str, "values": [...], "sizes": [...]}``: ``shape`` has one
     letter per item in prefix order (``i`` int, ``f`` float, ``s`` str, ``b``
-    bool, ``n`` None, ``t`` tuple, ``l`` list, ``d`` dict), ``values`` the
-    scalars other than ``None`` in that order, ``sizes`` the length of each
-    container (a dict's items follow it as key, value, key, value, ...; keys
-    are scalars).  Exact types only: a subclass (a NamedTuple, an IntEnum)
-    would come back as its base type.  Raises :class:`_NotPlain`.
+    bool, ``n`` None, ``x`` 1-D uint8 CPU tensor, ``t`` tuple, ``l`` list,
+    ``d`` dict), ``values`` the scalars other than ``None`` and the tensors
+    (copies) in that order, ``sizes`` the length of each container (a dict's
+    items follow it as key, value, key, value, ...; keys are scalars).  Exact
+    types only: a subclass (a NamedTuple, an IntEnum) would come back as its
+    base type.  Raises :class:`_NotPlain`.
     """
     shape: list[str] = []
     values: list[object] = []
     sizes: list[int] = []
     text = 0
+    nbytes = 0
 
     def walk(item: Any, where: str, depth: int) -> None:
-        nonlocal text
+        nonlocal text, nbytes
         if len(shape) >= _MAX_NODES:
             raise _NotPlain(f"getstate() returned more than {_MAX_NODES} items")
         kind = type(item)
+        if kind is torch.Tensor:
+            if item.dtype != torch.uint8 or item.dim() != 1 or item.device.type != "cpu":
+                raise _NotPlain(
+                    f"getstate(){where} is a {item.device.type} {item.dtype} tensor of shape "
+                    f"{tuple(item.shape)}, and only 1-D uint8 CPU tensors (generator states) "
+                    f"are saved"
+                )
+            nbytes += item.numel()
+            if nbytes > _MAX_TENSOR_BYTES:
+                raise _NotPlain(f"getstate() holds more than {_MAX_TENSOR_BYTES} tensor bytes")
+            shape.append(_TENSOR)
+            values.append(item.detach().clone())  # the file is written later: a copy
+            return
         letter = _SCALARS.get(kind)
         if letter is not None:
             if kind is int and item.bit_length() > _MAX_INT_BITS:
@@ -984,6 +1060,7 @@ def _tree_from_plain(data: object, path: str) -> object:
     if type(values) is not list or type(sizes) is not list:
         raise ValueError(f"{path}: values and sizes must be lists")
     types = {letter: kind for kind, letter in _SCALARS.items()}
+    nbytes = 0
     iv: Iterator[Any] = iter(values)
     isz: Iterator[Any] = iter(sizes)
     nv = ns = 0
@@ -1010,6 +1087,15 @@ def _tree_from_plain(data: object, path: str) -> object:
                         f"{path}.values[{nv}]: an int of more than {_MAX_INT_BITS} bits"
                     )
                 nv += 1
+        elif letter == _TENSOR:
+            value = next(iv, _MISSING)
+            if value is _MISSING:
+                raise ValueError(f"{path}.values: too few for the shape")
+            value = _plain.byte_tensor(value, f"{path}.values[{nv}]")  # checked, copied
+            nbytes += value.numel()
+            if nbytes > _MAX_TENSOR_BYTES:
+                raise ValueError(f"{path}.values: more than {_MAX_TENSOR_BYTES} tensor bytes")
+            nv += 1
         elif letter in ("t", "l", "d"):
             n = next(isz, None)
             if type(n) is not int or not 0 <= n <= len(shape) - pos - 1:
@@ -1020,7 +1106,7 @@ def _tree_from_plain(data: object, path: str) -> object:
                 continue
             value = () if letter == "t" else [] if letter == "l" else {}
         else:
-            raise ValueError(f"{where}: unknown letter {letter!r} (expected one of ifsbntld)")
+            raise ValueError(f"{where}: unknown letter {letter!r} (expected one of ifsbnxtld)")
         while True:  # hand the finished item to its container, closing those it completes
             if not stack:
                 if root:
@@ -1059,8 +1145,9 @@ def _random_like_to_plain(obj: object, state: object) -> dict[str, Any]:
         tree = _tree_to_plain(state)
     except _NotPlain as exc:
         raise _NotPlain(
-            f"{exc}, and a snapshot holds only plain data (int, float, str, bool, None, and "
-            f"lists, tuples and dicts of them, at most {_MAX_NODES} items); or make its "
+            f"{exc}, and a snapshot holds only plain data (int, float, str, bool, None, 1-D "
+            f"uint8 CPU tensors, and lists, tuples and dicts of them, at most {_MAX_NODES} "
+            f"items); or make its "
             f"getstate() return plain data"
         ) from None
     return {"class": _class_path(obj), **tree}
