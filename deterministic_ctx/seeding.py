@@ -112,8 +112,9 @@ def seed_everything(
             seed = distributed.broadcast_seed(seed)
         elif distributed.world_size() > 1:
             raise ValueError(
-                "seed=None draws a different seed on every rank of the process group; "
-                "pass broadcast=True so that every rank uses rank 0's seed"
+                f"seed=None draws a different seed on every rank of the run "
+                f"(world size {distributed.world_size()}); pass broadcast=True so that every "
+                f"rank uses rank 0's seed"
             )
         else:
             seed = distributed.draw_seed()
