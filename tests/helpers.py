@@ -162,3 +162,49 @@ def set_config_override(config: Any, key: str, value: object) -> None:
     else:
         entry.user_override = value
         config._is_dirty = True
+
+
+def spawn_ranks(
+    main: Any, args: tuple[Any, ...], world: int, out: Path | str, *, timeout: float, what: str
+) -> list[Any]:
+    """Run ``main(rank, *args)`` on ``world`` processes started with ``spawn``; each rank
+    pickles its result to ``out/rank{r}.pkl``, returned by rank.
+
+    Bounded: after ``timeout`` seconds the ranks are killed and the test fails, naming ``what``.
+    """
+    import pickle
+    import time
+
+    import pytest
+    import torch.multiprocessing as torch_mp
+
+    context = torch_mp.start_processes(
+        main, args=args, nprocs=world, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                pytest.fail(f"{what} on {world} ranks did not finish in {timeout} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join(5)
+    return [pickle.loads((Path(out) / f"rank{r}.pkl").read_bytes()) for r in range(world)]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a process group's store)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def loopback() -> str:
+    """The loopback interface's name, for gloo (``GLOO_SOCKET_IFNAME``)."""
+    import socket
+
+    return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")

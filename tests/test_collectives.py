@@ -18,8 +18,6 @@ from __future__ import annotations
 import os
 import pickle
 import re
-import socket
-import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -28,7 +26,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as torch_mp
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -44,6 +41,7 @@ from deterministic_ctx.reporting.collectives import (
 )
 from deterministic_ctx.sources import environ as environ_mod
 from deterministic_ctx.sources.environ import DETERMINISTIC_COLLECTIVES
+from tests.helpers import free_port, spawn_ranks
 
 needs_gloo = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
@@ -87,12 +85,6 @@ def clean(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.MonkeyPatch
     if any(collectives._config_files(NCCL_NAMES).values()):
         pytest.skip("/etc/nccl.conf sets NCCL variables on this machine")
     return monkeypatch
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def init_group(tmp_path: Path, name: str = "store") -> None:
@@ -513,24 +505,8 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
 def test_two_ranks_tell_values_set_before_from_values_set_after(tmp_path):
     out = tmp_path / "ranks"
     out.mkdir()
-    context = torch_mp.start_processes(
-        _rank_main,
-        args=(2, free_port(), str(out)),
-        nprocs=2,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + LAUNCH_TIMEOUT
-    try:
-        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"the ranks did not finish in {LAUNCH_TIMEOUT} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join(5)
-    results = [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+    args = (2, free_port(), str(out))
+    results = spawn_ranks(_rank_main, args, 2, out, timeout=LAUNCH_TIMEOUT, what="the ranks")
     for rank, result in enumerate(results):
         assert result["start"] == {}
         assert result["late"] == {"nccl-env-late": "note"}

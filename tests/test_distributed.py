@@ -10,7 +10,6 @@ import multiprocessing
 import os
 import pickle
 import random
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -20,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as torch_mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
@@ -37,6 +35,7 @@ from deterministic_ctx import (
 )
 from deterministic_ctx.data import chain_worker_init, seed_worker, seeded_generator
 from deterministic_ctx.distributed import broadcast_seed, rank_seed, resolve_rank
+from tests.helpers import free_port, loopback, spawn_ranks
 from tests.test_data import WORKER, Augmenting
 
 LAUNCH_TIMEOUT = 180.0
@@ -225,16 +224,6 @@ def test_seed_arguments_are_validated(call, error, message):
 # -- real process groups --------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def loopback() -> str:
-    return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")
-
-
 def _rank_main(rank: int, world: int, port: int, out: str, scenarios: tuple[str, ...]) -> None:
     """The body of one rank: join the group, run ``scenarios`` in turn, write their results."""
     os.environ["GLOO_SOCKET_IFNAME"] = loopback()
@@ -262,24 +251,8 @@ def launch(scenarios: tuple[str, ...], world: int, tmp_path: Path) -> list[dict[
     scenario = "+".join(scenarios)
     out = tmp_path / f"{scenario}-{world}-{time.monotonic_ns()}"
     out.mkdir()
-    context = torch_mp.start_processes(
-        _rank_main,
-        args=(world, free_port(), str(out), scenarios),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + LAUNCH_TIMEOUT
-    try:
-        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"{scenario} on {world} ranks did not finish in {LAUNCH_TIMEOUT} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join(5)
-    return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(world)]
+    args = (world, free_port(), str(out), scenarios)
+    return spawn_ranks(_rank_main, args, world, out, timeout=LAUNCH_TIMEOUT, what=scenario)
 
 
 def pipeline(

@@ -12,7 +12,6 @@ import gc
 import os
 import pickle
 import random
-import time
 import types
 import warnings
 from datetime import timedelta
@@ -23,7 +22,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as torch_mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint
@@ -41,8 +39,7 @@ from deterministic_ctx import (
     seed_everything,
 )
 from deterministic_ctx.streams import RngStreams
-from tests.helpers import run_python
-from tests.test_distributed import free_port, loopback
+from tests.helpers import free_port, loopback, run_python, spawn_ranks
 
 GRID = {"dp": (1, 2), "tp": (0, 2)}
 
@@ -631,24 +628,10 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
 
 def _launch(world: int, tmp_path: Path) -> list[dict[str, Any]]:
     """Run :func:`_mesh_scenario` on ``world`` spawned ranks, killed after ``LAUNCH_TIMEOUT``."""
-    context = torch_mp.start_processes(
-        _rank_main,
-        args=(world, free_port(), str(tmp_path)),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
+    args = (world, free_port(), str(tmp_path))
+    return spawn_ranks(
+        _rank_main, args, world, tmp_path, timeout=LAUNCH_TIMEOUT, what="the mesh scenario"
     )
-    deadline = time.monotonic() + LAUNCH_TIMEOUT
-    try:
-        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"the mesh scenario on {world} ranks did not finish in time")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join(5)
-    return [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(world)]
 
 
 @needs_gloo

@@ -12,7 +12,6 @@ import importlib
 import os
 import pickle
 import random
-import socket
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -23,7 +22,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as torch_mp
 
 from deterministic_ctx import Snapshot, register_rng, seed_everything, unregister_rng
 from deterministic_ctx.checkpoint import encode
@@ -36,6 +34,7 @@ from deterministic_ctx.sync import (
     collective_device,
     sync_rng_state,
 )
+from tests.helpers import free_port, loopback, spawn_ranks
 
 #: Seconds a launch of spawned ranks may take before they are killed and the test fails.
 LAUNCH_TIMEOUT = 180.0
@@ -47,16 +46,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 # -- launching ranks (also used by tests/test_dcp.py) ------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def loopback() -> str:
-    return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")
 
 
 def _rank_main(
@@ -93,24 +82,8 @@ def launch(target: str, world: int, tmp_path: Path, *args: Any, group: bool = Tr
     """
     out = tmp_path / f"{target.rsplit(':', 1)[1]}-{world}-{time.monotonic_ns()}"
     out.mkdir()
-    context = torch_mp.start_processes(
-        _rank_main,
-        args=(world, free_port(), str(out), target, args, group),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + LAUNCH_TIMEOUT
-    try:
-        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"{target} on {world} ranks did not finish in {LAUNCH_TIMEOUT} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join(5)
-    return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(world)]
+    main_args = (world, free_port(), str(out), target, args, group)
+    return spawn_ranks(_rank_main, main_args, world, out, timeout=LAUNCH_TIMEOUT, what=target)
 
 
 def fingerprint() -> str:
