@@ -138,15 +138,18 @@ def process_rank() -> int:
     enter a seed, so a global rank draws the same numbers whether the world
     is laid out as 1 node x 4 processes or 2 x 2.
 
-    The launcher's variables are checked whenever ``RANK`` or ``WORLD_SIZE``
-    is set (``ValueError`` naming the variable): both must be, as decimal
-    ints with ``0 <= RANK < WORLD_SIZE``, and ``LOCAL_RANK``,
-    ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK``, where set, must fit them.  A
-    process group whose rank or size differs from them wins, with a
-    ``RuntimeWarning`` (once per pair): the process did not come from the
-    launcher that set them (it inherited them, say from a torchrun worker that
-    spawned it), so what ``"auto"`` gave before ``init_process_group`` was
-    another rank's seeds.
+    Before a process group exists, the launcher's variables are checked
+    (``ValueError`` naming the variable): decimal ints with ``0 <= RANK <
+    WORLD_SIZE``, and ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and
+    ``GROUP_RANK``, where set, must fit them.  Only one of ``RANK`` and
+    ``WORLD_SIZE`` set (Lightning's launcher exports ``WORLD_SIZE`` without
+    ``RANK`` and passes the rank to ``init_process_group``): the rank cannot
+    be known yet, so it is 0, with a ``RuntimeWarning`` once.  Once a process
+    group exists it is the truth: the variables are not checked any more,
+    and where ``RANK`` and ``WORLD_SIZE`` are both set and differ from the
+    group's, a ``RuntimeWarning`` (once per pair) says that ``"auto"`` meant
+    another rank before ``init_process_group`` (the process inherited them,
+    say from a torchrun worker that spawned it).
 
     Never imports ``torch.distributed`` itself: if it was never imported, no
     process group can exist.
@@ -155,56 +158,11 @@ def process_rank() -> int:
         >>> process_rank()  # no process group, no launcher
         0
     """
-    environ = os.environ
-    launcher: tuple[int, int] | None = None  # (RANK, WORLD_SIZE)
-    if "RANK" in environ or "WORLD_SIZE" in environ:
-
-        def number(name: str, least: int = 0) -> int | None:
-            text = environ.get(name)
-            if text is None:
-                return None
-            # Decimal digits only: int() also takes " 3", "+3", "1_0" and
-            # non-ASCII digits, none of which a launcher writes.
-            if not (text.isascii() and text.isdigit()) or int(text) < least:
-                raise ValueError(
-                    f"the environment variable {name}={text!r:.40} is not "
-                    f"{'a positive' if least else 'a non-negative'} int; rank='auto' reads "
-                    f"the launcher's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and "
-                    f"GROUP_RANK variables"
-                )
-            return int(text)
-
-        rank, world = number("RANK"), number("WORLD_SIZE", 1)
-        if rank is None or world is None:
-            have, missing = ("RANK", "WORLD_SIZE") if world is None else ("WORLD_SIZE", "RANK")
-            raise ValueError(
-                f"the environment variable {have} is set but {missing} is not: launchers such "
-                f"as torchrun export both, and rank='auto' trusts RANK only with its "
-                f"WORLD_SIZE (set both, or neither)"
-            )
-        local, local_world = number("LOCAL_RANK"), number("LOCAL_WORLD_SIZE", 1)
-        node = number("GROUP_RANK")
-        problems = [
-            f"RANK={rank} is not below WORLD_SIZE={world}" if rank >= world else "",
-            f"LOCAL_RANK={local} is not below LOCAL_WORLD_SIZE={local_world}"
-            if local is not None and local_world is not None and local >= local_world
-            else "",
-            f"LOCAL_WORLD_SIZE={local_world} exceeds WORLD_SIZE={world}"
-            if local_world is not None and local_world > world
-            else "",
-            f"GROUP_RANK={node} is not below WORLD_SIZE={world}"
-            if node is not None and node >= world
-            else "",
-        ]
-        if any(problems):
-            raise ValueError(
-                "the launcher's environment variables disagree: "
-                + "; ".join(p for p in problems if p)
-            )
-        launcher = (rank, world)
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         group = (int(dist.get_rank()), int(dist.get_world_size()))
+        found = launcher_variables(strict=False)
+        launcher = None if found is None else (found["RANK"], found["WORLD_SIZE"])
         if launcher is not None and group != launcher and (group, launcher) not in _WARNED:
             # The group is the truth now; the variables were inherited (a process a
             # torchrun worker started itself, say).  Raising would break such programs,
@@ -222,7 +180,98 @@ def process_rank() -> int:
                 stacklevel=2,
             )
         return group[0]
-    return 0 if launcher is None else launcher[0]
+    found = launcher_variables(strict=True)
+    return 0 if found is None else found["RANK"]
+
+
+def launcher_variables(*, strict: bool = True) -> dict[str, int] | None:
+    """The launcher's ``RANK``, ``WORLD_SIZE`` and, where set, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK``, as ints; ``None`` where neither
+    ``RANK`` nor ``WORLD_SIZE`` is set, or only one of them is (then, if
+    ``strict``, with a ``RuntimeWarning`` once: the rank cannot be known).
+
+    ``strict``: malformed or contradictory values raise ``ValueError`` naming
+    the variable; otherwise they give ``None`` (a process group is the truth
+    then, and a variable it does not need must not stop the program).
+    """
+    environ = os.environ
+    if "RANK" not in environ and "WORLD_SIZE" not in environ:
+        return None
+    try:
+        return _checked_launcher_variables(environ)
+    except _Partial as partial:
+        if strict and partial.args[0] not in _WARNED_PARTIAL:
+            _WARNED_PARTIAL.add(partial.args[0])
+            warnings.warn(
+                f"rank='auto': the environment variable {partial.args[0]} is set but "
+                f"{partial.args[1]} is not (Lightning's launcher, for one, exports WORLD_SIZE "
+                f"and passes the rank to init_process_group), so this process's global rank "
+                f"cannot be known before init_process_group: 0 is used until a process group "
+                f"exists.  Seed after init_process_group, or pass rank= explicitly",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return None
+    except ValueError:
+        if strict:
+            raise
+        return None
+
+
+class _Partial(Exception):
+    """Only one of ``RANK`` and ``WORLD_SIZE`` is set: (the one set, the one missing)."""
+
+
+#: Variables already warned about by :func:`launcher_variables`.
+_WARNED_PARTIAL: set[str] = set()
+
+
+def _checked_launcher_variables(environ: os._Environ[str]) -> dict[str, int]:
+    def number(name: str, least: int = 0) -> int | None:
+        text = environ.get(name)
+        if text is None:
+            return None
+        # Decimal digits only: int() also takes " 3", "+3", "1_0" and
+        # non-ASCII digits, none of which a launcher writes.
+        if not (text.isascii() and text.isdigit()) or int(text) < least:
+            raise ValueError(
+                f"the environment variable {name}={text!r:.40} is not "
+                f"{'a positive' if least else 'a non-negative'} int; rank='auto' reads "
+                f"the launcher's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and "
+                f"GROUP_RANK variables"
+            )
+        return int(text)
+
+    rank, world = number("RANK"), number("WORLD_SIZE", 1)
+    if rank is None or world is None:
+        raise _Partial(*(("RANK", "WORLD_SIZE") if world is None else ("WORLD_SIZE", "RANK")))
+    local, local_world = number("LOCAL_RANK"), number("LOCAL_WORLD_SIZE", 1)
+    node = number("GROUP_RANK")
+    problems = [
+        f"RANK={rank} is not below WORLD_SIZE={world}" if rank >= world else "",
+        f"LOCAL_RANK={local} is not below LOCAL_WORLD_SIZE={local_world}"
+        if local is not None and local_world is not None and local >= local_world
+        else "",
+        f"LOCAL_WORLD_SIZE={local_world} exceeds WORLD_SIZE={world}"
+        if local_world is not None and local_world > world
+        else "",
+        f"GROUP_RANK={node} is not below WORLD_SIZE={world}"
+        if node is not None and node >= world
+        else "",
+    ]
+    if any(problems):
+        raise ValueError(
+            "the launcher's environment variables disagree: " + "; ".join(p for p in problems if p)
+        )
+    found = {"RANK": rank, "WORLD_SIZE": world}
+    for name, value in (
+        ("LOCAL_RANK", local),
+        ("LOCAL_WORLD_SIZE", local_world),
+        ("GROUP_RANK", node),
+    ):
+        if value is not None:
+            found[name] = value
+    return found
 
 
 def seed_for_rank(seed: int, rank: int) -> int:

@@ -75,12 +75,11 @@ import struct
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 
 from .checkpoint import MAX_FILE_BYTES, InvalidSnapshotError, decode, encode
-from .distributed import world_size
+from .distributed import ranks
 from .snapshot import Snapshot
-from .sync import apply_everywhere, check_everywhere
+from .sync import apply_everywhere, check_everywhere, random_state_only
 
 __all__ = ["CAPACITY", "VERSION", "RngState"]
 
@@ -211,7 +210,7 @@ class RngState:
             >>> sorted(RngState().state_dict())  # one process: rank 0 of 1
             ['meta', 'rank0']
         """
-        rank, world = _rank(), world_size()
+        rank, world = ranks()[:2]
         entry: torch.Tensor | None = None
         problem: Exception | None = None
         try:
@@ -241,7 +240,7 @@ class RngState:
             >>> random.random() == first
             True
         """
-        rank, world = _rank(), world_size()
+        rank, world = ranks()[:2]
         saved_world: int | None = None
         snapshot: Snapshot | None = None
         problem: Exception | None = None
@@ -272,6 +271,9 @@ class RngState:
         data = _unpack(state_dict[key], origin, rank, world, self._capacity)
         state = decode(data, origin)
         try:
+            # This rank's own state, so rank-local RNGs stay; its setup (flags, managed
+            # environment variables such as the NCCL recipe) stays this process's.
+            state = random_state_only(state, keep_rank_local=False)
             return Snapshot.from_state_dict(state, strict_devices=self._strict_devices)
         except InvalidSnapshotError as exc:  # it names "state_dict": say where it came from
             raise InvalidSnapshotError(origin, exc.problem) from None
@@ -281,11 +283,6 @@ class RngState:
             f"RngState(on_world_size_change={self._on_world_size_change!r}, "
             f"capacity={self._capacity}, strict_devices={self._strict_devices})"
         )
-
-
-def _rank() -> int:
-    """This process's rank in the default process group, 0 without one."""
-    return int(dist.get_rank()) if dist.is_available() and dist.is_initialized() else 0
 
 
 def _key(rank: int) -> str:

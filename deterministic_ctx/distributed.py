@@ -39,7 +39,14 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-from .internal import Rank, process_rank, seed_for_rank, validate_rank, validate_seed
+from .internal import (
+    Rank,
+    launcher_variables,
+    process_rank,
+    seed_for_rank,
+    validate_rank,
+    validate_seed,
+)
 
 __all__ = [
     "Ranks",
@@ -88,22 +95,30 @@ def ranks() -> Ranks:
         the second node gets ``Ranks(rank=3, world_size=4, local_rank=1,
         node_rank=1)``, before ``init_process_group`` and after it.
     """
-    rank = process_rank()  # checks the launcher's variables, and them against the group
-    environ = os.environ
-    if dist.is_available() and dist.is_initialized():
+    rank = process_rank()  # the group's, else the launcher's (checked), else 0
+    grouped = dist.is_available() and dist.is_initialized()
+    found = launcher_variables(strict=not grouped)
+    if grouped:
         world = int(dist.get_world_size())
-    elif "WORLD_SIZE" in environ:  # validated by process_rank
-        world = int(environ["WORLD_SIZE"])
+    elif found is not None:
+        world = found["WORLD_SIZE"]
     else:
-        return Ranks(0, 1, 0, 0)
-    local, node = environ.get("LOCAL_RANK"), environ.get("GROUP_RANK")
-    if "WORLD_SIZE" not in environ:  # a group, but no launcher: stray variables say nothing
+        world = int(os.environ.get("WORLD_SIZE", "1")) if _digits("WORLD_SIZE") else 1
         if world == 1:
             return Ranks(0, 1, 0, 0)
-        local = node = None
-    return Ranks(
-        rank, world, None if local is None else int(local), None if node is None else int(node)
-    )
+    if found is None:
+        # A group without a (whole) launcher: mp.spawn, or Lightning's launcher, which
+        # exports LOCAL_RANK but no RANK; a well-formed LOCAL_RANK still says the device.
+        local = int(os.environ["LOCAL_RANK"]) if _digits("LOCAL_RANK") else None
+        if world == 1:
+            return Ranks(0, 1, 0, 0)
+        return Ranks(rank, world, local, None)
+    return Ranks(rank, world, found.get("LOCAL_RANK"), found.get("GROUP_RANK"))
+
+
+def _digits(name: str) -> bool:
+    text = os.environ.get(name)
+    return text is not None and text.isascii() and text.isdigit()
 
 
 def resolve_rank(rank: Rank = "auto") -> int:

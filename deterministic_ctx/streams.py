@@ -178,6 +178,10 @@ class _StreamStates:
         "_varies",
     )
 
+    #: A state of this rank's: ``sync_rng_state`` keeps it rather than take another
+    #: rank's (a stream that varies along a dimension would be refused anyway).
+    rank_local = True
+
     def __init__(self, base: int, coords: dict[str, tuple[int, int]]) -> None:
         self._coords = coords
         #: Declared streams: name -> the dimensions it varies along, sorted.

@@ -1,11 +1,19 @@
 """Send one rank's whole random state to every rank of a process group, without pickle.
 
 :func:`sync_rng_state` realigns the ranks of a process group, for instance
-after a rank-local draw: every rank ends with the state of rank ``src``, from
-every source a :class:`~deterministic_ctx.Snapshot` holds (Python ``random``,
-NumPy, torch's CPU and accelerator generators, the registered user RNGs, and
-the determinism flags, managed environment variables and torch defaults that
-a snapshot holds with them).
+after a rank-local draw: every rank ends with the random state of rank
+``src``, from every random source a :class:`~deterministic_ctx.Snapshot`
+holds (Python ``random``, NumPy, torch's CPU and accelerator generators, the
+registered user RNGs).  Two things stay each rank's own:
+
+* the process's setup that a snapshot holds beside the random state (the
+  determinism flags, managed environment variables such as the NCCL recipe
+  set before ``init_process_group``, torch's defaults, torch.compile's
+  config: :data:`SETUP_SOURCES`): a launcher or the script set them, and
+  another rank's values must not replace them;
+* registered RNGs that say they belong to their rank (``rank_local = True``:
+  :class:`~deterministic_ctx.RngStreams`, whose streams vary along parallel
+  dimensions and refuse another rank's state).
 
 What travels is the snapshot file of :mod:`~deterministic_ctx.checkpoint`
 (plain data and tensors, checked by a SHA-256), as a ``uint8`` tensor: its
@@ -21,8 +29,8 @@ there, a different device count, ...), every rank raises
 rank has changed anything.  If applying fails on a rank after that, every rank
 goes back to the state it had before the call, then raises.
 
-Per-rank state after a sync: there is none left.  The ranks draw the same
-numbers from every source, including those that ``deterministic(rank=...)``
+Per-rank state after a sync: none is left but ``RngStreams``.  The ranks
+draw the same numbers from every other source, including those that ``deterministic(rank=...)``
 and ``seed_everything(rank=...)`` seed per rank (``random``, NumPy, the
 registered RNGs).  That is the point of a sync.  DataLoader workers seeded by
 :data:`~deterministic_ctx.data.seed_worker` still differ per rank: it mixes
@@ -35,11 +43,13 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .checkpoint import InvalidSnapshotError, decode, encode
+from .internal import registered_rngs
 from .snapshot import Snapshot
 
 __all__ = [
@@ -93,8 +103,10 @@ def sync_rng_state(src: int = 0, group: dist.ProcessGroup | None = None) -> None
     A collective: every rank of ``group`` (the default process group if
     ``None``) must call it, with the same ``src`` (a global rank, as for
     ``torch.distributed.broadcast``).  Rank ``src`` keeps its state; every
-    other rank ends with a copy of it, from every source a
-    :class:`~deterministic_ctx.Snapshot` holds, registered RNGs included.
+    other rank ends with a copy of it, from every random source a
+    :class:`~deterministic_ctx.Snapshot` holds, registered RNGs included
+    (flags, managed environment variables, torch's defaults and rank-local
+    RNGs such as ``RngStreams`` stay each rank's own: see the module docstring).
     The same RNGs must be registered under the same keys on every rank, and
     the device generators must match (as ``strict_devices=True``).
 
@@ -147,15 +159,25 @@ def sync_rng_state(src: int = 0, group: dist.ProcessGroup | None = None) -> None
         )
     size = dist.get_world_size(group)
     members = _members(group, size)
-    if src not in members:
-        raise ValueError(f"src {src} is not a rank of the group; its ranks are {_ranks(members)}")
     if size == 1:
+        if src not in members:
+            raise ValueError(
+                f"src {src} is not a rank of the group; its ranks are {_ranks(members)}"
+            )
         return
-    _sync(src, members.index(src), me, group, collective_device(group))
+    # A src outside the group is found in the first collective, so that every rank
+    # raises rather than one, while the others wait for it.
+    group_src = members.index(src) if src in members else -1
+    _sync(src, group_src, me, group, collective_device(group), _ranks(members))
 
 
 def _sync(
-    src: int, group_src: int, me: int, group: dist.ProcessGroup | None, device: torch.device
+    src: int,
+    group_src: int,
+    me: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    members: str,
 ) -> None:
     what = f"sync_rng_state from rank {src}"
     payload = b""
@@ -165,19 +187,23 @@ def _sync(
             payload = encode(Snapshot.capture().state_dict())
         except Exception as exc:  # e.g. two registered RNGs share a key
             problem = exc
-    # One collective checks that every rank names the same src and carries
-    # src's length and whether it could encode its state: MAX of (src, -src)
-    # is (max, -min) over the ranks.
+    # One collective checks that every rank names the same src, and a member of
+    # the group, and carries src's length and whether it could encode its state:
+    # MAX of (src, -src) is (max, -min) over the ranks.
     head = torch.tensor(
-        [src, -src, len(payload), int(problem is not None)], dtype=torch.int64, device=device
+        [src, -src, len(payload), int(problem is not None), int(group_src < 0)],
+        dtype=torch.int64,
+        device=device,
     )
     dist.all_reduce(head, op=dist.ReduceOp.MAX, group=group)
-    high, low, length, src_failed = (int(v) for v in head.tolist())
+    high, low, length, src_failed, outside = (int(v) for v in head.tolist())
     if high != -low:
         raise ValueError(
             f"sync_rng_state: the ranks passed different src (from {-low} to {high}); every "
             f"rank must pass the same"
         )
+    if outside:
+        raise ValueError(f"src {src} is not a rank of the group; its ranks are {members}")
     if src_failed:
         check_everywhere(what, problem, group, device)  # src failed: raises on every rank
     if me == group_src:
@@ -197,12 +223,48 @@ def _sync(
 
 
 def _snapshot(data: bytes, origin: str) -> Snapshot:
-    """The snapshot in a snapshot file's bytes, every field checked, devices strictly."""
+    """The snapshot in a snapshot file's bytes, every field checked, devices strictly,
+    with this rank's own setup and rank-local RNGs in place of the sender's."""
     state = decode(data, origin)
     try:
-        return Snapshot.from_state_dict(state, strict_devices=True)
+        return Snapshot.from_state_dict(
+            random_state_only(state, keep_rank_local=True), strict_devices=True
+        )
     except InvalidSnapshotError as exc:  # it names "state_dict": say where it came from
         raise InvalidSnapshotError(origin, exc.problem) from None
+
+
+#: The sources of a snapshot that are this process's setup, not its random state:
+#: determinism flags, managed environment variables (the NCCL recipe set before
+#: init_process_group, CUBLAS_WORKSPACE_CONFIG, ...), torch's defaults (threads) and
+#: torch.compile's config.  A sync or a DCP load leaves them as this process has them.
+SETUP_SOURCES = ("torch.flags", "torch.compile", "torch.defaults", "environ")
+
+
+def random_state_only(state: dict[str, Any], *, keep_rank_local: bool) -> dict[str, Any]:
+    """``state`` (a checked snapshot state dict) with this process's own entries for
+    :data:`SETUP_SOURCES`, so that restoring it changes only random state (internal).
+
+    ``keep_rank_local``: also keep this process's own state of every registered RNG
+    that says it belongs to its rank (``rank_local = True``: ``RngStreams`` that vary
+    along a parallel dimension), which another rank's state must not replace.
+    """
+    here = Snapshot.capture().state_dict()["sources"]
+    sources = dict(state["sources"])
+    for name in SETUP_SOURCES:
+        if name in here:
+            sources[name] = here[name]
+        else:
+            sources.pop(name, None)
+    if keep_rank_local and "user" in sources:
+        local = {key for key, rng in registered_rngs() if getattr(rng, "rank_local", False)}
+        if local:
+            mine = {entry["key"]: entry for entry in here.get("user", ())}
+            sources["user"] = [
+                mine.get(entry["key"], entry) if entry["key"] in local else entry
+                for entry in sources["user"]
+            ]
+    return {**state, "sources": sources}
 
 
 def apply_everywhere(

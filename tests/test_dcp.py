@@ -6,6 +6,7 @@ spawned ones (:func:`tests.test_sync.launch`); single-process cases run here.
 
 from __future__ import annotations
 
+import os
 import pickle
 import random
 import struct
@@ -59,6 +60,22 @@ def test_save_then_load_in_one_process_continues_every_stream(tmp_path, augment,
     dcp.load({"rng": RngState()}, checkpoint_id=tmp_path)
     again = [random.random(), float(np.random.rand()), torch.rand(()).item(), augment.random()]
     assert again == first
+
+
+@one_process
+def test_loading_leaves_this_processs_setup_alone(tmp_path, restore_world, monkeypatch):
+    # Flags, managed environment variables (the NCCL recipe set before init_process_group)
+    # and torch's defaults are the resumed run's own: only random state is loaded.
+    monkeypatch.delenv("NCCL_ALGO", raising=False)
+    dcp.save({"rng": RngState()}, checkpoint_id=tmp_path)
+    first = random.random()
+    monkeypatch.setenv("NCCL_ALGO", "Ring")
+    torch.backends.cudnn.benchmark = not torch.backends.cudnn.benchmark
+    benchmark = torch.backends.cudnn.benchmark
+    dcp.load({"rng": RngState()}, checkpoint_id=tmp_path)
+    assert random.random() == first
+    assert torch.backends.cudnn.benchmark == benchmark
+    assert os.environ["NCCL_ALGO"] == "Ring"
 
 
 @one_process

@@ -9,6 +9,7 @@ variables in this process.
 
 from __future__ import annotations
 
+import importlib
 import os
 import random
 import warnings
@@ -310,8 +311,6 @@ def test_only_the_global_rank_enters_seeds(seed, layout):
 @pytest.mark.parametrize(
     ("variables", "message"),
     [
-        ({"RANK": 1}, "RANK is set but WORLD_SIZE is not"),
-        ({"WORLD_SIZE": 2}, "WORLD_SIZE is set but RANK is not"),
         ({"RANK": "one", "WORLD_SIZE": 2}, r"RANK='one' is not a non-negative int"),
         ({"RANK": " 1", "WORLD_SIZE": 2}, r"RANK=' 1' is not a non-negative int"),
         ({"RANK": "-1", "WORLD_SIZE": 2}, r"RANK='-1' is not a non-negative int"),
@@ -339,6 +338,41 @@ def test_malformed_launcher_variables_are_named(variables, message):
         # An explicit rank reads no variable.
         with deterministic(seed=0, rank=1):
             pass
+
+
+@pytest.mark.parametrize(
+    ("variables", "message"),
+    [
+        ({"RANK": 1}, "RANK is set but WORLD_SIZE is not"),
+        # Lightning's launcher: WORLD_SIZE, LOCAL_RANK and NODE_RANK, never RANK.
+        ({"WORLD_SIZE": 2, "LOCAL_RANK": 1, "NODE_RANK": 0}, "WORLD_SIZE is set but RANK is not"),
+    ],
+)
+def test_half_a_launcher_warns_and_means_rank_0_until_a_group_exists(variables, message):
+    settings_module = importlib.import_module("deterministic_ctx._settings")
+    settings_module._WARNED_PARTIAL.clear()
+    with launched(**variables):
+        with pytest.warns(RuntimeWarning, match=message):
+            assert resolve_rank("auto") == 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once
+            with deterministic(seed=0, rank="auto"):
+                pass
+    settings_module._WARNED_PARTIAL.clear()
+
+
+@needs_gloo
+def test_lightnings_launcher_variables_do_not_matter_once_the_group_exists(one_rank_group):
+    # Lightning exports WORLD_SIZE (its size), LOCAL_RANK and NODE_RANK but no RANK, then calls
+    # init_process_group(rank=...): the group decides, nothing is refused or warned about.
+    with launched(WORLD_SIZE=1, LOCAL_RANK=0, NODE_RANK=0), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_rank("auto") == 0
+        assert ranks() == Ranks(0, 1, 0, 0)
+        with deterministic(seed=0, rank="auto"):
+            pass
+    with launched(RANK="x", WORLD_SIZE=1):  # malformed, but the group is the truth
+        assert resolve_rank("auto") == 0
 
 
 def test_stray_local_variables_without_rank_are_ignored():

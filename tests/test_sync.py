@@ -23,7 +23,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deterministic_ctx import Snapshot, register_rng, seed_everything, unregister_rng
+from deterministic_ctx import (
+    RngStreams,
+    Snapshot,
+    register_rng,
+    seed_everything,
+    unregister_rng,
+)
 from deterministic_ctx.checkpoint import encode
 from deterministic_ctx.sync import (
     MESSAGE_BYTES,
@@ -149,6 +155,21 @@ def _scenario_sync(rank: int, world: int) -> dict[str, Any]:
     # Nothing to do a second time: every rank holds rank 1's state already.
     sync_rng_state(src=1)
     result["again"] = draws(augment, gen)
+    # What a sync leaves as each rank has it: a stream that varies along "tp" (another
+    # rank's would be refused), and the process's setup (here an NCCL variable).
+    streams = RngStreams(0, {"tp": (rank, world)})
+    streams.add("tp", varies=["tp"])
+    with streams.fork("tp"):
+        torch.rand(rank + 1)
+    os.environ["NCCL_ALGO"] = f"Ring{rank}"
+    snap = Snapshot.capture()
+    with streams.fork("tp"):
+        result["stream_unsynced"] = torch.rand(2).tolist()
+    snap.restore()
+    sync_rng_state(src=1)
+    with streams.fork("tp"):
+        result["stream"] = torch.rand(2).tolist()
+    result["nccl_algo"] = os.environ["NCCL_ALGO"]
     return result
 
 
@@ -194,6 +215,8 @@ def _scenario_errors(rank: int, world: int) -> dict[str, Any]:
     result["source_failed"] = _expect_error(lambda: _sync_with_a_twin(rank))
     # The ranks disagree on the source.
     result["different_src"] = _expect_error(lambda: sync_rng_state(src=0 if rank == 0 else 1))
+    # Every rank names a source outside the group: every rank raises, none waits.
+    result["outside_src"] = _expect_error(lambda: sync_rng_state(src=5))
     # A subgroup: ranks 0 and 2 take rank 2's state; rank 1 is not in it.
     pair = dist.new_group([0, 2])
     if rank == 1:
@@ -294,13 +317,25 @@ def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]
 def test_every_rank_takes_the_source_ranks_whole_state(three_ranks):
     src = three_ranks[1]
     assert len({r["before"] for r in three_ranks}) == 3  # the ranks differed
-    # After: the same state everywhere, from every source (flags, environment and the
-    # registered RNGs included), and it is rank 1's, which rank 1 kept.
+    # After: the same state everywhere, the registered RNGs included, and it is rank 1's,
+    # which rank 1 kept (their flags and environment were the same to begin with).
     assert {r["after"] for r in three_ranks} == {src["before"]}
     for r in three_ranks:
         assert r["draws"] == src["unsynced"]
         assert r["again"] == src["again"]
     assert three_ranks[0]["unsynced"] != src["unsynced"]
+    for rank, r in enumerate(three_ranks):
+        assert r["stream"] == r["stream_unsynced"]  # each rank's own stream, continued
+        assert r["nccl_algo"] == f"Ring{rank}"  # and its own setup
+    assert three_ranks[0]["stream"] != three_ranks[2]["stream"]
+
+
+@needs_gloo
+@pytest.mark.slow
+def test_a_source_outside_the_group_is_refused_on_every_rank(three_ranks_errors):
+    for r in three_ranks_errors:
+        assert r["outside_src"]["unchanged"]
+        assert "src 5 is not a rank of the group" in r["outside_src"]["value_error"]
 
 
 @pytest.fixture(scope="module")
