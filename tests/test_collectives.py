@@ -41,27 +41,16 @@ from deterministic_ctx.reporting.collectives import (
 )
 from deterministic_ctx.sources import environ as environ_mod
 from deterministic_ctx.sources.environ import DETERMINISTIC_COLLECTIVES
+from tests._oracle import ENV_NAMES
 from tests.helpers import free_port, spawn_ranks
 
 needs_gloo = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
 )
 
-#: The NCCL variables that decide the order of a reduction, written out here (not read from
-#: the library), with the reason each is there: see ``environ.ENV_VARS``.
-NCCL_NAMES = (
-    "NCCL_ALGO",
-    "NCCL_PROTO",
-    "NCCL_NVLS_ENABLE",
-    "NCCL_COLLNET_ENABLE",
-    "NCCL_MIN_NCHANNELS",
-    "NCCL_MAX_NCHANNELS",
-    "NCCL_MIN_CTAS",
-    "NCCL_MAX_CTAS",
-    "NCCL_BUFFSIZE",
-    "NCCL_TOPO_FILE",
-    "NCCL_TUNER_PLUGIN",
-)
+#: The NCCL variables that decide the order of a reduction: the leak guard's own list
+#: (tests/_oracle.py, written out there, not read from the library), NCCL's part of it.
+NCCL_NAMES = tuple(name for name in ENV_NAMES if name.startswith("NCCL_"))
 LAUNCH_TIMEOUT = 180.0
 
 
