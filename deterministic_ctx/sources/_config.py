@@ -89,7 +89,10 @@ def _put(found: _Found, key: str, target: object) -> None:
         found.config._mark_get_dict_dirty(key)
     else:
         found.entry.user_override = target
-        found.config._is_dirty = True  # the compile-cache key is hashed again
+        # The compile-cache key is hashed again.  Written into the module's dict, as
+        # the module's own __setattr__ does for this bypass key, without running that
+        # Python method: a restore at the recursion limit must not need more frames.
+        vars(found.config)["_is_dirty"] = True
 
 
 class ConfigEntry:
