@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch.distributed as dist
 
+from deterministic_ctx import Snapshot
 from tests._oracle import World
 
 pytest_plugins = ["pytester"]
@@ -48,3 +50,22 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "allow_leak: the test changes global state on purpose and cleans up itself"
     )
+
+
+@pytest.fixture
+def restore_world() -> Iterator[None]:
+    """For tests that change global state on purpose (``seed_everything``, a restore,
+    an inner test that leaks): everything is put back afterwards."""
+    snap = Snapshot.capture()
+    yield
+    snap.restore()
+
+
+@pytest.fixture
+def gloo_of_one() -> Iterator[None]:
+    """A real gloo process group of one rank in this process, destroyed afterwards."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

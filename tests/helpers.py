@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
+import torch.distributed as dist
+
+#: For tests that start gloo process groups (on loopback).
+needs_gloo = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
+)
 
 #: Every tensor dtype the verification tools must compare bit for bit.
 TENSOR_DTYPES = (

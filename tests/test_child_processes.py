@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from deterministic_ctx import Snapshot, deterministic, seed_everything
+from deterministic_ctx import deterministic, seed_everything
 from tests.helpers import draw, run_python
 
 VAR = "DETERMINISTIC_CTX_SEED"
@@ -23,14 +23,6 @@ from tests.helpers import draw
 seed = seed_everything()
 print(json.dumps([seed, draw(), hash("deterministic")]))
 """
-
-
-@pytest.fixture
-def restore_world():
-    """seed_everything changes the process's state on purpose: put it back."""
-    snap = Snapshot.capture()
-    yield
-    snap.restore()
 
 
 def test_the_seed_and_the_hash_seed_are_exported(restore_world):

@@ -42,11 +42,7 @@ from deterministic_ctx.reporting.collectives import (
 from deterministic_ctx.sources import environ as environ_mod
 from deterministic_ctx.sources.environ import DETERMINISTIC_COLLECTIVES
 from tests._oracle import ENV_NAMES
-from tests.helpers import free_port, spawn_ranks
-
-needs_gloo = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
-)
+from tests.helpers import free_port, needs_gloo, spawn_ranks
 
 #: The NCCL variables that decide the order of a reduction: the leak guard's own list
 #: (tests/_oracle.py, written out there, not read from the library), NCCL's part of it.

@@ -28,18 +28,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 from deterministic_ctx import InvalidSnapshotError, Snapshot, register_rng, unregister_rng
 from deterministic_ctx.dcp import CAPACITY, RngState
 from deterministic_ctx.sync import RngStateError
-from tests.test_sync import _expect_error, draws, fingerprint, launch, needs_cuda, needs_gloo
+from tests.helpers import needs_gloo
+from tests.test_sync import _expect_error, draws, fingerprint, launch, needs_cuda
 
 #: DCP warns that it saves and loads in one process when there is no process group.
 one_process = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-@pytest.fixture
-def restore_world():
-    """For tests that restore a state on purpose: the test's own state comes back after."""
-    snap = Snapshot.capture()
-    yield
-    snap.restore()
 
 
 @pytest.fixture

@@ -25,7 +25,6 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import deterministic_ctx._settings as settings_module
 from deterministic_ctx import (
-    Snapshot,
     derive_seed,
     deterministic,
     register_rng,
@@ -35,26 +34,14 @@ from deterministic_ctx import (
 )
 from deterministic_ctx.data import chain_worker_init, seed_worker, seeded_generator
 from deterministic_ctx.distributed import broadcast_seed, rank_seed, resolve_rank
-from tests.helpers import free_port, loopback, spawn_ranks
+from tests.helpers import free_port, loopback, needs_gloo, spawn_ranks
 from tests.test_data import WORKER, Augmenting
 
 LAUNCH_TIMEOUT = 180.0
 
-needs_gloo = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
-)
-
 
 def draws(n: int = 3) -> list[tuple[float, float, float]]:
     return [(random.random(), float(np.random.rand()), torch.rand(()).item()) for _ in range(n)]
-
-
-@pytest.fixture
-def restore_world():
-    """For tests of ``seed_everything``, which changes global state on purpose."""
-    snap = Snapshot.capture()
-    yield
-    snap.restore()
 
 
 # -- per-rank seeds, in one process -------------------------------------------------------

@@ -14,11 +14,10 @@ import re
 import subprocess
 
 import pytest
-import torch.distributed as dist
 
 import deterministic_ctx
 from deterministic_ctx import Snapshot
-from tests.helpers import ROOT, run_python
+from tests.helpers import ROOT, needs_gloo, run_python
 
 #: Examples with a test module of their own, which runs them and checks what they print:
 #: run again here, they would only double the suite's time.
@@ -31,10 +30,6 @@ LAUNCH_TIMEOUT = 180.0
 #: time on fresh ranks and workers, so that one run shows that two runs print the same.
 ARGS = {"ddp_training.py": ("--seed", "3", "--runs", "2")}
 TIMEOUTS = {"ddp_training.py": 2 * LAUNCH_TIMEOUT}
-
-needs_gloo = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
-)
 
 
 @pytest.fixture(scope="module")

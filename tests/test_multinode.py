@@ -42,15 +42,13 @@ from deterministic_ctx.distributed import (
     resolve_rank,
     world_size,
 )
+from tests.helpers import needs_gloo
 from tests.test_data import NUMPY, RANDOM, TORCH, USER, WORKER, Augmenting
 from tests.torchrun import LaunchError, _tagged, report, torchrun
 
 SEED = 11
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
-needs_gloo = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
-)
 needs_fork = pytest.mark.skipif(
     not hasattr(os, "fork") or not os.path.isdir("/proc"),
     reason="the launches use fork workers; cleanup is checked through /proc",
@@ -362,7 +360,7 @@ def test_half_a_launcher_warns_and_means_rank_0_until_a_group_exists(variables, 
 
 
 @needs_gloo
-def test_lightnings_launcher_variables_do_not_matter_once_the_group_exists(one_rank_group):
+def test_lightnings_launcher_variables_do_not_matter_once_the_group_exists(gloo_of_one):
     # Lightning exports WORLD_SIZE (its size), LOCAL_RANK and NODE_RANK but no RANK, then calls
     # init_process_group(rank=...): the group decides, nothing is refused or warned about.
     with launched(WORLD_SIZE=1, LOCAL_RANK=0, NODE_RANK=0), warnings.catch_warnings():
@@ -392,18 +390,8 @@ def test_a_launcher_of_several_processes_needs_the_group_to_broadcast():
         assert broadcast_seed(5) == 5
 
 
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    """A real one-process gloo group in this process, destroyed after the test."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @needs_gloo
-def test_the_group_wins_over_inherited_launcher_variables_with_a_warning(one_rank_group):
+def test_the_group_wins_over_inherited_launcher_variables_with_a_warning(gloo_of_one):
     import deterministic_ctx._settings as settings_module
 
     with launched():  # spawned by hand: no launcher

@@ -8,18 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from tests.helpers import ROOT, run_python
+from tests.helpers import ROOT, needs_gloo, run_python
 
 #: Seconds the whole example (two runs, each two agents and four workers) may take.
 TIMEOUT = 600
-
-needs_gloo = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
-)
 
 
 def processes_mentioning(text: str) -> list[str]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-from collections.abc import Iterator
 
 import pytest
 
@@ -24,7 +23,6 @@ import torch._dynamo
 import torch._inductor.config  # noqa: F401
 
 import _deterministic_ctx_pytest as plugin
-from deterministic_ctx import Snapshot
 from tests.helpers import run_python
 
 # Each inner test imports this: ``draw`` takes one value from each global RNG, ``recipe`` is the
@@ -63,14 +61,6 @@ def header_seed(result: pytest.RunResult) -> int:
     match = re.search(r"^deterministic-ctx: --deterministic-seed=(\d+)", result.stdout.str(), re.M)
     assert match, result.stdout.str()
     return int(match.group(1))
-
-
-@pytest.fixture
-def restore_world() -> Iterator[None]:
-    """For inner tests that leak on purpose: put everything back afterwards."""
-    snapshot = Snapshot.capture()
-    yield
-    snapshot.restore()
 
 
 # -- marker -----------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from deterministic_ctx import (
     seed_everything,
 )
 from deterministic_ctx.streams import RngStreams
-from tests.helpers import free_port, loopback, run_python, spawn_ranks
+from tests.helpers import free_port, loopback, needs_gloo, run_python, spawn_ranks
 
 GRID = {"dp": (1, 2), "tp": (0, 2)}
 
@@ -65,14 +65,6 @@ def _collected() -> None:
     """Streams of earlier tests are gone: a snapshot saved here holds only this test's
     registered RNGs (each must be registered again where it is loaded)."""
     gc.collect()
-
-
-@pytest.fixture
-def restore_world():
-    """For tests that seed the process on purpose (``seed_everything``)."""
-    snap = Snapshot.capture()
-    yield
-    snap.restore()
 
 
 # -- seeds ----------------------------------------------------------------------------
@@ -573,9 +565,6 @@ def test_declaring_a_stream_again_alike_is_a_no_op_and_the_object_shows_itself()
 # -- real process groups: a CPU DeviceMesh and DTensor ----------------------------------------
 
 LAUNCH_TIMEOUT = 180.0
-needs_gloo = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
-)
 
 
 def _mesh_scenario(rank: int, world: int) -> dict[str, Any]:

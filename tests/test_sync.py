@@ -13,7 +13,6 @@ import os
 import pickle
 import random
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -40,14 +39,11 @@ from deterministic_ctx.sync import (
     collective_device,
     sync_rng_state,
 )
-from tests.helpers import free_port, loopback, spawn_ranks
+from tests.helpers import free_port, loopback, needs_gloo, spawn_ranks
 
 #: Seconds a launch of spawned ranks may take before they are killed and the test fails.
 LAUNCH_TIMEOUT = 180.0
 
-needs_gloo = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
-)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -280,16 +276,6 @@ def test_one_process_raises_its_own_problem_and_applies_its_own_snapshot():
     apply_everywhere(snap, None, "what")
     assert random.random() == first
     snap.restore()
-
-
-@pytest.fixture
-def gloo_of_one() -> Iterator[None]:
-    """A real gloo process group of one rank in this process, destroyed afterwards."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @needs_gloo
