@@ -152,7 +152,9 @@ class Block:
         _run_to_completion(self._suspend)
 
     def _suspend(self) -> None:
-        i = _position(self)
+        # The common case first: this block is the top one (a step that left
+        # no block of its own open), found without a loop over ``_active``.
+        i = len(_active) - 1 if _active and _active[-1] is self else _position(self)
         if i is not None:
             fresh: World | None = None
             if self._inner is None:  # not captured yet in this suspension

@@ -174,7 +174,8 @@ class ConfigEntry:
         if found.entry is None:
             setattr(found.config, self.key, self.default(found) if want == AT_DEFAULT else want)
             return
-        self._write(found, found.unset if want == AT_DEFAULT else want)
+        # ``is`` first: ``==`` would call AT_DEFAULT's Python ``__eq__``.
+        self._write(found, found.unset if want is AT_DEFAULT or want == AT_DEFAULT else want)
 
     def _write(self, found: _Found, target: object) -> None:
         if _get(found) is not target:

@@ -57,6 +57,7 @@ the device and is legal during a capture).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from operator import methodcaller
 from types import ModuleType
 from typing import Any, NamedTuple
 
@@ -184,7 +185,9 @@ class LazyAcceleratorSource:
         m = self._m
         if m.is_initialized():
             self._refuse_inside_capture("read the generator states")
-            return LiveState(tuple(g.get_state() for g in m.default_generators))
+            # One C-level loop, and no NamedTuple ``__new__`` frame: this runs
+            # in every block once CUDA is in use.
+            return tuple.__new__(LiveState, (tuple(map(_get_state, m.default_generators)),))
         t = m._lazy_seed_tracker
         # LazyState(...) without the Python call of a NamedTuple's __new__ (0.1 µs).
         return tuple.__new__(
@@ -386,6 +389,10 @@ def refuse_inside_graph_capture(sources: tuple[object, ...]) -> None:
 #: The last ``sources`` tuple :func:`refuse_inside_graph_capture` was given,
 #: and its devices that can be initialized (``SOURCES`` rarely changes).
 _graph_devices: tuple[tuple[object, ...] | None, tuple[LazyAcceleratorSource, ...]] = (None, ())
+
+
+#: ``gen.get_state()`` as a C-level call, for ``map`` over a device's generators.
+_get_state: Callable[[Any], torch.Tensor] = methodcaller("get_state")
 
 
 def _seed(generators: Sequence[Any], seed: int) -> None:

@@ -436,8 +436,12 @@ def _read_inductor() -> tuple[bool | None, object]:
     return (None if value is None else bool(value)), override
 
 
-def _apply_inductor() -> None:
-    if _ENTRY.override() is not True:  # nested: already set
+def _apply_inductor(override: object | None = None) -> None:
+    """Set inductor's flag, unless ``override`` (just read, or ``None``: read
+    now) says it is set already (nested blocks)."""
+    if override is None:
+        override = _ENTRY.override()
+    if override is not True:
         _ENTRY.set(True)
 
 
@@ -624,7 +628,9 @@ class TorchFlagsSource:
             return
         _write_changed_flags(_INSIDE[settings.warn_only, settings.fill_uninitialized_memory], state)
         if _INDUCTOR in sys.modules:
-            _apply_inductor()
+            # Captured just now, and imported then too: its override is known.
+            known = state.inductor_deterministic is not None
+            _apply_inductor(state.inductor_override if known else None)
 
     def restore(self, state: FlagState) -> None:
         if _INDUCTOR in sys.modules:

@@ -153,14 +153,21 @@ class FusedPlan:
             # state built then is equal to a new one, and immutable: reused.
             t = m._lazy_seed_tracker
             last, order, queued = recent[k]
+            now_queued, now_order = m._queued_calls, t.call_order
+            # The same objects in the same order (identity: the state built
+            # from them must be the one a new capture would build), compared
+            # in C and inline: three devices, every block.  (torch.cuda queues
+            # capability checks at import: its ``_queued_calls`` is not empty.)
             if not (
                 last is not None
                 and t.manual_seed_all_cb is last.seed_all
                 and t.manual_seed_cb is last.seed_one
-                and _same(m._queued_calls, queued)  # torch.cuda queues checks at import
-                and _same(t.call_order, order)
+                and len(now_queued) == len(queued)
+                and len(now_order) == len(order)
+                and (not queued or all(map(is_, now_queued, queued)))
+                and (not order or all(map(is_, now_order, order)))
             ):
-                order, queued = list(t.call_order), list(m._queued_calls)
+                order, queued = list(now_order), list(now_queued)
                 last = _new(
                     LazyState,
                     (t.manual_seed_all_cb, t.manual_seed_cb, tuple(order), tuple(queued)),
@@ -268,12 +275,6 @@ class FusedPlan:
             with bg.lock: mt[:], gauss[:] = n.raw  # noqa: E701  # fmt: skip
         else:
             self._numpy.restore(n)
-
-
-def _same(now: list[Any], then: list[Any]) -> bool:
-    """The same objects in the same order (identity: a state built from ``then``
-    must be the one a capture of ``now`` would build), compared in C."""
-    return len(now) == len(then) and all(map(is_, now, then))
 
 
 def _exact(source: Source, cls: type[_S]) -> _S:
