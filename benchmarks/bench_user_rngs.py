@@ -4,19 +4,29 @@ Run:  python benchmarks/bench_user_rngs.py [--repeats N] [--counts 0,4,16,64,256
                                            [--kinds random,numpy,torch] [--wall]
 
 Times ``with deterministic(seed=0): pass`` (one reused object) with 0, 4, 16,
-64 and 256 registered RNGs of one kind.  Every repeat measures every count,
-the block with none among them, in turn, so the shared machine's noise hits
-them alike; the cost added per RNG is the median over repeats of
-``(block with n - block with none in the same repeat) / n``.  Then the
+64 and 256 registered RNGs of one kind.  In every repeat each count is timed
+right after a timing of the block with none, so the shared machine's noise
+hits the pair alike; the cost added per RNG is the median over repeats of
+``(block with n - the block with none just before it) / n``.  Then the
 targets of issue #15: at most 1 µs per ``random.Random`` with 64 registered,
 at most 4 µs per ``numpy.random.Generator`` with 16, and no cliff: the cost
 per RNG with the most registered is within 2x of the cost with 16.
 
-The "best" column is the same difference taken between the fastest repeats
-(noise only ever adds time).  For ``random.Random`` a ``floor`` row times,
-in the same rounds, the work no implementation can skip, without the
-library: per RNG, a 2.5 KB copy out of the generator, one into it (the
-seeded state) and one back, and three ``gauss_next`` accesses.
+The "best" column is the same difference taken between the fastest timings
+(noise only ever adds time).  More columns come from the same rounds:
+
+* ``per-entry`` (``random``, ``numpy``): the block with batching off, every
+  RNG through the registry's per-entry loop (Python bytecode per RNG), which
+  blocks use for fewer than 8 consecutive exact ``random.Random`` or 5
+  NumPy Generators (``_MT_BATCH_MIN``, ``_RECORD_BATCH_MIN``);
+* ``floor`` (``random``): the work no implementation can skip, without the library, done
+  the fastest way Python offers (C-level loops, as batches do): per RNG, a
+  2.5 KB copy out of the generator (one ``b"".join`` for all), one into it
+  (the seeded state) and one back (``BytesIO.readinto`` over the joined
+  bytes), and three ``gauss_next`` accesses (``map``), run after the block
+  with none (so that its other work shares the caches with the copies, as
+  in a real block) and counted against it.  ``ours / floor`` is then what
+  the registry's bookkeeping adds: weak references, the plan, the records.
 
 Times are CPU time of this process (``time.process_time``) by default: on a
 shared machine the time the scheduler gives other processes is not the
@@ -36,12 +46,18 @@ import statistics
 import sys
 import time
 import timeit
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable
+from io import BytesIO
+from itertools import repeat
+from operator import attrgetter
+from typing import Any
 
 import numpy as np
 import torch
 
 from deterministic_ctx import deterministic, register_rng, unregister_rng
+from deterministic_ctx.sources import user_rngs
 from deterministic_ctx.sources._memory import RANDOM_LAYOUT
 
 _block = deterministic(seed=0)
@@ -64,6 +80,8 @@ MAKERS: dict[str, Callable[[int], object]] = {
     "random-like": lambda i: _Subclass(i),
 }
 
+#: Kinds that blocks batch (exact ``random.Random``, NumPy Generators on a proven record).
+BATCHED = {"random", "numpy"}
 #: kind -> (count, µs per RNG at most), issue #15.
 TARGETS: dict[str, tuple[int, float]] = {"random": (64, 1.0), "numpy": (16, 4.0)}
 
@@ -76,59 +94,91 @@ def number_for(count: int, budget_s: float) -> int:
 def copies_alone(rngs: list[random.Random]) -> Callable[[], None]:
     """The floor: what a block must do to each ``random.Random``, and nothing else."""
     assert RANDOM_LAYOUT is not None
-    items = [(r, RANDOM_LAYOUT.view(r), RANDOM_LAYOUT.read(r)) for r in rngs]
+    views = tuple(RANDOM_LAYOUT.view(r) for r in rngs)
+    objs = tuple(rngs)
+    seeded = b"".join(views)
+    drain: Callable[[Iterable[Any]], None] = deque(maxlen=0).extend
+    gauss_next = attrgetter("gauss_next")
 
     def run() -> None:
-        saved = [(v.tobytes(), r.gauss_next) for r, v, _ in items]  # type: ignore[attr-defined]
-        for r, v, seeded in items:
-            v[:] = seeded
-            r.gauss_next = None  # type: ignore[attr-defined]
-        for (r, v, _), (raw, gauss) in zip(items, saved, strict=True):
-            v[:] = raw
-            r.gauss_next = gauss  # type: ignore[attr-defined]
+        raw, gauss = b"".join(views), tuple(map(gauss_next, objs))
+        drain(map(BytesIO(seeded).readinto, views))
+        drain(map(setattr, objs, repeat("gauss_next"), repeat(None)))
+        drain(map(BytesIO(raw).readinto, views))
+        drain(map(setattr, objs, repeat("gauss_next"), gauss))
 
     return run
 
 
+class Samples:
+    """µs, one list entry per repeat: the block with ``n`` RNGs, the block
+    with none just before it, the block with the per-entry loop (kinds that
+    are batched) and the floor's copies after the block with none (``random``)."""
+
+    def __init__(self, counts: list[int]) -> None:
+        self.blocks: dict[int, list[float]] = {n: [] for n in counts}
+        self.none: dict[int, list[float]] = {n: [] for n in counts}
+        self.per_entry: dict[int, list[float]] = {n: [] for n in counts}
+        self.floor: dict[int, list[float]] = {n: [] for n in counts}
+
+    def per_rng(self, n: int, of: dict[int, list[float]]) -> float:
+        """Median over repeats of (``of`` - the block with none) / n."""
+        return statistics.median((s - b) / n for s, b in zip(of[n], self.none[n], strict=True))
+
+
 def measure_kind(
     kind: str, counts: list[int], repeats: int, budget_s: float, timer: Callable[[], float]
-) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
-    """µs per block for each count, one list entry per repeat; and for
-    ``random``, µs of :func:`copies_alone` for each count."""
+) -> Samples:
     objs = [MAKERS[kind](i) for i in range(max(counts))]
-    samples: dict[int, list[float]] = {n: [] for n in counts}
-    floor: dict[int, list[float]] = {}
-    if kind == "random" and RANDOM_LAYOUT is not None:
-        floor = {n: [] for n in counts if n}
-    floors = {n: copies_alone(objs[:n]) for n in floor}  # type: ignore[arg-type]
+    out = Samples(counts)
+    exact = kind == "random" and RANDOM_LAYOUT is not None
+    floors = {n: copies_alone(objs[:n]) for n in counts if n and exact}  # type: ignore[arg-type]
+    batched = kind in BATCHED
 
-    def timed(n: int, number: int) -> float:
+    def timed(n: int, number: int, batches: bool = True) -> float:
         for i in range(n):
             register_rng(objs[i], key=f"bench-{kind}-{i}")
+        saved = user_rngs._MT_BATCH_MIN, user_rngs._RECORD_BATCH_MIN
+        if not batches:
+            user_rngs._MT_BATCH_MIN = user_rngs._RECORD_BATCH_MIN = sys.maxsize
+            user_rngs._changed()  # steps made with the other thresholds are stale
         try:
             block()  # the first block with these entries fills their seeded-state memos
             return timeit.timeit(block, number=number, timer=timer) / number * 1e6
         finally:
+            user_rngs._MT_BATCH_MIN, user_rngs._RECORD_BATCH_MIN = saved
+            user_rngs._changed()
             for i in range(n):
                 unregister_rng(objs[i])
+
+    def timed_floor(copies: Callable[[], None], number: int) -> float:
+        def run() -> None:  # in a block's company: its other work shares the caches
+            with _block:
+                pass
+            copies()
+
+        return timeit.timeit(run, number=number, timer=timer) / number * 1e6
 
     for n in counts:  # warm up: imports, caches, layout probes
         timed(n, 20)
     for _ in range(repeats):
         for n in counts:
-            samples[n].append(timed(n, number_for(n, budget_s)))
+            number = number_for(n, budget_s)
+            out.none[n].append(timed(0, number_for(0, budget_s)))
+            out.blocks[n].append(timed(n, number))
+            if n and batched:
+                out.per_entry[n].append(timed(n, number, batches=False))
             if n in floors:
-                number = number_for(n, budget_s)
-                floor[n].append(timeit.timeit(floors[n], number=number, timer=timer) / number * 1e6)
-    return samples, floor
+                out.floor[n].append(timed_floor(floors[n], number))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--counts", default="0,4,16,64,256")
     parser.add_argument("--kinds", default="random,numpy,torch")
-    parser.add_argument("--budget", type=float, default=0.02, help="seconds per timing")
+    parser.add_argument("--budget", type=float, default=0.01, help="seconds per timing")
     parser.add_argument("--wall", action="store_true", help="wall-clock instead of CPU time")
     args = parser.parse_args(argv)
     counts = sorted({0, *(int(c) for c in args.counts.split(","))})
@@ -141,31 +191,32 @@ def main(argv: list[str] | None = None) -> int:
     clock = "wall-clock" if args.wall else "CPU time (process_time)"
     timer = time.perf_counter if args.wall else time.process_time
     print(
-        f"medians of {args.repeats} interleaved repeats, {clock}; "
-        f"µs per block and µs added per RNG\n"
+        f"medians of {args.repeats} repeats, each count timed right after the block with none, "
+        f"{clock}; µs per block and µs added per RNG\n"
     )
     started = time.perf_counter()
     verdicts: list[str] = []
     for kind in kinds:
-        samples, floor = measure_kind(kind, counts, args.repeats, args.budget, timer)
-        base = samples[0]
+        s = measure_kind(kind, counts, args.repeats, args.budget, timer)
+        batched, exact = any(s.per_entry.values()), any(s.floor.values())
         print(f"{kind}:")
         head = f"  {'RNGs':>5}  {'µs/block':>9}  {'/ none':>7}  {'µs per RNG':>10}  {'best':>6}"
-        print(head + ("  floor per RNG  ours / floor" if floor else ""))
+        head += "  per-entry" if batched else ""
+        print(head + ("  floor  ours / floor" if exact else ""))
         per_rng: dict[int, float] = {}
         for n in counts:
-            med = statistics.median(samples[n])
-            ratio = med / statistics.median(base)
+            med = statistics.median(s.blocks[n])
+            ratio = med / statistics.median(s.none[n])
             extra = ""
             if n:
-                per_rng[n] = statistics.median(
-                    (s - b) / n for s, b in zip(samples[n], base, strict=True)
-                )
-                best = (min(samples[n]) - min(base)) / n
+                per_rng[n] = s.per_rng(n, s.blocks)
+                best = (min(s.blocks[n]) - min(s.none[n])) / n
                 extra = f"  {per_rng[n]:10.3f}  {best:6.3f}"
-                if n in floor:
-                    low = statistics.median(floor[n]) / n
-                    extra += f"  {low:13.3f}  {per_rng[n] / low:12.2f}"
+                if s.per_entry[n]:
+                    extra += f"  {s.per_rng(n, s.per_entry):9.3f}"
+                if s.floor[n]:
+                    low = s.per_rng(n, s.floor)
+                    extra += f"  {low:5.3f}  {per_rng[n] / low if low > 0 else float('nan'):12.2f}"
             print(f"  {n:>5}  {med:9.2f}  {ratio:7.3f}{extra}")
         if kind in TARGETS:
             at, limit = TARGETS[kind]

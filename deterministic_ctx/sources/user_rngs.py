@@ -49,15 +49,19 @@ tuple of the entries, rebuilt only when the registry has changed since.
 **Cost per registered RNG** is flat in their number: each entry carries
 what its loops need, bound once at registration.
 
-* Exact ``random.Random``, and NumPy ``Generator`` / ``RandomState`` whose bit
-  generator's memory layout was proven at import (MT19937, PCG64,
+* Exact ``random.Random``, and exact NumPy ``Generator`` / ``RandomState``
+  whose bit generator's memory layout was proven at import (MT19937, PCG64,
   PCG64DXSM; ``RandomState`` on MT19937 only), are captured and restored as
   copies of their C record through a view made at registration (see
   :mod:`._memory`; NumPy's under the bit generator's lock, as the global
   source does); the view is used only while the entry's object is known
   alive (``get()`` returned it, or a snapshot holds it), so it never
-  outlives the memory under it.  A state loaded from a checkpoint is
-  restored through the public API, which checks it, never as raw memory.
+  outlives the memory under it.  The entry holds the NumPy bit generator
+  its views belong to, and uses them only while the object still has that
+  one (``Generator.__init__`` and ``RandomState.__init__`` can install
+  another: the public API then takes over).  A state loaded from a
+  checkpoint is restored through the public API, which checks it, never as
+  raw memory.
 * Each entry remembers the state seeding left it in for the last block seed
   (``memo``), read back from the object right after the real seeding call:
   a block with the same seed writes that state instead of seeding again
@@ -65,19 +69,31 @@ what its loops need, bound once at registration.
   such equivalent (``random.Random`` subclasses, whose ``seed()`` may do
   more, a non-CPU ``torch.Generator``, a ``RandomState`` off the fast path,
   random-like objects) calls the object's own ``seed()`` every time.
+* Runs of such records registered one after another (at least 8 exact
+  ``random.Random``, 5 NumPy ones) are handled as one :class:`_Batch`:
+  ``map`` over their views, weak references and locks, one ``bytes.join``
+  to copy all records out and one ``BytesIO.readinto`` per RNG to copy them
+  back, so no Python bytecode runs per RNG.  A batch falls back to its
+  entries, one by one, whenever it cannot do its work this way.
+  ``tests/test_user_rngs_fast.py`` proves every path equal to the public
+  API with a Hypothesis differential test over random workloads.
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
+import operator
 import os
 import random
 import struct
 import threading
 import warnings
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from io import BytesIO
+from itertools import repeat
 from typing import Any, NamedTuple, TypeVar, cast
 
 import numpy as np
@@ -357,6 +373,9 @@ _SET = 4  # the kind's get / set, seeding by setting the remembered seeded state
 #: last is the ``random.Random`` record's companion on the ``_MT`` path and
 #: ``None`` elsewhere (one tuple per RNG, not two: blocks allocate less).
 _Record = tuple["_Entry", Any, Any, Any]
+#: What a capture holds per :class:`_Batch`: ``(batch, objects, joined
+#: records, extra)`` (``gauss_next`` values for ``random.Random``, else ``None``).
+_BatchRecord = tuple["_Batch", tuple[Any, ...], bytes, Any]
 
 
 class _Ref(weakref.ref[Any]):
@@ -381,6 +400,8 @@ class _Ref(weakref.ref[Any]):
 class _Entry:
     __slots__ = (
         "_memo",
+        "bg",
+        "bg_of",
         "codec",
         "get",
         "key",
@@ -423,6 +444,12 @@ class _Entry:
         self.mt: Any = None
         self.lock: Any = None
         self.codec: _PcgRecord | _MtRecord | None = None
+        #: The NumPy bit generator that ``view``, ``lock`` and ``memo`` belong
+        #: to, held (so the views never outlive its memory), and how to read
+        #: the object's current one: ``Generator.__init__`` and
+        #: ``RandomState.__init__`` can be called again and install another.
+        self.bg: Any = None
+        self.bg_of: Callable[[Any], Any] | None = None
         self._choose_path(obj)
 
     def _choose_path(self, obj: Any) -> None:
@@ -435,8 +462,12 @@ class _Entry:
                 self.mt = self.view
         elif kind is _GENERATOR:
             bg = obj.bit_generator
+            # An exact Generator's ``bit_generator`` is its ``_bit_generator``
+            # attribute (read without a call); a subclass may override the property.
+            exact = type(obj) is np.random.Generator
+            self.bg, self.bg_of = bg, _LEGACY_BIT_GENERATOR if exact else _BIT_GENERATOR
             codec = _records().get(type(bg))
-            view = codec.view(bg) if codec is not None else None
+            view = codec.view(bg) if codec is not None and exact else None
             if codec is not None and view is not None:
                 self.mode, self.view, self.lock, self.codec = _RECORD, view, bg.lock, codec
             else:
@@ -448,6 +479,7 @@ class _Entry:
                 and type(obj) is np.random.RandomState
                 and type(bg) is np.random.MT19937
             ):
+                self.bg, self.bg_of = bg, _LEGACY_BIT_GENERATOR
                 self.mode, self.lock = _LEGACY, bg.lock
                 self.view, self.view2 = mt19937_view(bg), NUMPY_LAYOUT.view(obj)
         elif kind is _TORCH and type(obj) is torch.Generator and obj.device.type == "cpu":
@@ -456,6 +488,13 @@ class _Entry:
             # compare both, ``initial_seed()`` included); other devices' are
             # not known to be, and are seeded each time.
             self.mode = _SET
+
+    def replaced(self, obj: Any) -> bool:
+        """Whether ``obj`` has another bit generator than the one this entry's
+        views and memo belong to: then it takes the public API, as an ``_API``
+        entry would."""
+        bg_of = self.bg_of
+        return bg_of is not None and bg_of(obj) is not self.bg
 
     def derived_seed(self, seed: int) -> int:
         memo = self._memo
@@ -468,7 +507,7 @@ class _Entry:
         it has an exact equivalent, remember the state it left."""
         derived = self.derived_seed(seed)
         mode = self.mode
-        if mode == _API:
+        if mode == _API or self.replaced(obj):
             self.kind.seed(obj, derived)
             return
         state: Any
@@ -484,36 +523,62 @@ class _Entry:
             state = self.capture(obj)
         self.memo = (seed, state)
 
+    def seed_again(self, obj: Any, seed: int) -> None:
+        """:meth:`seed_slow` where ``memo`` holds ``seed`` already: its state is
+        written (not for ``_MT`` entries, which the loops handle inline)."""
+        # The records and the memo are those of the bit generator the entry
+        # holds; one that was replaced since takes the public API (for both
+        # record modes ``_bit_generator`` is the one, and a lock is set).
+        lock = self.lock
+        if lock is None:  # _SET, _API
+            bg_of = self.bg_of
+            if bg_of is None or bg_of(obj) is self.bg:
+                self.kind.set(obj, self.memo[1])
+                return
+        elif obj._bit_generator is self.bg:
+            if self.mode == _RECORD:
+                with lock: self.view[:] = self.memo[1]  # noqa: E701  # fmt: skip
+            else:
+                with lock: self.view[:], self.view2[:] = self.memo[1]  # noqa: E701  # fmt: skip
+            return
+        self.kind.seed(obj, self.derived_seed(seed))
+
     def capture(self, obj: Any) -> Any:
         """The state of ``obj`` (this entry's object) now, in this entry's form
-        (an ``_MT`` entry's record only: the loops handle ``gauss_next``)."""
-        mode = self.mode
-        if mode == _MT:
-            return self.view.tobytes()
+        (an ``_MT`` entry's record only: the loops handle ``gauss_next``;
+        the public form where the bit generator was replaced)."""
         lock = self.lock
-        if mode == _RECORD:
-            with lock: return self.view.tobytes()  # noqa: E701  # fmt: skip
-        if mode == _LEGACY:
+        if lock is None:  # _MT, _SET, _API
+            mt = self.mt
+            return mt.tobytes() if mt is not None else self.kind.get(obj)
+        if obj._bit_generator is self.bg:  # see seed_again
+            if self.mode == _RECORD:
+                with lock: return self.view.tobytes()  # noqa: E701  # fmt: skip
             with lock: return (self.view.tobytes(), self.view2.tobytes())  # noqa: E701  # fmt: skip
         return self.kind.get(obj)
 
     def put(self, obj: Any, state: Any) -> None:
-        """Set a state of this entry's form (see :meth:`capture`) on ``obj``;
-        not for ``_MT`` entries, which the loops handle inline."""
-        mode = self.mode
-        assert mode != _MT
-        if mode == _RECORD:
-            with self.lock: self.view[:] = state  # noqa: E701  # fmt: skip
-        elif mode == _LEGACY:
-            with self.lock: self.view[:], self.view2[:] = state  # noqa: E701  # fmt: skip
-        else:
+        """Put back a state :meth:`capture` returned (not for ``_MT`` entries,
+        which the loops handle inline)."""
+        lock = self.lock
+        if lock is None:  # _SET, _API
+            assert self.mt is None
             self.kind.set(obj, state)
+        elif type(state) is not dict and obj._bit_generator is self.bg:
+            if self.mode == _RECORD:
+                with lock: self.view[:] = state  # noqa: E701  # fmt: skip
+            else:
+                with lock: self.view[:], self.view2[:] = state  # noqa: E701  # fmt: skip
+        else:  # as the public API would, onto a replaced bit generator
+            self.kind.set(obj, self.public(state, None))
 
     def public(self, state: Any, gauss: Any) -> Any:
         """A captured state as the kind's public API gives it."""
         mode = self.mode
         if mode == _MT:
             return public_state(PythonRandomState(state, gauss))
+        if type(state) is dict:  # captured through the API (``_SET``, a replaced bit generator)
+            return state
         if mode == _RECORD:
             assert self.codec is not None
             return self.codec.decode(state)
@@ -535,15 +600,251 @@ class _Entry:
         for name in _Entry.__slots__:
             setattr(twin, name, getattr(self, name))
         twin.mode, twin.view, twin.view2, twin.mt = _API, None, None, None
-        twin.codec, twin.memo = None, _NO_MEMO
+        twin.codec, twin.memo, twin.lock, twin.bg, twin.bg_of = None, _NO_MEMO, None, None, None
         return twin
 
+
+_BIT_GENERATOR = operator.attrgetter("bit_generator")  # what ``_GENERATOR``'s API reads
+_LEGACY_BIT_GENERATOR = operator.attrgetter("_bit_generator")  # what ``RandomState``'s reads
 
 _NO_MEMO: tuple[int, Any] = (-1, None)
 
 
 def _strong(obj: object) -> Callable[[], object]:
     return lambda: obj
+
+
+def _parts(state: bytes | tuple[bytes, ...]) -> tuple[bytes, ...]:
+    """An entry's records: ``_LEGACY`` states are two, the others one."""
+    return state if type(state) is tuple else (cast(bytes, state),)
+
+
+# -- batches ---------------------------------------------------------------------------
+
+#: How many consecutive entries of a kind make a batch: below it a batch's
+#: fixed cost (a few tuples and C calls, 2-3 µs) exceeds what it saves per
+#: RNG (measured in blocks: exact ``random.Random`` break even at 8 to 12,
+#: NumPy Generators, whose entries run more Python per RNG, at 4 to 6).
+_MT_BATCH_MIN = 8
+_RECORD_BATCH_MIN = 5
+#: ``operator.call`` (Python 3.11+) calls a weak reference without the slot
+#: wrapper's argument tuple; ``weakref.ref.__call__`` is the same call, slower.
+_call: Callable[[Any], Any] = getattr(operator, "call", weakref.ref.__call__)
+_gauss_next = operator.attrgetter("gauss_next")
+#: Runs an iterator of C calls to its end, keeping nothing.
+_drain: Callable[[Iterable[Any]], None] = deque(maxlen=0).extend
+_NO_BATCH_MEMO: tuple[int, bytes] = (-1, b"")
+#: Endless, and never advanced by ``map`` past its shortest argument: shared
+#: by every call (``next`` on an endless ``repeat`` changes nothing, so
+#: threads can share them too).
+_GAUSS_NEXT = repeat("gauss_next")
+_NONE = repeat(None)
+_NO_WAIT = repeat(False)
+#: NumPy's bit generators' lock (``threading.RLock()`` is this C type).
+_RLOCK = type(threading.RLock())
+_acquire = _RLOCK.acquire
+_release = _RLOCK.release
+
+
+class _Batch:
+    """Consecutive entries of one kind and one ``shared``, captured, seeded
+    and restored by C-level loops: ``map`` over their views and objects, so
+    that no bytecode runs per RNG.  Made with the registry's tuple of
+    entries, dropped with it.
+
+    Records are copied out with one ``b"".join`` of the views (one
+    allocation for all of them) and back with the ``readinto`` of one
+    ``BytesIO`` over the joined bytes, the views in the same order: each RNG
+    gets exactly the bytes read from it.  Both are C copies that hold the
+    GIL from the first RNG to the last (``bytes.join`` releases it only for
+    ``bytes`` items).  ``memo`` is the entries' memos joined, for one block
+    seed: the seeded records of the whole batch, written the same way.
+    Whatever a batch cannot do this way (an object collected since it was
+    made, a bit generator replaced or locked by another thread, a memo
+    another thread changed), its entries do one by one, as alone.
+    """
+
+    __slots__ = ("entries", "memo", "shared", "views")
+    #: As an entry's, for the loops' first test: a batch is not an ``_MT`` entry.
+    mt: Any = None
+
+    def __init__(self, entries: tuple[_Entry, ...]) -> None:
+        self.entries = entries
+        self.views = tuple(e.view for e in entries)
+        self.shared = entries[0].shared
+        #: ``(block seed, the seeded records joined in order)``.
+        self.memo = _NO_BATCH_MEMO
+
+    def capture(self, out: list[Any]) -> None:
+        """Append this batch's record ``(batch, objects, joined records,
+        extra)`` to ``out``, or its entries' own records."""
+        raise NotImplementedError
+
+    def seed(self, seed: int) -> None:
+        """:func:`seed_registered_rngs` for the entries of this batch."""
+        raise NotImplementedError
+
+    def put(self, objs: tuple[Any, ...], raw: bytes, extra: Any) -> bool:
+        """Restore a record of this batch; ``False`` where the entries must
+        (:meth:`records`, one by one)."""
+        raise NotImplementedError
+
+    def records(self, objs: tuple[Any, ...], raw: bytes, extra: Any) -> Iterator[_Record]:
+        """A record of this batch as the entries' own records, in order."""
+        extras = extra if extra is not None else (None,) * len(self.entries)
+        at = 0
+        for entry, obj, view, x in zip(self.entries, objs, self.views, extras, strict=True):
+            yield entry, obj, raw[at : at + len(view)], x
+            at += len(view)
+
+    def seeded(self, objs: tuple[Any, ...], seed: int) -> bytes | None:
+        """The seeded records joined, for ``seed``: remembered, or made by
+        seeding the entries whose memo misses it; ``None`` if another thread
+        changed a memo meanwhile."""
+        memo = self.memo
+        if memo[0] == seed:
+            return memo[1]
+        for entry, obj in zip(self.entries, objs, strict=True):
+            if entry.memo[0] != seed:
+                entry.seed_slow(obj, seed)
+        memos = [entry.memo for entry in self.entries]
+        if any(m[0] != seed for m in memos):  # pragma: no cover - another thread seeded
+            return None
+        # A ``_LEGACY`` entry's state is two records, in the order of its views.
+        joined = b"".join(itertools.chain.from_iterable(_parts(m[1]) for m in memos))
+        self.memo = (seed, joined)
+        return joined
+
+    def seed_each(self, objs: Iterable[Any], seed: int) -> None:
+        for entry, obj in zip(self.entries, objs, strict=True):
+            if obj is not None:
+                _seed_entry(entry, obj, seed)
+
+
+class _MtBatch(_Batch):
+    """Exact ``random.Random`` entries (``_MT``), held by weak reference.
+
+    The views are used only while a tuple of the objects, just read from the
+    weak references and all alive, holds them (see the module docstring).
+    ``extra`` is their ``gauss_next`` values.
+    """
+
+    __slots__ = ("refs",)
+
+    def __init__(self, entries: tuple[_Entry, ...]) -> None:
+        super().__init__(entries)
+        self.refs = tuple(e.get for e in entries)
+
+    def objects(self) -> tuple[Any, ...] | None:
+        """The objects, or ``None`` if one was collected since the batch was
+        made (its callback has run or is running: the next batch lacks it)."""
+        objs = tuple(map(_call, self.refs))
+        # ``all``: an exact random.Random is always true (no __bool__ or
+        # __len__), ``None`` never; a false object would only take the slow path.
+        return objs if all(objs) else None
+
+    def capture(self, out: list[Any]) -> None:
+        objs = self.objects()
+        if objs is not None:
+            out.append((self, objs, b"".join(self.views), tuple(map(_gauss_next, objs))))
+            return
+        for entry in self.entries:
+            obj = entry.get()
+            if obj is not None:
+                out.append((entry, obj, entry.mt.tobytes(), obj.gauss_next))
+
+    def seed(self, seed: int) -> None:
+        objs = self.objects()
+        joined = self.seeded(objs, seed) if objs is not None else None
+        if objs is None or joined is None:
+            self.seed_each(map(_call, self.refs), seed)
+            return
+        _drain(map(BytesIO(joined).readinto, self.views))
+        _drain(map(setattr, objs, _GAUSS_NEXT, _NONE))
+
+    def put(self, objs: tuple[Any, ...], raw: bytes, extra: Any) -> bool:
+        _drain(map(BytesIO(raw).readinto, self.views))
+        _drain(map(setattr, objs, _GAUSS_NEXT, extra))
+        return True
+
+
+class _RecordBatch(_Batch):
+    """NumPy Generators on a proven record (``_RECORD``) and RandomStates on
+    MT19937 (``_LEGACY``: two records, the bit generator's and the gaussian
+    cache's, in that order), held strongly by the registry (NumPy's types
+    cannot be weakly referenced), so by the batch too.
+
+    Each record is read and written under its bit generator's lock, as one
+    entry does.  The batch takes every lock without waiting (``RLock``: a
+    bit generator shared by two Generators, or locked by this thread
+    already, is taken again) and, if one is held by another thread, releases
+    those it took and leaves the work to its entries, which wait for it:
+    never waiting while holding another lock, it cannot deadlock.
+    """
+
+    __slots__ = ("bgs", "locks", "objs")
+
+    def __init__(self, entries: tuple[_Entry, ...]) -> None:
+        super().__init__(entries)
+        self.views = tuple(v for e in entries for v in (e.view, e.view2) if v is not None)
+        self.objs = tuple(e.get() for e in entries)
+        self.bgs = tuple(e.bg for e in entries)
+        self.locks = tuple(e.lock for e in entries)
+
+    def records(self, objs: tuple[Any, ...], raw: bytes, extra: Any) -> Iterator[_Record]:
+        at = 0
+        for entry, obj in zip(self.entries, objs, strict=True):
+            parts = []
+            for view in (entry.view, entry.view2) if entry.view2 is not None else (entry.view,):
+                parts.append(raw[at : at + len(view)])
+                at += len(view)
+            yield entry, obj, tuple(parts) if len(parts) == 2 else parts[0], None
+
+    def take(self) -> bool:
+        """Whether the records may be used now: every object still has the
+        bit generator they belong to, and every lock was taken (release them)."""
+        if not all(map(operator.is_, map(_LEGACY_BIT_GENERATOR, self.objs), self.bgs)):
+            return False
+        taken = list(map(_acquire, self.locks, _NO_WAIT))
+        if all(taken):
+            return True
+        for lock, ok in zip(self.locks, taken, strict=True):  # pragma: no cover - held elsewhere
+            if ok:
+                lock.release()
+        return False
+
+    def capture(self, out: list[Any]) -> None:
+        objs = self.objs
+        if self.take():
+            try:
+                raw = b"".join(self.views)
+            finally:
+                _drain(map(_release, self.locks))
+            out.append((self, objs, raw, None))
+            return
+        for entry, obj in zip(self.entries, objs, strict=True):
+            out.append((entry, obj, entry.capture(obj), None))
+
+    def seed(self, seed: int) -> None:
+        objs = self.objs
+        ok = all(map(operator.is_, map(_LEGACY_BIT_GENERATOR, objs), self.bgs))
+        joined = self.seeded(objs, seed) if ok else None
+        if joined is None or not self.take():
+            self.seed_each(objs, seed)
+            return
+        try:
+            _drain(map(BytesIO(joined).readinto, self.views))
+        finally:
+            _drain(map(_release, self.locks))
+
+    def put(self, objs: tuple[Any, ...], raw: bytes, extra: Any) -> bool:
+        if not self.take():
+            return False
+        try:
+            _drain(map(BytesIO(raw).readinto, self.views))
+        finally:
+            _drain(map(_release, self.locks))
+        return True
 
 
 #: Serializes ``register_rng`` / ``unregister_rng`` against each other.  Never
@@ -559,8 +860,9 @@ _counter = itertools.count()
 #: Bumped after every change to ``_entries``; ``_cache`` is valid while it matches.
 _versions = itertools.count(1)
 _version = 0
-#: Starts stale, so that the first :func:`_live` loads the entry points.
-_cache: tuple[int, tuple[_Entry, ...]] = (-1, ())
+#: ``(version, entries, steps)``; starts stale, so that the first
+#: :func:`_live` loads the entry points.
+_cache: tuple[int, tuple[_Entry, ...], tuple[_Entry | _Batch, ...]] = (-1, (), ())
 
 
 def _changed() -> None:
@@ -595,10 +897,19 @@ def _on_collect(
 
 def _live() -> tuple[_Entry, ...]:
     """The entries in registration order, as an immutable tuple to iterate over."""
+    cache = _cache
+    return cache[1] if cache[0] == _version else _refresh()[1]
+
+
+def _steps() -> tuple[_Entry | _Batch, ...]:
+    """The entries in registration order, runs of batchable ones as
+    batches (:func:`_batched`): what the blocks' loops go through."""
+    cache = _cache
+    return cache[2] if cache[0] == _version else _refresh()[2]
+
+
+def _refresh() -> tuple[int, tuple[_Entry, ...], tuple[_Entry | _Batch, ...]]:
     global _cache
-    version, entries = _cache
-    if version == _version:
-        return entries
     if _plugins_pending:
         _load_plugins()
     while True:
@@ -609,8 +920,59 @@ def _live() -> tuple[_Entry, ...]:
             entries = tuple(_entries.copy().values())
         except RuntimeError:  # pragma: no cover - "dictionary changed size"
             continue
-        _cache = (version, entries)
-        return entries
+        _cache = cache = (version, entries, _batched(entries))
+        return cache
+
+
+def _batched(entries: tuple[_Entry, ...]) -> tuple[_Entry | _Batch, ...]:
+    """``entries`` with runs of batchable ones as batches (see :class:`_Batch`).
+
+    A run is consecutive exact ``random.Random`` (``_MT``) and NumPy
+    (``_RECORD``, ``_LEGACY``) entries of one ``shared``; its ``_MT``
+    entries become an :class:`_MtBatch` (at least :data:`_MT_BATCH_MIN`),
+    then its NumPy ones a :class:`_RecordBatch` (at least
+    :data:`_RECORD_BATCH_MIN`), each in registration order, fewer stay
+    entries.  Within a run only the two families trade places: they touch
+    disjoint memory and run no code of the user's.  Across runs, and within
+    a family (a Generator and a RandomState may share a bit generator), the
+    registration order stays: an RNG seeded through another (a random-like
+    wrapper around a registered ``random.Random``) may depend on it.
+    """
+    steps: list[_Entry | _Batch] = []
+    mts: list[_Entry] = []
+    records: list[_Entry] = []
+
+    def close() -> None:
+        for run, make, least in (
+            (mts, _MtBatch, _MT_BATCH_MIN),
+            (records, _RecordBatch, _RECORD_BATCH_MIN),
+        ):
+            if len(run) >= least:
+                steps.append(make(tuple(run)))
+            else:
+                steps.extend(run)
+            run.clear()
+
+    shared = False
+    for entry in entries:
+        if entry.mt is not None and type(entry.get) is _Ref:
+            run = mts
+        elif (
+            entry.mode in (_RECORD, _LEGACY)
+            and type(entry.lock) is _RLOCK
+            and type(entry.get) is not _Ref
+        ):
+            run = records  # strongly held: the batch holds the objects too
+        else:
+            close()
+            steps.append(entry)
+            continue
+        if entry.shared != shared:
+            close()
+            shared = entry.shared
+        run.append(entry)
+    close()
+    return tuple(steps)
 
 
 def _after_fork_in_child() -> None:
@@ -762,35 +1124,37 @@ def seed_registered_rngs(seed: int, *, shared_seed: int | None = None) -> None:
         True
         >>> unregister_rng(rng)
     """
-    for entry in _live():
+    steps: tuple[Any, ...] = _steps()  # entries and batches
+    for entry in steps:
+        s = shared_seed if entry.shared and shared_seed is not None else seed
+        mt = entry.mt
+        if mt is None and type(entry) is not _Entry:  # a batch
+            entry.seed(s)
+            continue
         obj = entry.get()
         if obj is None:
             continue
-        if entry.shared and shared_seed is not None:
-            _seed_entry(entry, obj, shared_seed)
-            continue
         memo = entry.memo
-        if memo[0] != seed:
-            entry.seed_slow(obj, seed)
-            continue
-        mt = entry.mt
-        if mt is not None:  # the common case, inline: one copy and an attribute
+        if memo[0] != s:
+            entry.seed_slow(obj, s)
+        elif mt is not None:  # inline: one copy and an attribute
             mt[:] = memo[1]
             obj.gauss_next = None
+        elif entry.mode == _RECORD and obj._bit_generator is entry.bg:  # Entry.seed_again's
+            with entry.lock: entry.view[:] = memo[1]  # noqa: E701  # fmt: skip
         else:
-            entry.put(obj, memo[1])
+            entry.seed_again(obj, s)
 
 
 def _seed_entry(entry: _Entry, obj: Any, seed: int) -> None:
-    """One entry of :func:`seed_registered_rngs`'s loop (the rarer shared ones)."""
-    memo = entry.memo
-    if memo[0] != seed:
+    """One entry of :func:`seed_registered_rngs`'s loop, as a function."""
+    if entry.memo[0] != seed:
         entry.seed_slow(obj, seed)
     elif entry.mt is not None:
-        entry.mt[:] = memo[1]
+        entry.mt[:] = entry.memo[1]
         obj.gauss_next = None
     else:
-        entry.put(obj, memo[1])
+        entry.seed_again(obj, seed)
 
 
 class UserRngSource:
@@ -799,20 +1163,31 @@ class UserRngSource:
     name = "user"
     device_type: str | None = None  # not a device generator: saved under "sources"
 
-    def capture(self) -> tuple[_Record, ...]:
-        """``(entry, object, state, gauss_next)`` per live RNG; ``()`` when there are none."""
-        entries = _live()
-        if not entries:
+    def capture(self) -> tuple[_Record | _BatchRecord, ...]:
+        """One record per live RNG, or per batch of them; ``()`` when there are none.
+
+        A record is ``(entry, object, state, gauss_next)``, or ``(batch,
+        objects, joined records, extra)`` for a :class:`_Batch`.
+        """
+        steps = _steps()
+        if not steps:
             return ()
-        out: list[_Record] = []
+        out: list[Any] = []
         append = out.append
+        entries: tuple[Any, ...] = steps  # entries and batches
         for entry in entries:
+            mt = entry.mt
+            if mt is None and type(entry) is not _Entry:  # a batch
+                entry.capture(out)
+                continue
             obj = entry.get()
             if obj is None:  # collected after the tuple was made: its callback has run
                 continue
-            mt = entry.mt
-            if mt is not None:  # the common case, inline: one copy and an attribute
+            if mt is not None:  # inline: one copy and an attribute
                 append((entry, obj, mt.tobytes(), obj.gauss_next))
+            elif entry.mode == _RECORD and obj._bit_generator is entry.bg:  # Entry.capture's
+                with entry.lock: raw = entry.view.tobytes()  # noqa: E701  # fmt: skip
+                append((entry, obj, raw, None))
             else:
                 append((entry, obj, entry.capture(obj), None))
         return tuple(out)
@@ -821,26 +1196,38 @@ class UserRngSource:
         # Per rank, like ``random`` and NumPy; ``shared=True`` ones like torch.
         seed_registered_rngs(settings.rank_seed, shared_seed=settings.seed)
 
-    def restore(self, state: tuple[_Record, ...]) -> None:
+    def restore(self, state: tuple[_Record | _BatchRecord, ...]) -> None:
         """Put every RNG of ``state`` back.  One that fails does not stop the
         others; the first failure is raised once all were tried."""
         # The object is kept alive by the snapshot only while the snapshot lives;
         # an RNG collected meanwhile has no state left to restore.
         error: BaseException | None = None
-        for entry, obj, saved, gauss in state:
+        records: tuple[tuple[Any, Any, Any, Any], ...] = state
+        for first, obj, saved, extra in records:
             try:
-                mt = entry.mt
+                mt = first.mt
                 if mt is not None:
                     mt[:] = saved
-                    obj.gauss_next = gauss
+                    obj.gauss_next = extra
+                elif type(first) is not _Entry:  # a batch
+                    if not first.put(obj, saved, extra):
+                        error = _put_each(first.records(obj, saved, extra), error)
+                elif (  # Entry.put's common case, inline
+                    first.mode == _RECORD
+                    and type(saved) is bytes
+                    and obj._bit_generator is first.bg
+                ):
+                    with first.lock: first.view[:] = saved  # noqa: E701  # fmt: skip
                 else:
-                    entry.put(obj, saved)
+                    first.put(obj, saved)
             except BaseException as exc:  # an interrupt too: the rest are restored first
                 error = error or exc
+                if type(first) is not _Entry:  # a batch: RNG by RNG, past the failure
+                    error = _put_each(first.records(obj, saved, extra), error)
         if error is not None:
             raise error
 
-    def export_state(self, state: tuple[_Record, ...]) -> list[dict[str, Any]]:
+    def export_state(self, state: tuple[_Record | _BatchRecord, ...]) -> list[dict[str, Any]]:
         """The state as plain data: ``[{"key", "kind", "state"}, ...]``.
 
         Raises ``ValueError`` if two registered RNGs share a key (a loaded
@@ -850,7 +1237,7 @@ class UserRngSource:
         """
         out: list[dict[str, Any]] = []
         keys: set[str] = set()
-        for entry, obj, saved, gauss in state:
+        for entry, obj, saved, gauss in _per_rng(state):
             if entry.key in keys:
                 raise ValueError(
                     f"two registered RNGs share the key {entry.key!r}, so a saved snapshot "
@@ -916,6 +1303,32 @@ class UserRngSource:
             state = _CODECS[kind][1](obj, d["state"], f"{where}.state")
             out.append((entry.loaded(), obj, state, None))
         return tuple(out)
+
+
+def _per_rng(state: tuple[_Record | _BatchRecord, ...]) -> Iterator[_Record]:
+    """One ``(entry, object, state, gauss_next)`` per RNG of a captured state,
+    in registration order (a batch's record as its entries' records)."""
+    for record in state:
+        first = record[0]
+        if isinstance(first, _Batch):
+            yield from first.records(record[1], record[2], record[3])
+        else:
+            yield cast(_Record, record)
+
+
+def _put_each(records: Iterable[_Record], error: BaseException | None) -> BaseException | None:
+    """Restore each RNG's record (the restore loop's body, for a batch's slow
+    path); the first error, ``error`` if given, is returned once all were tried."""
+    for entry, obj, saved, gauss in records:
+        try:
+            if entry.mt is not None:
+                entry.mt[:] = saved
+                obj.gauss_next = gauss
+            else:
+                entry.put(obj, saved)
+        except BaseException as exc:  # an interrupt too, as in the restore loop
+            error = error or exc
+    return error
 
 
 # -- checkpoints -------------------------------------------------------------------------
