@@ -70,6 +70,7 @@ from deterministic_ctx import (
 )
 from deterministic_ctx._settings import Settings
 from deterministic_ctx.sources import environ as _environ
+from deterministic_ctx.sources import user_rngs
 from deterministic_ctx.sources.fused import FusedPlan, build
 from deterministic_ctx.world import World
 from tests._oracle import World as Oracle
@@ -991,6 +992,38 @@ def test_every_kind_of_registered_rng_in_nested_blocks(registry):
         ),
     )
     differential(prelude, [outer, outer], register_test_env=True)
+
+
+def test_batches_of_registered_rngs_through_the_plan(registry, monkeypatch):
+    # Runs of consecutive registrations of one kind are batches (sources/user_rngs.py):
+    # with the thresholds at 2, every run below is one, and the plan must still equal
+    # the reference (and the public API) around them, nested, under rank=, with a
+    # decorated generator's swaps and a batch member drawn from in the body.
+    monkeypatch.setattr(user_rngs, "_MT_BATCH_MIN", 2)
+    monkeypatch.setattr(user_rngs, "_RECORD_BATCH_MIN", 2)
+    captured: list[str] = []  # the batches that captured: proof that there were some
+    for cls in (user_rngs._MtBatch, user_rngs._RecordBatch):
+        real = cls.capture
+
+        def spy(self: Any, out: list[Any], real: Any = real) -> None:
+            captured.append(type(self).__name__)
+            real(self, out)
+
+        monkeypatch.setattr(cls, "capture", spy)
+    runs = [
+        *(("random.Random", i, False) for i in range(3)),
+        *(("random.Random", 10 + i, True) for i in range(2)),
+        *(("Generator(PCG64)", 20 + i, False) for i in range(2)),
+        *(("RandomState", 30 + i, False) for i in range(2)),
+        ("Generator(MT19937)", 40, False),
+        ("torch.Generator", 50, False),
+    ]
+    prelude = [("register_rng", run) for run in runs]
+    body = tuple(("user draw", i) for i in range(len(runs)))
+    inner = Block(1, True, 5, body)
+    outer = Block(0, False, None, (*body, inner, ("step a decorated generator", 0), *body))
+    differential(prelude, [outer, outer], register_test_env=False)
+    assert {"_MtBatch", "_RecordBatch"} <= set(captured)
 
 
 def test_a_block_that_fails_to_enter(registry):
