@@ -16,8 +16,10 @@ import numbers
 import os
 import sys
 import warnings
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import numpy as np
 
@@ -158,8 +160,31 @@ def process_rank() -> int:
         >>> process_rank()  # no process group, no launcher
         0
     """
+    global _last_rank
     dist = sys.modules.get("torch.distributed")
+    world = None
     if dist is not None and dist.is_available() and dist.is_initialized():
+        world = dist.GroupMember.WORLD
+    # ``rank="auto"`` asks at every block: the answer for the same default group
+    # and the same launcher variables is remembered (a group's rank never
+    # changes).  Only answers are remembered: a ValueError is raised again, and a
+    # warning was given the first time (each is given once per cause anyway).
+    env = _launcher_env()
+    last = _last_rank
+    if last is not None and last[1] == env:
+        then = last[0]
+        # No group now and none then, or the same group (a dead reference to
+        # the group of then is not "no group").
+        if (then is None) if world is None else (then is not None and then() is world):
+            return last[2]
+    rank = _process_rank(dist, world)
+    _last_rank = (_weak(world), env, rank)
+    return rank
+
+
+def _process_rank(dist: Any, world: object) -> int:
+    """:func:`process_rank`, computed (``world``: the default group, or ``None``)."""
+    if world is not None:
         group = (int(dist.get_rank()), int(dist.get_world_size()))
         found = launcher_variables(strict=False)
         launcher = None if found is None else (found["RANK"], found["WORLD_SIZE"])
@@ -182,6 +207,40 @@ def process_rank() -> int:
         return group[0]
     found = launcher_variables(strict=True)
     return 0 if found is None else found["RANK"]
+
+
+#: ``(weak reference to the default group or None, the launcher's raw variables,
+#: the rank)``: :func:`process_rank`'s last answer.
+_last_rank: tuple[Callable[[], object] | None, tuple[object, ...], int] | None = None
+_LAUNCHER_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+def _raw_reader() -> Callable[[], tuple[object, ...]]:
+    """Reads the launcher's variables raw: from ``os.environ``'s own dict under
+    encoded keys where it has one (what ``os.environ[name]`` reads, without the
+    ``KeyError`` that ``get`` raises and catches for each absent name), else
+    through ``os.environ.get``."""
+    env = os.environ
+    data, encodekey = getattr(env, "_data", None), getattr(env, "encodekey", None)
+    if type(data) is dict and callable(encodekey):
+        keys = tuple(map(encodekey, _LAUNCHER_NAMES))
+        return lambda: tuple(map(data.get, keys))
+    return lambda: tuple(map(env.get, _LAUNCHER_NAMES))
+
+
+_launcher_env = _raw_reader()
+
+
+def _weak(obj: object) -> Callable[[], object] | None:
+    if obj is None:
+        return None
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # not weakly referenceable: never matched, so never reused
+        return lambda: _NEVER
+
+
+_NEVER = object()
 
 
 def launcher_variables(*, strict: bool = True) -> dict[str, int] | None:
@@ -302,10 +361,13 @@ class Settings:
     # ``None`` only for ``rank="auto"``, which is resolved each time a block
     # starts: a decorator is often built at import, before the process group.
     _fixed_rank_seed: int | None = field(init=False, repr=False, compare=False)
+    #: For ``rank="auto"``: the settings :meth:`resolved` built, by rank.
+    _by_rank: dict[int, Settings] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         fixed = None if self.rank == AUTO else seed_for_rank(self.seed, self.rank or 0)
         object.__setattr__(self, "_fixed_rank_seed", fixed)
+        object.__setattr__(self, "_by_rank", {})
 
     @property
     def rank_seed(self) -> int:
@@ -318,14 +380,21 @@ class Settings:
         resolves it once, not once per source that reads :attr:`rank_seed`."""
         if self._fixed_rank_seed is not None:
             return self
-        return Settings(
-            self.seed,
-            self.warn_only,
-            process_rank(),
-            self.flags,
-            self.fill_uninitialized_memory,
-            self.compiled_rng,
-        )
+        rank = process_rank()
+        found = self._by_rank.get(rank)
+        if found is None:
+            found = Settings(
+                self.seed,
+                self.warn_only,
+                rank,
+                self.flags,
+                self.fill_uninitialized_memory,
+                self.compiled_rng,
+            )
+            if len(self._by_rank) >= 64:  # one rank per process, but keep it bounded
+                self._by_rank.clear()
+            self._by_rank[rank] = found
+        return found
 
     @classmethod
     def build(

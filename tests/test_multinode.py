@@ -349,6 +349,7 @@ def test_malformed_launcher_variables_are_named(variables, message):
 def test_half_a_launcher_warns_and_means_rank_0_until_a_group_exists(variables, message):
     settings_module = importlib.import_module("deterministic_ctx._settings")
     settings_module._WARNED_PARTIAL.clear()
+    settings_module._last_rank = None  # an answer remembered from before would not warn
     with launched(**variables):
         with pytest.warns(RuntimeWarning, match=message):
             assert resolve_rank("auto") == 0
@@ -400,6 +401,7 @@ def test_the_group_wins_over_inherited_launcher_variables_with_a_warning(gloo_of
         assert ranks() == Ranks(0, 1, 0, 0)
         assert resolve_rank("auto") == 0
     settings_module._WARNED.clear()
+    settings_module._last_rank = None  # an answer remembered from before would not warn
     with launched(**torchrun_vars(1, 1, 2)):  # inherited from a worker of another job
         with pytest.warns(
             RuntimeWarning, match=r"the process group says rank 0 of 1, but .* RANK=1, WORLD_SIZE=2"
@@ -411,6 +413,34 @@ def test_the_group_wins_over_inherited_launcher_variables_with_a_warning(gloo_of
             assert ranks().rank == 0
         assert resolve_rank(1) == 1  # given by hand, nothing is looked up
     settings_module._WARNED.clear()
+
+
+@needs_gloo
+def test_auto_is_asked_again_when_the_group_or_the_launcher_changes():
+    # rank="auto" is looked up at every block; its answer is remembered for the same
+    # default group and launcher variables only (sources of truth that can change).
+    settings = deterministic(seed=SEED, rank="auto")._settings
+    with launched(**torchrun_vars(3, 2, 2)):
+        assert resolve_rank("auto") == 3
+        assert settings.resolved() is settings.resolved()  # built once per rank
+        assert settings.resolved().rank == 3
+        with launched(**torchrun_vars(2, 2, 2)):
+            assert resolve_rank("auto") == 2
+        assert resolve_rank("auto") == 3
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the group wins over the launcher: said once
+                assert resolve_rank("auto") == 0
+                assert settings.resolved().rank == 0
+        finally:
+            dist.destroy_process_group()
+        assert resolve_rank("auto") == 3  # the group is gone: the launcher again
+        assert settings.resolved().rank == 3
+    with launched(RANK="x", WORLD_SIZE=1):  # malformed: raised every time, never remembered
+        for _ in range(2):
+            with pytest.raises(ValueError, match="RANK='x'"):
+                resolve_rank("auto")
 
 
 # -- the launcher itself ----------------------------------------------------------------------
