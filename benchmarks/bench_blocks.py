@@ -284,6 +284,26 @@ def user_rng_cost(count: int, repeats: int, number: int) -> float:
             unregister_rng(rng)
 
 
+def auto_rank_costs(repeats: int, number: int) -> dict[str, float] | None:
+    """A reused block with ``rank="auto"`` and one with no rank, in a gloo process
+    group of one (``rank="auto"`` asks the group at every block), or ``None``
+    without torch.distributed."""
+    dist = torch.distributed
+    if not dist.is_available() or dist.is_initialized():
+        return None
+    auto = deterministic(seed=0, rank="auto")
+
+    def ours_auto() -> None:
+        with auto:
+            pass
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return measure({"auto": ours_auto, "none": ours_reused}, repeats, number)
+    finally:
+        dist.destroy_process_group()
+
+
 def snapshot_bytes() -> int:
     tracemalloc.start()
     snaps = [Snapshot.capture() for _ in range(100)]
@@ -374,6 +394,12 @@ def main(argv: list[str] | None = None) -> int:
     # (benchmarks/bench_user_rngs.py measures 0/4/16/64/256 RNGs of every kind.)
     print("  nesting depth   " + "  ".join(depths))
     print("  user RNGs       " + "  ".join(rngs))
+    auto = auto_rank_costs(small, args.number)
+    if auto is not None:
+        print(
+            f"  rank='auto' in a gloo group of one: {auto['auto']:6.2f}, rank=None "
+            f"{auto['none']:6.2f}, auto / none {auto['auto'] / auto['none']:5.3f}"
+        )
     print(f"\nmemory per snapshot: {snapshot_bytes()} bytes (tracemalloc, Python-side)")
     return 0
 
