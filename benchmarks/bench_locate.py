@@ -1,6 +1,7 @@
 """Cost of locate_divergence and assert_reproducible on small models, and of one fingerprint.
 
 Run:  python benchmarks/bench_locate.py [--device cpu|cuda] [--repeats N] [--threads N] [--large]
+                                        [--floor] [--baseline CHECKOUT]
 
 For each model and workload it prints the median wall time (ms) of:
 
@@ -16,20 +17,35 @@ MLP: ``locate`` at most 3x one run, ``locate+bw`` at most 5x, each marked ``ok``
 computes per tensor) with a float sum and with copying the tensor (``clone``, and ``.cpu()``
 on a GPU), by tensor size.  Rows are interleaved across repeats so machine noise hits all
 alike; on a shared machine, ``--threads 1`` gives steadier numbers.
+
+``--floor`` adds ``locate`` with every fingerprint left out (what the hooks, the
+bookkeeping, saving and restoring the model and the comparison cost alone).
+``--baseline CHECKOUT`` adds ``assert_reproducible``, ``locate`` and ``locate+bw`` of
+another copy of the package (a checkout's root, or its ``deterministic_ctx`` directory),
+imported under another name and measured in the same run, interleaved: before and after
+a change, in the same conditions.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
+import importlib
+import shutil
 import statistics
+import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from deterministic_ctx import deterministic
-from deterministic_ctx.fingerprint import fingerprint_parts
+from deterministic_ctx.fingerprint import FingerprintStore, fingerprint_parts
 from deterministic_ctx.locate import locate_divergence
 from deterministic_ctx.verify import assert_reproducible
 
@@ -119,13 +135,65 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def load_baseline(checkout: str) -> tuple[Callable[..., object], Callable[..., object]]:
+    """``(locate_divergence, assert_reproducible)`` of the package in ``checkout`` (its root or
+    the package directory), copied to a temporary directory and imported under another name,
+    ``deterministic_ctx_baseline``."""
+    source = Path(checkout)
+    if (source / "deterministic_ctx").is_dir():
+        source = source / "deterministic_ctx"
+    if not (source / "locate.py").is_file():
+        raise SystemExit(f"--baseline: no deterministic_ctx package in {checkout}")
+    where = Path(tempfile.mkdtemp(prefix="bench_locate_"))
+    atexit.register(shutil.rmtree, where, ignore_errors=True)
+    shutil.copytree(source, where / "deterministic_ctx_baseline")
+    sys.path.insert(0, str(where))
+    locate: ModuleType = importlib.import_module("deterministic_ctx_baseline.locate")
+    verify: ModuleType = importlib.import_module("deterministic_ctx_baseline.verify")
+    return locate.locate_divergence, verify.assert_reproducible
+
+
+@contextlib.contextmanager
+def no_fingerprints() -> Iterator[None]:
+    """Every fingerprint left out (``None``: no data), the rest of locate as it is."""
+    add, add_all = FingerprintStore.add, FingerprintStore.add_all
+    FingerprintStore.add = lambda self, t: None  # type: ignore[method-assign]
+    FingerprintStore.add_all = lambda self, ts: [None for _ in ts]  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FingerprintStore.add, FingerprintStore.add_all = add, add_all  # type: ignore[method-assign]
+
+
+def baseline_rows(
+    baseline: tuple[Callable[..., object], Callable[..., object]],
+    fn: Callable[[], object],
+    reset: list[object],
+) -> dict[str, Callable[[], object]]:
+    """The rows of the baseline package for the workload ``fn``."""
+    locate, assert_r = baseline
+    return {
+        "assert_r base": lambda: assert_r(fn, reset=reset),
+        "locate base": lambda: locate(fn, reset=reset),
+        "locate+bw base": lambda: locate(fn, reset=reset, backward=True),
+    }
+
+
 def bench_workloads(
-    device: torch.device, repeats: int, large: bool = False
+    device: torch.device,
+    repeats: int,
+    large: bool = False,
+    floor: bool = False,
+    baseline: tuple[Callable[..., object], Callable[..., object]] | None = None,
 ) -> list[tuple[str, str, float]]:
     """Print the table of workloads; return ``(workload, row, ratio to one run)`` of the MLP."""
+    extra = (["floor"] if floor else []) + (
+        ["assert_r base", "locate base", "locate+bw base"] if baseline else []
+    )
     print(
         f"{'workload':<38} {'calls':>5} {'1 run':>7} {'assert_r':>8} {'locate':>7} "
         f"{'locate+bw':>9} {'x1':>5} {'x1 bw':>5} {'µs/call':>7} {'µs/call bw':>10}"
+        + "".join(f" {k:>14}" for k in extra)
     )
     ratios: list[tuple[str, str, float]] = []
     for name, state, fn in workloads(device, large):
@@ -136,6 +204,10 @@ def bench_workloads(
             with block:
                 fn()
 
+        def floor_run(fn=fn, reset=reset):
+            with no_fingerprints():
+                locate_divergence(fn, reset=reset)
+
         rows: dict[str, Callable[[], object]] = {
             "1 run": one_run,
             "assert_r": lambda fn=fn, reset=reset: assert_reproducible(fn, reset=reset),
@@ -144,6 +216,10 @@ def bench_workloads(
                 fn, reset=reset, backward=True
             ),
         }
+        if floor:
+            rows["floor"] = floor_run
+        if baseline is not None:
+            rows.update(baseline_rows(baseline, fn, reset))
         report = locate_divergence(fn, reset=reset, backward=True)
         assert report.agree, report
         for row in rows.values():  # warm up: lazy imports, allocator, kernels
@@ -161,6 +237,7 @@ def bench_workloads(
             f"{name:<38} {calls:>5} {med['1 run']:>7.2f} {med['assert_r']:>8.2f} "
             f"{med['locate']:>7.2f} {med['locate+bw']:>9.2f} {x1['locate']:>5.2f} "
             f"{x1['locate+bw']:>5.2f} {per_call:>7.0f} {per_call_bw:>10.0f}"
+            + "".join(f" {med[k]:>7.2f} {med[k] / med['1 run']:>5.2f}x" for k in extra)
         )
         if name.startswith("mlp 256"):
             ratios += [(name, key, ratio) for key, ratio in x1.items()]
@@ -212,7 +289,16 @@ def main() -> None:
     parser.add_argument(
         "--large", action="store_true", help="add an MLP of 6.3M parameters (batch 512)"
     )
+    parser.add_argument(
+        "--floor", action="store_true", help="add locate with every fingerprint left out"
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="CHECKOUT",
+        help="add the rows of another copy of the package, measured in the same run",
+    )
     args = parser.parse_args()
+    baseline = load_baseline(args.baseline) if args.baseline else None
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -221,7 +307,7 @@ def main() -> None:
         f"medians of {args.repeats} repeats (ms unless marked)"
     )
     with deterministic(seed=0):  # model initialization and inputs: the same every time
-        ratios = bench_workloads(device, args.repeats, args.large)
+        ratios = bench_workloads(device, args.repeats, args.large, args.floor, baseline)
         print_targets(ratios)
         bench_fingerprint(device, args.repeats)
 

@@ -14,6 +14,11 @@ and a sign flip of every element change the fingerprint; so do ``-0.0`` for
 one shape and dtype with equal bits have equal fingerprints, on every device
 and thread count.
 
+A :class:`FingerprintStore` keeps the fingerprints of a whole run on their
+devices and moves them to the host once; given many tensors at once (a
+model's parameters after a run), it copies the words kept as they are in one
+operation per device rather than one per tensor.
+
 Example:
     >>> import torch
     >>> from deterministic_ctx.fingerprint import fingerprint
@@ -28,14 +33,19 @@ Example:
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 
 import torch
 
-__all__ = ["SMALL", "fingerprint", "fingerprint_parts"]
+__all__ = ["SMALL", "FingerprintStore", "Slot", "fingerprint", "fingerprint_parts"]
 
 #: Tensors of at most this many 8-byte words (2 KiB) are fingerprinted by a copy of their words:
 #: one operation, where the table takes two or three.
 SMALL = 256
+
+#: Where a fingerprint is in :meth:`FingerprintStore.host`'s data: one device's buffer, and
+#: a range of its bytes.
+Slot = tuple[int, int, int]
 
 
 def fingerprint(t: torch.Tensor) -> torch.Tensor | None:
@@ -89,6 +99,13 @@ def fingerprint_parts(t: torch.Tensor) -> list[torch.Tensor] | None:
         >>> [tuple(p.shape) for p in fingerprint_parts(torch.zeros(3000, dtype=torch.float64))]
         [(46,), (65,), (10,)]
     """
+    return _parts(t, copy=True)
+
+
+def _parts(t: torch.Tensor, *, copy: bool) -> list[torch.Tensor] | None:
+    """:func:`fingerprint_parts`; with ``copy=False`` the words that are copied as they are
+    (a small tensor's, those past a table's last row) are views of ``t``'s data instead,
+    for a caller that copies them all at once while ``t`` is unchanged."""
     try:
         if t.is_meta:
             return None
@@ -107,13 +124,104 @@ def fingerprint_parts(t: torch.Tensor) -> list[torch.Tensor] | None:
             # No copy, and no autograd graph: an integer view is not differentiable.
             words = x.view(torch.int64)
         except RuntimeError:  # a last dimension of part words, a scalar, an odd start
-            return _bytewise(x.detach().view(-1))
-        return _word_sums(words, x.element_size())
+            return _bytewise(x.detach().view(-1), copy)
+        return _word_sums(words, x.element_size(), copy)
     except (RuntimeError, TypeError, ValueError, NotImplementedError, KeyError):
         return None
 
 
-def _bytewise(flat: torch.Tensor) -> list[torch.Tensor]:
+class FingerprintStore:
+    """Fingerprints of many tensors, kept on their devices and moved to the host at the end.
+
+    :meth:`add` fingerprints a tensor where it lives (no host sync) and says
+    where its bytes will be; :meth:`host` concatenates each device's
+    fingerprints and copies them once.  Used per run by
+    :mod:`~deterministic_ctx.record` and per recording by
+    :class:`~deterministic_ctx.ops.OpRecorder`; ``add`` runs once per tensor
+    recorded, so it does no more than file the parts.
+
+    Example:
+        >>> import torch
+        >>> store = FingerprintStore()
+        >>> slot = store.add(torch.arange(4.0))
+        >>> data = store.host()
+        >>> len(data[slot[0]][slot[1] : slot[2]])  # 16 bytes: two int64 words
+        16
+    """
+
+    __slots__ = ("_buffers", "_filled", "_parts")
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.device, int] = {}
+        self._parts: list[list[torch.Tensor]] = []
+        self._filled: list[int] = []
+
+    def add(self, t: torch.Tensor) -> Slot | None:
+        """Fingerprint ``t``; ``(buffer, start, stop)`` of its bytes in :meth:`host`'s data,
+        or ``None`` when it has no readable data (meta tensors, exotic subclasses)."""
+        parts = _parts(t, copy=True)
+        if parts is None:
+            return None
+        buffer = self._buffer(parts[0].device if parts else t.device)
+        start = stop = self._filled[buffer]
+        for part in parts:
+            stop += 8 * part.numel()
+        self._parts[buffer] += parts
+        self._filled[buffer] = stop
+        return buffer, start, stop
+
+    def _buffer(self, device: torch.device) -> int:
+        """The index of ``device``'s buffer, made on its first fingerprint."""
+        buffer = self._buffers.get(device)
+        if buffer is None:
+            buffer = self._buffers[device] = len(self._parts)
+            self._parts.append([])
+            self._filled.append(0)
+        return buffer
+
+    def add_all(self, tensors: Iterable[torch.Tensor]) -> list[Slot | None]:
+        """:meth:`add` each of ``tensors``, which nothing changes until this returns.
+
+        The same fingerprints, with the words copied as they are (a small
+        tensor's, those past a table's last row) copied in one operation per
+        device rather than one per tensor: for many tensors at once, such as a
+        model's parameters after a run.
+
+        Example:
+            >>> import torch
+            >>> store = FingerprintStore()
+            >>> slots = store.add_all([torch.zeros(2), torch.empty(0, device="meta")])
+            >>> slots[1] is None, store.host()[0] == bytes(8)
+            (True, True)
+        """
+        slots: list[Slot | None] = []
+        pieces: dict[int, list[torch.Tensor]] = {}
+        for t in tensors:
+            parts = _parts(t, copy=False)
+            if parts is None:
+                slots.append(None)
+                continue
+            buffer = self._buffer(parts[0].device if parts else t.device)
+            start = stop = self._filled[buffer]
+            for part in parts:
+                stop += 8 * part.numel()
+            pieces.setdefault(buffer, []).extend(parts)
+            self._filled[buffer] = stop
+            slots.append((buffer, start, stop))
+        for buffer, found in pieces.items():
+            # One copy of every piece, views of the tensors included: the same bytes as
+            # the parts add() keeps, made before anything can change the tensors.
+            if found:
+                self._parts[buffer].append(torch.cat(found))
+        return slots
+
+    def host(self) -> list[bytes]:
+        """Every fingerprint's bytes, per device: one concatenation and one copy each
+        (the only host sync)."""
+        return [torch.cat(parts).cpu().numpy().tobytes() if parts else b"" for parts in self._parts]
+
+
+def _bytewise(flat: torch.Tensor, copy: bool) -> list[torch.Tensor]:
     """The parts for a 1-d contiguous tensor that cannot be viewed as words as it is:
     the bytes of a last partial word widened one by one, then the whole words."""
     n, rest = divmod(flat.numel() * flat.element_size(), 8)
@@ -125,29 +233,39 @@ def _bytewise(flat: torch.Tensor) -> list[torch.Tensor]:
             words = head.view(torch.int64)
         except RuntimeError:  # the data starts between two words: copy to realign
             words = head.clone().view(torch.int64)
-        parts += _word_sums(words, flat.element_size())
+        parts += _word_sums(words, flat.element_size(), copy)
     return parts
 
 
-def _word_sums(words: torch.Tensor, element: int) -> list[torch.Tensor]:
-    """The parts for the contiguous int64 ``words`` of elements of ``element`` bytes."""
+def _word_sums(words: torch.Tensor, element: int, copy: bool) -> list[torch.Tensor]:
+    """The parts for the contiguous int64 ``words`` of elements of ``element`` bytes (the
+    words copied as they are: views, without ``copy``)."""
     n = words.numel()
     if n <= SMALL:
-        return [(words if words.dim() == 1 else words.reshape(-1)).clone()] if n else []
+        if not n:
+            return []
+        flat = words if words.dim() == 1 else words.reshape(-1)
+        return [flat.clone() if copy else flat]
     lanes = max(1, element // 8)  # words per element
     rows, columns, per_row = _layout(n, lanes)
     full = rows * columns
+    tail: torch.Tensor | None = None
     try:
         # A view that reaches past the tensor's shape, never past its data (the words are
         # contiguous); so does the copy of the last words: one operation, not a slice and
         # its clone.
         table = words.as_strided((rows, columns), (columns, 1))
-        rest = words.storage_offset() + full
-        tail = torch.as_strided_copy(words, (n - full,), (1,), rest) if full < n else None
+        if full < n:
+            rest = words.storage_offset() + full
+            if copy:
+                tail = torch.as_strided_copy(words, (n - full,), (1,), rest)
+            else:
+                tail = words.as_strided((n - full,), (1,), rest)
     except (RuntimeError, NotImplementedError):  # a backend without strides: plain views
         flat = words.reshape(-1)
         table = flat[:full].view(rows, columns)
-        tail = flat[full:].clone() if full < n else None
+        if full < n:
+            tail = flat[full:].clone() if copy else flat[full:]
     if lanes > 1:  # one row sum per word of the element: (a, b) <-> (b, a) is a change too
         parts = [table.view(rows, per_row, lanes).sum(1).view(-1), table.sum(0)]
     else:

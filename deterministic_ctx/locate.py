@@ -13,8 +13,11 @@ host: the row and column sums of its bytes read as a table of int64 words
 (wrapping, so exact), which change with any single element and when two
 elements trade places.  A run keeps only these, about ``2 * sqrt(n)`` words
 for a tensor of ``n`` words, and moves them to the host once, at its end.
-Only when the runs diverge are two more runs made, which keep the one
-differing tensor, to report the first differing index and the max difference.
+Two runs that recorded exactly the same (calls, events, fingerprint bytes)
+and returned equal values are found equal in one comparison of what they
+recorded; the event-by-event walk is for runs that differ.  Only when the
+runs diverge are two more runs made, which keep the one differing tensor, to
+report the first differing index and the max difference.
 
 With ``ops=True`` those two re-runs also record, under a dispatch mode
 (:mod:`.ops`), the aten op calls of just the stretch where the difference
@@ -66,10 +69,10 @@ from typing import Any
 
 import torch
 
-from .compare import short_repr, tensor_difference
+from .compare import first_difference, short_repr, tensor_difference
 from .context import deterministic
 from .ops import OpDifference, first_op_difference
-from .record import OpWindow, Run, record_run
+from .record import OpWindow, Recording, Run, record
 from .rerun import SavedState, check_fn, check_runs, objects_to_reset
 from .timeline import Finding, compare_runs
 
@@ -280,19 +283,22 @@ def locate_divergence(
     saved = SavedState(objects)
 
     def again(capture: tuple[Any, ...] | None = None, window: OpWindow | None = None) -> Run:
+        return rerun(capture, window).run()
+
+    def rerun(capture: tuple[Any, ...] | None = None, window: OpWindow | None = None) -> Recording:
         saved.load()  # every run after the first starts from the saved state
-        return record_run(
+        return record(
             block, fn, args, kwargs, roots, backward=backward, capture=capture, ops=window
         )
 
     drilled: tuple[str | None, str | None, str] | None = None
     try:
-        first = record_run(block, fn, args, kwargs, roots, backward=backward)
+        first = record(block, fn, args, kwargs, roots, backward=backward)
         finding: Finding | None = None
         agreed = 0
         run = 1
         for run in range(2, runs + 1):
-            finding, agreed = compare_runs(first, again(), run)
+            finding, agreed = _compared(first, rerun(), run)
             if finding is not None:
                 break
         if finding is not None:
@@ -330,6 +336,20 @@ def locate_divergence(
         divergence=None if finding is None else _divergence(finding, run, drilled),
         ops=ops,
     )
+
+
+def _compared(first: Recording, other: Recording, run: int) -> tuple[Finding | None, int]:
+    """:func:`~deterministic_ctx.timeline.compare_runs` of run 1 and run ``run``.
+
+    Runs that recorded exactly the same and returned equal values are found equal
+    in one comparison of their records (:meth:`Recording.agreement`), with the count
+    ``compare_runs`` gives them, and without making their events; any other pair
+    is walked event by event.
+    """
+    agreed = first.agreement(other)
+    if agreed is not None and first_difference(first.result, other.result) is None:
+        return None, agreed
+    return compare_runs(first.run(), other.run(), run)
 
 
 def _op_window(finding: Finding) -> OpWindow:

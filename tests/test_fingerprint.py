@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deterministic_ctx.fingerprint import SMALL, fingerprint, fingerprint_parts
+from deterministic_ctx.fingerprint import SMALL, FingerprintStore, fingerprint, fingerprint_parts
 from tests.helpers import TENSOR_DTYPES
 
 #: Element counts that reach every path: a last partial word, a copy of the words, a table
@@ -242,6 +242,61 @@ def test_swapping_any_two_elements_changes_the_fingerprint_unless_they_are_equal
     swapped[[i, j]] = flat[[j, i]]
     b = swapped.reshape(a.shape)
     assert (host(a) == host(b)) == same_bits(a, b)
+
+
+# --- many tensors at once -------------------------------------------------------------------------
+
+
+@st.composite
+def many(draw: st.DrawFn) -> list[torch.Tensor]:
+    """Tensors of every kind a run fingerprints: any dtype and length (copied or summed, with
+    or without words past the table), transposed, negative and conjugate views, an odd
+    start, empty and meta tensors."""
+    found = []
+    for _ in range(draw(st.integers(0, 6))):
+        t = draw(tensors())
+        kind = draw(st.sampled_from(["plain", "plain", "transposed", "neg", "start", "empty"]))
+        if kind == "transposed" and t.dim() == 2:
+            t = t.t()
+        elif kind == "neg" and t.is_complex():
+            t = t.conj() if draw(st.booleans()) else t.conj().imag
+        elif kind == "start" and t.numel() > 1:
+            t = t.reshape(-1)[1:]  # a storage offset that is not a whole word
+        elif kind == "empty":
+            t = t.reshape(-1)[:0]
+        found.append(t)
+    if draw(st.booleans()):
+        found.insert(draw(st.integers(0, len(found))), torch.empty(3, device="meta"))
+    return found
+
+
+def stored(store: FingerprintStore, slots: list) -> list[bytes | None]:
+    data = store.host()
+    return [None if s is None else data[s[0]][s[1] : s[2]] for s in slots]
+
+
+@settings(max_examples=200, deadline=None)
+@given(first=many(), then=many())
+def test_add_all_keeps_the_fingerprints_add_keeps(first, then):
+    one_by_one = FingerprintStore()
+    expected = stored(one_by_one, [one_by_one.add(t) for t in first + then])
+    assert expected == [None if t.is_meta else host(t) for t in first + then]
+    # After some single ones, in the same store: the slots go on where they stopped.
+    mixed = FingerprintStore()
+    slots = [mixed.add(t) for t in first] + mixed.add_all(then)
+    assert stored(mixed, slots) == expected
+    together = FingerprintStore()
+    assert stored(together, together.add_all(first + then)) == expected
+
+
+def test_add_all_copies_before_returning():
+    a = torch.arange(3000.0)
+    small = torch.arange(10.0)
+    store = FingerprintStore()
+    slots = store.add_all([a, small])
+    before = [host(a), host(small)]
+    a.zero_(), small.zero_()  # the words copied as they are: the tail of a, all of small
+    assert stored(store, slots) == before
 
 
 # --- on a GPU -----------------------------------------------------------------------------------

@@ -8,11 +8,16 @@ import threading
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.nn.modules import module as nn_module
 
 from deterministic_ctx import deterministic, register_rng, unregister_rng
-from deterministic_ctx.locate import locate_divergence
+from deterministic_ctx.locate import _compared, locate_divergence
+from deterministic_ctx.record import record
+from deterministic_ctx.rerun import SavedState
+from deterministic_ctx.timeline import compare_runs
 from tests.helpers import ROOT, run_python
 
 
@@ -383,6 +388,133 @@ def test_report_to_dict_is_json():
 def test_invalid_arguments(kwargs, error, message):
     with pytest.raises(error, match=message):
         locate_divergence(lambda: None, **kwargs)
+
+
+# --- runs that recorded the same: compared in one step ------------------------------------------
+
+
+class Toy(nn.Module):
+    """Module calls as a plan says: which child, on how many rows of which value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linears = nn.ModuleList(nn.Linear(3, 3) for _ in range(3))
+        self.same = nn.Identity()  # its output is the input: -0.0 and 0.0 stay apart
+        self.register_buffer("count", torch.zeros(2, dtype=torch.int64))
+
+    def forward(self, plan):
+        outputs = []
+        for child, rows, fill in plan["calls"]:
+            if child == 4:  # a module without data: events whose fingerprints are None
+                outputs.append(Meta()(rows))
+                continue
+            x = torch.full((rows, 3), fill)
+            outputs.append(self.same(x) if child == 3 else self.linears[child](x))
+        total = sum(o.sum() for o in outputs if not o.is_meta)
+        if plan["backward"] and torch.is_tensor(total) and total.requires_grad:
+            total.backward()
+        with torch.no_grad():
+            self.linears[0].bias.add_(plan["nudge"])  # after every call: the final state
+            self.count += plan["count"]
+        return {"total": torch.as_tensor(total).detach(), "calls": len(plan["calls"])}
+
+
+class Meta(nn.Module):
+    def forward(self, rows):
+        return torch.empty(rows, 3, device="meta")
+
+
+def recorded(model, plan, backward):
+    def fn():  # the return value has more than the model's output
+        return model(plan), torch.tensor([plan["result"]])
+
+    saved = SavedState([model])
+    try:
+        return record(deterministic(0), fn, (), {}, [model], backward=backward)
+    finally:
+        saved.load()
+
+
+CALLS = st.lists(
+    st.tuples(st.integers(0, 4), st.integers(1, 3), st.sampled_from([0.5, 0.5, 0.25, 0.0, -0.0])),
+    max_size=5,
+)
+PLANS = st.fixed_dictionaries(
+    {
+        "calls": CALLS,
+        "result": st.sampled_from([0.0, 0.0, 1.0]),
+        "backward": st.booleans(),
+        "nudge": st.sampled_from([0.0, 0.0, 0.5]),
+        "count": st.sampled_from([0, 0, 1]),
+    }
+)
+
+
+@st.composite
+def plan_pairs(draw):
+    """A plan, and the same plan with a few changes, or none: another shift, shape, child or
+    result, a call more or less, another nudge of a parameter or count in a buffer."""
+    plan = draw(PLANS)
+    other = {**plan, "calls": list(plan["calls"])}
+    for _ in range(draw(st.integers(0, 2))):
+        change = draw(st.sampled_from(["call", "insert", "delete", "result", "nudge", "count"]))
+        calls = other["calls"]
+        if change == "call" and calls:
+            calls[draw(st.integers(0, len(calls) - 1))] = draw(CALLS.filter(bool))[0]
+        elif change == "insert":
+            calls.insert(draw(st.integers(0, len(calls))), draw(CALLS.filter(bool))[0])
+        elif change == "delete" and calls:
+            del calls[draw(st.integers(0, len(calls) - 1))]
+        elif change in ("result", "nudge", "count"):
+            other[change] = draw(PLANS)[change]
+    return plan, other
+
+
+@settings(max_examples=150, deadline=None)
+@given(pair=plan_pairs(), backward=st.booleans())
+def test_the_one_step_comparison_finds_what_compare_runs_finds(pair, backward):
+    with deterministic(seed=1):
+        model = Toy()
+    first, other = (recorded(model, plan, backward) for plan in pair)
+    expected = compare_runs(first.run(), other.run(), 2)
+    assert _compared(first, other, 2) == expected
+    agreed = first.agreement(other)
+    if agreed is not None:  # exactly the same recording: no difference but the return value
+        assert agreed == len(first.run().events)
+        assert expected[0] is None or expected[0].kind == "result"
+        assert expected[0] is not None or expected[1] == agreed
+    if pair[0] == pair[1]:
+        assert agreed is not None and expected == (None, agreed)
+
+
+def test_recordings_that_differ_in_anything_are_walked_event_by_event():
+    with deterministic(seed=1):
+        model = Toy()
+    plan = {"calls": [(0, 2, 0.5), (3, 1, 0.0)], "result": 0.0, "backward": True}
+    plan |= {"nudge": 0.0, "count": 0}
+    base = recorded(model, plan, True)
+    # 3 module calls, 2 parameter gradients; then 2 gradients, 6 parameters and a buffer.
+    assert base.agreement(recorded(model, plan, True)) == 3 + 2 + 2 + 6 + 1
+    variants = {
+        "a value": {"calls": [(0, 2, 0.25), (3, 1, 0.0)]},
+        "-0.0 for 0.0": {"calls": [(0, 2, 0.5), (3, 1, -0.0)]},
+        "a shape": {"calls": [(0, 3, 0.5), (3, 1, 0.0)]},
+        "another module": {"calls": [(2, 2, 0.5), (3, 1, 0.0)]},
+        "a call more": {"calls": [(0, 2, 0.5), (3, 1, 0.0), (1, 1, 0.0)]},
+        "a final parameter": {"nudge": 0.5},
+        "a buffer": {"count": 1},
+    }
+    for what, change in variants.items():
+        other = recorded(model, plan | change, True)
+        assert base.agreement(other) is None, what
+        finding, _ = _compared(base, other, 2)
+        assert finding is not None, what
+    # Only the return value differs: the same recording, and the return values compared.
+    other = recorded(model, plan | {"result": 1.0}, True)
+    assert base.agreement(other) is not None
+    finding, agreed = _compared(base, other, 2)
+    assert finding is not None and finding.kind == "result"
+    assert (finding, agreed) == compare_runs(base.run(), other.run(), 2)
 
 
 # --- on a GPU (fingerprints themselves: tests/test_fingerprint.py) -----------------------------
