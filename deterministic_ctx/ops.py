@@ -69,7 +69,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from .compare import tensor_leaves
-from .fingerprint import fingerprint_parts
+from .fingerprint import FingerprintStore, Slot  # defined there, still importable from here
 
 __all__ = [
     "PHASES",
@@ -88,9 +88,6 @@ __all__ = [
 #: engine, or those autograd's engine runs (a backward pass).
 PHASES = ("any", "forward", "backward")
 
-#: Where a fingerprint is: one device's buffer, and a range of its bytes.
-Slot = tuple[int, int, int]
-
 #: A tensor of an op call while recording: path, shape, dtype and where its fingerprint
 #: is (a slot, ``None``, or ``("number", repr)`` for a Python number).
 _Leaf = tuple[str, tuple[int, ...], str, Any]
@@ -98,56 +95,6 @@ _Leaf = tuple[str, tuple[int, ...], str, Any]
 #: What the recorder keeps per op call until it exits: op, ``(location, function)``,
 #: autograd node, outputs, inputs from outside.
 _Record = tuple[str, tuple[str, str] | None, str | None, list[_Leaf], list[_Leaf]]
-
-
-class FingerprintStore:
-    """Fingerprints of many tensors, kept on their devices and moved to the host at the end.
-
-    :meth:`add` fingerprints a tensor where it lives (no host sync) and says
-    where its bytes will be; :meth:`host` concatenates each device's
-    fingerprints and copies them once.  Used per run by
-    :mod:`~deterministic_ctx.record` and per recording by :class:`OpRecorder`.
-
-    Example:
-        >>> import torch
-        >>> store = FingerprintStore()
-        >>> slot = store.add(torch.arange(4.0))
-        >>> data = store.host()
-        >>> len(data[slot[0]][slot[1] : slot[2]])  # 16 bytes: two int64 words
-        16
-    """
-
-    __slots__ = ("_buffers", "_filled", "_parts")
-
-    def __init__(self) -> None:
-        self._buffers: dict[torch.device, int] = {}
-        self._parts: list[list[torch.Tensor]] = []
-        self._filled: list[int] = []
-
-    def add(self, t: torch.Tensor) -> Slot | None:
-        """Fingerprint ``t``; ``(buffer, start, stop)`` of its bytes in :meth:`host`'s data,
-        or ``None`` when it has no readable data (meta tensors, exotic subclasses)."""
-        parts = fingerprint_parts(t)
-        if parts is None:
-            return None
-        device = parts[0].device if parts else t.device
-        buffer = self._buffers.get(device)
-        if buffer is None:
-            buffer = self._buffers[device] = len(self._parts)
-            self._parts.append([])
-            self._filled.append(0)
-        start = self._filled[buffer]
-        stop = start
-        for part in parts:
-            stop += 8 * part.numel()
-        self._parts[buffer] += parts
-        self._filled[buffer] = stop
-        return buffer, start, stop
-
-    def host(self) -> list[bytes]:
-        """Every fingerprint's bytes, per device: one concatenation and one copy each
-        (the only host sync)."""
-        return [torch.cat(parts).cpu().numpy().tobytes() if parts else b"" for parts in self._parts]
 
 
 @dataclasses.dataclass(frozen=True)
