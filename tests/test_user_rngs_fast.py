@@ -768,3 +768,113 @@ def test_a_record_batch_with_a_lock_held_elsewhere_waits_entry_by_entry():
         thread.join(10)
         for g in gens:
             unregister_rng(g)
+
+
+def _free_everywhere(locks: list[Any]) -> bool:
+    """Whether another thread can take each of ``locks`` now (an RLock this thread
+    still holds, even once, would make it wait: every other thread's draws would hang)."""
+    free: list[bool] = []
+
+    def probe() -> None:
+        for lock in locks:
+            taken = lock.acquire(False)
+            free.append(taken)
+            if taken:
+                lock.release()
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join(10)
+    return len(free) == len(locks) and all(free)
+
+
+def _record_batch(prefix: str) -> tuple[list[Any], Any]:
+    """Registered NumPy Generators that form one record batch, and that batch."""
+    m = user_rngs._RECORD_BATCH_MIN
+    gens = [register_rng(np.random.default_rng(i), key=f"{prefix}{i}") for i in range(m)]
+    assert _layout(prefix) == [("record", False, [f"{prefix}{i}" for i in range(m)])]
+    (batch,) = [s for s in user_rngs._steps() if isinstance(s, user_rngs._RecordBatch)]
+    return gens, batch
+
+
+def test_a_record_batch_leaves_no_lock_held():
+    gens, _batch = _record_batch("freed")
+    locks = [g.bit_generator.lock for g in gens]
+    try:
+        with deterministic(seed=1):
+            with deterministic(seed=2):
+                [g.random() for g in gens]
+            snapshot = Snapshot.capture()
+            [g.random() for g in gens]
+            snapshot.restore()
+        assert _free_everywhere(locks)
+    finally:
+        for g in gens:
+            unregister_rng(g)
+
+
+@pytest.mark.parametrize("where", ["work", "acquire"])
+def test_an_interrupt_inside_a_record_batch_releases_every_lock(monkeypatch, where):
+    # A KeyboardInterrupt from a signal handler while the batch holds its locks (or
+    # while it takes them) must not leave any of them held by this thread.
+    gens, batch = _record_batch("interrupted")
+    locks = [g.bit_generator.lock for g in gens]
+
+    def interrupt() -> Any:
+        raise KeyboardInterrupt
+
+    try:
+        if where == "acquire":
+            calls = iter(range(len(locks)))
+
+            def acquire(lock: Any, blocking: bool) -> bool:
+                if next(calls) == len(locks) // 2:  # half of them taken already
+                    raise KeyboardInterrupt
+                return bool(lock.acquire(blocking))
+
+            monkeypatch.setattr(user_rngs, "_acquire", acquire)
+        with pytest.raises(KeyboardInterrupt):
+            batch.locked(interrupt)
+        monkeypatch.undo()
+        assert _free_everywhere(locks)
+        # And through a block: the interrupted exit is completed, every state restored.
+        before = [public(g) for g in gens]
+        real = user_rngs._RecordBatch._write
+        fired: list[bool] = []
+
+        def write_once(self: Any, raw: bytes) -> bool:
+            if not fired:
+                fired.append(True)
+                raise KeyboardInterrupt
+            return bool(real(self, raw))
+
+        with pytest.raises(KeyboardInterrupt), deterministic(seed=3):
+            [g.random() for g in gens]
+            monkeypatch.setattr(user_rngs._RecordBatch, "_write", write_once)
+        monkeypatch.undo()
+        assert fired
+        assert [public(g) for g in gens] == before
+        assert _free_everywhere(locks)
+    finally:
+        monkeypatch.undo()
+        for g in gens:
+            unregister_rng(g)
+
+
+def test_a_bit_generator_replaced_inside_a_block_in_a_batch():
+    # A member of a batch gets another bit generator in the body: the batch hands that
+    # restore to its entries, which take the public API onto the new bit generator.
+    gens, _batch = _record_batch("replaced")
+    other = np.random.default_rng(99)
+    try:
+        before = [public(g) for g in gens]
+        with deterministic(seed=4):
+            gens[2].__init__(np.random.PCG64(7))  # type: ignore[misc]
+            [g.random() for g in gens]
+        after = [public(g) for g in gens]
+        assert after == before
+        assert _free_everywhere([g.bit_generator.lock for g in gens])
+        assert public(other) == public(np.random.default_rng(99))
+    finally:
+        for g in gens:
+            unregister_rng(g)

@@ -92,8 +92,9 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from functools import partial
 from io import BytesIO
-from itertools import repeat
+from itertools import compress, repeat
 from typing import Any, NamedTuple, TypeVar, cast
 
 import numpy as np
@@ -465,7 +466,7 @@ class _Entry:
             # An exact Generator's ``bit_generator`` is its ``_bit_generator``
             # attribute (read without a call); a subclass may override the property.
             exact = type(obj) is np.random.Generator
-            self.bg, self.bg_of = bg, _LEGACY_BIT_GENERATOR if exact else _BIT_GENERATOR
+            self.bg, self.bg_of = bg, _OWN_BIT_GENERATOR if exact else _BIT_GENERATOR
             codec = _records().get(type(bg))
             view = codec.view(bg) if codec is not None and exact else None
             if codec is not None and view is not None:
@@ -479,7 +480,7 @@ class _Entry:
                 and type(obj) is np.random.RandomState
                 and type(bg) is np.random.MT19937
             ):
-                self.bg, self.bg_of = bg, _LEGACY_BIT_GENERATOR
+                self.bg, self.bg_of = bg, _OWN_BIT_GENERATOR
                 self.mode, self.lock = _LEGACY, bg.lock
                 self.view, self.view2 = mt19937_view(bg), NUMPY_LAYOUT.view(obj)
         elif kind is _TORCH and type(obj) is torch.Generator and obj.device.type == "cpu":
@@ -605,7 +606,9 @@ class _Entry:
 
 
 _BIT_GENERATOR = operator.attrgetter("bit_generator")  # what ``_GENERATOR``'s API reads
-_LEGACY_BIT_GENERATOR = operator.attrgetter("_bit_generator")  # what ``RandomState``'s reads
+#: Where both NumPy types keep their bit generator (``RandomState``'s API and an
+#: exact ``Generator``'s ``bit_generator`` property read it there).
+_OWN_BIT_GENERATOR = operator.attrgetter("_bit_generator")
 
 _NO_MEMO: tuple[int, Any] = (-1, None)
 
@@ -800,26 +803,29 @@ class _RecordBatch(_Batch):
                 at += len(view)
             yield entry, obj, tuple(parts) if len(parts) == 2 else parts[0], None
 
-    def take(self) -> bool:
-        """Whether the records may be used now: every object still has the
-        bit generator they belong to, and every lock was taken (release them)."""
-        if not all(map(operator.is_, map(_LEGACY_BIT_GENERATOR, self.objs), self.bgs)):
-            return False
-        taken = list(map(_acquire, self.locks, _NO_WAIT))
-        if all(taken):
-            return True
-        for lock, ok in zip(self.locks, taken, strict=True):  # pragma: no cover - held elsewhere
-            if ok:
-                lock.release()
-        return False
+    def locked(self, work: Callable[[], T]) -> T | None:
+        """``work()``, run holding every lock; ``None`` (nothing run) unless
+        every object still has the bit generator the records belong to and
+        every lock is free or this thread's.
+
+        The locks are taken without waiting, in one C call, inside the ``try``
+        whose ``finally`` releases exactly those taken: an interrupt (a signal
+        handler's ``KeyboardInterrupt``) at any line leaves none of them held,
+        which would hang every other thread that draws from them.
+        """
+        if not all(map(operator.is_, map(_OWN_BIT_GENERATOR, self.objs), self.bgs)):
+            return None
+        taken: list[bool] = []
+        try:
+            taken.extend(map(_acquire, self.locks, _NO_WAIT))
+            return work() if all(taken) else None
+        finally:
+            _drain(map(_release, compress(self.locks, taken)))
 
     def capture(self, out: list[Any]) -> None:
         objs = self.objs
-        if self.take():
-            try:
-                raw = b"".join(self.views)
-            finally:
-                _drain(map(_release, self.locks))
+        raw = self.locked(partial(b"".join, self.views))
+        if raw is not None:
             out.append((self, objs, raw, None))
             return
         for entry, obj in zip(self.entries, objs, strict=True):
@@ -827,23 +833,17 @@ class _RecordBatch(_Batch):
 
     def seed(self, seed: int) -> None:
         objs = self.objs
-        ok = all(map(operator.is_, map(_LEGACY_BIT_GENERATOR, objs), self.bgs))
+        ok = all(map(operator.is_, map(_OWN_BIT_GENERATOR, objs), self.bgs))
         joined = self.seeded(objs, seed) if ok else None
-        if joined is None or not self.take():
+        if joined is None or self.locked(partial(self._write, joined)) is None:
             self.seed_each(objs, seed)
-            return
-        try:
-            _drain(map(BytesIO(joined).readinto, self.views))
-        finally:
-            _drain(map(_release, self.locks))
 
     def put(self, objs: tuple[Any, ...], raw: bytes, extra: Any) -> bool:
-        if not self.take():
-            return False
-        try:
-            _drain(map(BytesIO(raw).readinto, self.views))
-        finally:
-            _drain(map(_release, self.locks))
+        return self.locked(partial(self._write, raw)) is not None
+
+    def _write(self, raw: bytes) -> bool:
+        """Copy ``raw`` into the records (the locks held); ``True``."""
+        _drain(map(BytesIO(raw).readinto, self.views))
         return True
 
 
@@ -1306,8 +1306,10 @@ class UserRngSource:
 
 
 def _per_rng(state: tuple[_Record | _BatchRecord, ...]) -> Iterator[_Record]:
-    """One ``(entry, object, state, gauss_next)`` per RNG of a captured state,
-    in registration order (a batch's record as its entries' records)."""
+    """One ``(entry, object, state, gauss_next)`` per RNG of a captured state
+    (a batch's record as its entries' records), in registration order but
+    within a run of batches, whose ``random.Random`` come before its NumPy
+    objects (they touch separate memory; a saved state is matched by key)."""
     for record in state:
         first = record[0]
         if isinstance(first, _Batch):
