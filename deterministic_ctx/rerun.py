@@ -162,6 +162,8 @@ class _ModuleState:
 
     def load(self) -> None:
         with torch.no_grad():
+            into: list[torch.Tensor] = []
+            out_of: list[torch.Tensor] = []
             for table, name, original, saved in self._tensors:
                 if table.get(name) is not original:
                     table[name] = original  # the run replaced the tensor object
@@ -171,13 +173,34 @@ class _ModuleState:
                     saved.device,
                 )
                 if same:
-                    original.copy_(saved)
+                    into.append(original)
+                    out_of.append(saved)
                 else:
                     original.data = saved.clone()
+            _copy_all(into, out_of)
             for param, grad in self._grads:
                 param.grad = None if grad is None else grad.clone()
         for m, training in self._modes:
             m.training = training
+
+
+_foreach_copy: Any = getattr(torch, "_foreach_copy_", None)
+
+
+def _copy_all(into: list[torch.Tensor], out_of: list[torch.Tensor]) -> None:
+    """``into[i].copy_(out_of[i])`` for every i, in as few operations as torch allows:
+    a model's parameters and buffers are put back before every run after the first
+    (one kernel per device and dtype on a GPU instead of one per tensor)."""
+    if not into:
+        return
+    if _foreach_copy is not None:
+        try:
+            _foreach_copy(into, out_of)
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass  # a mix it does not take (a tensor subclass, say): every copy again, one by one
+    for t, saved in zip(into, out_of, strict=True):
+        t.copy_(saved)
 
 
 class _StateDictState:

@@ -547,3 +547,40 @@ def test_example_finds_the_planted_module():
     assert "blocks.3.act (NoisyGELU)" in out
     assert "Runs agree" in out
     assert np.char.count(out, "Runs diverge").item() == 1
+
+
+class _Tied(nn.Module):
+    """Tied weights, a buffer of another dtype, a parameter without a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 3)
+        self.b.weight = self.a.weight  # one tensor under two names
+        self.register_buffer("steps", torch.zeros(2, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("one_by_one", [False, True])
+def test_a_saved_state_loads_every_tensor_back_in_place(monkeypatch, one_by_one):
+    # All same-shaped tensors are copied back at once (torch._foreach_copy_) or, where torch
+    # lacks it or refuses the mix, one by one: the same state either way, the same objects.
+    import deterministic_ctx.rerun as rerun
+
+    if one_by_one:
+        monkeypatch.setattr(rerun, "_foreach_copy", None)
+    with deterministic(0):  # its initialization draws from torch's generator
+        model = _Tied()
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    objects = dict(model.state_dict(keep_vars=True))
+    saved = SavedState([model])
+    for _ in range(2):  # loaded more than once
+        with torch.no_grad():
+            model.a.weight.add_(1.0)
+            model.a.bias.mul_(-2.0)
+            model.steps += 3
+        model.b.bias = nn.Parameter(torch.ones(3))  # a run that replaced a tensor object
+        saved.load()
+        after = model.state_dict(keep_vars=True)
+        assert all(after[name] is objects[name] for name in objects)
+        assert all(torch.equal(after[name], before[name]) for name in before)
+        assert model.b.weight is model.a.weight
