@@ -19,7 +19,6 @@ process's random state right across ``os.fork``.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 import warnings
@@ -31,6 +30,7 @@ from ._lock import LOCK
 from ._settings import Settings
 from .sources.compiler import opaque, pause_compiler, refuse_while_tracing, resume_compiler
 from .world import World
+from .world import headroom as _headroom
 
 # ``opaque``, ``pause_compiler`` and ``resume_compiler`` are the boundary
 # between blocks and torch.compile (sources/compiler.py); the context and
@@ -287,25 +287,6 @@ def _run_to_completion(step: Callable[[], None]) -> None:
                 except BaseException:
                     continue
         raise
-
-
-class _headroom:
-    """Room on the stack to finish an exit or a roll-back.
-
-    A decorated function that recursed to the limit fails to enter its block
-    with ``RecursionError``; putting the caller's state back needs a few
-    frames more.  The limit is raised by a little for as long as that takes
-    (only on this error path).
-    """
-
-    __slots__ = ("_limit",)
-
-    def __enter__(self) -> None:
-        self._limit = sys.getrecursionlimit()
-        sys.setrecursionlimit(self._limit + 100)
-
-    def __exit__(self, *exc: object) -> None:
-        sys.setrecursionlimit(self._limit)
 
 
 #: A call of a C function: CPython runs pending signal handlers after it, so

@@ -7,13 +7,14 @@ nothing of seeds, blocks or files.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from . import sources as _sources
 from ._errors import RestoreError
 from .sources import Source
 
-__all__ = ["World"]
+__all__ = ["World", "headroom"]
 
 
 class World:
@@ -61,7 +62,8 @@ class World:
         try:
             plan.restore(self.states)
         except BaseException:
-            self.restore_each()
+            with headroom():  # the plan may have failed at the recursion limit
+                self.restore_each()
             raise
 
     def restore_over(self, now: World) -> None:
@@ -76,7 +78,8 @@ class World:
         try:
             plan.restore_over(self.states, now.states)
         except BaseException:
-            self.restore_each()
+            with headroom():  # the plan may have failed at the recursion limit
+                self.restore_each()
             raise
 
     def restore_each(self) -> None:
@@ -114,3 +117,24 @@ class World:
             raise interrupt
         if failures:
             raise RestoreError(failures)
+
+
+class headroom:
+    """Room on the stack to finish an exit or a roll-back.
+
+    A decorated function that recursed to the limit fails to enter its block
+    with ``RecursionError``, and the blocks it leaves on the way back up are
+    left near the limit; putting the caller's state back needs a few frames
+    more.  The limit is raised by a little for as long as that takes (only on
+    failure paths: the engine's retries and the reference restore that runs
+    after the fused plan failed).
+    """
+
+    __slots__ = ("_limit",)
+
+    def __enter__(self) -> None:
+        self._limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(self._limit + 100)
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setrecursionlimit(self._limit)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import importlib
 import os
 import signal
 import sys
@@ -275,6 +276,40 @@ def test_recursion_past_the_limit_raises_recursion_error_with_state_restored():
     with pytest.raises(RecursionError):
         down(0)
     assert _clean(before)
+
+
+def _depth() -> int:
+    frame, n = sys._getframe(), 0
+    while frame is not None:
+        frame, n = frame.f_back, n + 1
+    return n
+
+
+def test_a_decorated_call_left_at_every_depth_near_the_recursion_limit():
+    # Where the limit strikes decides which line of the exit fails: sweep the last
+    # frames before it, so that the fused restore fails at each of its lines in turn
+    # (seen on Python 3.12: in the torch.compile config write) and the reference
+    # restore after it must still put everything back.
+    # With inductor's config imported, the flags' restore writes its override: the
+    # deepest restore path there is (it is where Python 3.12 hit the limit).
+    importlib.import_module("torch._inductor.config")
+
+    @reproducible(seed=1)
+    def leaf() -> None:
+        draw()
+
+    def at(depth: int) -> None:
+        if depth <= 0:
+            leaf()
+        else:
+            at(depth - 1)
+
+    before = World.now()
+    room = sys.getrecursionlimit() - _depth()
+    for depth in range(room - 80, room):
+        with contextlib.suppress(RecursionError):
+            at(depth)
+        assert _clean(before), depth
 
 
 def test_recursion_in_a_block_inside_deep_recursion():
