@@ -558,9 +558,19 @@ def test_a_compile_in_another_thread_does_not_refuse_this_threads_blocks(restore
     entered: list[int] = []
     errors: list[BaseException] = []
 
+    compile_errors: list[BaseException] = []
+
     def compile_it() -> None:
         try:
             torch.compile(model)(torch.ones(2, 16))
+        except AssertionError as exc:
+            # Flags are process-wide: a block in the other thread may flip
+            # deterministic_algorithms while dynamo builds its guards, which dynamo
+            # (seen on torch 2.11) reports as a guard failing on the frame that made it.
+            if "GLOBAL_STATE changed" not in str(exc):
+                compile_errors.append(exc)
+        except BaseException as exc:
+            compile_errors.append(exc)
         finally:
             done.set()
 
@@ -580,7 +590,7 @@ def test_a_compile_in_another_thread_does_not_refuse_this_threads_blocks(restore
             t.start()
         for t in threads:
             t.join()
-    assert errors == [] and entered
+    assert errors == [] and entered and compile_errors == []
 
 
 def test_the_compiled_check_refuses_a_decorated_function():
