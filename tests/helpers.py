@@ -215,3 +215,18 @@ def loopback() -> str:
     import socket
 
     return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")
+
+
+def join_loopback_group(rank: int, world: int, port: int) -> None:
+    """In a rank spawned by :func:`spawn_ranks`: join a real gloo group of ``world``
+    ranks over TCP on 127.0.0.1 at ``port``."""
+    from datetime import timedelta
+
+    os.environ["GLOO_SOCKET_IFNAME"] = loopback()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import pickle
 import random
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +32,7 @@ from deterministic_ctx import (
 )
 from deterministic_ctx.data import chain_worker_init, seed_worker, seeded_generator
 from deterministic_ctx.distributed import broadcast_seed, rank_seed, resolve_rank
-from tests.helpers import free_port, loopback, needs_gloo, spawn_ranks
+from tests.helpers import free_port, join_loopback_group, needs_gloo, spawn_ranks
 from tests.test_data import WORKER, Augmenting
 
 LAUNCH_TIMEOUT = 180.0
@@ -213,14 +211,7 @@ def test_seed_arguments_are_validated(call, error, message):
 
 def _rank_main(rank: int, world: int, port: int, out: str, scenarios: tuple[str, ...]) -> None:
     """The body of one rank: join the group, run ``scenarios`` in turn, write their results."""
-    os.environ["GLOO_SOCKET_IFNAME"] = loopback()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
+    join_loopback_group(rank, world, port)
     try:
         result = {name: SCENARIOS[name](rank, world) for name in scenarios}
         dist.barrier()

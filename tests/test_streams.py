@@ -9,12 +9,10 @@ accelerator's generator, bad input, and real gloo process groups with a CPU
 from __future__ import annotations
 
 import gc
-import os
 import pickle
 import random
 import types
 import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +37,13 @@ from deterministic_ctx import (
     seed_everything,
 )
 from deterministic_ctx.streams import RngStreams
-from tests.helpers import free_port, loopback, needs_gloo, run_python, spawn_ranks
+from tests.helpers import (
+    free_port,
+    join_loopback_group,
+    needs_gloo,
+    run_python,
+    spawn_ranks,
+)
 
 GRID = {"dp": (1, 2), "tp": (0, 2)}
 
@@ -599,14 +603,7 @@ def _mesh_scenario(rank: int, world: int) -> dict[str, Any]:
 
 
 def _rank_main(rank: int, world: int, port: int, out: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = loopback()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
+    join_loopback_group(rank, world, port)
     try:
         result = _mesh_scenario(rank, world)
         dist.barrier()

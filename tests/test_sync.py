@@ -13,7 +13,6 @@ import os
 import pickle
 import random
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ from deterministic_ctx.sync import (
     collective_device,
     sync_rng_state,
 )
-from tests.helpers import free_port, loopback, needs_gloo, spawn_ranks
+from tests.helpers import free_port, join_loopback_group, needs_gloo, spawn_ranks
 
 #: Seconds a launch of spawned ranks may take before they are killed and the test fails.
 LAUNCH_TIMEOUT = 180.0
@@ -60,14 +59,7 @@ def _rank_main(
     if not group:
         result = scenario(rank, world, *args)
     else:
-        os.environ["GLOO_SOCKET_IFNAME"] = loopback()
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=60),
-        )
+        join_loopback_group(rank, world, port)
         try:
             result = scenario(rank, world, *args)
             dist.barrier()
