@@ -27,7 +27,13 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__ as __version__
 
 if TYPE_CHECKING:  # what the names below resolve to, for type checkers and readers
-    from ._errors import GraphCaptureError, InvalidSnapshotError, LockWaitWarning, RestoreError
+    from ._errors import (
+        AbandonedBlockWarning,
+        GraphCaptureError,
+        InvalidSnapshotError,
+        LockWaitWarning,
+        RestoreError,
+    )
     from ._lock import set_lock_warning
     from ._seed import derive_seed
     from .audit import AuditFinding, AuditReport, audit_nondeterminism
@@ -57,6 +63,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
 
 __all__ = [
     "DETERMINISTIC_COLLECTIVES",
+    "AbandonedBlockWarning",
     "AuditFinding",
     "AuditReport",
     "BatchInvarianceError",
@@ -107,6 +114,7 @@ __all__ = [
 
 #: Where each public name lives: ``(module, attribute)``.
 _WHERE: dict[str, tuple[str, str]] = {
+    "AbandonedBlockWarning": ("._errors", "AbandonedBlockWarning"),
     "AuditFinding": (".audit", "AuditFinding"),
     "AuditReport": (".audit", "AuditReport"),
     "BatchInvarianceError": (".verify", "BatchInvarianceError"),

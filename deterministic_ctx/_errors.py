@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["GraphCaptureError", "InvalidSnapshotError", "LockWaitWarning", "RestoreError"]
+__all__ = [
+    "AbandonedBlockWarning",
+    "GraphCaptureError",
+    "InvalidSnapshotError",
+    "LockWaitWarning",
+    "RestoreError",
+]
 
 
 class RestoreError(RuntimeError):
@@ -39,6 +45,23 @@ class LockWaitWarning(RuntimeWarning):
 
     Example:
         >>> issubclass(LockWaitWarning, RuntimeWarning)
+        True
+    """
+
+
+class AbandonedBlockWarning(RuntimeWarning):
+    """A thread ended inside a deterministic block, and another thread took over.
+
+    A thread that returns (or is killed by its pool) without leaving its
+    block would otherwise hold the process-wide lock forever.  The next
+    thread to enter a block notices within about a quarter of a second,
+    puts back the state from before the dead thread's open blocks (as if
+    they had been left), takes the lock and issues this warning once,
+    naming the dead thread and the block it left open.  It usually points at
+    a bug: an ``__enter__()`` without its ``__exit__()``.
+
+    Example:
+        >>> issubclass(AbandonedBlockWarning, RuntimeWarning)
         True
     """
 

@@ -9,6 +9,7 @@ leaves.  As a decorator, ``deterministic`` is :func:`~deterministic_ctx.decorate
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from inspect import CO_ASYNC_GENERATOR, CO_COROUTINE, CO_GENERATOR, CO_ITERABLE_COROUTINE
 from types import FrameType, TracebackType
@@ -42,6 +43,21 @@ _IN_COMPILED_CODE = (
     "numbers). Under fullgraph=True, move the block around the compiled call instead: "
     "`with deterministic(0): compiled(x)`."
 )
+
+
+class _PerThread(threading.local):
+    """One object's open blocks in the calling thread, by the asyncio task of
+    an ``async with`` (``None`` for a ``with``), in the order they were entered.
+
+    Per thread, so one object (``DET = deterministic(seed=0)`` at module level)
+    can be entered by many threads at once, each leaving its own blocks in its
+    own order; a thread's record goes away with the thread.
+    """
+
+    blocks: dict[object, list[_Open]]
+
+    def __init__(self) -> None:
+        self.blocks = {}
 
 
 def _leave_anyway(blocks: dict[object, list[_Open]], task: object) -> _Paused:
@@ -91,12 +107,11 @@ class _Blocks:
     (or ``async with``) is one :class:`~deterministic_ctx.engine.Block` of
     these settings (``None``: capture and restore, apply nothing)."""
 
-    __slots__ = ("_blocks", "_settings")
+    __slots__ = ("_local", "_settings")
 
     _settings: Settings | None
-    #: The open blocks of this object, by the asyncio task of an ``async
-    #: with`` (``None`` for a ``with``), in the order they were entered.
-    _blocks: dict[object, list[_Open]]
+    #: The open blocks of this object, per thread (see :class:`_PerThread`).
+    _local: _PerThread
 
     def __enter__(self: _B) -> _B:
         # Inside a compiled function (which dynamo then runs eagerly, see
@@ -105,12 +120,13 @@ class _Blocks:
         # paused first, before any Python frame is called, until the exit.
         # Outside compiled code this swaps None for None.
         # (``_paused_here`` only inside compiled code: no frame for it elsewhere.)
-        stack = self._blocks.setdefault(None, [])
+        blocks = self._local.blocks
+        stack = blocks.setdefault(None, [])
         depth = len(stack)
         try:
             return self._push(stack, None if (cb := pause_compiler()) is None else _paused_here(cb))
         except BaseException:
-            _leave_if_entered(self._blocks, None, depth)
+            _leave_if_entered(blocks, None, depth)
             raise
 
     def __exit__(
@@ -124,12 +140,12 @@ class _Blocks:
         try:
             # Dynamo paused before any Python frame (see __enter__).
             now = pause_compiler()
-            stack = self._blocks[None]
+            stack = self._local.blocks[None]
             block, paused = stack[-1]
             block.stop()
             del stack[-1]  # last, and no call after it: an interrupt lands before it or never
         except BaseException:
-            paused = _leave_anyway(self._blocks, None)
+            paused = _leave_anyway(self._local.blocks, None)
             if paused is not None and paused[1] is sys._getframe(1):
                 resume_compiler(paused[0])
             raise
@@ -148,7 +164,7 @@ class _Blocks:
         try:
             return self._push(stack, None)
         except BaseException:
-            _leave_if_entered(self._blocks, task, depth)
+            _leave_if_entered(self._local.blocks, task, depth)
             raise
 
     async def __aexit__(
@@ -159,16 +175,16 @@ class _Blocks:
     ) -> None:
         # Each task leaves its own block, whatever the order the tasks leave in.
         try:
-            stack = self._blocks[_current_task()]
+            stack = self._local.blocks[_current_task()]
             stack[-1][0].stop()
             del stack[-1]
         except BaseException:
-            _leave_anyway(self._blocks, _current_task())
+            _leave_anyway(self._local.blocks, _current_task())
             raise
 
     def _stack_of(self, task: object) -> list[_Open]:
-        """The open blocks of ``task`` (an asyncio task, or ``None``)."""
-        blocks = self._blocks
+        """The calling thread's open blocks of ``task`` (an asyncio task, or ``None``)."""
+        blocks = self._local.blocks
         if len(blocks) > 1:  # drop the emptied stacks of finished tasks
             for done in [t for t, stack in blocks.items() if t is not None and not stack]:
                 del blocks[done]
@@ -225,8 +241,9 @@ class deterministic(
     streams continue as if the block never ran.
 
     The object can be reused for any number of blocks, nested or in a row;
-    each starts from ``seed``.  Blocks in different threads run one at a
-    time.  As a decorator it is exactly :func:`reproducible`.
+    each starts from ``seed``.  One object may be shared by many threads: its
+    open blocks are kept per thread, and blocks in different threads run one
+    at a time.  As a decorator it is exactly :func:`reproducible`.
 
     ``async with`` works too and restores on every exit, but cannot hide the
     block from other tasks that run while it awaits: to isolate interleaved
@@ -298,9 +315,7 @@ class deterministic(
         self._settings = Settings.build(
             seed, warn_only, rank, flags, fill_uninitialized_memory, compiled_rng
         )
-        # The open blocks of this object, by the asyncio task of an ``async
-        # with`` (``None`` for a ``with``), in the order they were entered.
-        self._blocks: dict[object, list[_Open]] = {}
+        self._local = _PerThread()
 
     @property
     def seed(self) -> int:
@@ -383,7 +398,7 @@ class isolated(_Blocks):  # lowercase, like ``deterministic``
             return decorate(func, None)
         self = super().__new__(cls)
         self._settings = None
-        self._blocks = {}
+        self._local = _PerThread()
         return self
 
     def __repr__(self) -> str:

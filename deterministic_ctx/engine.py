@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Callable
 
 from . import sources as _sources
-from ._errors import RestoreError
+from ._errors import AbandonedBlockWarning, RestoreError
 from ._lock import LOCK
 from ._settings import Settings
 from .sources.compiler import opaque, pause_compiler, refuse_while_tracing, resume_compiler
@@ -93,6 +93,8 @@ class Block:
         """
         refuse_while_tracing()
         depth = LOCK.count()
+        if depth and not LOCK.mine():  # a dead thread with this thread's ident holds it
+            depth = 0
         try:
             LOCK.acquire()
             self._outer = outer = World.capture()
@@ -254,7 +256,7 @@ _active: list[Block] = []
 
 def inside_block() -> bool:
     """Whether the calling thread is inside a block (or a decorated call) now."""
-    return LOCK.count() > 0 and LOCK.owner == threading.get_ident()
+    return LOCK.mine()
 
 
 def _position(block: Block) -> int | None:
@@ -262,6 +264,44 @@ def _position(block: Block) -> int | None:
         if other is block:
             return i
     return None
+
+
+def _after_dead_owner(thread: threading.Thread) -> None:
+    """``thread`` ended inside blocks; the calling thread has taken its lock over.
+
+    The dead thread's open blocks can never be left, so they are left here:
+    the state from before the first of them is put back, exactly what
+    leaving them all would have done (``_active[0]._outer`` holds it from
+    before the first change is applied until after the last one is undone,
+    as for a fork).  Blocks the dead thread had suspended (a decorated
+    generator it was stepping) are not open and are not touched.
+    """
+    left = list(_active)
+    target = left[0]._outer if left else None
+    del _active[:]
+    for block in left:
+        block._outer = None
+    what = f"an open {_describe(left[0])} block" if left else "the lock, in no block"
+    if len(left) > 1:
+        what += f" and {len(left) - 1} more nested in it"
+    warnings.warn(
+        f"thread {thread.name!r} ended inside {what}; its blocks were left for it "
+        "(the random state and flags from before them are back) and this thread took "
+        "over the process-wide lock. Leave every block you enter: use `with`, or pair "
+        "__enter__() with __exit__() in a finally clause",
+        AbandonedBlockWarning,
+        stacklevel=2,
+    )
+    if target is not None:
+        target.restore()
+
+
+def _describe(block: Block) -> str:
+    settings = block._settings
+    return "isolated()" if settings is None else f"deterministic(seed={settings.seed})"
+
+
+LOCK.on_dead_owner = _after_dead_owner
 
 
 _ATTEMPTS = 4

@@ -649,6 +649,6 @@ def test_an_interrupt_as_the_entry_returns_leaves_the_block(kind, monkeypatch):
         else:
             asyncio.run(enter_async())
     assert not engine._active
-    assert all(not stack for stack in block._blocks.values())
+    assert all(not stack for stack in block._local.blocks.values())
     after = Snapshot.capture().state_dict()["sources"]["torch.cpu"]["state"]
     assert torch.equal(after, before)
