@@ -71,7 +71,7 @@ from deterministic_ctx import (
 from deterministic_ctx._settings import Settings
 from deterministic_ctx.sources import environ as _environ
 from deterministic_ctx.sources import user_rngs
-from deterministic_ctx.sources.fused import FusedPlan, build
+from deterministic_ctx.sources.fused import FusedPlan, build, why_not
 from deterministic_ctx.world import World
 from tests._oracle import World as Oracle
 from tests.helpers import RandomLike, draw, run_python, set_config_override, solo
@@ -1141,6 +1141,56 @@ class CountingPlan:
 def test_the_default_sources_have_a_plan():
     assert isinstance(_sources.PLAN, FusedPlan)
     assert _sources.PLAN.sources is _sources.SOURCES
+
+
+def test_the_default_sources_say_they_have_a_plan():
+    assert why_not(_sources.SOURCES) is None
+
+
+def test_each_inlined_source_declares_its_slot_in_its_own_class():
+    slots = {type(s).__dict__.get("fused_slot") for s in _sources.SOURCES}
+    assert {
+        "random",
+        "numpy",
+        "torch.cpu",
+        "flags",
+        "compiler",
+        "defaults",
+        "environ",
+        "user",
+    } <= slots
+
+
+def test_a_subclass_in_a_slot_turns_the_plan_off_and_says_why():
+    sources = _sources.SOURCES
+    flags = next(s for s in sources if s.name == "torch.flags")
+
+    class Wrapped(type(flags)):  # inherits the methods, not the declaration
+        pass
+
+    swapped = tuple(Wrapped() if s is flags else s for s in sources)
+    assert build(swapped) is None
+    assert why_not(swapped) == (
+        "'torch.flags' (Wrapped) is where the plan's 'flags' slot is, and declares None"
+    )
+
+
+def test_a_new_device_source_keeps_the_plan():
+    # A device type the plan has no inline code for runs its own methods
+    # inside the plan: adding one (MPS, a future accelerator) never turns it off.
+    from deterministic_ctx.sources.accelerators import MPSSource
+
+    sources = _sources.SOURCES
+    first_tail = next(i for i, s in enumerate(sources) if s.name == "torch.flags")
+    extended = (*sources[:first_tail], MPSSource(), *sources[first_tail:])
+    assert why_not(extended) is None
+
+
+def test_a_source_that_is_no_device_among_the_devices_says_why():
+    sources = _sources.SOURCES
+    user = sources[-1]
+    odd = (*sources[:3], user, *sources[3:])
+    assert why_not(odd) == "'user' (UserRngSource) is among the device generators but is not one"
 
 
 def test_other_sources_have_none():

@@ -332,6 +332,8 @@ class EnvironSource:
     """
 
     name = "environ"
+    #: The slot of the fused plan (sources/fused.py) this exact class fills.
+    fused_slot = "environ"
     device_type: str | None = None  # not a device generator: saved under "sources"
 
     def __init__(self, environ: MutableMapping[str, str] | None = None) -> None:

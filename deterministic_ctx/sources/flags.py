@@ -586,6 +586,8 @@ class TorchFlagsSource:
     TF32/precision flags, restored exactly."""
 
     name = "torch.flags"
+    #: The slot of the fused plan (sources/fused.py) this exact class fills.
+    fused_slot = "flags"
     device_type: str | None = None  # not a device generator: saved under "sources"
 
     def capture(self) -> FlagState:

@@ -17,9 +17,19 @@ captured instead of reading them again.
 source is not in its common state: a replaced NumPy bit generator, a state
 loaded from a checkpoint, an accelerator with queued work, registered user
 RNGs.  ``tests/test_fused.py`` proves it equal to the reference with a
-Hypothesis differential test over random workloads.  Sources in an order or
-of types the plan does not know (tests swap ``SOURCES``) get no plan:
-:func:`build` returns ``None`` and the engine runs the reference loop.
+Hypothesis differential test over random workloads.
+
+**Which source is which.**  Each source class the plan inlines declares its
+slot (``fused_slot = "random"``, ``"numpy"``, ...) in its own class body, so
+a subclass, which may behave otherwise, declares none.  The plan takes the
+sources in the order the states are laid out: the Python, NumPy and torch
+CPU slots, then device generators (a ``"device"`` slot is read inline where
+the device can never be initialized; any other device source runs its own
+methods), then the flags, compiler, defaults, environment and user slots.
+Sources the plan cannot take (tests swap ``SOURCES``) get no plan:
+:func:`build` returns ``None``, :func:`why_not` says why, and the engine
+runs the reference loop.  ``tests/test_fused.py`` fails if the default
+sources have no plan, so a new source cannot turn it off unnoticed.
 
 Failure paths stay the reference's: :class:`~deterministic_ctx.world.World`
 reruns the reference restore after any exception here.
@@ -43,7 +53,7 @@ from .torch_cpu import TorchCPUSource, seed_generator
 from .torch_defaults import TorchDefaultsSource
 from .user_rngs import UserRngSource
 
-__all__ = ["FusedPlan", "build"]
+__all__ = ["FusedPlan", "build", "why_not"]
 
 #: Builds a NamedTuple state from a tuple without the Python-level ``__new__``
 #: of the class (one C call instead of a frame).
@@ -74,20 +84,21 @@ class FusedPlan:
     )
 
     def __init__(self, sources: tuple[Source, ...]) -> None:
-        if len(sources) < 8:
-            raise TypeError("not the default sources")
-        rnd = _exact(sources[0], PythonRandomSource)
-        npy = _exact(sources[1], NumpyGlobalSource)
-        cpu = _exact(sources[2], TorchCPUSource)
-        middle = sources[3:-5]
-        flags = _exact(sources[-5], TorchFlagsSource)
-        compiler = _exact(sources[-4], TorchCompileSource)
-        defaults = _exact(sources[-3], TorchDefaultsSource)
-        environ = _exact(sources[-2], EnvironSource)
-        user = _exact(sources[-1], UserRngSource)
+        found = _by_slot(sources)
+        rnd = _exact(found["random"], PythonRandomSource)
+        npy = _exact(found["numpy"], NumpyGlobalSource)
+        cpu = _exact(found["torch.cpu"], TorchCPUSource)
+        middle = sources[len(_HEAD) : len(sources) - len(_TAIL)]
+        flags = _exact(found["flags"], TorchFlagsSource)
+        compiler = _exact(found["compiler"], TorchCompileSource)
+        defaults = _exact(found["defaults"], TorchDefaultsSource)
+        environ = _exact(found["environ"], EnvironSource)
+        user = _exact(found["user"], UserRngSource)
         view = rnd.view
         if view is None:
-            raise TypeError("random's fast path is off")
+            raise TypeError(
+                "random's fast path is off: its generator is not an exact random.Random"
+            )
         self.sources = sources
         self._random, self._rng, self._view = rnd, rnd.rng, view
         self._random_bytes = view.tobytes
@@ -277,6 +288,41 @@ class FusedPlan:
             self._numpy.restore(n)
 
 
+#: The slots before and after the device generators, in the order of the states.
+_HEAD = ("random", "numpy", "torch.cpu")
+_TAIL = ("flags", "compiler", "defaults", "environ", "user")
+
+
+def _slot(source: Source) -> str | None:
+    # The class's own declaration only: a subclass may behave otherwise.
+    slot = type(source).__dict__.get("fused_slot")
+    return slot if isinstance(slot, str) else None
+
+
+def _by_slot(sources: tuple[Source, ...]) -> dict[str, Source]:
+    """The sources of :data:`_HEAD` and :data:`_TAIL` by slot; ``TypeError``
+    saying which source does not fit where."""
+    if len(sources) < len(_HEAD) + len(_TAIL):
+        raise TypeError(
+            f"{len(sources)} sources, fewer than the plan's {len(_HEAD) + len(_TAIL)} slots"
+        )
+    head, tail = sources[: len(_HEAD)], sources[len(sources) - len(_TAIL) :]
+    ends = [*zip(_HEAD, head, strict=True), *zip(_TAIL, tail, strict=True)]
+    for want, source in ends:
+        if _slot(source) != want:
+            raise TypeError(
+                f"{source.name!r} ({type(source).__name__}) is where the plan's {want!r} slot "
+                f"is, and declares {_slot(source)!r}"
+            )
+    for source in sources[len(_HEAD) : len(sources) - len(_TAIL)]:
+        if source.device_type is None:
+            raise TypeError(
+                f"{source.name!r} ({type(source).__name__}) is among the device generators "
+                "but is not one"
+            )
+    return dict(ends)
+
+
 def _exact(source: Source, cls: type[_S]) -> _S:
     """``source``, if it is exactly a ``cls`` (a subclass may behave otherwise)."""
     if type(source) is not cls:
@@ -285,9 +331,18 @@ def _exact(source: Source, cls: type[_S]) -> _S:
 
 
 def build(sources: tuple[Source, ...]) -> FusedPlan | None:
-    """The plan for ``sources``, or ``None`` where they are not the default
-    sources in their order with their fast paths on (the reference then runs)."""
+    """The plan for ``sources``, or ``None`` where they do not fill the plan's
+    slots with their fast paths on (the reference then runs; see :func:`why_not`)."""
     try:
         return FusedPlan(sources)
     except TypeError:
         return None
+
+
+def why_not(sources: tuple[Source, ...]) -> str | None:
+    """Why ``sources`` get no plan (``None``: they get one)."""
+    try:
+        FusedPlan(sources)
+    except TypeError as exc:
+        return str(exc)
+    return None

@@ -128,6 +128,8 @@ class TorchDefaultsSource:
     """Default dtype, tensor type and device, thread count and denormal mode."""
 
     name = "torch.defaults"
+    #: The slot of the fused plan (sources/fused.py) this exact class fills.
+    fused_slot = "defaults"
     device_type: str | None = None  # not a device generator: saved under "sources"
 
     def __init__(self, holder: Any = torch) -> None:

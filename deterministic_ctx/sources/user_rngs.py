@@ -1161,6 +1161,8 @@ class UserRngSource:
     """All registered RNGs: captured, seeded and restored together."""
 
     name = "user"
+    #: The slot of the fused plan (sources/fused.py) this exact class fills.
+    fused_slot = "user"
     device_type: str | None = None  # not a device generator: saved under "sources"
 
     def capture(self) -> tuple[_Record | _BatchRecord, ...]:
