@@ -1,0 +1,110 @@
+"""A block's cost before and after a change, both measured in one process.
+
+Run:  python benchmarks/bench_ab.py [--base REV] [--repeats N] [--number N]
+
+Two runs of ``bench_blocks.py`` on a shared machine differ by more than most
+changes do (seen here: 1.6x on every row, the floor row included, between two
+runs of the same code).  This script extracts ``REV``'s package (default
+``HEAD``) with ``git archive`` under another name, imports it beside the
+working tree's, and times the same blocks of each in alternating repeats, so
+machine noise hits both sides alike.  It prints medians (µs per block) and
+the ratio new / base.  The package uses relative imports only, so a renamed
+copy is a complete second engine (both register fork hooks; nothing here
+forks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import timeit
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def extract(rev: str, into: Path) -> str:
+    """``rev``'s ``deterministic_ctx`` as the package ``dctx_base`` under ``into``."""
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev, "deterministic_ctx"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    (into / "deterministic_ctx").rename(into / "dctx_base")
+    return "dctx_base"
+
+
+def rows(mod: Any) -> dict[str, Callable[[], None]]:
+    det = mod.deterministic(seed=0)
+    iso = mod.isolated()
+
+    def fresh() -> None:
+        with mod.deterministic(seed=0):
+            pass
+
+    def reused() -> None:
+        with det:
+            pass
+
+    def nested() -> None:
+        with det, det:
+            pass
+
+    def isolated() -> None:
+        with iso:
+            pass
+
+    def gen() -> Any:
+        yield
+        yield
+
+    stepped = mod.reproducible(seed=0)(gen)
+
+    def generator() -> None:
+        for _ in stepped():
+            pass
+
+    return {
+        "fresh block": fresh,
+        "reused block": reused,
+        "nested pair": nested,
+        "isolated block": isolated,
+        "@reproducible call": mod.reproducible(seed=0)(lambda: None),
+        "generator (3 steps)": generator,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", default="HEAD", help="the git revision to compare with")
+    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--number", type=int, default=500)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        base_name = extract(args.base, Path(tmp))
+        sys.path[:0] = [tmp, str(ROOT)]
+        sides = {"base": importlib.import_module(base_name)}
+        sides["new"] = importlib.import_module("deterministic_ctx")
+        table = {side: rows(mod) for side, mod in sides.items()}
+        times: dict[str, dict[str, list[float]]] = {s: {r: [] for r in table[s]} for s in table}
+        for i in range(args.repeats):
+            for side in ("base", "new") if i % 2 else ("new", "base"):
+                for row, fn in table[side].items():
+                    times[side][row].append(timeit.timeit(fn, number=args.number) / args.number)
+    print(f"base {args.base} against the working tree; median of {args.repeats} repeats")
+    for row in table["base"]:
+        b = statistics.median(times["base"][row]) * 1e6
+        n = statistics.median(times["new"][row]) * 1e6
+        print(f"  {row:22s} base {b:8.2f} µs   new {n:8.2f} µs   new/base {n / b:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
