@@ -14,6 +14,10 @@
      "devices": {"cuda": {"initialized": bool, "states": [uint8 tensor per device]},
                  "xpu": {...}, "mtia": {...}}}
 
+Each CUDA or XPU generator state is the 16 bytes torch writes, a 64-bit seed then
+a 64-bit Philox offset, and the offset is a multiple of 4: torch's ``set_state``
+refuses any other, so loading does (``restore()`` would fail half-way otherwise).
+
 ``torch.flags`` holds each ``fp32_precision`` entry's own value (``"none"``:
 inherits) and, optionally, ``cudnn_allow_tf32``, ``onednn_allow_tf32`` and
 ``inductor_deterministic`` (present only when a user set it); version-1 files

@@ -7,6 +7,7 @@ import random
 import signal
 import subprocess
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,26 @@ def run_python(
             process.communicate()
     proc = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     return _checked(proc) if check else proc
+
+
+def cuda_initialized_after(code: str, *, timeout: float = 300) -> bool:
+    """Whether CUDA is initialized after ``code`` (dedented) runs in a fresh interpreter.
+
+    For tests that check that something never initializes CUDA: whether it is
+    initialized is process-wide and cannot be undone, so in the test's own process
+    the answer would depend on whether an earlier test of the same worker used the
+    GPU.  ``code`` may assert; a failure, or no answer within ``timeout`` seconds,
+    fails the test with the child's output.
+    """
+    proc = run_python(
+        [],
+        code=textwrap.dedent(code) + "\nimport torch\nprint(torch.cuda.is_initialized())\n",
+        timeout=timeout,
+        check=True,
+    )
+    answer = proc.stdout.strip().splitlines()[-1:]
+    assert answer in (["True"], ["False"]), proc.stdout + proc.stderr
+    return answer == ["True"]
 
 
 def _checked(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:

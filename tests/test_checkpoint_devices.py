@@ -5,6 +5,7 @@ CPU generators stand in for devices (``_FakeDevice``), so every case runs on any
 
 from __future__ import annotations
 
+import struct
 import types
 import warnings
 from typing import Any
@@ -12,11 +13,20 @@ from typing import Any
 import pytest
 import torch
 
+import deterministic_ctx.sources as _sources
 from deterministic_ctx import InvalidSnapshotError, RestoreError, Snapshot
 from deterministic_ctx.sources import accelerators
 from deterministic_ctx.sources.accelerators import LazyAcceleratorSource, SavedState
+from deterministic_ctx.sources.torch_cpu import generator_state_from_plain
 from deterministic_ctx.world import World as Captured
-from tests.checkpoint_helpers import fresh_state
+from tests.checkpoint_helpers import (
+    PhiloxDevice,
+    PhiloxGenerator,
+    fresh_state,
+    isolated,
+    philox_cuda_sources,
+    seal_state,
+)
 
 
 class _FakeDevice:
@@ -216,3 +226,109 @@ def test_a_restore_failure_is_reported_not_skipped():
 class _Broken:
     def set_state(self, state: torch.Tensor) -> None:
         raise RuntimeError("the device went away")
+
+
+# --- Philox generator states (CUDA, XPU): what torch's set_state refuses is refused at load ---
+
+
+def _philox(seed: int, offset: int) -> torch.Tensor:
+    """A CUDA generator state as torch writes it: seed (uint64), offset (int64), native order."""
+    offset = offset - (1 << 64) if offset >= 1 << 63 else offset
+    raw = bytearray(struct.pack("=Qq", seed, offset))
+    return torch.frombuffer(raw, dtype=torch.uint8).clone()
+
+
+@pytest.fixture
+def philox_cuda(monkeypatch: pytest.MonkeyPatch) -> PhiloxDevice:
+    """A fake initialized CUDA device of two generators with torch's state rules, in ``SOURCES``."""
+    device = PhiloxDevice(2)
+    monkeypatch.setattr(_sources, "SOURCES", philox_cuda_sources(device))
+    return device
+
+
+def test_the_fake_philox_generator_refuses_what_torch_refuses():
+    gen = PhiloxGenerator(0)
+    gen.set_state(_philox(5, 8))
+    with pytest.raises(RuntimeError, match="offset must be a multiple of 4"):
+        gen.set_state(_philox(9, 6))
+    # torch sets the seed and resets the offset before it checks the offset.
+    assert gen.get_state().tolist() == _philox(9, 0).tolist()
+    with pytest.raises(RuntimeError, match="RNG state is wrong size"):
+        gen.set_state(torch.zeros(15, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("offset", [1, 2, 3, 6, 2**62 + 2, 2**63 + 1, 2**64 - 1])
+def test_a_philox_offset_torch_refuses_is_refused_at_load(philox_cuda, tmp_path, offset):
+    """The H100 bug: such a state passed every load check, then restore() failed on it
+    after restoring the other sources."""
+    saved = Snapshot.capture().state_dict()
+    saved["devices"]["cuda"]["states"][1] = _philox(7, offset)
+    before = philox_cuda.states()
+    with pytest.raises(
+        InvalidSnapshotError,
+        match=rf"^invalid snapshot state_dict: devices\.cuda\.states\[1\]: the cuda generator's Philox offset is "
+        rf"{offset}, not a multiple of 4, which torch refuses to restore",
+    ):
+        Snapshot.from_state_dict(saved)
+    path = tmp_path / "rng.snap"
+    path.write_bytes(seal_state(saved))
+    with pytest.raises(
+        InvalidSnapshotError,
+        match=r"^invalid snapshot file '.*rng\.snap': devices\.cuda\.states\[1\]: .*Philox",
+    ):
+        Snapshot.load(path)
+    assert philox_cuda.states() == before
+
+
+@pytest.mark.parametrize("size", [0, 8, 15, 17, 816])
+def test_a_philox_state_of_another_size_is_refused_at_load(philox_cuda, size):
+    saved = Snapshot.capture().state_dict()
+    saved["devices"]["cuda"]["states"][0] = torch.zeros(size, dtype=torch.uint8)
+    with pytest.raises(
+        InvalidSnapshotError,
+        match=rf"devices\.cuda\.states\[0\]: expected a cuda generator state of 16 bytes "
+        rf"\(a 64-bit seed, then a 64-bit Philox offset\), got {size}$",
+    ):
+        Snapshot.from_state_dict(saved)
+
+
+@pytest.mark.parametrize(
+    ("seed", "offset"), [(0, 0), (2**64 - 1, 4), (1, 2**63 - 4), (2**63, 2**63), (3, 2**64 - 4)]
+)
+def test_every_philox_seed_and_offset_torch_takes_loads_and_restores(philox_cuda, seed, offset):
+    """Any 64-bit seed, any offset that is a multiple of 4: past ``2**63 - 1`` too, which
+    torch writes as a negative int64 and takes back."""
+    with isolated():
+        saved = Snapshot.capture().state_dict()
+        saved["devices"]["cuda"]["states"][0] = _philox(seed, offset)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            Snapshot.from_state_dict(saved, strict_devices=True).restore()
+        assert philox_cuda.states()[0] == _philox(seed, offset).numpy().tobytes()
+
+
+@pytest.mark.parametrize("device", ["cuda", "xpu"])
+def test_a_bad_philox_state_is_refused_even_where_the_device_is_absent(device):
+    """Checked before the device count is: a file is valid or not wherever it is loaded."""
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    state = fresh_state()
+    state["devices"][device] = {"initialized": True, "states": [_philox(1, 4), _philox(1, 5)]}
+    with pytest.raises(
+        InvalidSnapshotError,
+        match=rf"devices\.{device}\.states\[1\]: the {device} generator's Philox offset is 5",
+    ):
+        Snapshot.from_state_dict(state)
+
+
+def test_a_registered_cuda_generator_state_is_checked_like_the_default_ones():
+    """A registered RNG on a Philox device: its state is checked by the same rules (a
+    stand-in for the generator, whose device this machine lacks)."""
+    like = types.SimpleNamespace(device=torch.device("cuda", 0), get_state=lambda: _philox(0, 0))
+    assert generator_state_from_plain(_philox(3, 8), "user[0].state.state", like).tolist() == (
+        _philox(3, 8).tolist()
+    )
+    with pytest.raises(
+        ValueError, match=r"^user\[0\]\.state\.state: the cuda generator's Philox offset is 9,"
+    ):
+        generator_state_from_plain(_philox(3, 9), "user[0].state.state", like)

@@ -20,7 +20,7 @@ import torch
 from deterministic_ctx import deterministic
 from deterministic_ctx import sources as sources_module
 from deterministic_ctx._lock import LOCK
-from tests.helpers import draw
+from tests.helpers import cuda_initialized_after, draw
 
 
 def _draws() -> tuple:
@@ -194,9 +194,15 @@ def test_async_with_restores():
 
 
 def test_block_never_initializes_cuda():
-    with deterministic(seed=0):
-        torch.manual_seed(1)
-    assert not torch.cuda.is_initialized()
+    # In a fresh interpreter: see cuda_initialized_after.
+    assert not cuda_initialized_after("""
+        import torch
+        from deterministic_ctx import deterministic
+
+        with deterministic(seed=0):
+            torch.rand(3)
+            torch.manual_seed(1)
+    """)
 
 
 def _tracker() -> tuple:

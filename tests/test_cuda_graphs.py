@@ -6,9 +6,9 @@ raises :class:`GraphCaptureError` before anything changes; a block entered
 before the capture and left after it works as it is.
 
 The first part runs anywhere: a fake ``torch.cuda`` module whose generators
-(CPU generators) raise, as torch's do, when touched during a capture, stands
-in for the real one in ``SOURCES``, through the reference path and through a
-fused plan.  The ``gpu`` part runs the same scenarios on a real CUDA device,
+(with torch's Philox state rules) raise, as torch's do, when touched during a
+capture, stands in for the real one in ``SOURCES``, through the reference path
+and through a fused plan.  The ``gpu`` part runs the same scenarios on a real CUDA device,
 each in a fresh interpreter (CUDA initialization cannot be undone).
 """
 
@@ -38,18 +38,20 @@ from deterministic_ctx.sources.accelerators import (
     refuse_inside_graph_capture,
 )
 from tests._oracle import World
+from tests.checkpoint_helpers import PhiloxGenerator
 from tests.helpers import run_python
 
 _FRESH_SEED = 67280421310721  # what the fake's lazy initialization seeds with
 
 
-class _Generator:
-    """A CPU generator standing in for a CUDA one: like torch's
-    ``CUDAGeneratorImpl``, it refuses to be read or set during a capture."""
+class _Generator(PhiloxGenerator):
+    """A CUDA generator's stand-in: torch's state rules (a seed and a Philox offset, see
+    ``PhiloxGenerator``), and, like ``CUDAGeneratorImpl``, it refuses to be read or set
+    during a capture."""
 
     def __init__(self, device: _GraphDevice) -> None:
+        super().__init__(_FRESH_SEED)
         self._device = device
-        self.gen = torch.Generator().manual_seed(_FRESH_SEED)
 
     def _check(self) -> None:
         if self._device.capturing:
@@ -57,15 +59,25 @@ class _Generator:
 
     def get_state(self) -> torch.Tensor:
         self._check()
-        return self.gen.get_state()
+        return super().get_state()
 
     def set_state(self, state: torch.Tensor) -> None:
         self._check()
-        self.gen.set_state(state)
+        super().set_state(state)
 
-    def manual_seed(self, seed: int) -> None:
+    def manual_seed(self, seed: int) -> _Generator:
         self._check()
-        self.gen.manual_seed(seed)
+        super().manual_seed(seed)
+        return self
+
+    def rand(self) -> float:
+        """The next number: the CPU generator's stream of this seed, at this offset (a
+        kernel's draw moves the offset on by 4)."""
+        cpu = torch.Generator().manual_seed(self.seed)
+        for _ in range(self.offset // 4 + 1):
+            value = torch.rand(1, generator=cpu).item()
+        self.draw(4)
+        return value
 
 
 class _GraphDevice:
@@ -106,10 +118,10 @@ class _GraphDevice:
             fn()
 
     def states(self) -> list[bytes]:
-        return [g.gen.get_state().numpy().tobytes() for g in self.default_generators]
+        return [PhiloxGenerator.get_state(g).numpy().tobytes() for g in self.default_generators]
 
     def draw(self) -> list[float]:
-        return [torch.rand(1, generator=g.gen).item() for g in self.default_generators]
+        return [g.rand() for g in self.default_generators]
 
     def tracker(self) -> tuple[Any, ...]:
         t = self._lazy_seed_tracker
@@ -117,7 +129,7 @@ class _GraphDevice:
 
 
 def _fresh_state(index: int) -> torch.Tensor:
-    return torch.Generator().manual_seed(_FRESH_SEED).get_state()
+    return PhiloxGenerator(_FRESH_SEED).get_state()
 
 
 def _source(device: _GraphDevice, device_type: str = "cuda") -> LazyAcceleratorSource:
@@ -304,7 +316,7 @@ def _initialized_inside(dev: _GraphDevice, source: LazyAcceleratorSource) -> Laz
 
 
 def _saved(dev: _GraphDevice, source: LazyAcceleratorSource) -> SavedState:
-    return SavedState(tuple(torch.Generator().get_state() for _ in range(2)), strict=False)
+    return SavedState(tuple(PhiloxGenerator(9).get_state() for _ in range(2)), strict=False)
 
 
 @pytest.mark.parametrize("kind", [_live, _initialized_inside, _saved])

@@ -302,3 +302,62 @@ def test_report_names_the_cuda_device_and_libraries():
     assert initialized is True and count >= 1
     assert name == _run("import torch; print(torch.cuda.get_device_name(0))").strip()
     assert capability.count(".") == 1
+
+
+def test_philox_state_rules_match_a_real_cuda_generator():
+    """What loading refuses of a CUDA generator state is what torch's ``set_state`` refuses
+    (the fake of ``tests/checkpoint_helpers.py`` follows the same rules), and a snapshot whose
+    CUDA offset torch would refuse fails at load, before anything is restored."""
+    out = _run("""
+        import json, random, struct, torch
+        from deterministic_ctx import InvalidSnapshotError, Snapshot
+        from deterministic_ctx.sources.accelerators import check_philox_state
+        from tests.checkpoint_helpers import PhiloxGenerator
+
+        def verdict(setter, state):
+            try:
+                setter(state)
+                return "ok"
+            except Exception:
+                return "refused"
+
+        def ours(state):
+            try:
+                check_philox_state(state, "s", "cuda")
+                return "ok"
+            except ValueError:
+                return "refused"
+
+        gen = torch.cuda.default_generators[0]
+        gen.manual_seed(11)
+        torch.rand(1000, device="cuda")
+        layout = gen.get_state().numpy().tobytes() == struct.pack(
+            "=Qq", gen.initial_seed(), gen.get_offset())
+        rows = []
+        for seed, offset in [(0, 0), (2**64 - 1, 4), (5, 1), (5, 2), (5, 6), (5, -4), (5, -1),
+                             (5, 2**63 - 1), (5, 2**63 - 4)]:
+            state = torch.frombuffer(bytearray(struct.pack("=Qq", seed, offset)),
+                                     dtype=torch.uint8).clone()
+            rows.append([seed, offset, verdict(gen.set_state, state),
+                         verdict(PhiloxGenerator(0).set_state, state), ours(state)])
+        gen.manual_seed(3)
+        snap = Snapshot.capture().state_dict()
+        snap["devices"]["cuda"]["states"][0] = torch.frombuffer(
+            bytearray(struct.pack("=Qq", 1, 6)), dtype=torch.uint8).clone()
+        random.seed(1)
+        before = (random.random(), gen.get_state())
+        random.seed(1)
+        try:
+            Snapshot.from_state_dict(snap)
+            refused = "loaded"
+        except InvalidSnapshotError as exc:
+            refused = str(exc)
+        unchanged = random.random() == before[0] and torch.equal(gen.get_state(), before[1])
+        print(json.dumps([layout, rows, refused, unchanged]))
+    """)
+    layout, rows, refused, unchanged = json.loads(out.strip().splitlines()[-1])
+    assert layout
+    for seed, offset, torch_says, fake_says, we_say in rows:
+        assert torch_says == fake_says == we_say, (seed, offset, torch_says, fake_says, we_say)
+    assert "devices.cuda.states[0]: the cuda generator's Philox offset is 6" in refused
+    assert unchanged

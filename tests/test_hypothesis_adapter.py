@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from deterministic_ctx import deterministic, register_rng, unregister_rng
 from deterministic_ctx.hypothesis import TorchRandom
+from tests.helpers import cuda_initialized_after
 
 seeds = st.integers(0, 2**32 - 1)
 
@@ -76,9 +77,20 @@ def test_seed_leaves_python_random_and_numpy_to_hypothesis() -> None:
     try:
         adapter.seed(0)
         assert (random.getstate(), repr(__import__("numpy").random.get_state())) == outside
-        assert not torch.cuda.is_initialized()
     finally:
         adapter.setstate(state)
+
+
+def test_seed_never_initializes_cuda() -> None:
+    # In a fresh interpreter: see cuda_initialized_after.
+    assert not cuda_initialized_after("""
+        from deterministic_ctx.hypothesis import TorchRandom
+
+        adapter = TorchRandom()
+        state = adapter.getstate()
+        adapter.seed(0)
+        adapter.setstate(state)
+    """)
 
 
 def test_disabled_adapter_is_inert_but_restores_what_it_captured() -> None:

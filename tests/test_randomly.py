@@ -18,7 +18,7 @@ import torch
 
 from deterministic_ctx import Snapshot, deterministic, register_rng, unregister_rng
 from deterministic_ctx.randomly import reseed
-from tests.helpers import run_python
+from tests.helpers import cuda_initialized_after, run_python
 
 needs_randomly = pytest.mark.skipif(
     importlib.util.find_spec("pytest_randomly") is None, reason="needs pytest-randomly"
@@ -77,17 +77,19 @@ def test_seeds_are_taken_modulo_2_to_the_32_as_for_numpy(seed: int, same_as: int
     assert torch.equal(drawn, torch.rand(2))
 
 
-@pytest.mark.usefixtures("restore")
 def test_reseed_initializes_no_device_and_formats_no_stack() -> None:
-    if torch.cuda.is_initialized():
-        # On a GPU machine an earlier test of this worker may have initialized it.
-        pytest.skip("CUDA is initialized already in this process")
-    queued = list(torch.cuda._lazy_seed_tracker.call_order)
-    reseed(3)
-    assert not torch.cuda.is_initialized()
-    if not torch.cuda._is_compiled():
-        # torch.manual_seed would queue a lazy CUDA seed with a formatted stack even here.
-        assert torch.cuda._lazy_seed_tracker.call_order == queued
+    # In a fresh interpreter (see cuda_initialized_after): on a GPU machine an earlier test
+    # of this worker may have initialized CUDA.
+    assert not cuda_initialized_after("""
+        import torch
+        from deterministic_ctx.randomly import reseed
+
+        queued = list(torch.cuda._lazy_seed_tracker.call_order)
+        reseed(3)
+        if not torch.cuda._is_compiled():
+            # torch.manual_seed would queue a lazy CUDA seed with a formatted stack even here.
+            assert torch.cuda._lazy_seed_tracker.call_order == queued, "a lazy seed was queued"
+    """)
 
 
 def test_without_torch_reseed_imports_nothing() -> None:

@@ -21,7 +21,7 @@ from deterministic_ctx import (
 from deterministic_ctx.reporting import DeterminismReport, Problem, RngStatus, report, rules
 from deterministic_ctx.reporting.facts import startup_env
 from deterministic_ctx.sources import environ as environ_mod
-from tests.helpers import run_python
+from tests.helpers import cuda_initialized_after, run_python
 
 
 def codes(r: DeterminismReport | tuple[Problem, ...]) -> set[str]:
@@ -153,27 +153,31 @@ def test_registered_rngs_are_listed():
     assert "Generator" in status.detail
 
 
-def test_report_never_initializes_cuda_nor_queries_devices(monkeypatch):
-    def forbidden(*args, **kwargs):
-        raise AssertionError("report() queried a CUDA device")
+def test_report_never_initializes_cuda_nor_queries_devices():
+    # In a fresh interpreter (see cuda_initialized_after): in this one an earlier test may
+    # have initialized CUDA, and the report then rightly asks the devices.
+    assert not cuda_initialized_after("""
+        import torch
+        from deterministic_ctx import report
 
-    if torch.cuda.is_initialized():
-        pytest.skip("CUDA is already initialized in this process")
-    for name in (
-        "device_count",
-        "current_device",
-        "get_device_name",
-        "get_device_capability",
-        "initial_seed",
-        "get_rng_state",
-        "is_available",
-        "init",
-    ):
-        monkeypatch.setattr(torch.cuda, name, forbidden)
-    monkeypatch.setattr(torch.backends.cudnn, "version", forbidden)
-    r = report()
-    assert r.cuda["initialized"] is False and "devices" not in r.cuda
-    assert not torch.cuda.is_initialized()
+        def forbidden(*args, **kwargs):
+            raise AssertionError("report() queried a CUDA device")
+
+        for name in (
+            "device_count",
+            "current_device",
+            "get_device_name",
+            "get_device_capability",
+            "initial_seed",
+            "get_rng_state",
+            "is_available",
+            "init",
+        ):
+            setattr(torch.cuda, name, forbidden)
+        torch.backends.cudnn.version = forbidden
+        r = report()
+        assert r.cuda["initialized"] is False and "devices" not in r.cuda, r.cuda
+    """)
 
 
 def test_reading_the_start_method_does_not_fix_it():

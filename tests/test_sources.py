@@ -19,6 +19,7 @@ from deterministic_ctx.sources.flags import TorchFlagsSource
 from deterministic_ctx.sources.numpy_global import NumpyGlobalSource
 from deterministic_ctx.sources.python_random import PythonRandomSource
 from deterministic_ctx.sources.torch_cpu import TorchCPUSource
+from tests.helpers import cuda_initialized_after
 
 S0 = Settings(0, False)
 
@@ -315,12 +316,16 @@ def test_live_device_count_mismatch_is_a_clear_error():
 
 
 def test_real_cuda_module_is_never_initialized_by_sources():
-    for source in SOURCES:
-        if source.name == "torch.cuda":
-            state = source.capture()
-            source.apply(S0)
-            source.restore(state)
-    assert not torch.cuda.is_initialized()
+    # In a fresh interpreter: see cuda_initialized_after.
+    assert not cuda_initialized_after("""
+        from deterministic_ctx._settings import Settings
+        from deterministic_ctx.sources import SOURCES
+
+        (cuda,) = [source for source in SOURCES if source.name == "torch.cuda"]
+        state = cuda.capture()
+        cuda.apply(Settings(0, False))
+        cuda.restore(state)
+    """)
 
 
 def test_flags_capture_survives_a_raising_matmul_precision_getter(monkeypatch):

@@ -56,6 +56,7 @@ the device and is legal during a capture).
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Sequence
 from operator import methodcaller
 from types import ModuleType
@@ -68,12 +69,14 @@ from .._settings import Settings
 from . import _plain
 
 __all__ = [
+    "PHILOX_DEVICES",
     "GraphCaptureError",
     "LazyAcceleratorSource",
     "MPSSource",
     "SavedState",
     "accelerator_sources",
     "check_foreign_devices",
+    "check_philox_state",
     "device_mismatch",
     "device_states_from_plain",
     "refuse_inside_graph_capture",
@@ -85,6 +88,14 @@ _RESTORE_NOTE = ["  (generator states queued by deterministic_ctx restoring a lo
 _MAX_DEVICES = 4096
 _REQUIRED = ("is_initialized", "_lazy_seed_tracker", "_queued_calls", "default_generators")
 _TRACKER_FIELDS = ("manual_seed_all_cb", "manual_seed_cb", "call_order")
+#: Device types whose default generators are torch's Philox generators
+#: (``CUDAGeneratorImpl``, ROCm's as well, and ``XPUGeneratorImpl``): their states
+#: have rules of their own, which :func:`check_philox_state` checks at load.
+PHILOX_DEVICES = frozenset({"cuda", "xpu"})
+#: A Philox generator state: the seed, then the offset, in native byte order (torch
+#: ``memcpy``s them).  CUDA writes the offset as an int64 and XPU as a uint64: the
+#: same bytes, read here unsigned as torch's ``set_state`` uses them.
+_PHILOX_STATE = struct.Struct("=QQ")
 
 
 class LiveState(NamedTuple):
@@ -299,7 +310,11 @@ class LazyAcceleratorSource:
         ``torch.cuda.is_available()`` does, this asks the driver, but does not
         initialize torch's CUDA state); it is only asked when N > 0.
         """
-        states = () if data is None else device_states_from_plain(data, path)
+        states = (
+            ()
+            if data is None
+            else device_states_from_plain(data, path, device_type=self._device_type)
+        )
         if states:
             m = self._m
             here = len(m.default_generators) if m.is_initialized() else int(m.device_count())
@@ -431,7 +446,7 @@ class MPSSource:
 
     def import_state(self, data: object, path: str, *, strict: bool = False) -> torch.Tensor | None:
         """Check saved data (``None``: no entry) against the one MPS device here."""
-        states = () if data is None else device_states_from_plain(data, path)
+        states = () if data is None else device_states_from_plain(data, path, device_type="mps")
         if len(states) != 1:
             device_mismatch(path, self.name, len(states), 1, strict=strict)
             if not states:
@@ -470,8 +485,15 @@ def accelerator_sources() -> Sequence[LazyAcceleratorSource | MPSSource]:
     return found
 
 
-def device_states_from_plain(data: object, path: str) -> tuple[torch.Tensor, ...]:
-    """The checked generator states of one device type, as saved by ``export_state``."""
+def device_states_from_plain(
+    data: object, path: str, *, device_type: str
+) -> tuple[torch.Tensor, ...]:
+    """The checked generator states of one device type, as saved by ``export_state``.
+
+    States of a :data:`PHILOX_DEVICES` type are checked as torch's ``set_state``
+    would check them (:func:`check_philox_state`), so that loading refuses what
+    restoring would fail on after it had restored other sources.
+    """
     d = _plain.fields(data, path, ["initialized", "states"])
     initialized = _plain.flag(d["initialized"], f"{path}.initialized")
     states = d["states"]
@@ -480,7 +502,53 @@ def device_states_from_plain(data: object, path: str) -> tuple[torch.Tensor, ...
             f"{path}.states: expected a list of at most {_MAX_DEVICES} generator states, "
             f"empty exactly when the device was not initialized"
         )
-    return tuple(_plain.byte_tensor(s, f"{path}.states[{i}]") for i, s in enumerate(states))
+    checked = tuple(_plain.byte_tensor(s, f"{path}.states[{i}]") for i, s in enumerate(states))
+    if device_type in PHILOX_DEVICES:
+        for i, state in enumerate(checked):
+            check_philox_state(state, f"{path}.states[{i}]", device_type)
+    return checked
+
+
+def check_philox_state(state: torch.Tensor, path: str, device_type: str) -> None:
+    """Raise ``ValueError`` naming ``path`` if torch's ``set_state`` would refuse
+    ``state``, a CPU uint8 state of a generator of ``device_type`` (one of
+    :data:`PHILOX_DEVICES`).
+
+    torch's rules (``CUDAGeneratorImpl::set_state``, ``XPUGeneratorImpl::set_state``):
+    the state is 16 bytes, a seed then a Philox offset; any 64-bit seed is taken; the
+    offset must be a multiple of 4, and a state whose offset is not is refused only
+    *after* the seed was set, so that restoring it would change the generator, fail,
+    and leave every source restored before it restored.  Every offset torch writes is
+    a multiple of 4 (it rounds each increment up), so a real snapshot always passes.
+
+    torch also accepts 8 bytes (a seed alone, offset 0), but has written 16 since
+    2.1, the oldest torch supported: a state of any other size is not one a snapshot
+    holds.  No offset range is checked beyond that: torch takes any 64-bit offset,
+    and its ``get_state`` writes one past ``2**63 - 1`` (set with ``set_offset``) as
+    a negative int64, which must load and restore as it does in torch.
+
+    Example:
+        >>> state = torch.zeros(16, dtype=torch.uint8)  # seed 0, offset 0
+        >>> check_philox_state(state, "devices.cuda.states[0]", "cuda")
+        >>> state[8] = 6  # the offset's low byte
+        >>> check_philox_state(state, "devices.cuda.states[0]", "cuda")
+        Traceback (most recent call last):
+        ...
+        ValueError: devices.cuda.states[0]: the cuda generator's Philox offset is 6, not a ...
+    """
+    size = _PHILOX_STATE.size
+    if state.numel() != size:
+        raise ValueError(
+            f"{path}: expected a {device_type} generator state of {size} bytes "
+            f"(a 64-bit seed, then a 64-bit Philox offset), got {state.numel()}"
+        )
+    # The seed needs no check: 8 bytes hold only what torch's seed (a uint64) takes.
+    _seed, offset = _PHILOX_STATE.unpack(state.numpy().tobytes())
+    if offset % 4:
+        raise ValueError(
+            f"{path}: the {device_type} generator's Philox offset is {offset}, not a "
+            f"multiple of 4, which torch refuses to restore (every offset torch writes is one)"
+        )
 
 
 def check_foreign_devices(devices: dict[str, object], known: set[str], *, strict: bool) -> None:
@@ -488,7 +556,7 @@ def check_foreign_devices(devices: dict[str, object], known: set[str], *, strict
     torch build lacks (whose generators cannot be restored here: a mismatch)."""
     for name, entry in devices.items():
         path = f"devices.{_plain.text(name, 'devices (a key)', max_len=64)}"
-        saved_states = device_states_from_plain(entry, path)
+        saved_states = device_states_from_plain(entry, path, device_type=name)
         if name not in known and saved_states:
             device_mismatch(path, f"torch.{name}", len(saved_states), 0, strict=strict)
 

@@ -9,6 +9,7 @@ import torch
 from .._settings import Settings
 from . import _plain
 from ._seeded import SeededCache
+from .accelerators import PHILOX_DEVICES, check_philox_state
 
 __all__ = ["TorchCPUSource", "generator_state_from_plain", "seed_generator"]
 
@@ -72,7 +73,9 @@ def generator_state_from_plain(value: object, path: str, like: torch.Generator) 
 
     A CPU state is also set on a throw-away generator first: torch checks the
     Mersenne Twister's fields there (a bad ``left``/``next`` is "Invalid mt19937
-    state"), so a crafted state fails here, not at restore.
+    state"), so a crafted state fails here, not at restore.  A CUDA or XPU state
+    is checked against torch's Philox rules instead (:func:`check_philox_state`),
+    without touching the device: a throw-away generator there would.
     """
     state = _plain.byte_tensor(value, path, numel=like.get_state().numel())
     if like.device.type == "cpu":
@@ -80,4 +83,6 @@ def generator_state_from_plain(value: object, path: str, like: torch.Generator) 
             torch.Generator().set_state(state)
         except RuntimeError as exc:
             raise ValueError(f"{path}: torch rejects the generator state ({exc})") from exc
+    elif like.device.type in PHILOX_DEVICES:
+        check_philox_state(state, path, like.device.type)
     return state
