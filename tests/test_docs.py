@@ -1,20 +1,27 @@
-"""Every Python code block of the README runs, so a snippet cannot rot.
+"""Every Python code block of the README and of the docs site runs, so a snippet cannot rot.
 
-All blocks run in one child interpreter (``README_RUNNER``), each in a fresh
+The blocks are those of ``README.md`` and of every page under ``docs/`` (:data:`PAGES`).
+All of them run in one child interpreter (``DOCS_RUNNER``), each in a fresh
 namespace, from a restored snapshot and in a scratch directory, so what one
 block changes (``seed_everything``, ``register_env_var``, a saved file) reaches
 neither the next block nor this test process.  A block that uses names the
-README leaves to the reader (``train()``, ``MyModel``, ``model``, ``x``) gets
+page leaves to the reader (``train()``, ``MyModel``, ``model``, ``x``) gets
 them from :data:`PLACEHOLDERS`, chosen by a line of the block; a block that
 cannot run in a plain interpreter is listed in :data:`SKIPPED` with the test
 that runs it for real instead.  A block in neither list that uses an undefined
-name fails here.
+name fails here.  Each test's id names the page the block is on.
+
+The site itself is built here too (``mkdocs build --strict``) when the ``docs``
+extra is installed, and every public name must have its entry in the API reference.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -22,7 +29,28 @@ import torch
 from tests.helpers import ROOT, run_python
 
 README = ROOT / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+DOCS = ROOT / "docs"
+API_PAGE = DOCS / "reference" / "api.md"
+
+#: The pages whose code blocks run: the README first, then the site's pages in path order.
+PAGES = [README, *sorted(DOCS.rglob("*.md"))]
+
+
+class Block(NamedTuple):
+    page: str  # relative to the repository root
+    code: str
+
+    @property
+    def label(self) -> str:
+        first = next(line for line in self.code.splitlines() if line.strip())
+        return f"{self.page}: {first.strip()[:50]}"
+
+
+BLOCKS = [
+    Block(page.relative_to(ROOT).as_posix(), code)
+    for page in PAGES
+    for code in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+]
 
 _MODEL = """
 import torch
@@ -112,39 +140,39 @@ NEEDS_CUDA: dict[str, str] = {
 }
 
 
-def _runs_here(block: str) -> bool:
+def _runs_here(block: Block) -> bool:
     if _pick(SKIPPED, block) is not None:
         return False
     return _pick(NEEDS_CUDA, block) is None or torch.cuda.is_available()
 
 
-README_RUNNER = """
+DOCS_RUNNER = """
 import contextlib, io, json, os, sys, tempfile, traceback, types
 from deterministic_ctx import Snapshot, registered_rngs, unregister_rng
 
-with open(os.environ["README_JOBS"]) as f:
+with open(os.environ["DOCS_JOBS"]) as f:
     jobs = json.load(f)
 results = []
-for prelude, code in jobs:
+for page, prelude, code in jobs:
     snap = Snapshot.capture()
     before = [obj for _key, obj in registered_rngs()]
     cwd = os.getcwd()
     with tempfile.TemporaryDirectory() as tmp:
         os.chdir(tmp)
         # A real module: dynamo (torch 2.11) imports the module a compiled function is from.
-        module = types.ModuleType("readme_block")
-        sys.modules["readme_block"] = module
+        module = types.ModuleType("docs_block")
+        sys.modules["docs_block"] = module
         namespace = module.__dict__
         try:
             with contextlib.redirect_stdout(io.StringIO()):
                 exec(compile(prelude, "<placeholders>", "exec"), namespace)
-                exec(compile(code, "<README block>", "exec"), namespace)
+                exec(compile(code, f"<{page} block>", "exec"), namespace)
             results.append(None)
         except BaseException:
             results.append(traceback.format_exc(limit=4))
         finally:
             os.chdir(cwd)
-            sys.modules.pop("readme_block", None)
+            sys.modules.pop("docs_block", None)
             for _key, obj in registered_rngs():  # NumPy's are held until unregistered
                 if not any(obj is other for other in before):
                     unregister_rng(obj)
@@ -153,24 +181,23 @@ print(json.dumps(results))
 """
 
 
-def _pick(table: dict[str, str], block: str) -> str | None:
-    found = [value for line, value in table.items() if line in block]
-    assert len(found) <= 1, f"two entries match one block:\n{block}"
+def _pick(table: dict[str, str], block: Block) -> str | None:
+    found = [value for line, value in table.items() if line in block.code]
+    assert len(found) <= 1, f"two entries match one block of {block.page}:\n{block.code}"
     return found[0] if found else None
-
-
-def _label(block: str) -> str:
-    first = next(line for line in block.splitlines() if line.strip())
-    return first.strip()[:50]
 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> list[str | None]:
-    """Each runnable block's traceback (``None``: it ran), in README order."""
-    jobs = [(_pick(PLACEHOLDERS, block) or "", block) for block in BLOCKS if _runs_here(block)]
-    path = tmp_path_factory.mktemp("readme") / "jobs.json"
+    """Each runnable block's traceback (``None``: it ran), in :data:`BLOCKS` order."""
+    jobs = [
+        (block.page, _pick(PLACEHOLDERS, block) or "", block.code)
+        for block in BLOCKS
+        if _runs_here(block)
+    ]
+    path = tmp_path_factory.mktemp("docs") / "jobs.json"
     path.write_text(json.dumps(jobs))
-    proc = run_python([], code=README_RUNNER, env={"README_JOBS": str(path)}, check=True)
+    proc = run_python([], code=DOCS_RUNNER, env={"DOCS_JOBS": str(path)}, check=True)
     results: list[str | None] = json.loads(proc.stdout.splitlines()[-1])
     return results
 
@@ -178,7 +205,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> list[str | None]:
 def test_every_entry_of_the_tables_still_matches_a_block():
     for table in (PLACEHOLDERS, SKIPPED, NEEDS_CUDA):
         for line in table:
-            assert any(line in block for block in BLOCKS), f"no README block has {line!r}"
+            assert any(line in block.code for block in BLOCKS), f"no page has a block with {line!r}"
 
 
 @pytest.mark.slow
@@ -188,9 +215,9 @@ def test_every_entry_of_the_tables_still_matches_a_block():
         pytest.param(i, marks=pytest.mark.gpu) if _pick(NEEDS_CUDA, b) else i
         for i, b in enumerate(BLOCKS)
     ],
-    ids=[_label(b) for b in BLOCKS],
+    ids=[b.label for b in BLOCKS],
 )
-def test_readme_block_runs(outcomes, index):
+def test_docs_block_runs(outcomes, index):
     block = BLOCKS[index]
     reason = _pick(SKIPPED, block)
     if reason is None and not _runs_here(block):
@@ -199,22 +226,63 @@ def test_readme_block_runs(outcomes, index):
         pytest.skip(reason)
     position = sum(1 for b in BLOCKS[:index] if _runs_here(b))
     error = outcomes[position]
-    assert error is None, f"README block:\n{block}\nfailed:\n{error}"
+    assert error is None, f"{block.page} block:\n{block.code}\nfailed:\n{error}"
 
 
-def test_the_readme_imports_public_names_from_the_package_only():
-    # One import path per name: the README never reaches into a submodule for a
-    # name the package exports.
+def test_the_pages_import_public_names_from_the_package_only():
+    # One import path per name: no page reaches into a submodule for a name the
+    # package exports.
     import deterministic_ctx
 
-    text = README.read_text()
-    for module, names in re.findall(r"from deterministic_ctx\.(\w+) import ([\w, ]+)", text):
-        for name in (n.strip() for n in names.split(",")):
-            assert name not in deterministic_ctx.__all__, (
-                f"the README imports {name} from deterministic_ctx.{module}; "
-                f"use: from deterministic_ctx import {name}"
-            )
+    for page in PAGES:
+        text = page.read_text()
+        for module, names in re.findall(r"from deterministic_ctx\.(\w+) import ([\w, ]+)", text):
+            for name in (n.strip() for n in names.split(",")):
+                assert name not in deterministic_ctx.__all__, (
+                    f"{page.relative_to(ROOT)} imports {name} from deterministic_ctx.{module}; "
+                    f"use: from deterministic_ctx import {name}"
+                )
 
 
-def test_the_readme_has_its_code_blocks():
-    assert len(BLOCKS) >= 15  # the pattern still finds them
+def test_the_pages_have_their_code_blocks():
+    # The pattern still finds them, on the README and across the site.
+    assert sum(1 for b in BLOCKS if b.page == "README.md") >= 3
+    assert len(BLOCKS) >= 40
+
+
+def _api_entries() -> list[str]:
+    return re.findall(r"^::: deterministic_ctx\.(\w+)\s*$", API_PAGE.read_text(), re.M)
+
+
+def test_every_public_name_has_an_entry_in_the_api_reference():
+    import deterministic_ctx
+
+    entries = _api_entries()
+    assert len(entries) == len(set(entries)), "a name has two entries in docs/reference/api.md"
+    missing = sorted(set(deterministic_ctx.__all__) - set(entries))
+    assert not missing, f"no ::: entry in docs/reference/api.md for {missing}"
+    private = sorted(set(entries) - set(deterministic_ctx.__all__))
+    assert not private, f"docs/reference/api.md documents names outside __all__: {private}"
+
+
+def _docs_extra_missing() -> bool:
+    """Whether MkDocs, Material or mkdocstrings' Python handler is not installed."""
+    for name in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers"):
+        if importlib.util.find_spec(name) is None:
+            return True
+    return importlib.util.find_spec("mkdocstrings_handlers.python") is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_docs_extra_missing(), reason='needs the docs extra: pip install -e ".[docs]"')
+def test_the_site_builds_strictly_with_an_anchor_for_every_public_name(tmp_path: Path):
+    import deterministic_ctx
+
+    site = tmp_path / "site"
+    # Strict (mkdocs.yml): any warning, a broken link or anchor included, fails the build.
+    build = ["-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)]
+    proc = run_python(build, env={"NO_MKDOCS_2_WARNING": "1"})
+    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
+    api = (site / "reference" / "api" / "index.html").read_text()
+    missing = [n for n in deterministic_ctx.__all__ if f'id="deterministic_ctx.{n}"' not in api]
+    assert not missing, f"the API reference has no anchor for {missing}"
