@@ -250,6 +250,11 @@ def test_the_pages_have_their_code_blocks():
     assert len(BLOCKS) >= 40
 
 
+def test_the_readme_is_short():
+    # The README sells and starts; the site teaches, solves, explains and lists (issue #31).
+    assert len(README.read_text().splitlines()) <= 250
+
+
 def _api_entries() -> list[str]:
     return re.findall(r"^::: deterministic_ctx\.(\w+)\s*$", API_PAGE.read_text(), re.M)
 
