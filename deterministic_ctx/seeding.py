@@ -63,8 +63,10 @@ def seed_everything(
         warn_only: as in :class:`deterministic`.
         rank: as in :class:`deterministic`: ``random``, NumPy and registered
             user RNGs get a per-rank seed, torch keeps the shared one.
-        flags, fill_uninitialized_memory, compiled_rng: as in :class:`deterministic`
-            (``compiled_rng="eager"`` stays set for the rest of the process).
+        flags: as in :class:`deterministic`.
+        fill_uninitialized_memory: as in :class:`deterministic`.
+        compiled_rng: as in :class:`deterministic` (``compiled_rng="eager"``
+            stays set for the rest of the process).
         broadcast: a collective on ``torch.distributed``'s default group:
             every rank uses rank 0's seed (drawn there if ``None``).  Without
             a process group it changes nothing.  ``seed=None`` on more than

@@ -12,7 +12,7 @@ The data pipeline draws from Python's ``random``, NumPy's global RNG, torch's
 global RNG (and dropout does too) and from a registered user RNG, so resuming
 only works if every one of them continues exactly where it was.
 
-``train`` is the plain PyTorch loop of the README's "Checkpoints and resuming".
+``train`` is the plain PyTorch loop of docs/how-to/checkpoints.md.
 One phase alone: ``--steps 20 [--save-at 10] [--resume] --checkpoint PATH
 [--rng-file]``; it prints one JSON line (losses as ``float.hex``, a SHA-256 of
 the weights).

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-#: Every environment variable a block must put back (the README's list), written
+#: Every environment variable a block must put back (docs/explanation/captures.md), written
 #: out here rather than read from the library, so the guard stays independent.
 ENV_NAMES = (
     "CUBLAS_WORKSPACE_CONFIG",
