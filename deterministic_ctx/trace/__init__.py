@@ -90,16 +90,16 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from .checkpoint import FileKind, InvalidSnapshotError, decode, encode, origin_of, read, write
-from .compare import short_repr, tensor_leaves
-from .context import deterministic
-from .fingerprint import fingerprint
-from .internal import plain_fields, plain_flag, plain_integer, plain_mapping
-from .locate import Divergence
-from .ops import OpCall, TensorPrint, first_op_difference
-from .record import Event, OpWindow, Run, record_run
-from .rerun import SavedState, call_and_consume, check_fn, objects_to_reset
-from .timeline import Finding, compare_runs
+from ..checkpoint import FileKind, InvalidSnapshotError, decode, encode, origin_of, read, write
+from ..compare import short_repr, tensor_leaves
+from ..context import deterministic
+from ..fingerprint import fingerprint
+from ..internal import plain_fields, plain_flag, plain_integer, plain_mapping
+from ..locate import Divergence
+from ..ops import OpCall, TensorPrint, first_op_difference
+from ..record import Event, OpWindow, Run, record_run
+from ..rerun import SavedState, call_and_consume, check_fn, objects_to_reset
+from ..timeline import Finding, compare_runs
 
 __all__ = [
     "FORMAT",
@@ -658,7 +658,7 @@ def environment() -> dict[str, Fact]:
         >>> sorted(k for k in facts if k.startswith("cpu."))[:2]
         ['cpu.blas', 'cpu.capability']
     """
-    from .reporting import report
+    from ..reporting import report
 
     data = report().to_dict()
     cuda = torch.cuda
