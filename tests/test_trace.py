@@ -53,7 +53,7 @@ from deterministic_ctx.trace import (
 )
 from tests.helpers import run_python
 
-TRACE_MAGIC = b"\x89DCT\r\n\x1a\n"  # as documented in deterministic_ctx/trace.py
+TRACE_MAGIC = b"\x89DCT\r\n\x1a\n"  # as documented in deterministic_ctx/trace/__init__.py
 
 
 class Total(nn.Module):

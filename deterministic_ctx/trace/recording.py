@@ -1,0 +1,423 @@
+"""Recording a trace: one run of ``fn`` (or a script) in a deterministic block, kept as the
+digests of what it computed, its op calls if asked, and the facts of the environment it ran in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import hashlib
+import importlib
+import os
+import struct
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..compare import short_repr, tensor_leaves
+from ..context import deterministic
+from ..fingerprint import fingerprint
+from ..ops import OpCall
+from ..record import Event, OpWindow, Run, record_run
+from ..rerun import SavedState, call_and_consume, check_fn, objects_to_reset
+from .facts import Fact, environment
+from .fileformat import DIGEST, NO_MODULE, Trace, checked_path
+
+
+def record_trace(
+    fn: Callable[..., Any],
+    /,
+    *args: Any,
+    path: str | os.PathLike[str] | None = None,
+    seed: int = 0,
+    backward: bool = False,
+    ops: bool = False,
+    warn_only: bool = False,
+    reset: Iterable[Any] = (),
+    **kwargs: Any,
+) -> Trace:
+    """Run ``fn(*args, **kwargs)`` once in a fresh block and record its trace.
+
+    The run is what one run of :func:`~deterministic_ctx.locate.locate_divergence`
+    is: a fresh ``deterministic(seed, warn_only=warn_only)`` block with global
+    module hooks that fingerprint every module call's outputs in call order
+    (with ``backward=True`` also the gradients), then the return value's
+    leaves and the final parameters and buffers of every model seen.  With
+    ``ops=True`` every aten op call ``fn`` makes (its backward passes'
+    included) is recorded too, in the timeline, with the user's ``file:line``
+    and the fingerprints of its outputs and outside inputs
+    (:class:`~deterministic_ctx.ops.OpRecorder`; on a CPU about 0.2 ms and
+    150 bytes of file per op call, and the first recording of a process
+    imports ``torch._dynamo``, about 2 s).  The environment is read inside
+    the block right after ``fn`` returns (see the module docstring).
+    Modules and optimizers passed as ``fn`` or as direct arguments, and the
+    objects in ``reset``, are put back to their state before the run
+    afterwards, as :func:`~deterministic_ctx.verify.assert_reproducible` does.
+
+    With ``path`` the trace is also written there (atomically); either way it
+    is returned.  Compare two with :func:`compare_traces`.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        >>> trace = record_trace(model, torch.ones(2, 4), seed=3)
+        >>> trace.seed, trace.calls, trace.source
+        (3, 3, 'module Sequential')
+        >>> with_ops = record_trace(model, torch.ones(2, 4), ops=True)
+        >>> with_ops.ops, [e.what.split()[0] for e in with_ops.events if e.phase == "op"][:3]
+        (True, ['aten.t.default', 'aten.addmm.default', 'aten.relu.default'])
+    """
+    block = deterministic(seed, warn_only=warn_only)
+    _check_flag(ops, "ops")  # before the run, like the path
+    if path is not None:
+        path = checked_path(path, "path")
+        _check_directory(path)
+    trace = record_in(block, fn, args, kwargs, backward=backward, ops=ops, reset=reset)
+    if path is not None:
+        trace.save(path)
+    return trace
+
+
+def record_in(
+    block: deterministic,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    backward: bool = False,
+    ops: bool = False,
+    reset: Iterable[Any] = (),
+    source: str | None = None,
+    root: str = "result",
+) -> Trace:
+    """:func:`record_trace` with a block of any settings (the command line's ``trace record``).
+
+    ``source`` describes what ran (default: ``fn``'s name); ``root`` names the
+    return value in the leaves' paths (``result["loss"]``; a script's is
+    ``globals``).
+
+    Example:
+        >>> import torch
+        >>> from deterministic_ctx import deterministic
+        >>> trace = record_in(deterministic(0, flags=False), torch.nn.Tanh(), (torch.ones(3),))
+        >>> trace.environment["flags.deterministic_algorithms"]
+        False
+    """
+    check_fn(fn)
+    _check_flag(backward, "backward")
+    _check_flag(ops, "ops")
+    kwargs = dict(kwargs or {})
+    objects = objects_to_reset(fn, args, kwargs, reset)
+    roots = [o for o in objects if isinstance(o, torch.nn.Module)]
+    saved = SavedState(objects)
+    facts: dict[str, Fact] = {}
+
+    def observed(*a: Any, **k: Any) -> Any:
+        result = call_and_consume(fn, a, k)
+        facts.update(environment())  # inside the block, as fn left it
+        return result
+
+    # The whole call of fn (a backward pass in it included), not the final state.
+    window = OpWindow() if ops else None
+    if ops:
+        # The first op recording of a process imports dynamo, which loads inductor's
+        # config: imported before the block, the block sets inductor's determinism flag
+        # in the first trace of a process as in the next ones (an environment fact).
+        importlib.import_module("torch._dynamo")
+    try:
+        run = record_run(block, observed, args, kwargs, roots, backward=backward, ops=window)
+    finally:
+        saved.load()
+    return _trace_of(
+        run,
+        source=_describe(fn) if source is None else source,
+        seed=block.seed,
+        backward=backward,
+        environment=facts,
+        root=root,
+    )
+
+
+def script_result(namespace: Mapping[str, Any]) -> dict[str, Any]:
+    """What a trace of a script records as its return value: the script's global variables
+    that hold tensors or NumPy arrays (directly or in lists, tuples and dicts).
+
+    Names starting with ``_`` are left out, and so are numbers and strings: a
+    script's globals hold timestamps and paths that differ from run to run.
+
+    Example:
+        >>> import torch
+        >>> sorted(script_result({"loss": torch.ones(1), "start": 3.5, "_x": torch.ones(1)}))
+        ['loss']
+    """
+    return {
+        name: value
+        for name, value in namespace.items()
+        if not name.startswith("_") and _holds_arrays(value)
+    }
+
+
+def _holds_arrays(value: object) -> bool:
+    if isinstance(value, np.ndarray):
+        return True
+    if isinstance(value, torch.nn.Module):
+        return False  # its parameters are fingerprinted as the final state
+    if isinstance(value, Mapping):
+        return any(_holds_arrays(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_arrays(v) for v in value)
+    return any(True for _ in tensor_leaves(value, ""))
+
+
+def _check_flag(value: object, name: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {short_repr(value)}")
+
+
+def _check_directory(path: str) -> None:
+    """Fail before the run, not after it, when the trace could not be written."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"path: the directory {directory!r} of {path!r} does not exist")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"path: {path!r} is a directory")
+
+
+def _describe(fn: object) -> str:
+    if isinstance(fn, torch.nn.Module):
+        return f"module {type(fn).__qualname__}"
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    module = getattr(fn, "__module__", None)
+    return f"function {module}.{name}" if module not in (None, "__main__") else f"function {name}"
+
+
+def _trace_of(
+    run: Run,
+    *,
+    source: str,
+    seed: int,
+    backward: bool,
+    environment: dict[str, Fact],
+    root: str,
+) -> Trace:
+    """The trace of a recorded run: digests for its fingerprints, its op calls (if it
+    recorded them) as ``"op"`` events in the timeline, and its return value's leaves as
+    ``"result"`` events before the final state."""
+    table: dict[bytes, int] = {}
+
+    def slot(digest: bytes | None) -> tuple[int, int, int] | None:
+        if digest is None:
+            return None
+        index = table.setdefault(digest, len(table))
+        return (0, DIGEST * index, DIGEST * (index + 1))
+
+    by_slot: dict[tuple[int, int, int], bytes] = {}
+    data = run.data
+    events: list[Event] = []
+    for e in run.events:
+        slots: list[tuple[int, int, int] | None] = []
+        for s in e.slots:
+            if s is None:
+                slots.append(None)
+                continue
+            digest = by_slot.get(s)
+            if digest is None:
+                digest = by_slot[s] = _digest(data[s[0]][s[1] : s[2]])
+            slots.append(slot(digest))
+        events.append(dataclasses.replace(e, slots=tuple(slots)))
+    starts = list(run.starts)
+    if run.ops is not None:
+        events, starts = _with_op_events(run, events, slot)
+    results = []
+    for path, leaf in _leaves(run.result, root, set()):
+        shape, dtype, digest = _leaf_digest(leaf)
+        results.append(
+            Event(
+                ("result", path),
+                "result",
+                path,
+                paths=(path,),
+                shapes=(shape,),
+                dtypes=(dtype,),
+                slots=(slot(digest),),
+            )
+        )
+    first_final = next((i for i, e in enumerate(events) if e.phase == "final"), len(events))
+    events[first_final:first_final] = results
+    return Trace(
+        source=source,
+        recorded=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        seed=seed,
+        backward=backward,
+        environment=environment,
+        structure=tuple(run.structure),
+        starts=tuple(starts),
+        events=tuple(events),
+        digests=b"".join(table),
+        ops=run.ops is not None,
+    )
+
+
+def _with_op_events(
+    run: Run, events: list[Event], slot: Callable[[bytes | None], tuple[int, int, int] | None]
+) -> tuple[list[Event], list[int]]:
+    """``events`` (the run's, with digest slots) with the run's op calls among them, and
+    where each module call starts in that timeline.
+
+    An op call goes before the first event recorded after it ran, so before the
+    output of the module call it ran in.  The run says how many op calls had been
+    recorded at each event and at each module call's start: walking both, the module
+    calls running at each op call are known (the innermost is the op's module).
+    """
+    at_events = run.ops_at_events or []
+    at_calls = run.ops_at_calls or []
+    starts = run.starts
+    merged: list[Event] = []
+    running: list[int] = []  # module calls that started and did not end, innermost last
+    started = placed = 0
+    numbers: dict[int, int] = {}  # after k module calls started: op calls so far
+    for i, call in enumerate(run.ops or ()):
+        while True:
+            start = started < len(at_calls) and at_calls[started] <= i
+            event = placed < len(events) and at_events[placed] <= i
+            if start and (not event or starts[started] <= placed):
+                running.append(started)
+                started += 1
+            elif event:
+                e = events[placed]
+                if e.phase == "forward" and e.call_index in running:  # the call ended
+                    del running[running.index(e.call_index) :]
+                merged.append(e)
+                placed += 1
+            else:
+                break
+        n = numbers.get(started, 0)
+        numbers[started] = n + 1
+        inside = running[-1] if running else None
+        merged.append(_op_event(call, ("op", started, n), inside, run.structure, slot))
+    merged += events[placed:]
+    # Op calls made before a module call started are exactly the first at_calls[c].
+    return merged, [s + k for s, k in zip(starts, at_calls, strict=True)]
+
+
+def _op_event(
+    call: OpCall,
+    key: tuple[Any, ...],
+    inside: int | None,
+    structure: list[tuple[str, str, str]],
+    slot: Callable[[bytes | None], tuple[int, int, int] | None],
+) -> Event:
+    """The event of one op call: its inputs from outside the recorded ops, then its
+    outputs (the order :func:`~deterministic_ctx.ops.first_op_difference` checks)."""
+    prints = (*call.inputs, *call.outputs)
+    label: tuple[str | None, str | None, str | None] = (
+        NO_MODULE if inside is None else structure[inside]
+    )
+    where = dataclasses.replace(call, location=_relative(call.location))
+    return Event(
+        key,
+        "op",
+        where.described(),
+        *label,
+        inside,
+        tuple([p.path for p in prints]),
+        tuple([p.shape for p in prints]),
+        tuple([p.dtype for p in prints]),
+        tuple([slot(None if p.fingerprint is None else _digest(p.fingerprint)) for p in prints]),
+    )
+
+
+def _relative(location: str | None) -> str | None:
+    """``file:line`` with a file under the working directory relative to it: the same
+    script in two checkouts has the same name in both traces."""
+    if location is None:
+        return None
+    file, colon, line = location.rpartition(":")
+    return f"{_relative_file(file, os.getcwd())}:{line}" if colon else location
+
+
+@functools.lru_cache(maxsize=1024)  # per file: a run makes many op calls in few files
+def _relative_file(file: str, directory: str) -> str:
+    if not os.path.isabs(file):
+        return file
+    try:
+        relative = os.path.relpath(file, directory)
+    except ValueError:  # another drive (Windows)
+        return file
+    return file if relative == os.pardir or relative.startswith(os.pardir + os.sep) else relative
+
+
+def _digest(data: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(data, digest_size=DIGEST).digest()
+
+
+def _key_path(key: object) -> str:
+    # As compare.first_difference names paths: result["loss"], result[0].
+    if isinstance(key, str):
+        return '["' + key.replace("\\", "\\\\").replace('"', '\\"') + '"]'
+    return f"[{key!r}]"
+
+
+def _leaves(value: object, path: str, seen: set[int]) -> Iterator[tuple[str, object]]:
+    """The leaves of a return value with their paths, recursing into mappings, lists,
+    tuples (named tuples by field) and dataclasses, as :mod:`.compare` does."""
+    children = _children(value)
+    if children is None:
+        yield path, value
+        return
+    if id(value) in seen:  # a cycle: already on the way here
+        return
+    seen.add(id(value))
+    for suffix, child in children:
+        yield from _leaves(child, path + suffix, seen)
+    seen.discard(id(value))
+
+
+def _children(value: object) -> list[tuple[str, object]] | None:
+    """``(path suffix, child)`` of a container; ``None`` for a leaf."""
+    if isinstance(value, Mapping):
+        return [(_key_path(k), v) for k, v in value.items()]
+    if isinstance(value, tuple) and hasattr(type(value), "_fields"):
+        fields: tuple[str, ...] = type(value)._fields  # type: ignore[attr-defined]
+        return [(f".{name}", getattr(value, name)) for name in fields]
+    if isinstance(value, (list, tuple)):
+        return [(f"[{i}]", v) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [
+            (f".{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value) if f.compare
+        ]
+    return None
+
+
+def _leaf_digest(leaf: object) -> tuple[tuple[int, ...], str, bytes | None]:
+    """Shape, dtype (a type name for Python values) and digest of one leaf; ``None``
+    for a leaf compared by type only (an object of another kind)."""
+    if isinstance(leaf, torch.Tensor):
+        found = fingerprint(leaf)
+        data = None if found is None else found.detach().cpu().numpy().tobytes()
+        dtype = str(leaf.dtype).removeprefix("torch.")
+        return tuple(leaf.shape), dtype, None if data is None else _digest(data)
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        array = np.ascontiguousarray(leaf)
+        if array.dtype.hasobject:
+            return tuple(array.shape), str(array.dtype), None
+        return tuple(array.shape), str(array.dtype), _digest(array.tobytes())
+    raw: bytes | None
+    if isinstance(leaf, bool) or leaf is None:
+        raw = repr(leaf).encode()
+    elif isinstance(leaf, int):
+        raw = str(leaf).encode()
+    elif isinstance(leaf, float):
+        raw = struct.pack("<d", leaf)  # by its bits, as compare does: -0.0 is not 0.0
+    elif isinstance(leaf, complex):
+        raw = struct.pack("<dd", leaf.real, leaf.imag)
+    elif isinstance(leaf, str):
+        raw = leaf.encode("utf-8", "surrogatepass")
+    elif isinstance(leaf, bytes):
+        raw = leaf
+    else:
+        raw = None
+    return (), type(leaf).__qualname__, None if raw is None else _digest(raw)
