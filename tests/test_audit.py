@@ -17,9 +17,10 @@ from torch import nn
 from torch.nn.modules import module as nn_module
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from deterministic_ctx import audit as audit_module
 from deterministic_ctx import deterministic, isolated
-from deterministic_ctx._nondeterministic_ops import (
+from deterministic_ctx.audit import AuditFinding, AuditReport, audit_nondeterminism
+from deterministic_ctx.audit import recorder as audit_module
+from deterministic_ctx.audit.table import (
     CHECKED_TORCH,
     CHECKS,
     TABLE,
@@ -29,7 +30,6 @@ from deterministic_ctx._nondeterministic_ops import (
     release_of,
     uninitialized_entry,
 )
-from deterministic_ctx.audit import AuditFinding, AuditReport, audit_nondeterminism
 from tests._oracle import World
 from tests.helpers import run_python
 
@@ -948,7 +948,7 @@ _GPU_SCRIPT = """
 import json, sys, warnings
 import torch
 from deterministic_ctx import deterministic
-from deterministic_ctx._nondeterministic_ops import TABLE
+from deterministic_ctx.audit.table import TABLE
 from deterministic_ctx.audit import audit_nondeterminism
 from deterministic_ctx.compare import first_difference
 

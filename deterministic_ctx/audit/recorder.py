@@ -5,7 +5,7 @@ a ``RuntimeError`` under ``torch.use_deterministic_algorithms(True)`` on the
 GPU, one op at a time, or from a list in torch's docs.  The audit runs the
 function once, wherever its tensors are (a CPU is enough), under a
 ``TorchDispatchMode`` that sees every aten op call, and matches each call
-against a table of the cases (:mod:`._nondeterministic_ops`, checked against
+against a table of the cases (:mod:`.table`, checked against
 torch 2.11 on a GPU and 2.13 from source; where torch changed a behaviour, the
 running release's is used): the op, the condition on its arguments
 (``index_put_(accumulate=False)``, ``scatter_reduce(reduce="prod")``,
@@ -52,7 +52,12 @@ import torch
 from torch.nn.modules import module as _nn_module
 from torch.overrides import TorchFunctionMode
 
-from ._nondeterministic_ops import (
+from ..compare import short_repr, tensor_leaves
+from ..context import deterministic
+from ..internal import CUBLAS_VALID
+from ..ops import QuietDispatchMode, is_library_file
+from ..rerun import SavedState, call_and_consume, check_fn, objects_to_reset
+from .table import (
     CHECKED_TORCH,
     CUBLAS_CONFIG_CHECKED_BEFORE,
     TABLE,
@@ -64,11 +69,6 @@ from ._nondeterministic_ops import (
     release_of,
     uninitialized_entry,
 )
-from .compare import short_repr, tensor_leaves
-from .context import deterministic
-from .internal import CUBLAS_VALID
-from .ops import QuietDispatchMode, is_library_file
-from .rerun import SavedState, call_and_consume, check_fn, objects_to_reset
 
 __all__ = ["AuditFinding", "AuditReport", "audit_nondeterminism"]
 

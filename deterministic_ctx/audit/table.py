@@ -52,7 +52,7 @@ same), matmuls (cuBLAS; torch 2.10 dropped the ``CUBLAS_WORKSPACE_CONFIG``
 check, see :data:`CUBLAS_CONFIG_CHECKED_BEFORE`).
 
 Example:
-    >>> from deterministic_ctx._nondeterministic_ops import TABLE, entries_for
+    >>> from deterministic_ctx.audit.table import TABLE, entries_for
     >>> [e.key for e in entries_for("put_")]
     ['put', 'put-accumulate']
     >>> all(e.behaviour in ("raise", "warn", "deterministic", "none") for e in TABLE)
