@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from deterministic_ctx import deterministic, isolated
 from deterministic_ctx.audit import AuditFinding, AuditReport, audit_nondeterminism
-from deterministic_ctx.audit import recorder as audit_module
+from deterministic_ctx.audit import recorder as audit_recorder
+from deterministic_ctx.audit import run as audit_run
 from deterministic_ctx.audit.table import (
     CHECKED_TORCH,
     CHECKS,
@@ -632,7 +633,7 @@ def test_report_str_and_to_dict():
 def _torch_release(monkeypatch, version: str) -> None:
     """Make the audit see another torch release (its warning about it is expected)."""
     monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion(version))
-    monkeypatch.setattr(audit_module, "_version_warned", True)
+    monkeypatch.setattr(audit_run, "_version_warned", True)
 
 
 def test_cublas_note_before_torch_2_10(monkeypatch):
@@ -715,7 +716,7 @@ def test_the_audit_runs_with_dynamo_loaded():
 
 def test_other_torch_release_warns_once(monkeypatch):
     monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.12.1"))
-    monkeypatch.setattr(audit_module, "_version_warned", False)
+    monkeypatch.setattr(audit_run, "_version_warned", False)
     message = r"torch 2\.12\.1 is running; the table was checked against torch 2\.11 and 2\.13"
     with pytest.warns(UserWarning, match=message) as caught:
         first = audit_nondeterminism(lambda: torch.ones(2))
@@ -928,11 +929,11 @@ def test_autograd_nodes_are_named_across_their_python_objects():
     chain = []
     node = out.grad_fn
     while node is not None:
-        chain.append(audit_module._node_key(node))
+        chain.append(audit_recorder._node_key(node))
         node = node.next_functions[0][0] if node.next_functions else None
     assert chain[-1] is None  # AccumulateGrad has no sequence number
-    assert len(set(chain[:-1])) == 3 and chain[0] == audit_module._node_key(out.grad_fn)
-    assert audit_module._graph_leaves([out]) == [x]
+    assert len(set(chain[:-1])) == 3 and chain[0] == audit_recorder._node_key(out.grad_fn)
+    assert audit_run._graph_leaves([out]) == [x]
 
 
 @pytest.mark.parametrize("key", ["put", "max_unpool", "resize-quantized"])
