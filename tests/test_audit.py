@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import importlib
 import json
 import sys
 import textwrap
 import warnings
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -21,18 +23,14 @@ from deterministic_ctx import deterministic, isolated
 from deterministic_ctx.audit import AuditFinding, AuditReport, audit_nondeterminism
 from deterministic_ctx.audit import recorder as audit_recorder
 from deterministic_ctx.audit import run as audit_run
-from deterministic_ctx.audit.table import (
-    CHECKED_TORCH,
-    CHECKS,
-    TABLE,
-    OpCall,
-    entries_for,
-    nearest_checked,
-    release_of,
-    uninitialized_entry,
-)
+from deterministic_ctx.audit import table as audit_table
+from deterministic_ctx.audit.model import CHECKED_TORCH, CHECKS, OpCall, nearest_checked, release_of
+from deterministic_ctx.audit.table import entries_for, table, uninitialized_entry
 from tests._oracle import World
-from tests.helpers import run_python
+from tests.helpers import ROOT, run_python
+
+#: Every case of the table, from its data file.
+TABLE = table()
 
 #: Where torch changed a behaviour, the tests expect the running release's.
 _BEFORE_2_13 = release_of(torch.__version__) < (2, 13)
@@ -943,14 +941,74 @@ def test_entries_that_raise_on_every_device_raise_on_the_cpu(key):
         entry.example(torch.device("cpu"))
 
 
+def _data_file():
+    return resources.files("deterministic_ctx.audit").joinpath(audit_table.DATA_FILE)
+
+
+def test_the_table_is_package_data_read_through_importlib_resources():
+    # Found wherever the package is installed (a wheel, a zip, a source tree), and shipped
+    # in the wheel by pyproject.toml's package-data.
+    data = _data_file()
+    assert data.is_file()
+    raw = json.loads(data.read_text(encoding="utf-8"))
+    assert [entry["key"] for entry in raw["entries"]] == [entry.key for entry in TABLE]
+    assert audit_table.parse(raw) == TABLE
+    assert table() is TABLE  # read once
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = config["tool"]["setuptools"]["package-data"]["deterministic_ctx"]
+    assert any(fnmatch.fnmatch(f"audit/{audit_table.DATA_FILE}", p) for p in patterns)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda raw: raw["entries"][0].update(behaviour="rase"),
+            r"entry 0 \('index_add'\): behaviour must be one of 'raise', 'warn', "
+            r"'deterministic', 'none', got 'rase'",
+        ),
+        (
+            lambda raw: raw["entries"][1].update(when="no-such-predicate"),
+            r"entry 1 \('index_put'\): when names no predicate of conditions.CONDITIONS",
+        ),
+        (lambda raw: raw["entries"][2].pop("note"), r"entry 2 \('put'\): missing field\(s\) note"),
+        (lambda raw: raw["entries"][3].update(notes="x"), r"unknown field\(s\) notes \(known: "),
+        (lambda raw: raw["entries"][0].update(ops="index_add"), "ops must be a list of strings"),
+        (lambda raw: raw["entries"][0].update(parameters=[1]), r"parameters\[0\] must be a string"),
+        (
+            lambda raw: raw["entries"][0].update(earlier=[["2.13"]]),
+            r"earlier\[0\] must be a \[release, behaviour\] pair",
+        ),
+        (lambda raw: raw["entries"][0].update(phase="both"), "phase must be one of"),
+        (lambda raw: raw["entries"][0].update(key="index-add"), "no example in examples.EXAMPLES"),
+        (
+            lambda raw: raw["entries"].append(dict(raw["entries"][0])),
+            "keys must be unique, repeated: index_add",
+        ),
+        (lambda raw: raw["entries"].pop(), 'exactly one entry of kind "uninitialized"'),
+        (
+            lambda raw: raw["entries"][1].pop("when"),
+            "no entry names these predicates of conditions.CONDITIONS: index_put-races",
+        ),
+        (lambda raw: raw.update(entries={}), "top level: must be an object with an entries list"),
+    ],
+)
+def test_a_bad_edit_of_the_data_file_fails_loudly(edit, message):
+    raw = json.loads(_data_file().read_text(encoding="utf-8"))
+    edit(raw)
+    with pytest.raises(audit_table.TableError, match=message):
+        audit_table.parse(raw)
+
+
 # --- on a real GPU ------------------------------------------------------------------------------
 
 _GPU_SCRIPT = """
 import json, sys, warnings
 import torch
 from deterministic_ctx import deterministic
-from deterministic_ctx.audit.table import TABLE
 from deterministic_ctx.audit import audit_nondeterminism
+from deterministic_ctx.audit.table import table
 from deterministic_ctx.compare import first_difference
 
 device = torch.device("cuda")
@@ -975,7 +1033,7 @@ def attempt(entry, warn_only, runs):
 
 only = sys.argv[1:]  # keys: just their warn_only attempt, first thing in this process
 report = {}
-for entry in TABLE:
+for entry in table():
     if entry.key in only:
         report[entry.key] = {"warn_only": attempt(entry, True, 1)}
     elif not only:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .table import Behaviour, nearest_checked
+from .model import Behaviour, nearest_checked
 
 __all__ = ["AuditFinding", "AuditReport"]
 

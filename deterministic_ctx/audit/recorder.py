@@ -17,8 +17,9 @@ from torch.overrides import TorchFunctionMode
 
 from ..ops import QuietDispatchMode
 from .findings import AuditFinding
+from .model import OpCall, OpEntry
 from .sites import Frames, Modules, Site, called_outside_torch
-from .table import TABLE, OpCall, OpEntry, entries_for, uninitialized_entry
+from .table import entries_for, table, uninitialized_entry
 
 __all__ = ["Auditor", "Functions", "watched_functions"]
 
@@ -52,8 +53,6 @@ _CUBLAS = frozenset(
     {"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_addmm_activation"}
 )
 
-_UNINITIALIZED = uninitialized_entry()
-_CREATE = frozenset(_UNINITIALIZED.ops) - {"resize_", "resize_as_"}
 _GROW = frozenset({"resize_", "resize_as_"})
 #: In-place ops that write their ``self`` without reading it: a write, not a read, of
 #: uninitialized memory (partial writes such as index_put_ count as writes: the audit
@@ -120,10 +119,10 @@ def _storage_key(t: torch.Tensor) -> int | None:
         return None
 
 
-def _reads_values(func: Any, name: str) -> bool:
+def _reads_values(func: Any, name: str, create: frozenset[str]) -> bool:
     """Whether ``func`` reads the values of its tensor arguments (views and metadata
-    ops do not)."""
-    if name in _METADATA or name in _CREATE or name.endswith("_like") or name.startswith("new_"):
+    ops, and the ops in ``create``, do not)."""
+    if name in _METADATA or name in create or name.endswith("_like") or name.startswith("new_"):
         return False
     # In-place views (t_, transpose_, squeeze_, as_strided_, ...) change only the
     # tensor's metadata; their ``is_view`` is False, their tag says it.
@@ -155,6 +154,10 @@ class Auditor(QuietDispatchMode):
         self._nodes: dict[tuple[str, int], Site] = {}
         # Storage -> (storage, where and by which op it was created), while nothing wrote it.
         self._uninitialized: dict[int, tuple[Any, Site, str]] = {}
+        # The table's entry for reads of such memory, and the ops that create it (the table
+        # is read at the first audit, not at import).
+        self._unwritten = uninitialized_entry()
+        self._create = frozenset(self._unwritten.ops) - _GROW
         # Per watched function call in progress: the aten ops it dispatched.
         self.watching: list[set[str]] = []
 
@@ -237,7 +240,7 @@ class Auditor(QuietDispatchMode):
         out = func(*args, **kwargs)
 
         if (
-            name in _CREATE
+            name in self._create
             or (grown is not None and grown[0].untyped_storage().nbytes() > grown[1])
         ) and called_outside_torch(frame):
             created = grown[0] if grown is not None else out
@@ -267,7 +270,7 @@ class Auditor(QuietDispatchMode):
         frame: FrameType | None,
     ) -> None:
         """Memory that nothing wrote: written now (forget it), or read (a finding)."""
-        if not _reads_values(func, name):
+        if not _reads_values(func, name, self._create):
             return
         values = _arguments(func, args, kwargs)
         # put_/index_put_ with accumulate=True, scatter_ with reduce= read what they write to.
@@ -284,8 +287,8 @@ class Auditor(QuietDispatchMode):
                     continue
                 _, site, op = created
                 reader = self.site(frame)
-                note = f"{_UNINITIALIZED.note} Read by {func} at {reader.location}."
-                entry = dataclasses.replace(_UNINITIALIZED, note=note)
+                note = f"{self._unwritten.note} Read by {func} at {reader.location}."
+                entry = dataclasses.replace(self._unwritten, note=note)
                 self.add(entry, op, site, "forward")
 
 
@@ -367,7 +370,7 @@ def _bind(
 def watched_functions() -> dict[Any, tuple[str, OpEntry]]:
     """The table's torch functions, by the function object that torch dispatches with."""
     found: dict[Any, tuple[str, OpEntry]] = {}
-    for entry in TABLE:
+    for entry in table():
         if entry.kind != "function":
             continue
         for qualname in entry.ops:

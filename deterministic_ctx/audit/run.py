@@ -16,9 +16,9 @@ from ..context import deterministic
 from ..internal import CUBLAS_VALID
 from ..rerun import SavedState, call_and_consume, check_fn, objects_to_reset
 from .findings import AuditReport
+from .model import CHECKED_TORCH, CUBLAS_CONFIG_CHECKED_BEFORE, nearest_checked, release_of
 from .recorder import Auditor, Functions, watched_functions
 from .sites import Modules
-from .table import CHECKED_TORCH, CUBLAS_CONFIG_CHECKED_BEFORE, nearest_checked, release_of
 
 __all__ = ["audit_nondeterminism"]
 
