@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .compare import Difference, first_difference, short_repr, tensor_leaves
-from .context import deterministic
-from .internal import CompiledRng, unchanged_config
-from .rerun import SavedState, call_and_consume, check_fn, check_runs, objects_to_reset
+from ..compare import Difference, first_difference, short_repr, tensor_leaves
+from ..context import deterministic
+from ..internal import CompiledRng, unchanged_config
+from ..rerun import SavedState, call_and_consume, check_fn, check_runs, objects_to_reset
 
 __all__ = [
     "BatchInvarianceError",
