@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import importlib
 import json
 import sys
 import textwrap
 import warnings
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -17,21 +19,18 @@ from torch import nn
 from torch.nn.modules import module as nn_module
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from deterministic_ctx import audit as audit_module
 from deterministic_ctx import deterministic, isolated
-from deterministic_ctx._nondeterministic_ops import (
-    CHECKED_TORCH,
-    CHECKS,
-    TABLE,
-    OpCall,
-    entries_for,
-    nearest_checked,
-    release_of,
-    uninitialized_entry,
-)
 from deterministic_ctx.audit import AuditFinding, AuditReport, audit_nondeterminism
+from deterministic_ctx.audit import recorder as audit_recorder
+from deterministic_ctx.audit import run as audit_run
+from deterministic_ctx.audit import table as audit_table
+from deterministic_ctx.audit.model import CHECKED_TORCH, CHECKS, OpCall, nearest_checked, release_of
+from deterministic_ctx.audit.table import entries_for, table, uninitialized_entry
 from tests._oracle import World
-from tests.helpers import run_python
+from tests.helpers import ROOT, run_python
+
+#: Every case of the table, from its data file.
+TABLE = table()
 
 #: Where torch changed a behaviour, the tests expect the running release's.
 _BEFORE_2_13 = release_of(torch.__version__) < (2, 13)
@@ -653,7 +652,7 @@ def test_report_str_and_to_dict():
 def _torch_release(monkeypatch, version: str) -> None:
     """Make the audit see another torch release (its warning about it is expected)."""
     monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion(version))
-    monkeypatch.setattr(audit_module, "_version_warned", True)
+    monkeypatch.setattr(audit_run, "_version_warned", True)
 
 
 def test_cublas_note_before_torch_2_10(monkeypatch):
@@ -736,7 +735,7 @@ def test_the_audit_runs_with_dynamo_loaded():
 
 def test_other_torch_release_warns_once(monkeypatch):
     monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.12.1"))
-    monkeypatch.setattr(audit_module, "_version_warned", False)
+    monkeypatch.setattr(audit_run, "_version_warned", False)
     message = r"torch 2\.12\.1 is running; the table was checked against torch 2\.11 and 2\.13"
     with pytest.warns(UserWarning, match=message) as caught:
         first = audit_nondeterminism(lambda: torch.ones(2))
@@ -949,11 +948,11 @@ def test_autograd_nodes_are_named_across_their_python_objects():
     chain = []
     node = out.grad_fn
     while node is not None:
-        chain.append(audit_module._node_key(node))
+        chain.append(audit_recorder._node_key(node))
         node = node.next_functions[0][0] if node.next_functions else None
     assert chain[-1] is None  # AccumulateGrad has no sequence number
-    assert len(set(chain[:-1])) == 3 and chain[0] == audit_module._node_key(out.grad_fn)
-    assert audit_module._graph_leaves([out]) == [x]
+    assert len(set(chain[:-1])) == 3 and chain[0] == audit_recorder._node_key(out.grad_fn)
+    assert audit_run._graph_leaves([out]) == [x]
 
 
 @pytest.mark.parametrize("key", ["put", "max_unpool", "resize-quantized"])
@@ -963,14 +962,74 @@ def test_entries_that_raise_on_every_device_raise_on_the_cpu(key):
         entry.example(torch.device("cpu"))
 
 
+def _data_file():
+    return resources.files("deterministic_ctx.audit").joinpath(audit_table.DATA_FILE)
+
+
+def test_the_table_is_package_data_read_through_importlib_resources():
+    # Found wherever the package is installed (a wheel, a zip, a source tree), and shipped
+    # in the wheel by pyproject.toml's package-data.
+    data = _data_file()
+    assert data.is_file()
+    raw = json.loads(data.read_text(encoding="utf-8"))
+    assert [entry["key"] for entry in raw["entries"]] == [entry.key for entry in TABLE]
+    assert audit_table.parse(raw) == TABLE
+    assert table() is TABLE  # read once
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = config["tool"]["setuptools"]["package-data"]["deterministic_ctx"]
+    assert any(fnmatch.fnmatch(f"audit/{audit_table.DATA_FILE}", p) for p in patterns)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda raw: raw["entries"][0].update(behaviour="rase"),
+            r"entry 0 \('index_add'\): behaviour must be one of 'raise', 'warn', "
+            r"'deterministic', 'none', got 'rase'",
+        ),
+        (
+            lambda raw: raw["entries"][1].update(when="no-such-predicate"),
+            r"entry 1 \('index_put'\): when names no predicate of conditions.CONDITIONS",
+        ),
+        (lambda raw: raw["entries"][2].pop("note"), r"entry 2 \('put'\): missing field\(s\) note"),
+        (lambda raw: raw["entries"][3].update(notes="x"), r"unknown field\(s\) notes \(known: "),
+        (lambda raw: raw["entries"][0].update(ops="index_add"), "ops must be a list of strings"),
+        (lambda raw: raw["entries"][0].update(parameters=[1]), r"parameters\[0\] must be a string"),
+        (
+            lambda raw: raw["entries"][0].update(earlier=[["2.13"]]),
+            r"earlier\[0\] must be a \[release, behaviour\] pair",
+        ),
+        (lambda raw: raw["entries"][0].update(phase="both"), "phase must be one of"),
+        (lambda raw: raw["entries"][0].update(key="index-add"), "no example in examples.EXAMPLES"),
+        (
+            lambda raw: raw["entries"].append(dict(raw["entries"][0])),
+            "keys must be unique, repeated: index_add",
+        ),
+        (lambda raw: raw["entries"].pop(), 'exactly one entry of kind "uninitialized"'),
+        (
+            lambda raw: raw["entries"][1].pop("when"),
+            "no entry names these predicates of conditions.CONDITIONS: index_put-races",
+        ),
+        (lambda raw: raw.update(entries={}), "top level: must be an object with an entries list"),
+    ],
+)
+def test_a_bad_edit_of_the_data_file_fails_loudly(edit, message):
+    raw = json.loads(_data_file().read_text(encoding="utf-8"))
+    edit(raw)
+    with pytest.raises(audit_table.TableError, match=message):
+        audit_table.parse(raw)
+
+
 # --- on a real GPU ------------------------------------------------------------------------------
 
 _GPU_SCRIPT = """
 import json, sys, warnings
 import torch
 from deterministic_ctx import deterministic
-from deterministic_ctx._nondeterministic_ops import TABLE
 from deterministic_ctx.audit import audit_nondeterminism
+from deterministic_ctx.audit.table import table
 from deterministic_ctx.compare import first_difference
 
 device = torch.device("cuda")
@@ -995,7 +1054,7 @@ def attempt(entry, warn_only, runs):
 
 only = sys.argv[1:]  # keys: just their warn_only attempt, first thing in this process
 report = {}
-for entry in TABLE:
+for entry in table():
     if entry.key in only:
         report[entry.key] = {"warn_only": attempt(entry, True, 1)}
     elif not only:

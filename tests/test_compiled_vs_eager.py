@@ -3,7 +3,7 @@
 Real ``torch.compile`` with inductor on CPU.  Compiling takes seconds, so the
 functions and shapes are tiny and shared: dynamo reuses the check's compiled
 code for a second check with the same settings (see ``_inductor_options`` in
-``deterministic_ctx/verify.py``), and ``--dist loadfile`` keeps this file on
+``deterministic_ctx/verify/compiled.py``), and ``--dist loadfile`` keeps this file on
 one worker.
 """
 

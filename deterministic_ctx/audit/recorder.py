@@ -1,0 +1,382 @@
+"""The audit's dispatch mode: sees every aten op call of the run (and calls of the torch
+functions the table names) and keeps the ones that match the table, with where they came
+from; memory read before anything wrote it is found here too."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from types import FrameType
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..ops import QuietDispatchMode
+from .findings import AuditFinding
+from .model import OpCall, OpEntry
+from .sites import Frames, Modules, Site, called_outside_torch
+from .table import entries_for, table, uninitialized_entry
+
+__all__ = ["Auditor", "Functions", "watched_functions"]
+
+
+#: The current autograd node while autograd's backward runs (torch >= 2.1 has it).
+_current_node: Callable[[], Any] = getattr(torch._C, "_current_autograd_node", lambda: None)
+
+#: A node's ``_sequence_nr()`` when it has none (``AccumulateGrad``): UINT64_MAX.
+_NO_SEQUENCE_NR = 2**64 - 1
+
+
+def _node_key(node: Any) -> tuple[str, int] | None:
+    """A key that names an autograd node for its whole life; ``None`` for a node without one.
+
+    Not ``hash(node)``: once no reference to a C++ node's Python object is left, torch may
+    free it and make a new one at the next access (torch 2.11 does), and the freed
+    object's id, which is its hash, comes back for another node.  A node's sequence
+    number is set when the node is made and is unique among the nodes its thread made;
+    with the class name it names the node across Python objects.
+    """
+    sequence_nr = getattr(node, "_sequence_nr", None)
+    if sequence_nr is None:
+        return None
+    number = int(sequence_nr())
+    return None if number == _NO_SEQUENCE_NR else (type(node).__name__, number)
+
+
+#: Ops that run on cuBLAS on CUDA: before torch 2.10 they raise in deterministic mode
+#: without a valid ``CUBLAS_WORKSPACE_CONFIG``.
+_CUBLAS = frozenset(
+    {"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_addmm_activation"}
+)
+
+_GROW = frozenset({"resize_", "resize_as_"})
+#: In-place ops that write their ``self`` without reading it: a write, not a read, of
+#: uninitialized memory (partial writes such as index_put_ count as writes: the audit
+#: misses a later read of the part they did not write, rather than report writes).
+_WRITE_ONLY = frozenset(
+    {
+        "fill_",
+        "zero_",
+        "copy_",
+        "uniform_",
+        "normal_",
+        "bernoulli_",
+        "random_",
+        "exponential_",
+        "geometric_",
+        "cauchy_",
+        "log_normal_",
+        "index_put_",
+        "_index_put_impl_",
+        "index_copy_",
+        "index_fill_",
+        "masked_fill_",
+        "masked_scatter_",
+        "scatter_",
+        "put_",
+        "fill_diagonal_",
+        "set_",
+    }
+)
+#: Ops that read only their arguments' metadata, never their values.
+_METADATA = frozenset(
+    {"lift_fresh", "set_", "resize_", "resize_as_", "is_same_size", "_has_same_storage_numel"}
+)
+
+
+def _arguments(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The call's arguments by their schema names, defaults filled in."""
+    out: dict[str, Any] = {}
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args) and not arg.kwarg_only:
+            out[arg.name] = args[i]
+        elif arg.name in kwargs:
+            out[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+    return out
+
+
+def _tensors(*groups: Iterable[Any]) -> Iterator[torch.Tensor]:
+    """The tensors among op arguments or results: at the top level or in a list or tuple
+    (``Tensor[]``, ``Tensor?[]``, several results), all an aten schema has."""
+    for group in groups:
+        for value in group:
+            if isinstance(value, torch.Tensor):
+                yield value
+            elif isinstance(value, (list, tuple)):
+                yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    try:
+        return int(t.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):  # sparse, nested: no plain storage
+        return None
+
+
+def _reads_values(func: Any, name: str, create: frozenset[str]) -> bool:
+    """Whether ``func`` reads the values of its tensor arguments (views and metadata
+    ops, and the ops in ``create``, do not)."""
+    if name in _METADATA or name in create or name.endswith("_like") or name.startswith("new_"):
+        return False
+    # In-place views (t_, transpose_, squeeze_, as_strided_, ...) change only the
+    # tensor's metadata; their ``is_view`` is False, their tag says it.
+    if torch.Tag.inplace_view in getattr(func, "tags", ()):
+        return False
+    return not getattr(func, "is_view", False)
+
+
+class Auditor(QuietDispatchMode):
+    """Sees every aten op call of the run and keeps what matches the table
+    (never importing torch._dynamo: see :class:`~deterministic_ctx.ops.QuietDispatchMode`)."""
+
+    def __init__(self, modules: Modules, *, backward: bool, warn_only: bool, version: str) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.modules = modules
+        self.frames = Frames()
+        self.backward = backward
+        self.warn_only = warn_only
+        self.version = version
+        self.calls = 0
+        self.backward_calls = 0
+        self.cublas = False
+        self.findings: dict[tuple[Any, ...], AuditFinding] = {}
+        # Outputs of the last forward op that needed gradients: their autograd nodes
+        # exist only once the op has returned, so they are looked up at the next call.
+        self._pending: list[tuple[weakref.ref[torch.Tensor], Site]] = []
+        # Autograd node (see _node_key) -> where its forward op was called: a backward op
+        # is attributed to that call.
+        self._nodes: dict[tuple[str, int], Site] = {}
+        # Storage -> (storage, where and by which op it was created), while nothing wrote it.
+        self._uninitialized: dict[int, tuple[Any, Site, str]] = {}
+        # The table's entry for reads of such memory, and the ops that create it (the table
+        # is read at the first audit, not at import).
+        self._unwritten = uninitialized_entry()
+        self._create = frozenset(self._unwritten.ops) - _GROW
+        # Per watched function call in progress: the aten ops it dispatched.
+        self.watching: list[set[str]] = []
+
+    # Where calls come from.
+
+    def site(self, frame: FrameType | None) -> Site:
+        location, callers = self.frames.user_frame(frame)
+        module, module_type = self.modules.current()
+        return Site(location, module, module_type, callers)
+
+    def _backward_site(self, node: Any, frame: FrameType | None) -> Site:
+        key = _node_key(node)
+        known = None if key is None else self._nodes.get(key)
+        if known is not None:
+            return known
+        # A node whose creation was not seen (a custom autograd.Function): the user's
+        # frame now is the best there is, e.g. a line of its backward().
+        location, callers = self.frames.user_frame(frame)
+        return Site(location, None, None, callers)
+
+    def resolve(self) -> None:
+        """Attribute the autograd nodes of the last forward op's outputs to its call."""
+        for ref, site in self._pending:
+            t = ref()
+            key = None if t is None or t.grad_fn is None else _node_key(t.grad_fn)
+            if key is not None:
+                self._nodes[key] = site
+        self._pending.clear()
+
+    # Findings.
+
+    def add(self, entry: OpEntry, op: str, site: Site, phase: str) -> None:
+        key = (entry.key, op, site.location, site.module, phase)
+        found = self.findings.get(key)
+        if found is not None:
+            self.findings[key] = dataclasses.replace(found, count=found.count + 1)
+            return
+        self.findings[key] = AuditFinding(
+            op,
+            site.module,
+            site.module_type,
+            site.location,
+            entry.behaviour_under(warn_only=self.warn_only, version=self.version),
+            phase,
+            entry.note,
+            entry.condition,
+            entry.key,
+        )
+
+    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        self.calls += 1
+        if self._pending:
+            self.resolve()
+        name = func.overloadpacket.__name__
+        node = _current_node()
+        frame = _caller(sys._getframe(1))
+        site: Site | None = None
+        if node is not None:
+            self.backward_calls += 1
+        for watch in self.watching:
+            watch.add(name)
+        if name in _CUBLAS:
+            self.cublas = True
+
+        if node is None or self.backward:
+            entries = entries_for(name)
+            if entries:
+                site = self.site(frame) if node is None else self._backward_site(node, frame)
+                call = OpCall(str(func), name, _arguments(func, args, kwargs), site.callers)
+                for entry in entries:
+                    if entry.kind == "op" and entry.matches(call):
+                        self.add(entry, call.op, site, "forward" if node is None else "backward")
+                        break
+        if self._uninitialized:
+            self._check_reads(func, name, args, kwargs, frame)
+        grown = None
+        if name in _GROW and args and isinstance(args[0], torch.Tensor):
+            grown = (args[0], args[0].untyped_storage().nbytes())
+
+        out = func(*args, **kwargs)
+
+        if (
+            name in self._create
+            or (grown is not None and grown[0].untyped_storage().nbytes() > grown[1])
+        ) and called_outside_torch(frame):
+            created = grown[0] if grown is not None else out
+            if isinstance(created, torch.Tensor) and created.numel() > 0:
+                key = _storage_key(created)
+                if key is not None:
+                    if site is None:
+                        site = self.site(frame)
+                    self._uninitialized[key] = (created.untyped_storage(), site, str(func))
+        # Forward ops whose outputs get an autograd node: remember where they were called.
+        if (
+            node is None
+            and torch.is_grad_enabled()
+            and any(t.requires_grad for t in _tensors(args, kwargs.values()))
+        ):
+            if site is None:
+                site = self.site(frame)
+            self._pending += [(weakref.ref(t), site) for t in _tensors((out,))]
+        return out
+
+    def _check_reads(
+        self,
+        func: Any,
+        name: str,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        frame: FrameType | None,
+    ) -> None:
+        """Memory that nothing wrote: written now (forget it), or read (a finding)."""
+        if not _reads_values(func, name, self._create):
+            return
+        values = _arguments(func, args, kwargs)
+        # put_/index_put_ with accumulate=True, scatter_ with reduce= read what they write to.
+        write_only = (
+            name in _WRITE_ONLY and not values.get("accumulate") and values.get("reduce") is None
+        )
+        schema_args = func._schema.arguments
+        for arg in schema_args:
+            written = arg.alias_info is not None and arg.alias_info.is_write
+            for t in _tensors((values.get(arg.name),)):
+                key = _storage_key(t)
+                created = None if key is None else self._uninitialized.pop(key, None)
+                if created is None or (written and (write_only or arg.is_out)):
+                    continue
+                _, site, op = created
+                reader = self.site(frame)
+                note = f"{self._unwritten.note} Read by {func} at {reader.location}."
+                entry = dataclasses.replace(self._unwritten, note=note)
+                self.add(entry, op, site, "forward")
+
+
+#: Frames of this module and of ops.py's QuietDispatchMode between an op's caller
+#: and the audit's bookkeeping.
+_DISPATCH_FRAMES = frozenset({"__torch_dispatch__", "_hand_over", "_dispatch"})
+_DISPATCH_MODULES = frozenset({__name__, QuietDispatchMode.__module__})
+
+
+def _caller(frame: FrameType | None) -> FrameType | None:
+    """The first frame outside the audit's own dispatch frames (and dynamo's disabling
+    wrapper, when it is in between)."""
+    while frame is not None and (
+        (
+            frame.f_globals.get("__name__") in _DISPATCH_MODULES
+            and frame.f_code.co_name in _DISPATCH_FRAMES
+        )
+        or str(frame.f_globals.get("__name__", "")).startswith("torch._dynamo")
+    ):
+        frame = frame.f_back
+    return frame
+
+
+class Functions(TorchFunctionMode):
+    """Watches calls of the torch functions the table names (``kind="function"``)."""
+
+    def __init__(self, auditor: Auditor, entries: Mapping[Any, tuple[str, OpEntry]]) -> None:
+        super().__init__()
+        self.auditor = auditor
+        self.entries = entries
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        try:
+            watched = self.entries.get(func)
+        except TypeError:  # an unhashable callable: not one of torch's functions
+            watched = None
+        if watched is None:
+            return func(*args, **kwargs)
+        qualname, entry = watched
+        auditor = self.auditor
+        frame = sys._getframe(1)
+        dispatched: set[str] = set()
+        auditor.watching.append(dispatched)
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            auditor.watching.remove(dispatched)
+        if entry.phase == "backward" and not (auditor.backward and torch.is_grad_enabled()):
+            return out
+        if dispatched.isdisjoint(entry.unless_dispatched):
+            arguments = _bind(func, entry, args, kwargs)
+            site = auditor.site(frame)
+            if entry.matches(OpCall(qualname, qualname, arguments, site.callers)):
+                auditor.add(entry, qualname, site, entry.phase)
+        return out
+
+
+def _bind(
+    func: Any, entry: OpEntry, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """A watched function's arguments by name, defaults filled in where known."""
+    if entry.parameters:
+        return {**dict(zip(entry.parameters, args, strict=False)), **kwargs}
+    try:
+        bound = inspect.signature(func).bind(*args, **kwargs)
+    except (TypeError, ValueError):  # no signature, or a call the function would refuse
+        return dict(kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def watched_functions() -> dict[Any, tuple[str, OpEntry]]:
+    """The table's torch functions, by the function object that torch dispatches with."""
+    found: dict[Any, tuple[str, OpEntry]] = {}
+    for entry in table():
+        if entry.kind != "function":
+            continue
+        for qualname in entry.ops:
+            module_name, _, attribute = qualname.rpartition(".")
+            module = sys.modules.get(module_name)
+            function = getattr(module, attribute, None) if module is not None else None
+            if function is not None:
+                found[function] = (qualname, entry)
+    return found
