@@ -100,20 +100,20 @@ from typing import Any, NamedTuple, TypeVar, cast
 import numpy as np
 import torch
 
-from .._seed import derive_seed
-from .._settings import Settings
-from . import _plain
-from ._memory import NUMPY_LAYOUT, is_cpython, mt19937_view
-from ._memory import view as _memory_view
-from .numpy_global import BIT_GENERATORS, bit_generator_state_from_plain, numpy_state_to_plain
-from .python_random import (
+from ..._seed import derive_seed
+from ..._settings import Settings
+from .. import _plain
+from .._memory import NUMPY_LAYOUT, is_cpython, mt19937_view
+from .._memory import view as _memory_view
+from ..numpy_global import BIT_GENERATORS, bit_generator_state_from_plain, numpy_state_to_plain
+from ..python_random import (
     PythonRandomState,
     fast_layout_for,
     public_state,
     random_state_from_plain,
     random_state_to_plain,
 )
-from .torch_cpu import generator_state_from_plain
+from ..torch_cpu import generator_state_from_plain
 
 __all__ = [
     "ENTRY_POINT_GROUP",
