@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 from deterministic_ctx import Snapshot, derive_seed, deterministic, register_rng, unregister_rng
 from deterministic_ctx.sources import user_rngs
 from deterministic_ctx.sources.numpy_global import numpy_state_to_plain
+from deterministic_ctx.sources.user_rngs import kinds
 from tests.helpers import RandomLike
 
 
@@ -204,11 +205,11 @@ def test_the_saved_state_is_the_public_state(case):
     (saved,) = [u for u in snap.state_dict()["sources"]["user"] if u["key"] == f"fast-{name}"]
     entry = next(e for e in user_rngs._live() if e.get() is obj)
     kind = entry.kind
-    if kind is user_rngs._RANDOM:
+    if kind is kinds.RANDOM:
         expected = user_rngs._CODECS[kind.name][0](obj, obj.getstate())
     else:
         expected = user_rngs._CODECS[kind.name][0](obj, kind.get(obj))
-    if kind is user_rngs._TORCH:
+    if kind is kinds.TORCH:
         assert saved["state"]["state"].tolist() == expected["state"].tolist()
     else:
         assert saved["state"] == expected

@@ -85,7 +85,6 @@ import ctypes
 import itertools
 import operator
 import os
-import random
 import struct
 import threading
 import warnings
@@ -114,6 +113,18 @@ from ..python_random import (
     random_state_to_plain,
 )
 from ..torch_cpu import generator_state_from_plain
+from .kinds import (
+    GENERATOR,
+    KINDS,
+    RANDOM,
+    RANDOM_LIKE,
+    RANDOM_STATE,
+    TORCH,
+    Kind,
+    kind_of,
+    random_like,
+    short_repr,
+)
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -130,112 +141,6 @@ T = TypeVar("T")
 #: each entry point loads to a zero-argument callable returning an RNG, an
 #: iterable of RNGs, a mapping of names to RNGs, or ``None`` (nothing).
 ENTRY_POINT_GROUP = "deterministic_ctx.rngs"
-
-
-class _Kind(NamedTuple):
-    name: str
-    get: Callable[[Any], Any]
-    set: Callable[[Any, Any], None]
-    seed: Callable[[Any, int], None]
-    bits: int
-
-
-def _np_generator_seed(gen: np.random.Generator, seed: int) -> None:
-    bg = gen.bit_generator
-    bg.state = type(bg)(seed).state
-
-
-_RANDOM = _Kind(
-    "random.Random",
-    lambda r: r.getstate(),
-    lambda r, s: r.setstate(s),
-    lambda r, s: r.seed(s),
-    64,
-)
-_GENERATOR = _Kind(
-    "numpy.random.Generator",
-    lambda g: g.bit_generator.state,
-    lambda g, s: setattr(g.bit_generator, "state", s),
-    _np_generator_seed,
-    64,
-)
-_RANDOM_STATE = _Kind(
-    "numpy.random.RandomState",
-    lambda r: r.get_state(legacy=False),
-    lambda r, s: r.set_state(s),
-    lambda r, s: r.seed(s),
-    32,
-)
-_TORCH = _Kind(
-    "torch.Generator",
-    lambda g: g.get_state(),
-    lambda g, s: g.set_state(s),
-    lambda g, s: g.manual_seed(s),
-    64,
-)
-#: Any object with ``seed()``, ``getstate()`` and ``setstate()``.  Its seed is
-#: 32 bits: ``seed()`` is the object's own code, and 0 .. 2**32 - 1 is what
-#: every integer-seeded generator accepts (NumPy's legacy seeding, C++
-#: ``std::mt19937``, bindings that take a ``uint32_t``), where 64 bits would be
-#: refused or silently truncated by some.
-_RANDOM_LIKE = _Kind(
-    "random-like",
-    lambda o: o.getstate(),
-    lambda o, s: o.setstate(s),
-    lambda o, s: o.seed(s),
-    32,
-)
-
-_KINDS: tuple[tuple[type, _Kind], ...] = (
-    (random.Random, _RANDOM),
-    (np.random.Generator, _GENERATOR),
-    (np.random.RandomState, _RANDOM_STATE),
-    (torch.Generator, _TORCH),
-)
-_PROTOCOL = "an object with seed(), getstate() and setstate() methods"
-
-
-def _random_like(obj: object) -> bool:
-    return all(callable(getattr(obj, name, None)) for name in ("seed", "getstate", "setstate"))
-
-
-def _kind_of(obj: object) -> _Kind:
-    if isinstance(obj, random.SystemRandom):
-        raise TypeError(
-            "register_rng() cannot manage random.SystemRandom: it draws from the OS and "
-            "has no state to seed or restore"
-        )
-    if obj is np.random.mtrand._rand or obj is getattr(random.random, "__self__", None):
-        raise ValueError(
-            "register_rng() is for your own RNGs: the global random and NumPy generators "
-            "are managed by every block already"
-        )
-    if isinstance(obj, np.random.RandomState) and not isinstance(
-        obj._bit_generator, np.random.MT19937
-    ):
-        raise TypeError(
-            f"register_rng() cannot manage a RandomState over "
-            f"{type(obj._bit_generator).__name__}: RandomState.seed() only re-seeds MT19937, "
-            f"so blocks could not seed it; register np.random.Generator(bit_generator) instead"
-        )
-    for cls, kind in _KINDS:
-        if isinstance(obj, cls):
-            return kind
-    if _random_like(obj):
-        return _RANDOM_LIKE
-    accepted = ", ".join(k.name for _, k in _KINDS)
-    raise TypeError(
-        f"register_rng() cannot manage {type(obj).__qualname__} {_short_repr(obj)}; "
-        f"accepted: {accepted}, or {_PROTOCOL}"
-    )
-
-
-def _short_repr(obj: object) -> str:
-    try:
-        text = repr(obj)
-    except Exception as exc:  # a repr that raises must not hide the real error
-        return f"(unprintable: {type(exc).__name__})"
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # -- proven C records of NumPy bit generators ----------------------------------------
@@ -418,9 +323,7 @@ class _Entry:
         "view2",
     )
 
-    def __init__(
-        self, obj: object, key: str, kind: _Kind, token: int, shared: bool = False
-    ) -> None:
+    def __init__(self, obj: object, key: str, kind: Kind, token: int, shared: bool = False) -> None:
         # ``get()`` returns the object, or ``None`` once it has been collected.
         self.get: Callable[[], Any]
         try:
@@ -457,11 +360,11 @@ class _Entry:
         # Views are made here, while ``obj`` is alive; the loops use them only
         # after ``get()`` returned the object (see the module docstring).
         kind = self.kind
-        if kind is _RANDOM:
+        if kind is RANDOM:
             if self.layout is not None:
                 self.mode, self.view = _MT, self.layout.view(obj)
                 self.mt = self.view
-        elif kind is _GENERATOR:
+        elif kind is GENERATOR:
             bg = obj.bit_generator
             # An exact Generator's ``bit_generator`` is its ``_bit_generator``
             # attribute (read without a call); a subclass may override the property.
@@ -473,7 +376,7 @@ class _Entry:
                 self.mode, self.view, self.lock, self.codec = _RECORD, view, bg.lock, codec
             else:
                 self.mode = _SET
-        elif kind is _RANDOM_STATE:
+        elif kind is RANDOM_STATE:
             bg = obj._bit_generator
             if (
                 NUMPY_LAYOUT is not None
@@ -483,7 +386,7 @@ class _Entry:
                 self.bg, self.bg_of = bg, _OWN_BIT_GENERATOR
                 self.mode, self.lock = _LEGACY, bg.lock
                 self.view, self.view2 = mt19937_view(bg), NUMPY_LAYOUT.view(obj)
-        elif kind is _TORCH and type(obj) is torch.Generator and obj.device.type == "cpu":
+        elif kind is TORCH and type(obj) is torch.Generator and obj.device.type == "cpu":
             # A CPU generator's state holds its seed and normal caches, so
             # setting the state seeding produced is ``manual_seed`` (tests
             # compare both, ``initial_seed()`` included); other devices' are
@@ -512,9 +415,9 @@ class _Entry:
             self.kind.seed(obj, derived)
             return
         state: Any
-        if mode == _SET and self.kind is _GENERATOR:
+        if mode == _SET and self.kind is GENERATOR:
             bg = obj.bit_generator
-            state = type(bg)(derived).state  # exactly what _np_generator_seed sets
+            state = type(bg)(derived).state  # exactly what GENERATOR.seed sets
             bg.state = state
         elif mode == _SET:
             self.kind.seed(obj, derived)
@@ -605,7 +508,7 @@ class _Entry:
         return twin
 
 
-_BIT_GENERATOR = operator.attrgetter("bit_generator")  # what ``_GENERATOR``'s API reads
+_BIT_GENERATOR = operator.attrgetter("bit_generator")  # what ``GENERATOR``'s API reads
 #: Where both NumPy types keep their bit generator (``RandomState``'s API and an
 #: exact ``Generator``'s ``bit_generator`` property read it there).
 _OWN_BIT_GENERATOR = operator.attrgetter("_bit_generator")
@@ -1048,7 +951,7 @@ def register_rng(obj: T, *, key: str | None = None, shared: bool = False) -> T:
         True
         >>> unregister_rng(masks)
     """
-    kind = _kind_of(obj)
+    kind = kind_of(obj)
     if key is not None and not isinstance(key, str):
         raise TypeError(f"key must be a str or None, got {type(key).__name__} {key!r}")
     if not isinstance(shared, bool):
@@ -1058,7 +961,7 @@ def register_rng(obj: T, *, key: str | None = None, shared: bool = False) -> T:
         if found is not None:
             if found.shared != shared:
                 raise ValueError(
-                    f"register_rng(): {_short_repr(obj)} is registered already with "
+                    f"register_rng(): {short_repr(obj)} is registered already with "
                     f"shared={found.shared}; call unregister_rng() first to register it with "
                     f"shared={shared}"
                 )
@@ -1590,7 +1493,7 @@ _CODECS: dict[str, tuple[Callable[[Any, Any], Any], Callable[[Any, object, str],
     ),
     "random-like": (_random_like_to_plain, _random_like_from_plain),
 }
-assert set(_CODECS) == {kind.name for _cls, kind in _KINDS} | {_RANDOM_LIKE.name}, (
+assert set(_CODECS) == {kind.name for _cls, kind in KINDS} | {RANDOM_LIKE.name}, (
     "every kind needs a codec"
 )
 
@@ -1648,7 +1551,7 @@ def _register_entry_point(ep: Any) -> None:
             raise TypeError(f"it loads to a {type(factory).__qualname__}, not a callable")
         pairs = _contributions(ep.name, factory())
         for _key, obj in pairs:
-            _kind_of(obj)  # all or nothing: check every object before registering any
+            kind_of(obj)  # all or nothing: check every object before registering any
         for key, obj in pairs:
             register_rng(obj, key=key)
     except Exception as exc:
@@ -1662,7 +1565,7 @@ def _register_entry_point(ep: Any) -> None:
 
 
 def _manageable(obj: object) -> bool:
-    return isinstance(obj, tuple(cls for cls, _ in _KINDS)) or _random_like(obj)
+    return isinstance(obj, tuple(cls for cls, _ in KINDS)) or random_like(obj)
 
 
 def _contributions(name: str, produced: object) -> list[tuple[str, object]]:
