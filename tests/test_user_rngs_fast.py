@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from deterministic_ctx import Snapshot, derive_seed, deterministic, register_rng, unregister_rng
 from deterministic_ctx.sources import user_rngs
 from deterministic_ctx.sources.numpy_global import numpy_state_to_plain
-from deterministic_ctx.sources.user_rngs import kinds
+from deterministic_ctx.sources.user_rngs import kinds, records
 from tests.helpers import RandomLike
 
 
@@ -151,8 +151,8 @@ def case(request):
 def test_the_path_chosen_at_registration(case):
     name, obj, mode = case
     (entry,) = [e for e in user_rngs._live() if e.get() is obj]
-    proven = user_rngs.is_cpython() and user_rngs.NUMPY_LAYOUT is not None
-    if proven and len(user_rngs._records()) == 3:
+    proven = records.is_cpython() and records.NUMPY_LAYOUT is not None
+    if proven and len(records.proven_records()) == 3:
         assert entry.mode == mode, name
     else:  # pragma: no cover - another interpreter or NumPy: the public API is exact too
         assert entry.mode in (mode, user_rngs._API, user_rngs._SET)
@@ -241,7 +241,8 @@ def test_public_paths_give_the_same_draws_as_the_fast_ones(monkeypatch):
                 unregister_rng(obj)
 
     fast = run()
-    monkeypatch.setattr(user_rngs, "_RECORDS", {})
+    monkeypatch.setattr(records, "_RECORDS", {})
+    monkeypatch.setattr(records, "NUMPY_LAYOUT", None)
     monkeypatch.setattr(user_rngs, "NUMPY_LAYOUT", None)
     monkeypatch.setattr(user_rngs, "fast_layout_for", lambda obj: None)
     monkeypatch.setattr(user_rngs._Entry, "_choose_path", lambda self, obj: None)
@@ -275,7 +276,7 @@ def test_hundreds_of_rngs_are_each_seeded_exactly():
 
 
 def test_probes_prove_the_records_they_accept():
-    for cls, record in user_rngs._records().items():
+    for cls, record in records.proven_records().items():
         bg = cls(12345)
         np.random.Generator(bg).integers(0, 2**32, dtype=np.uint32)  # a buffered half
         view = record.view(bg)
@@ -285,12 +286,12 @@ def test_probes_prove_the_records_they_accept():
 
 
 def test_a_pcg_record_of_another_layout_is_refused():
-    record = user_rngs._probe_pcg(np.random.PCG64)
+    record = records.probe_pcg(np.random.PCG64)
     if record is None:  # pragma: no cover - not CPython, or NumPy laid out otherwise
         pytest.skip("no PCG64 record on this interpreter")
-    wrong = user_rngs._PcgRecord("PCG64", record.gap + 16)  # a pointer that does not match
+    wrong = records.PcgRecord("PCG64", record.gap + 16)  # a pointer that does not match
     assert wrong.view(np.random.PCG64(1)) is None
-    assert user_rngs._probe_pcg(np.random.SFC64) is None  # no pointer where PCG64 has one
+    assert records.probe_pcg(np.random.SFC64) is None  # no pointer where PCG64 has one
 
 
 def test_a_failed_restore_of_one_rng_still_restores_the_others():

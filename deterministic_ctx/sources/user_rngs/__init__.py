@@ -81,7 +81,6 @@ what its loops need, bound once at registration.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import operator
 import os
@@ -94,7 +93,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import partial
 from io import BytesIO
 from itertools import compress, repeat
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -102,8 +101,7 @@ import torch
 from ..._seed import derive_seed
 from ..._settings import Settings
 from .. import _plain
-from .._memory import NUMPY_LAYOUT, is_cpython, mt19937_view
-from .._memory import view as _memory_view
+from .._memory import NUMPY_LAYOUT, mt19937_view
 from ..numpy_global import BIT_GENERATORS, bit_generator_state_from_plain, numpy_state_to_plain
 from ..python_random import (
     PythonRandomState,
@@ -125,6 +123,7 @@ from .kinds import (
     random_like,
     short_repr,
 )
+from .records import MtRecord, PcgRecord, proven_records
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -141,128 +140,6 @@ T = TypeVar("T")
 #: each entry point loads to a zero-argument callable returning an RNG, an
 #: iterable of RNGs, a mapping of names to RNGs, or ``None`` (nothing).
 ENTRY_POINT_GROUP = "deterministic_ctx.rngs"
-
-
-# -- proven C records of NumPy bit generators ----------------------------------------
-
-_POINTER = struct.calcsize("@P")
-
-
-class _PcgRecord(NamedTuple):
-    """The state of a PCG64 / PCG64DXSM bit generator as one C record.
-
-    At ``state_address`` NumPy keeps ``{pcg64_random_t *pcg_state; int
-    has_uint32; uint32_t uinteger}``; the pointer leads to ``{state, inc}``,
-    two native 128-bit integers inside the same object, ``gap`` bytes after
-    ``state_address``.  The record is everything from ``has_uint32`` to the
-    end of ``inc`` (padding included), and *not* the pointer: it is the same
-    for every object of the type, so a record can be written to any of them.
-    """
-
-    name: str
-    gap: int
-
-    def view(self, bg: Any) -> memoryview | None:
-        """The record of ``bg``, or ``None`` if this object is laid out otherwise."""
-        address = int(bg.ctypes.state_address)
-        (pointer,) = struct.unpack("@P", ctypes.string_at(address, _POINTER))
-        start, end = address + _POINTER, address + self.gap + 32
-        if pointer != address + self.gap or address <= id(bg):
-            return None
-        if end > id(bg) + type(bg).__basicsize__:
-            return None
-        return _memory_view(start, end - start)
-
-    def decode(self, raw: bytes) -> dict[str, Any]:
-        """The record as ``bit_generator.state``."""
-        has_uint32, uinteger = struct.unpack_from("=iI", raw)
-        at = self.gap - _POINTER
-        return {
-            "bit_generator": self.name,
-            "state": {
-                "state": int.from_bytes(raw[at : at + 16], "little"),
-                "inc": int.from_bytes(raw[at + 16 : at + 32], "little"),
-            },
-            "has_uint32": has_uint32,
-            "uinteger": uinteger,
-        }
-
-
-class _MtRecord(NamedTuple):
-    """An MT19937 bit generator's ``key[624], pos`` (proven in :mod:`._memory`)."""
-
-    name: str = "MT19937"
-
-    def view(self, bg: Any) -> memoryview | None:
-        return mt19937_view(bg)
-
-    def decode(self, raw: bytes) -> dict[str, Any]:
-        *key, pos = struct.unpack("=624Ii", raw)
-        return {
-            "bit_generator": "MT19937",
-            "state": {"key": np.array(key, dtype=np.uint32), "pos": pos},
-        }
-
-
-def _probe_pcg(cls: type) -> _PcgRecord | None:
-    """The record layout of ``cls``, proven on throw-away objects, or ``None``."""
-    if not is_cpython():
-        return None
-    try:
-        a = cls(20_240_521)
-        state = a.state
-        state["has_uint32"], state["uinteger"] = 1, 0x9E37_79B9  # a buffered half-draw
-        a.state = state
-        address = int(a.ctypes.state_address)
-        (pointer,) = struct.unpack("@P", ctypes.string_at(address, _POINTER))
-        layout = _PcgRecord(cls.__name__, pointer - address)
-        if layout.gap < _POINTER + 8:
-            return None
-        view_a = layout.view(a)
-        # 1. the record reads as the public state says
-        if view_a is None or layout.decode(bytes(view_a)) != a.state:
-            return None
-        # 2. another object given the record has that state and draws the same
-        b = cls(7)
-        view_b = layout.view(b)
-        if view_b is None:
-            return None
-        view_b[:] = bytes(view_a)
-        if b.state != a.state:
-            return None
-        ga, gb = np.random.Generator(a), np.random.Generator(b)
-        for _ in range(2):  # the buffered half first, then a fresh draw
-            if ga.integers(0, 2**32, dtype=np.uint32) != gb.integers(0, 2**32, dtype=np.uint32):
-                return None
-        if ga.random(3).tolist() != gb.random(3).tolist():
-            return None
-        # 3. the record follows the state through draws
-        if layout.decode(bytes(view_b)) != b.state:
-            return None
-    except Exception:
-        return None
-    return layout
-
-
-#: Exact bit-generator type -> its proven record; absent: the public ``state`` API.
-#: Probed by :func:`_records` when the first NumPy Generator is registered, not
-#: at import (the probes build throw-away generators: a few ms).
-_RECORDS: dict[type, _PcgRecord | _MtRecord] | None = None
-
-
-def _records() -> dict[type, _PcgRecord | _MtRecord]:
-    global _RECORDS
-    if _RECORDS is None:
-        _RECORDS = {
-            cls: record
-            for cls, record in (
-                (np.random.PCG64, _probe_pcg(np.random.PCG64)),
-                (np.random.PCG64DXSM, _probe_pcg(np.random.PCG64DXSM)),
-                (np.random.MT19937, _MtRecord() if NUMPY_LAYOUT is not None else None),
-            )
-            if record is not None
-        }
-    return _RECORDS
 
 
 # -- entries ---------------------------------------------------------------------------
@@ -347,7 +224,7 @@ class _Entry:
         #: ``view`` for ``_MT`` entries, else ``None``: the loops' one test for the common case.
         self.mt: Any = None
         self.lock: Any = None
-        self.codec: _PcgRecord | _MtRecord | None = None
+        self.codec: PcgRecord | MtRecord | None = None
         #: The NumPy bit generator that ``view``, ``lock`` and ``memo`` belong
         #: to, held (so the views never outlive its memory), and how to read
         #: the object's current one: ``Generator.__init__`` and
@@ -370,7 +247,7 @@ class _Entry:
             # attribute (read without a call); a subclass may override the property.
             exact = type(obj) is np.random.Generator
             self.bg, self.bg_of = bg, _OWN_BIT_GENERATOR if exact else _BIT_GENERATOR
-            codec = _records().get(type(bg))
+            codec = proven_records().get(type(bg))
             view = codec.view(bg) if codec is not None and exact else None
             if codec is not None and view is not None:
                 self.mode, self.view, self.lock, self.codec = _RECORD, view, bg.lock, codec
@@ -491,7 +368,7 @@ class _Entry:
             (has_gauss,) = struct.unpack_from("=i", gauss)
             (value,) = struct.unpack_from("=d", gauss, 8)
             return {
-                **_MtRecord().decode(mt),
+                **MtRecord().decode(mt),
                 "has_gauss": has_gauss,
                 "gauss": value,
             }
