@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from deterministic_ctx import Snapshot, derive_seed, deterministic, register_rng, unregister_rng
 from deterministic_ctx.sources import user_rngs
 from deterministic_ctx.sources.numpy_global import numpy_state_to_plain
-from deterministic_ctx.sources.user_rngs import kinds, records
+from deterministic_ctx.sources.user_rngs import kinds, persistence, records
 from tests.helpers import RandomLike
 
 
@@ -206,9 +206,9 @@ def test_the_saved_state_is_the_public_state(case):
     entry = next(e for e in user_rngs._live() if e.get() is obj)
     kind = entry.kind
     if kind is kinds.RANDOM:
-        expected = user_rngs._CODECS[kind.name][0](obj, obj.getstate())
+        expected = persistence.CODECS[kind.name][0](obj, obj.getstate())
     else:
-        expected = user_rngs._CODECS[kind.name][0](obj, kind.get(obj))
+        expected = persistence.CODECS[kind.name][0](obj, kind.get(obj))
     if kind is kinds.TORCH:
         assert saved["state"]["state"].tolist() == expected["state"].tolist()
     else:
@@ -483,7 +483,7 @@ def test_a_batch_saves_and_loads_what_each_rng_alone_would(family):
         for i, rng in enumerate(rngs):
             entry = next(e for e in user_rngs._live() if e.get() is rng)
             state = rng.getstate() if isinstance(rng, random.Random) else entry.kind.get(rng)
-            assert saved[f"save{i}"]["state"] == user_rngs._CODECS[entry.kind.name][0](rng, state)
+            assert saved[f"save{i}"]["state"] == persistence.CODECS[entry.kind.name][0](rng, state)
         for loaded in (snap, Snapshot.from_state_dict(snap.state_dict())):
             for rng in rngs:
                 stir(rng)
