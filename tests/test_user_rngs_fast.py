@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from deterministic_ctx import Snapshot, derive_seed, deterministic, register_rng, unregister_rng
 from deterministic_ctx.sources import user_rngs
 from deterministic_ctx.sources.numpy_global import numpy_state_to_plain
-from deterministic_ctx.sources.user_rngs import kinds, persistence, records
+from deterministic_ctx.sources.user_rngs import entries, kinds, persistence, records
 from tests.helpers import RandomLike
 
 
@@ -60,19 +60,19 @@ _RandomLike = RandomLike
 
 #: name -> (make, expected path on CPython with the layouts proven)
 CASES: dict[str, tuple[Callable[[], Any], int]] = {
-    "random": (lambda: random.Random(1), user_rngs._MT),
-    "random-subclass": (lambda: _SubRandom(1), user_rngs._API),
-    "pcg64": (lambda: np.random.Generator(np.random.PCG64(1)), user_rngs._RECORD),
-    "pcg64dxsm": (lambda: np.random.Generator(np.random.PCG64DXSM(1)), user_rngs._RECORD),
-    "mt19937": (lambda: np.random.Generator(np.random.MT19937(1)), user_rngs._RECORD),
-    "sfc64": (lambda: np.random.Generator(np.random.SFC64(1)), user_rngs._SET),
-    "philox": (lambda: np.random.Generator(np.random.Philox(1)), user_rngs._SET),
-    "pcg64-subclass": (lambda: np.random.Generator(_SubPCG64(1)), user_rngs._SET),
-    "randomstate": (lambda: np.random.RandomState(1), user_rngs._LEGACY),
-    "randomstate-subclass": (lambda: _SubRandomState(1), user_rngs._API),
-    "torch": (lambda: torch.Generator().manual_seed(1), user_rngs._SET),
-    "torch-subclass": (lambda: _SubTorch().manual_seed(1), user_rngs._API),
-    "random-like": (lambda: _RandomLike(1), user_rngs._API),
+    "random": (lambda: random.Random(1), entries.MT),
+    "random-subclass": (lambda: _SubRandom(1), entries.API),
+    "pcg64": (lambda: np.random.Generator(np.random.PCG64(1)), entries.RECORD),
+    "pcg64dxsm": (lambda: np.random.Generator(np.random.PCG64DXSM(1)), entries.RECORD),
+    "mt19937": (lambda: np.random.Generator(np.random.MT19937(1)), entries.RECORD),
+    "sfc64": (lambda: np.random.Generator(np.random.SFC64(1)), entries.SET),
+    "philox": (lambda: np.random.Generator(np.random.Philox(1)), entries.SET),
+    "pcg64-subclass": (lambda: np.random.Generator(_SubPCG64(1)), entries.SET),
+    "randomstate": (lambda: np.random.RandomState(1), entries.LEGACY),
+    "randomstate-subclass": (lambda: _SubRandomState(1), entries.API),
+    "torch": (lambda: torch.Generator().manual_seed(1), entries.SET),
+    "torch-subclass": (lambda: _SubTorch().manual_seed(1), entries.API),
+    "random-like": (lambda: _RandomLike(1), entries.API),
 }
 
 
@@ -155,7 +155,7 @@ def test_the_path_chosen_at_registration(case):
     if proven and len(records.proven_records()) == 3:
         assert entry.mode == mode, name
     else:  # pragma: no cover - another interpreter or NumPy: the public API is exact too
-        assert entry.mode in (mode, user_rngs._API, user_rngs._SET)
+        assert entry.mode in (mode, entries.API, entries.SET)
 
 
 @pytest.mark.parametrize("seeds", [(0, 0, 0), (3, 4, 3, 4), (7,)])
@@ -243,9 +243,9 @@ def test_public_paths_give_the_same_draws_as_the_fast_ones(monkeypatch):
     fast = run()
     monkeypatch.setattr(records, "_RECORDS", {})
     monkeypatch.setattr(records, "NUMPY_LAYOUT", None)
-    monkeypatch.setattr(user_rngs, "NUMPY_LAYOUT", None)
-    monkeypatch.setattr(user_rngs, "fast_layout_for", lambda obj: None)
-    monkeypatch.setattr(user_rngs._Entry, "_choose_path", lambda self, obj: None)
+    monkeypatch.setattr(entries, "NUMPY_LAYOUT", None)
+    monkeypatch.setattr(entries, "fast_layout_for", lambda obj: None)
+    monkeypatch.setattr(entries.Entry, "_choose_path", lambda self, obj: None)
     slow = run()
     assert fast == slow
 
@@ -655,7 +655,7 @@ def _runs(ops: list[tuple[Any, ...]]) -> tuple[list[Any], list[Any]]:
         fast = _workload(ops)
         mp.setattr(user_rngs, "_MT_BATCH_MIN", 10**9)
         mp.setattr(user_rngs, "_RECORD_BATCH_MIN", 10**9)
-        mp.setattr(user_rngs._Entry, "_choose_path", lambda self, obj: None)
+        mp.setattr(entries.Entry, "_choose_path", lambda self, obj: None)
         user_rngs._changed()
         reference = _workload(ops)
     user_rngs._changed()

@@ -84,7 +84,6 @@ from __future__ import annotations
 import itertools
 import operator
 import os
-import struct
 import threading
 import warnings
 import weakref
@@ -95,27 +94,25 @@ from io import BytesIO
 from itertools import compress, repeat
 from typing import Any, TypeVar, cast
 
-import numpy as np
-import torch
-
-from ..._seed import derive_seed
 from ..._settings import Settings
 from .. import _plain
-from .._memory import NUMPY_LAYOUT, mt19937_view
-from ..python_random import PythonRandomState, fast_layout_for, public_state
+from .entries import (
+    LEGACY,
+    OWN_BIT_GENERATOR,
+    RECORD,
+    Entry,
+    Record,
+    Ref,
+    parts,
+    seed_entry,
+)
 from .kinds import (
-    GENERATOR,
     KINDS,
-    RANDOM,
-    RANDOM_STATE,
-    TORCH,
-    Kind,
     kind_of,
     random_like,
     short_repr,
 )
 from .persistence import CODECS, NotPlain, class_path
-from .records import MtRecord, PcgRecord, proven_records
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -134,267 +131,11 @@ T = TypeVar("T")
 ENTRY_POINT_GROUP = "deterministic_ctx.rngs"
 
 
-# -- entries ---------------------------------------------------------------------------
+# -- batches ---------------------------------------------------------------------------
 
-#: How an entry is captured, seeded and restored (chosen at registration).
-_API = 0  # the kind's get / set / seed, every time
-_MT = 1  # exact random.Random: a 2500-byte record and ``gauss_next``
-_RECORD = 2  # numpy.random.Generator on a proven bit generator: one record
-_LEGACY = 3  # exact numpy.random.RandomState on MT19937: two records
-_SET = 4  # the kind's get / set, seeding by setting the remembered seeded state
-
-
-#: What a capture holds per RNG: ``(entry, object, state, gauss_next)``; the
-#: last is the ``random.Random`` record's companion on the ``_MT`` path and
-#: ``None`` elsewhere (one tuple per RNG, not two: blocks allocate less).
-_Record = tuple["_Entry", Any, Any, Any]
 #: What a capture holds per :class:`_Batch`: ``(batch, objects, joined
 #: records, extra)`` (``gauss_next`` values for ``random.Random``, else ``None``).
 _BatchRecord = tuple["_Batch", tuple[Any, ...], bytes, Any]
-
-
-class _Ref(weakref.ref[Any]):
-    """A weak reference that knows its registry entry's token and the object's id,
-    so its callback finds what to remove without holding the entry (no cycle)."""
-
-    __slots__ = ("oid", "token")
-    oid: int
-    token: int
-
-    def __new__(cls, obj: object, callback: Callable[[_Ref], None], token: int) -> _Ref:
-        self = super().__new__(cls, obj, callback)
-        self.token = token
-        self.oid = id(obj)
-        return self
-
-    def __init__(self, obj: object, callback: Callable[[_Ref], None], token: int) -> None:
-        # ``weakref.ref.__init__`` only checks its two arguments; all is done in __new__.
-        pass
-
-
-class _Entry:
-    __slots__ = (
-        "_memo",
-        "bg",
-        "bg_of",
-        "codec",
-        "get",
-        "key",
-        "kind",
-        "layout",
-        "lock",
-        "memo",
-        "mode",
-        "mt",
-        "shared",
-        "token",
-        "view",
-        "view2",
-    )
-
-    def __init__(self, obj: object, key: str, kind: Kind, token: int, shared: bool = False) -> None:
-        # ``get()`` returns the object, or ``None`` once it has been collected.
-        self.get: Callable[[], Any]
-        try:
-            self.get = _Ref(obj, _on_collect, token)
-        except TypeError:  # NumPy's types lack __weakref__: held (see the module docstring)
-            self.get = _strong(obj)
-        self.token = token
-        self.key = key
-        self.kind = kind
-        #: Seeded from a block's shared seed (``Settings.seed``), not its per-rank one.
-        self.shared = shared
-        self.layout = fast_layout_for(obj)
-        self._memo: tuple[int, int] | None = None  # (block seed, derived seed)
-        #: ``(block seed, state)``: what seeding with that block seed left (-1:
-        #: none yet; seeds are never negative, so one comparison tests it).
-        self.memo: tuple[int, Any] = _NO_MEMO
-        self.mode = _API
-        # Views over the object's C records (see ``_choose_path``).
-        self.view: Any = None
-        self.view2: Any = None
-        #: ``view`` for ``_MT`` entries, else ``None``: the loops' one test for the common case.
-        self.mt: Any = None
-        self.lock: Any = None
-        self.codec: PcgRecord | MtRecord | None = None
-        #: The NumPy bit generator that ``view``, ``lock`` and ``memo`` belong
-        #: to, held (so the views never outlive its memory), and how to read
-        #: the object's current one: ``Generator.__init__`` and
-        #: ``RandomState.__init__`` can be called again and install another.
-        self.bg: Any = None
-        self.bg_of: Callable[[Any], Any] | None = None
-        self._choose_path(obj)
-
-    def _choose_path(self, obj: Any) -> None:
-        # Views are made here, while ``obj`` is alive; the loops use them only
-        # after ``get()`` returned the object (see the module docstring).
-        kind = self.kind
-        if kind is RANDOM:
-            if self.layout is not None:
-                self.mode, self.view = _MT, self.layout.view(obj)
-                self.mt = self.view
-        elif kind is GENERATOR:
-            bg = obj.bit_generator
-            # An exact Generator's ``bit_generator`` is its ``_bit_generator``
-            # attribute (read without a call); a subclass may override the property.
-            exact = type(obj) is np.random.Generator
-            self.bg, self.bg_of = bg, _OWN_BIT_GENERATOR if exact else _BIT_GENERATOR
-            codec = proven_records().get(type(bg))
-            view = codec.view(bg) if codec is not None and exact else None
-            if codec is not None and view is not None:
-                self.mode, self.view, self.lock, self.codec = _RECORD, view, bg.lock, codec
-            else:
-                self.mode = _SET
-        elif kind is RANDOM_STATE:
-            bg = obj._bit_generator
-            if (
-                NUMPY_LAYOUT is not None
-                and type(obj) is np.random.RandomState
-                and type(bg) is np.random.MT19937
-            ):
-                self.bg, self.bg_of = bg, _OWN_BIT_GENERATOR
-                self.mode, self.lock = _LEGACY, bg.lock
-                self.view, self.view2 = mt19937_view(bg), NUMPY_LAYOUT.view(obj)
-        elif kind is TORCH and type(obj) is torch.Generator and obj.device.type == "cpu":
-            # A CPU generator's state holds its seed and normal caches, so
-            # setting the state seeding produced is ``manual_seed`` (tests
-            # compare both, ``initial_seed()`` included); other devices' are
-            # not known to be, and are seeded each time.
-            self.mode = _SET
-
-    def replaced(self, obj: Any) -> bool:
-        """Whether ``obj`` has another bit generator than the one this entry's
-        views and memo belong to: then it takes the public API, as an ``_API``
-        entry would."""
-        bg_of = self.bg_of
-        return bg_of is not None and bg_of(obj) is not self.bg
-
-    def derived_seed(self, seed: int) -> int:
-        memo = self._memo
-        if memo is None or memo[0] != seed:
-            memo = self._memo = (seed, derive_seed(seed, "user", self.key, bits=self.kind.bits))
-        return memo[1]
-
-    def seed_slow(self, obj: Any, seed: int) -> None:
-        """Seed ``obj`` for the block seed ``seed`` with the real call and, where
-        it has an exact equivalent, remember the state it left."""
-        derived = self.derived_seed(seed)
-        mode = self.mode
-        if mode == _API or self.replaced(obj):
-            self.kind.seed(obj, derived)
-            return
-        state: Any
-        if mode == _SET and self.kind is GENERATOR:
-            bg = obj.bit_generator
-            state = type(bg)(derived).state  # exactly what GENERATOR.seed sets
-            bg.state = state
-        elif mode == _SET:
-            self.kind.seed(obj, derived)
-            state = self.kind.get(obj)
-        else:
-            self.kind.seed(obj, derived)
-            state = self.capture(obj)
-        self.memo = (seed, state)
-
-    def seed_again(self, obj: Any, seed: int) -> None:
-        """:meth:`seed_slow` where ``memo`` holds ``seed`` already: its state is
-        written (not for ``_MT`` entries, which the loops handle inline)."""
-        # The records and the memo are those of the bit generator the entry
-        # holds; one that was replaced since takes the public API (for both
-        # record modes ``_bit_generator`` is the one, and a lock is set).
-        lock = self.lock
-        if lock is None:  # _SET, _API
-            bg_of = self.bg_of
-            if bg_of is None or bg_of(obj) is self.bg:
-                self.kind.set(obj, self.memo[1])
-                return
-        elif obj._bit_generator is self.bg:
-            if self.mode == _RECORD:
-                with lock: self.view[:] = self.memo[1]  # noqa: E701  # fmt: skip
-            else:
-                with lock: self.view[:], self.view2[:] = self.memo[1]  # noqa: E701  # fmt: skip
-            return
-        self.kind.seed(obj, self.derived_seed(seed))
-
-    def capture(self, obj: Any) -> Any:
-        """The state of ``obj`` (this entry's object) now, in this entry's form
-        (an ``_MT`` entry's record only: the loops handle ``gauss_next``;
-        the public form where the bit generator was replaced)."""
-        lock = self.lock
-        if lock is None:  # _MT, _SET, _API
-            mt = self.mt
-            return mt.tobytes() if mt is not None else self.kind.get(obj)
-        if obj._bit_generator is self.bg:  # see seed_again
-            if self.mode == _RECORD:
-                with lock: return self.view.tobytes()  # noqa: E701  # fmt: skip
-            with lock: return (self.view.tobytes(), self.view2.tobytes())  # noqa: E701  # fmt: skip
-        return self.kind.get(obj)
-
-    def put(self, obj: Any, state: Any) -> None:
-        """Put back a state :meth:`capture` returned (not for ``_MT`` entries,
-        which the loops handle inline)."""
-        lock = self.lock
-        if lock is None:  # _SET, _API
-            assert self.mt is None
-            self.kind.set(obj, state)
-        elif type(state) is not dict and obj._bit_generator is self.bg:
-            if self.mode == _RECORD:
-                with lock: self.view[:] = state  # noqa: E701  # fmt: skip
-            else:
-                with lock: self.view[:], self.view2[:] = state  # noqa: E701  # fmt: skip
-        else:  # as the public API would, onto a replaced bit generator
-            self.kind.set(obj, self.public(state, None))
-
-    def public(self, state: Any, gauss: Any) -> Any:
-        """A captured state as the kind's public API gives it."""
-        mode = self.mode
-        if mode == _MT:
-            return public_state(PythonRandomState(state, gauss))
-        if type(state) is dict:  # captured through the API (``_SET``, a replaced bit generator)
-            return state
-        if mode == _RECORD:
-            assert self.codec is not None
-            return self.codec.decode(state)
-        if mode == _LEGACY:
-            mt, gauss = state
-            (has_gauss,) = struct.unpack_from("=i", gauss)
-            (value,) = struct.unpack_from("=d", gauss, 8)
-            return {
-                **MtRecord().decode(mt),
-                "has_gauss": has_gauss,
-                "gauss": value,
-            }
-        return state
-
-    def loaded(self) -> _Entry:
-        """A twin of this entry for a state loaded from a checkpoint: restored
-        through the kind's public API (which checks it), never as raw memory."""
-        twin = object.__new__(_Entry)
-        for name in _Entry.__slots__:
-            setattr(twin, name, getattr(self, name))
-        twin.mode, twin.view, twin.view2, twin.mt = _API, None, None, None
-        twin.codec, twin.memo, twin.lock, twin.bg, twin.bg_of = None, _NO_MEMO, None, None, None
-        return twin
-
-
-_BIT_GENERATOR = operator.attrgetter("bit_generator")  # what ``GENERATOR``'s API reads
-#: Where both NumPy types keep their bit generator (``RandomState``'s API and an
-#: exact ``Generator``'s ``bit_generator`` property read it there).
-_OWN_BIT_GENERATOR = operator.attrgetter("_bit_generator")
-
-_NO_MEMO: tuple[int, Any] = (-1, None)
-
-
-def _strong(obj: object) -> Callable[[], object]:
-    return lambda: obj
-
-
-def _parts(state: bytes | tuple[bytes, ...]) -> tuple[bytes, ...]:
-    """An entry's records: ``_LEGACY`` states are two, the others one."""
-    return state if type(state) is tuple else (cast(bytes, state),)
-
-
-# -- batches ---------------------------------------------------------------------------
 
 #: How many consecutive entries of a kind make a batch: below it a batch's
 #: fixed cost (a few tuples and C calls, 2-3 µs) exceeds what it saves per
@@ -440,10 +181,10 @@ class _Batch:
     """
 
     __slots__ = ("entries", "memo", "shared", "views")
-    #: As an entry's, for the loops' first test: a batch is not an ``_MT`` entry.
+    #: As an entry's, for the loops' first test: a batch is not an ``MT`` entry.
     mt: Any = None
 
-    def __init__(self, entries: tuple[_Entry, ...]) -> None:
+    def __init__(self, entries: tuple[Entry, ...]) -> None:
         self.entries = entries
         self.views = tuple(e.view for e in entries)
         self.shared = entries[0].shared
@@ -464,7 +205,7 @@ class _Batch:
         (:meth:`records`, one by one)."""
         raise NotImplementedError
 
-    def records(self, objs: tuple[Any, ...], raw: bytes, extra: Any) -> Iterator[_Record]:
+    def records(self, objs: tuple[Any, ...], raw: bytes, extra: Any) -> Iterator[Record]:
         """A record of this batch as the entries' own records, in order."""
         extras = extra if extra is not None else (None,) * len(self.entries)
         at = 0
@@ -485,19 +226,19 @@ class _Batch:
         memos = [entry.memo for entry in self.entries]
         if any(m[0] != seed for m in memos):  # pragma: no cover - another thread seeded
             return None
-        # A ``_LEGACY`` entry's state is two records, in the order of its views.
-        joined = b"".join(itertools.chain.from_iterable(_parts(m[1]) for m in memos))
+        # A ``LEGACY`` entry's state is two records, in the order of its views.
+        joined = b"".join(itertools.chain.from_iterable(parts(m[1]) for m in memos))
         self.memo = (seed, joined)
         return joined
 
     def seed_each(self, objs: Iterable[Any], seed: int) -> None:
         for entry, obj in zip(self.entries, objs, strict=True):
             if obj is not None:
-                _seed_entry(entry, obj, seed)
+                seed_entry(entry, obj, seed)
 
 
 class _MtBatch(_Batch):
-    """Exact ``random.Random`` entries (``_MT``), held by weak reference.
+    """Exact ``random.Random`` entries (``MT``), held by weak reference.
 
     The views are used only while a tuple of the objects, just read from the
     weak references and all alive, holds them (see the module docstring).
@@ -506,7 +247,7 @@ class _MtBatch(_Batch):
 
     __slots__ = ("refs",)
 
-    def __init__(self, entries: tuple[_Entry, ...]) -> None:
+    def __init__(self, entries: tuple[Entry, ...]) -> None:
         super().__init__(entries)
         self.refs = tuple(e.get for e in entries)
 
@@ -544,8 +285,8 @@ class _MtBatch(_Batch):
 
 
 class _RecordBatch(_Batch):
-    """NumPy Generators on a proven record (``_RECORD``) and RandomStates on
-    MT19937 (``_LEGACY``: two records, the bit generator's and the gaussian
+    """NumPy Generators on a proven record (``RECORD``) and RandomStates on
+    MT19937 (``LEGACY``: two records, the bit generator's and the gaussian
     cache's, in that order), held strongly by the registry (NumPy's types
     cannot be weakly referenced), so by the batch too.
 
@@ -559,14 +300,14 @@ class _RecordBatch(_Batch):
 
     __slots__ = ("bgs", "locks", "objs")
 
-    def __init__(self, entries: tuple[_Entry, ...]) -> None:
+    def __init__(self, entries: tuple[Entry, ...]) -> None:
         super().__init__(entries)
         self.views = tuple(v for e in entries for v in (e.view, e.view2) if v is not None)
         self.objs = tuple(e.get() for e in entries)
         self.bgs = tuple(e.bg for e in entries)
         self.locks = tuple(e.lock for e in entries)
 
-    def records(self, objs: tuple[Any, ...], raw: bytes, extra: Any) -> Iterator[_Record]:
+    def records(self, objs: tuple[Any, ...], raw: bytes, extra: Any) -> Iterator[Record]:
         at = 0
         for entry, obj in zip(self.entries, objs, strict=True):
             parts = []
@@ -585,7 +326,7 @@ class _RecordBatch(_Batch):
         handler's ``KeyboardInterrupt``) at any line leaves none of them held,
         which would hang every other thread that draws from them.
         """
-        if not all(map(operator.is_, map(_OWN_BIT_GENERATOR, self.objs), self.bgs)):
+        if not all(map(operator.is_, map(OWN_BIT_GENERATOR, self.objs), self.bgs)):
             return None
         taken: list[bool] = []
         try:
@@ -605,7 +346,7 @@ class _RecordBatch(_Batch):
 
     def seed(self, seed: int) -> None:
         objs = self.objs
-        ok = all(map(operator.is_, map(_OWN_BIT_GENERATOR, objs), self.bgs))
+        ok = all(map(operator.is_, map(OWN_BIT_GENERATOR, objs), self.bgs))
         joined = self.seeded(objs, seed) if ok else None
         if joined is None or self.locked(partial(self._write, joined)) is None:
             self.seed_each(objs, seed)
@@ -623,7 +364,7 @@ class _RecordBatch(_Batch):
 #: taken by a weak-reference callback, which may run while this thread holds it.
 _lock = threading.Lock()
 #: token -> entry, in registration order (tokens only grow; dicts keep insertion order).
-_entries: dict[int, _Entry] = {}
+_entries: dict[int, Entry] = {}
 #: id(object) -> token of its entry: the O(1) duplicate check.
 _by_id: dict[int, int] = {}
 _tokens = itertools.count()
@@ -634,7 +375,7 @@ _versions = itertools.count(1)
 _version = 0
 #: ``(version, entries, steps)``; starts stale, so that the first
 #: :func:`_live` loads the entry points.
-_cache: tuple[int, tuple[_Entry, ...], tuple[_Entry | _Batch, ...]] = (-1, (), ())
+_cache: tuple[int, tuple[Entry, ...], tuple[Entry | _Batch, ...]] = (-1, (), ())
 
 
 def _changed() -> None:
@@ -645,8 +386,8 @@ def _changed() -> None:
 
 
 def _on_collect(
-    ref: _Ref,
-    _entries: dict[int, _Entry] = _entries,
+    ref: Ref,
+    _entries: dict[int, Entry] = _entries,
     _by_id: dict[int, int] = _by_id,
     _changed: Callable[[], None] = _changed,
 ) -> None:
@@ -667,20 +408,20 @@ def _on_collect(
         pass
 
 
-def _live() -> tuple[_Entry, ...]:
+def _live() -> tuple[Entry, ...]:
     """The entries in registration order, as an immutable tuple to iterate over."""
     cache = _cache
     return cache[1] if cache[0] == _version else _refresh()[1]
 
 
-def _steps() -> tuple[_Entry | _Batch, ...]:
+def _steps() -> tuple[Entry | _Batch, ...]:
     """The entries in registration order, runs of batchable ones as
     batches (:func:`_batched`): what the blocks' loops go through."""
     cache = _cache
     return cache[2] if cache[0] == _version else _refresh()[2]
 
 
-def _refresh() -> tuple[int, tuple[_Entry, ...], tuple[_Entry | _Batch, ...]]:
+def _refresh() -> tuple[int, tuple[Entry, ...], tuple[Entry | _Batch, ...]]:
     global _cache
     if _plugins_pending:
         _load_plugins()
@@ -696,11 +437,11 @@ def _refresh() -> tuple[int, tuple[_Entry, ...], tuple[_Entry | _Batch, ...]]:
         return cache
 
 
-def _batched(entries: tuple[_Entry, ...]) -> tuple[_Entry | _Batch, ...]:
+def _batched(entries: tuple[Entry, ...]) -> tuple[Entry | _Batch, ...]:
     """``entries`` with runs of batchable ones as batches (see :class:`_Batch`).
 
-    A run is consecutive exact ``random.Random`` (``_MT``) and NumPy
-    (``_RECORD``, ``_LEGACY``) entries of one ``shared``; its ``_MT``
+    A run is consecutive exact ``random.Random`` (``MT``) and NumPy
+    (``RECORD``, ``LEGACY``) entries of one ``shared``; its ``MT``
     entries become an :class:`_MtBatch` (at least :data:`_MT_BATCH_MIN`),
     then its NumPy ones a :class:`_RecordBatch` (at least
     :data:`_RECORD_BATCH_MIN`), each in registration order, fewer stay
@@ -710,9 +451,9 @@ def _batched(entries: tuple[_Entry, ...]) -> tuple[_Entry | _Batch, ...]:
     registration order stays: an RNG seeded through another (a random-like
     wrapper around a registered ``random.Random``) may depend on it.
     """
-    steps: list[_Entry | _Batch] = []
-    mts: list[_Entry] = []
-    records: list[_Entry] = []
+    steps: list[Entry | _Batch] = []
+    mts: list[Entry] = []
+    records: list[Entry] = []
 
     def close() -> None:
         for run, make, least in (
@@ -727,12 +468,12 @@ def _batched(entries: tuple[_Entry, ...]) -> tuple[_Entry | _Batch, ...]:
 
     shared = False
     for entry in entries:
-        if entry.mt is not None and type(entry.get) is _Ref:
+        if entry.mt is not None and type(entry.get) is Ref:
             run = mts
         elif (
-            entry.mode in (_RECORD, _LEGACY)
+            entry.mode in (RECORD, LEGACY)
             and type(entry.lock) is _RLOCK
-            and type(entry.get) is not _Ref
+            and type(entry.get) is not Ref
         ):
             run = records  # strongly held: the batch holds the objects too
         else:
@@ -767,7 +508,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _find(obj: object) -> _Entry | None:
+def _find(obj: object) -> Entry | None:
     """The live entry of ``obj``, or ``None``.  Caller holds ``_lock``."""
     token = _by_id.get(id(obj))
     if token is None:
@@ -836,7 +577,14 @@ def register_rng(obj: T, *, key: str | None = None, shared: bool = False) -> T:
                 )
             return obj
         token = next(_tokens)
-        entry = _Entry(obj, key if key is not None else str(next(_counter)), kind, token, shared)
+        entry = Entry(
+            obj,
+            key if key is not None else str(next(_counter)),
+            kind,
+            token,
+            shared,
+            on_collect=_on_collect,
+        )
         _entries[token] = entry
         _by_id[id(obj)] = token
         _changed()
@@ -900,7 +648,7 @@ def seed_registered_rngs(seed: int, *, shared_seed: int | None = None) -> None:
     for entry in steps:
         s = shared_seed if entry.shared and shared_seed is not None else seed
         mt = entry.mt
-        if mt is None and type(entry) is not _Entry:  # a batch
+        if mt is None and type(entry) is not Entry:  # a batch
             entry.seed(s)
             continue
         obj = entry.get()
@@ -912,21 +660,10 @@ def seed_registered_rngs(seed: int, *, shared_seed: int | None = None) -> None:
         elif mt is not None:  # inline: one copy and an attribute
             mt[:] = memo[1]
             obj.gauss_next = None
-        elif entry.mode == _RECORD and obj._bit_generator is entry.bg:  # Entry.seed_again's
+        elif entry.mode == RECORD and obj._bit_generator is entry.bg:  # Entry.seed_again's
             with entry.lock: entry.view[:] = memo[1]  # noqa: E701  # fmt: skip
         else:
             entry.seed_again(obj, s)
-
-
-def _seed_entry(entry: _Entry, obj: Any, seed: int) -> None:
-    """One entry of :func:`seed_registered_rngs`'s loop, as a function."""
-    if entry.memo[0] != seed:
-        entry.seed_slow(obj, seed)
-    elif entry.mt is not None:
-        entry.mt[:] = entry.memo[1]
-        obj.gauss_next = None
-    else:
-        entry.seed_again(obj, seed)
 
 
 class UserRngSource:
@@ -937,7 +674,7 @@ class UserRngSource:
     fused_slot = "user"
     device_type: str | None = None  # not a device generator: saved under "sources"
 
-    def capture(self) -> tuple[_Record | _BatchRecord, ...]:
+    def capture(self) -> tuple[Record | _BatchRecord, ...]:
         """One record per live RNG, or per batch of them; ``()`` when there are none.
 
         A record is ``(entry, object, state, gauss_next)``, or ``(batch,
@@ -951,7 +688,7 @@ class UserRngSource:
         entries: tuple[Any, ...] = steps  # entries and batches
         for entry in entries:
             mt = entry.mt
-            if mt is None and type(entry) is not _Entry:  # a batch
+            if mt is None and type(entry) is not Entry:  # a batch
                 entry.capture(out)
                 continue
             obj = entry.get()
@@ -959,7 +696,7 @@ class UserRngSource:
                 continue
             if mt is not None:  # inline: one copy and an attribute
                 append((entry, obj, mt.tobytes(), obj.gauss_next))
-            elif entry.mode == _RECORD and obj._bit_generator is entry.bg:  # Entry.capture's
+            elif entry.mode == RECORD and obj._bit_generator is entry.bg:  # Entry.capture's
                 with entry.lock: raw = entry.view.tobytes()  # noqa: E701  # fmt: skip
                 append((entry, obj, raw, None))
             else:
@@ -970,7 +707,7 @@ class UserRngSource:
         # Per rank, like ``random`` and NumPy; ``shared=True`` ones like torch.
         seed_registered_rngs(settings.rank_seed, shared_seed=settings.seed)
 
-    def restore(self, state: tuple[_Record | _BatchRecord, ...]) -> None:
+    def restore(self, state: tuple[Record | _BatchRecord, ...]) -> None:
         """Put every RNG of ``state`` back.  One that fails does not stop the
         others; the first failure is raised once all were tried."""
         # The object is kept alive by the snapshot only while the snapshot lives;
@@ -983,25 +720,23 @@ class UserRngSource:
                 if mt is not None:
                     mt[:] = saved
                     obj.gauss_next = extra
-                elif type(first) is not _Entry:  # a batch
+                elif type(first) is not Entry:  # a batch
                     if not first.put(obj, saved, extra):
                         error = _put_each(first.records(obj, saved, extra), error)
                 elif (  # Entry.put's common case, inline
-                    first.mode == _RECORD
-                    and type(saved) is bytes
-                    and obj._bit_generator is first.bg
+                    first.mode == RECORD and type(saved) is bytes and obj._bit_generator is first.bg
                 ):
                     with first.lock: first.view[:] = saved  # noqa: E701  # fmt: skip
                 else:
                     first.put(obj, saved)
             except BaseException as exc:  # an interrupt too: the rest are restored first
                 error = error or exc
-                if type(first) is not _Entry:  # a batch: RNG by RNG, past the failure
+                if type(first) is not Entry:  # a batch: RNG by RNG, past the failure
                     error = _put_each(first.records(obj, saved, extra), error)
         if error is not None:
             raise error
 
-    def export_state(self, state: tuple[_Record | _BatchRecord, ...]) -> list[dict[str, Any]]:
+    def export_state(self, state: tuple[Record | _BatchRecord, ...]) -> list[dict[str, Any]]:
         """The state as plain data: ``[{"key", "kind", "state"}, ...]``.
 
         Raises ``ValueError`` if two registered RNGs share a key (a loaded
@@ -1028,7 +763,7 @@ class UserRngSource:
             out.append({"key": entry.key, "kind": entry.kind.name, "state": plain})
         return out
 
-    def import_state(self, data: object, path: str) -> tuple[_Record, ...]:
+    def import_state(self, data: object, path: str) -> tuple[Record, ...]:
         """Bind each saved state to the RNG registered here under the same key.
 
         Every saved RNG must be registered (``register_rng(obj, key=...)``)
@@ -1042,12 +777,12 @@ class UserRngSource:
         """
         if type(data) is not list:
             raise ValueError(f"{path}: expected a list, got {type(data).__name__}")
-        by_key: dict[str, list[tuple[_Entry, Any]]] = {}
+        by_key: dict[str, list[tuple[Entry, Any]]] = {}
         for e in _live():
             obj = e.get()
             if obj is not None:
                 by_key.setdefault(e.key, []).append((e, obj))
-        out: list[_Record] = []
+        out: list[Record] = []
         seen: set[str] = set()
         for i, item in enumerate(data):
             where = f"{path}[{i}]"
@@ -1079,7 +814,7 @@ class UserRngSource:
         return tuple(out)
 
 
-def _per_rng(state: tuple[_Record | _BatchRecord, ...]) -> Iterator[_Record]:
+def _per_rng(state: tuple[Record | _BatchRecord, ...]) -> Iterator[Record]:
     """One ``(entry, object, state, gauss_next)`` per RNG of a captured state
     (a batch's record as its entries' records), in registration order but
     within a run of batches, whose ``random.Random`` come before its NumPy
@@ -1089,10 +824,10 @@ def _per_rng(state: tuple[_Record | _BatchRecord, ...]) -> Iterator[_Record]:
         if isinstance(first, _Batch):
             yield from first.records(record[1], record[2], record[3])
         else:
-            yield cast(_Record, record)
+            yield cast(Record, record)
 
 
-def _put_each(records: Iterable[_Record], error: BaseException | None) -> BaseException | None:
+def _put_each(records: Iterable[Record], error: BaseException | None) -> BaseException | None:
     """Restore each RNG's record (the restore loop's body, for a batch's slow
     path); the first error, ``error`` if given, is returned once all were tried."""
     for entry, obj, saved, gauss in records:
