@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from deterministic_ctx import Snapshot, derive_seed, deterministic, register_rng, unregister_rng
 from deterministic_ctx.sources import user_rngs
 from deterministic_ctx.sources.numpy_global import numpy_state_to_plain
-from deterministic_ctx.sources.user_rngs import entries, kinds, persistence, records
+from deterministic_ctx.sources.user_rngs import batches, entries, kinds, persistence, records
 from tests.helpers import RandomLike
 
 
@@ -329,9 +329,9 @@ def test_a_failed_restore_of_one_rng_still_restores_the_others():
 def _layout(keys_prefix: str) -> list[tuple[Any, ...]]:
     """The blocks' steps for the entries whose keys start with ``keys_prefix``."""
     out: list[tuple[Any, ...]] = []
-    names = {user_rngs._MtBatch: "mt", user_rngs._RecordBatch: "record"}
+    names = {batches._MtBatch: "mt", batches._RecordBatch: "record"}
     for step in user_rngs._steps():
-        if isinstance(step, user_rngs._Batch):
+        if isinstance(step, batches.Batch):
             keys = [e.key for e in step.entries if e.key.startswith(keys_prefix)]
             if keys:
                 out.append((names[type(step)], step.shared, keys))
@@ -341,7 +341,7 @@ def _layout(keys_prefix: str) -> list[tuple[Any, ...]]:
 
 
 def test_runs_of_batchable_rngs_are_batched_by_kind_in_registration_order():
-    n, m = user_rngs._MT_BATCH_MIN, user_rngs._RECORD_BATCH_MIN
+    n, m = batches._MT_BATCH_MIN, batches._RECORD_BATCH_MIN
     a = [register_rng(random.Random(i), key=f"run-a{i}") for i in range(n)]
     g = [register_rng(np.random.default_rng(i), key=f"run-g{i}") for i in range(m - 1)]
     g.append(register_rng(np.random.RandomState(0), key=f"run-g{m - 1}"))  # the same family
@@ -376,7 +376,7 @@ def test_runs_of_batchable_rngs_are_batched_by_kind_in_registration_order():
 def test_inside_every_block_a_batch_is_the_real_seeding(seeds):
     """``test_inside_every_block_the_state_is_the_real_seeding`` for a batch:
     the memo of the whole run is written (and ``gauss_next`` cleared) on a hit."""
-    n = user_rngs._MT_BATCH_MIN
+    n = batches._MT_BATCH_MIN
     rngs = [register_rng(random.Random(i), key=f"seeded{i}", shared=True) for i in range(n)]
     try:
         assert _layout("seeded") == [("mt", True, [f"seeded{i}" for i in range(n)])]
@@ -399,7 +399,7 @@ def test_a_batch_made_before_one_of_its_rngs_died_skips_it():
     """The loops fetch the steps, then read the weak references: an RNG may die
     in between (a collection, another thread).  The batch then falls back to
     its live entries, each exactly as alone."""
-    n = max(user_rngs._MT_BATCH_MIN, 3)
+    n = max(batches._MT_BATCH_MIN, 3)
     rngs = [register_rng(random.Random(i), key=f"stale{i}") for i in range(n)]
     keys = [f"stale{i}" for i in range(n) if i != 1]
     try:
@@ -408,7 +408,7 @@ def test_a_batch_made_before_one_of_its_rngs_died_skips_it():
         (batch,) = [
             s
             for s in user_rngs._steps()
-            if isinstance(s, user_rngs._Batch) and s.entries[0].key == "stale0"
+            if isinstance(s, batches.Batch) and s.entries[0].key == "stale0"
         ]
         del rngs[1]  # the last reference: its entry leaves the registry at once
         layout = _layout("stale")  # the next steps lack it, batched or not
@@ -433,7 +433,7 @@ def test_a_batch_made_before_one_of_its_rngs_died_skips_it():
 
 
 def test_a_batch_restore_interrupted_half_way_restores_every_rng(monkeypatch):
-    n = user_rngs._MT_BATCH_MIN
+    n = batches._MT_BATCH_MIN
     rngs = [register_rng(random.Random(i), key=f"half{i}") for i in range(n)]
     source = user_rngs.UserRngSource()
     try:
@@ -441,7 +441,7 @@ def test_a_batch_restore_interrupted_half_way_restores_every_rng(monkeypatch):
             rng.gauss(0.0, 1.0)
         before = [rng.getstate() for rng in rngs]
         state = source.capture()
-        assert any(isinstance(record[0], user_rngs._Batch) for record in state)
+        assert any(isinstance(record[0], batches.Batch) for record in state)
         for rng in rngs:
             rng.random()
             rng.gauss(0.0, 1.0)
@@ -452,7 +452,7 @@ def test_a_batch_restore_interrupted_half_way_restores_every_rng(monkeypatch):
                     raise KeyboardInterrupt("injected")
                 return super().readinto(buffer)
 
-        monkeypatch.setattr(user_rngs, "BytesIO", Interrupted)
+        monkeypatch.setattr(batches, "BytesIO", Interrupted)
         with pytest.raises(KeyboardInterrupt, match="injected"):
             source.restore(state)
         assert [rng.getstate() for rng in rngs] == before
@@ -464,14 +464,14 @@ def test_a_batch_restore_interrupted_half_way_restores_every_rng(monkeypatch):
 @pytest.mark.parametrize("family", ["mt", "record"])
 def test_a_batch_saves_and_loads_what_each_rng_alone_would(family):
     if family == "mt":
-        makes = [random.Random] * user_rngs._MT_BATCH_MIN
+        makes = [random.Random] * batches._MT_BATCH_MIN
     else:  # Generators on each proven record, and RandomStates (two records each)
         makes = [
             np.random.default_rng,
             lambda k: np.random.Generator(np.random.PCG64DXSM(k)),
             lambda k: np.random.Generator(np.random.MT19937(k)),
             np.random.RandomState,
-        ] * user_rngs._RECORD_BATCH_MIN
+        ] * batches._RECORD_BATCH_MIN
     rngs = [register_rng(make(i), key=f"save{i}") for i, make in enumerate(makes)]
     try:
         for rng in rngs[::2]:
@@ -649,12 +649,12 @@ def _workload(ops: list[tuple[Any, ...]]) -> list[Any]:
 def _runs(ops: list[tuple[Any, ...]]) -> tuple[list[Any], list[Any]]:
     """The workload on the fast paths (batches from two RNGs on), then on the public API."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(user_rngs, "_MT_BATCH_MIN", 2)
-        mp.setattr(user_rngs, "_RECORD_BATCH_MIN", 2)
+        mp.setattr(batches, "_MT_BATCH_MIN", 2)
+        mp.setattr(batches, "_RECORD_BATCH_MIN", 2)
         user_rngs._changed()  # steps made with another threshold are stale
         fast = _workload(ops)
-        mp.setattr(user_rngs, "_MT_BATCH_MIN", 10**9)
-        mp.setattr(user_rngs, "_RECORD_BATCH_MIN", 10**9)
+        mp.setattr(batches, "_MT_BATCH_MIN", 10**9)
+        mp.setattr(batches, "_RECORD_BATCH_MIN", 10**9)
         mp.setattr(entries.Entry, "_choose_path", lambda self, obj: None)
         user_rngs._changed()
         reference = _workload(ops)
@@ -740,7 +740,7 @@ def test_a_record_batch_with_a_lock_held_elsewhere_waits_entry_by_entry():
     """A batch takes its bit generators' locks without waiting; one held by
     another thread (a draw in progress) makes the entries do the work, each
     waiting for its lock as alone: the record is read after the draw."""
-    m = user_rngs._RECORD_BATCH_MIN
+    m = batches._RECORD_BATCH_MIN
     gens = [register_rng(np.random.default_rng(i), key=f"locked{i}") for i in range(m)]
     held, release = threading.Event(), threading.Event()
     target = gens[-1].bit_generator
@@ -792,10 +792,10 @@ def _free_everywhere(locks: list[Any]) -> bool:
 
 def _record_batch(prefix: str) -> tuple[list[Any], Any]:
     """Registered NumPy Generators that form one record batch, and that batch."""
-    m = user_rngs._RECORD_BATCH_MIN
+    m = batches._RECORD_BATCH_MIN
     gens = [register_rng(np.random.default_rng(i), key=f"{prefix}{i}") for i in range(m)]
     assert _layout(prefix) == [("record", False, [f"{prefix}{i}" for i in range(m)])]
-    (batch,) = [s for s in user_rngs._steps() if isinstance(s, user_rngs._RecordBatch)]
+    (batch,) = [s for s in user_rngs._steps() if isinstance(s, batches._RecordBatch)]
     return gens, batch
 
 
@@ -834,14 +834,14 @@ def test_an_interrupt_inside_a_record_batch_releases_every_lock(monkeypatch, whe
                     raise KeyboardInterrupt
                 return bool(lock.acquire(blocking))
 
-            monkeypatch.setattr(user_rngs, "_acquire", acquire)
+            monkeypatch.setattr(batches, "_acquire", acquire)
         with pytest.raises(KeyboardInterrupt):
             batch.locked(interrupt)
         monkeypatch.undo()
         assert _free_everywhere(locks)
         # And through a block: the interrupted exit is completed, every state restored.
         before = [public(g) for g in gens]
-        real = user_rngs._RecordBatch._write
+        real = batches._RecordBatch._write
         fired: list[bool] = []
 
         def write_once(self: Any, raw: bytes) -> bool:
@@ -852,7 +852,7 @@ def test_an_interrupt_inside_a_record_batch_releases_every_lock(monkeypatch, whe
 
         with pytest.raises(KeyboardInterrupt), deterministic(seed=3):
             [g.random() for g in gens]
-            monkeypatch.setattr(user_rngs._RecordBatch, "_write", write_once)
+            monkeypatch.setattr(batches._RecordBatch, "_write", write_once)
         monkeypatch.undo()
         assert fired
         assert [public(g) for g in gens] == before
