@@ -35,7 +35,14 @@ from hypothesis import strategies as st
 from deterministic_ctx import Snapshot, derive_seed, deterministic, register_rng, unregister_rng
 from deterministic_ctx.sources import user_rngs
 from deterministic_ctx.sources.numpy_global import numpy_state_to_plain
-from deterministic_ctx.sources.user_rngs import batches, entries, kinds, persistence, records
+from deterministic_ctx.sources.user_rngs import (
+    batches,
+    entries,
+    kinds,
+    persistence,
+    records,
+    registry,
+)
 from tests.helpers import RandomLike
 
 
@@ -150,7 +157,7 @@ def case(request):
 
 def test_the_path_chosen_at_registration(case):
     name, obj, mode = case
-    (entry,) = [e for e in user_rngs._live() if e.get() is obj]
+    (entry,) = [e for e in registry.live_entries() if e.get() is obj]
     proven = records.is_cpython() and records.NUMPY_LAYOUT is not None
     if proven and len(records.proven_records()) == 3:
         assert entry.mode == mode, name
@@ -203,7 +210,7 @@ def test_the_saved_state_is_the_public_state(case):
             snap.state_dict()
         return
     (saved,) = [u for u in snap.state_dict()["sources"]["user"] if u["key"] == f"fast-{name}"]
-    entry = next(e for e in user_rngs._live() if e.get() is obj)
+    entry = next(e for e in registry.live_entries() if e.get() is obj)
     kind = entry.kind
     if kind is kinds.RANDOM:
         expected = persistence.CODECS[kind.name][0](obj, obj.getstate())
@@ -330,7 +337,7 @@ def _layout(keys_prefix: str) -> list[tuple[Any, ...]]:
     """The blocks' steps for the entries whose keys start with ``keys_prefix``."""
     out: list[tuple[Any, ...]] = []
     names = {batches._MtBatch: "mt", batches._RecordBatch: "record"}
-    for step in user_rngs._steps():
+    for step in registry.block_steps():
         if isinstance(step, batches.Batch):
             keys = [e.key for e in step.entries if e.key.startswith(keys_prefix)]
             if keys:
@@ -407,7 +414,7 @@ def test_a_batch_made_before_one_of_its_rngs_died_skips_it():
             rng.gauss(0.0, 1.0)
         (batch,) = [
             s
-            for s in user_rngs._steps()
+            for s in registry.block_steps()
             if isinstance(s, batches.Batch) and s.entries[0].key == "stale0"
         ]
         del rngs[1]  # the last reference: its entry leaves the registry at once
@@ -481,7 +488,7 @@ def test_a_batch_saves_and_loads_what_each_rng_alone_would(family):
         assert _layout("save") == [(family, False, [f"save{i}" for i in range(len(rngs))])]
         saved = {u["key"]: u for u in snap.state_dict()["sources"]["user"]}
         for i, rng in enumerate(rngs):
-            entry = next(e for e in user_rngs._live() if e.get() is rng)
+            entry = next(e for e in registry.live_entries() if e.get() is rng)
             state = rng.getstate() if isinstance(rng, random.Random) else entry.kind.get(rng)
             assert saved[f"save{i}"]["state"] == persistence.CODECS[entry.kind.name][0](rng, state)
         for loaded in (snap, Snapshot.from_state_dict(snap.state_dict())):
@@ -651,14 +658,14 @@ def _runs(ops: list[tuple[Any, ...]]) -> tuple[list[Any], list[Any]]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(batches, "_MT_BATCH_MIN", 2)
         mp.setattr(batches, "_RECORD_BATCH_MIN", 2)
-        user_rngs._changed()  # steps made with another threshold are stale
+        registry._changed()  # steps made with another threshold are stale
         fast = _workload(ops)
         mp.setattr(batches, "_MT_BATCH_MIN", 10**9)
         mp.setattr(batches, "_RECORD_BATCH_MIN", 10**9)
         mp.setattr(entries.Entry, "_choose_path", lambda self, obj: None)
-        user_rngs._changed()
+        registry._changed()
         reference = _workload(ops)
-    user_rngs._changed()
+    registry._changed()
     return fast, reference
 
 
@@ -795,7 +802,7 @@ def _record_batch(prefix: str) -> tuple[list[Any], Any]:
     m = batches._RECORD_BATCH_MIN
     gens = [register_rng(np.random.default_rng(i), key=f"{prefix}{i}") for i in range(m)]
     assert _layout(prefix) == [("record", False, [f"{prefix}{i}" for i in range(m)])]
-    (batch,) = [s for s in user_rngs._steps() if isinstance(s, batches._RecordBatch)]
+    (batch,) = [s for s in registry.block_steps() if isinstance(s, batches._RecordBatch)]
     return gens, batch
 
 
