@@ -88,7 +88,7 @@ class Batch:
         raise NotImplementedError
 
     def seed(self, seed: int) -> None:
-        """:func:`seed_registered_rngs` for the entries of this batch."""
+        """:func:`.registry.seed_registered_rngs` for the entries of this batch."""
         raise NotImplementedError
 
     def put(self, objs: tuple[Any, ...], raw: bytes, extra: Any) -> bool:

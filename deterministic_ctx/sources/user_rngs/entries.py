@@ -295,7 +295,7 @@ def parts(state: bytes | tuple[bytes, ...]) -> tuple[bytes, ...]:
 
 
 def seed_entry(entry: Entry, obj: Any, seed: int) -> None:
-    """One entry of :func:`seed_registered_rngs`'s loop, as a function."""
+    """One entry of :func:`.registry.seed_registered_rngs`'s loop, as a function."""
     if entry.memo[0] != seed:
         entry.seed_slow(obj, seed)
     elif entry.mt is not None:

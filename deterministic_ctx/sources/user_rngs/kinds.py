@@ -1,9 +1,10 @@
-"""The kinds of RNG that :func:`register_rng` accepts, and which one an object is.
+"""The kinds of RNG that :func:`.registry.register_rng` accepts, and which
+one an object is.
 
 A :class:`Kind` is how the public API of one family of RNG reads, writes and
 seeds its state (and how many bits its seed has); :func:`kind_of` picks an
-object's kind, or refuses the object with the reason.  Everything faster
-than the public API (:mod:`.entries`) is checked against these.
+object's kind, or refuses the object with the reason.  The fast paths of
+:mod:`.entries` fall back to these, and are tested equal to them.
 """
 
 from __future__ import annotations

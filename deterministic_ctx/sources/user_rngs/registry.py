@@ -4,10 +4,10 @@ order the blocks' loops go through them.
 :func:`register_rng` and :func:`unregister_rng` change it under ``_lock``;
 a collected RNG's weak-reference callback (:func:`_on_collect`) removes its
 entry without it (see the package docstring for why that is safe).
-:func:`block_steps` and :func:`live_entries` give the loops an immutable tuple, rebuilt
-only when the registry changed.  :func:`seed_registered_rngs` is the
-seeding loop; the entry points of :data:`ENTRY_POINT_GROUP` are loaded
-here too, at the first read of the registry, since they register RNGs.
+:func:`block_steps` and :func:`live_entries` give the loops an immutable
+tuple, rebuilt only when the registry changed.  :func:`seed_registered_rngs`
+is the seeding loop; the entry points of :data:`ENTRY_POINT_GROUP` are
+loaded here too, at the first read of the registry, since they register RNGs.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _on_collect(
     _changed: Callable[[], None] = _changed,
 ) -> None:
     """Drop a collected RNG's entry.  Runs wherever the object died (see the
-    module docstring): no lock, single dict operations only.  The tables (and
+    package docstring): no lock, single dict operations only.  The tables (and
     the version bump) are bound as defaults so that a callback at interpreter
     shutdown, when module globals may already be None, still finds them."""
     if _entries.pop(ref.token, None) is None:
