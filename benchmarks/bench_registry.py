@@ -28,7 +28,7 @@ import torch
 from bench_blocks import measure  # the same interleaved medians as every block benchmark
 
 from deterministic_ctx import deterministic, register_rng, unregister_rng
-from deterministic_ctx.sources import user_rngs
+from deterministic_ctx.sources.user_rngs import registry as _registry
 
 _kept = random.Random(1)
 _steady = random.Random(2)
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         costs = measure(cases, args.repeats, args.number)
         costs["unregister_rng"] = unregister_cost(args.repeats, args.number)
         gc.collect()
-        rows.append((done, costs, per_cycle, len(user_rngs._entries), rss_kib()))
+        rows.append((done, costs, per_cycle, len(_registry._entries), rss_kib()))
 
     names = list(rows[0][1])
     header = "  ".join(f"{n:>30}" for n in names)

@@ -57,8 +57,9 @@ import numpy as np
 import torch
 
 from deterministic_ctx import deterministic, register_rng, unregister_rng
-from deterministic_ctx.sources import user_rngs
 from deterministic_ctx.sources._memory import RANDOM_LAYOUT
+from deterministic_ctx.sources.user_rngs import batches as _batches
+from deterministic_ctx.sources.user_rngs import registry as _registry
 
 _block = deterministic(seed=0)
 
@@ -138,16 +139,16 @@ def measure_kind(
     def timed(n: int, number: int, batches: bool = True) -> float:
         for i in range(n):
             register_rng(objs[i], key=f"bench-{kind}-{i}")
-        saved = user_rngs._MT_BATCH_MIN, user_rngs._RECORD_BATCH_MIN
+        saved = _batches._MT_BATCH_MIN, _batches._RECORD_BATCH_MIN
         if not batches:
-            user_rngs._MT_BATCH_MIN = user_rngs._RECORD_BATCH_MIN = sys.maxsize
-            user_rngs._changed()  # steps made with the other thresholds are stale
+            _batches._MT_BATCH_MIN = _batches._RECORD_BATCH_MIN = sys.maxsize
+            _registry._changed()  # steps made with the other thresholds are stale
         try:
             block()  # the first block with these entries fills their seeded-state memos
             return timeit.timeit(block, number=number, timer=timer) / number * 1e6
         finally:
-            user_rngs._MT_BATCH_MIN, user_rngs._RECORD_BATCH_MIN = saved
-            user_rngs._changed()
+            _batches._MT_BATCH_MIN, _batches._RECORD_BATCH_MIN = saved
+            _registry._changed()
             for i in range(n):
                 unregister_rng(objs[i])
 

@@ -70,8 +70,8 @@ from deterministic_ctx import (
 )
 from deterministic_ctx._settings import Settings
 from deterministic_ctx.sources import environ as _environ
-from deterministic_ctx.sources import user_rngs
 from deterministic_ctx.sources.fused import FusedPlan, build, why_not
+from deterministic_ctx.sources.user_rngs import batches
 from deterministic_ctx.world import World
 from tests._oracle import World as Oracle
 from tests.helpers import RandomLike, draw, run_python, set_config_override, solo
@@ -995,14 +995,14 @@ def test_every_kind_of_registered_rng_in_nested_blocks(registry):
 
 
 def test_batches_of_registered_rngs_through_the_plan(registry, monkeypatch):
-    # Runs of consecutive registrations of one kind are batches (sources/user_rngs.py):
+    # Runs of consecutive registrations of one kind are batches (sources/user_rngs/batches.py):
     # with the thresholds at 2, every run below is one, and the plan must still equal
     # the reference (and the public API) around them, nested, under rank=, with a
     # decorated generator's swaps and a batch member drawn from in the body.
-    monkeypatch.setattr(user_rngs, "_MT_BATCH_MIN", 2)
-    monkeypatch.setattr(user_rngs, "_RECORD_BATCH_MIN", 2)
+    monkeypatch.setattr(batches, "_MT_BATCH_MIN", 2)
+    monkeypatch.setattr(batches, "_RECORD_BATCH_MIN", 2)
     captured: list[str] = []  # the batches that captured: proof that there were some
-    for cls in (user_rngs._MtBatch, user_rngs._RecordBatch):
+    for cls in (batches._MtBatch, batches._RecordBatch):
         real = cls.capture
 
         def spy(self: Any, out: list[Any], real: Any = real) -> None:

@@ -22,6 +22,7 @@ from deterministic_ctx import (
     unregister_rng,
 )
 from deterministic_ctx.sources import user_rngs
+from deterministic_ctx.sources.user_rngs import registry
 
 
 def _draw(rng):
@@ -161,13 +162,13 @@ def test_system_random_is_rejected():
 
 def _count() -> int:
     """Entries the registry holds, dead or alive (an internal count, not time)."""
-    return len(user_rngs._entries)
+    return len(registry._entries)
 
 
 def _sizes() -> tuple[int, ...]:
     """Every internal table's length: none may grow with dead registrations."""
     return tuple(
-        len(table) for table in (getattr(user_rngs, name, ()) for name in ("_entries", "_by_id"))
+        len(table) for table in (getattr(registry, name, ()) for name in ("_entries", "_by_id"))
     )
 
 
@@ -356,7 +357,7 @@ def test_a_callback_while_this_thread_holds_the_registry_lock_does_not_deadlock(
     done = threading.Event()
 
     def run() -> None:
-        with user_rngs._lock:
+        with registry._lock:
             holder.clear()  # the callback runs here, inside the lock, in this thread
             gc.collect()
         done.set()
@@ -422,7 +423,7 @@ def test_a_child_forked_while_another_thread_registers_can_register():
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with user_rngs._lock:  # as a thread inside register_rng at the moment of the fork
+        with registry._lock:  # as a thread inside register_rng at the moment of the fork
             held.set()
             release.wait(30)
 

@@ -35,6 +35,14 @@ from hypothesis import strategies as st
 from deterministic_ctx import Snapshot, derive_seed, deterministic, register_rng, unregister_rng
 from deterministic_ctx.sources import user_rngs
 from deterministic_ctx.sources.numpy_global import numpy_state_to_plain
+from deterministic_ctx.sources.user_rngs import (
+    batches,
+    entries,
+    kinds,
+    persistence,
+    records,
+    registry,
+)
 from tests.helpers import RandomLike
 
 
@@ -59,19 +67,19 @@ _RandomLike = RandomLike
 
 #: name -> (make, expected path on CPython with the layouts proven)
 CASES: dict[str, tuple[Callable[[], Any], int]] = {
-    "random": (lambda: random.Random(1), user_rngs._MT),
-    "random-subclass": (lambda: _SubRandom(1), user_rngs._API),
-    "pcg64": (lambda: np.random.Generator(np.random.PCG64(1)), user_rngs._RECORD),
-    "pcg64dxsm": (lambda: np.random.Generator(np.random.PCG64DXSM(1)), user_rngs._RECORD),
-    "mt19937": (lambda: np.random.Generator(np.random.MT19937(1)), user_rngs._RECORD),
-    "sfc64": (lambda: np.random.Generator(np.random.SFC64(1)), user_rngs._SET),
-    "philox": (lambda: np.random.Generator(np.random.Philox(1)), user_rngs._SET),
-    "pcg64-subclass": (lambda: np.random.Generator(_SubPCG64(1)), user_rngs._SET),
-    "randomstate": (lambda: np.random.RandomState(1), user_rngs._LEGACY),
-    "randomstate-subclass": (lambda: _SubRandomState(1), user_rngs._API),
-    "torch": (lambda: torch.Generator().manual_seed(1), user_rngs._SET),
-    "torch-subclass": (lambda: _SubTorch().manual_seed(1), user_rngs._API),
-    "random-like": (lambda: _RandomLike(1), user_rngs._API),
+    "random": (lambda: random.Random(1), entries.MT),
+    "random-subclass": (lambda: _SubRandom(1), entries.API),
+    "pcg64": (lambda: np.random.Generator(np.random.PCG64(1)), entries.RECORD),
+    "pcg64dxsm": (lambda: np.random.Generator(np.random.PCG64DXSM(1)), entries.RECORD),
+    "mt19937": (lambda: np.random.Generator(np.random.MT19937(1)), entries.RECORD),
+    "sfc64": (lambda: np.random.Generator(np.random.SFC64(1)), entries.SET),
+    "philox": (lambda: np.random.Generator(np.random.Philox(1)), entries.SET),
+    "pcg64-subclass": (lambda: np.random.Generator(_SubPCG64(1)), entries.SET),
+    "randomstate": (lambda: np.random.RandomState(1), entries.LEGACY),
+    "randomstate-subclass": (lambda: _SubRandomState(1), entries.API),
+    "torch": (lambda: torch.Generator().manual_seed(1), entries.SET),
+    "torch-subclass": (lambda: _SubTorch().manual_seed(1), entries.API),
+    "random-like": (lambda: _RandomLike(1), entries.API),
 }
 
 
@@ -149,12 +157,12 @@ def case(request):
 
 def test_the_path_chosen_at_registration(case):
     name, obj, mode = case
-    (entry,) = [e for e in user_rngs._live() if e.get() is obj]
-    proven = user_rngs.is_cpython() and user_rngs.NUMPY_LAYOUT is not None
-    if proven and len(user_rngs._records()) == 3:
+    (entry,) = [e for e in registry.live_entries() if e.get() is obj]
+    proven = records.is_cpython() and records.NUMPY_LAYOUT is not None
+    if proven and len(records.proven_records()) == 3:
         assert entry.mode == mode, name
     else:  # pragma: no cover - another interpreter or NumPy: the public API is exact too
-        assert entry.mode in (mode, user_rngs._API, user_rngs._SET)
+        assert entry.mode in (mode, entries.API, entries.SET)
 
 
 @pytest.mark.parametrize("seeds", [(0, 0, 0), (3, 4, 3, 4), (7,)])
@@ -202,13 +210,13 @@ def test_the_saved_state_is_the_public_state(case):
             snap.state_dict()
         return
     (saved,) = [u for u in snap.state_dict()["sources"]["user"] if u["key"] == f"fast-{name}"]
-    entry = next(e for e in user_rngs._live() if e.get() is obj)
+    entry = next(e for e in registry.live_entries() if e.get() is obj)
     kind = entry.kind
-    if kind is user_rngs._RANDOM:
-        expected = user_rngs._CODECS[kind.name][0](obj, obj.getstate())
+    if kind is kinds.RANDOM:
+        expected = persistence.CODECS[kind.name][0](obj, obj.getstate())
     else:
-        expected = user_rngs._CODECS[kind.name][0](obj, kind.get(obj))
-    if kind is user_rngs._TORCH:
+        expected = persistence.CODECS[kind.name][0](obj, kind.get(obj))
+    if kind is kinds.TORCH:
         assert saved["state"]["state"].tolist() == expected["state"].tolist()
     else:
         assert saved["state"] == expected
@@ -240,10 +248,11 @@ def test_public_paths_give_the_same_draws_as_the_fast_ones(monkeypatch):
                 unregister_rng(obj)
 
     fast = run()
-    monkeypatch.setattr(user_rngs, "_RECORDS", {})
-    monkeypatch.setattr(user_rngs, "NUMPY_LAYOUT", None)
-    monkeypatch.setattr(user_rngs, "fast_layout_for", lambda obj: None)
-    monkeypatch.setattr(user_rngs._Entry, "_choose_path", lambda self, obj: None)
+    monkeypatch.setattr(records, "_RECORDS", {})
+    monkeypatch.setattr(records, "NUMPY_LAYOUT", None)
+    monkeypatch.setattr(entries, "NUMPY_LAYOUT", None)
+    monkeypatch.setattr(entries, "fast_layout_for", lambda obj: None)
+    monkeypatch.setattr(entries.Entry, "_choose_path", lambda self, obj: None)
     slow = run()
     assert fast == slow
 
@@ -274,7 +283,7 @@ def test_hundreds_of_rngs_are_each_seeded_exactly():
 
 
 def test_probes_prove_the_records_they_accept():
-    for cls, record in user_rngs._records().items():
+    for cls, record in records.proven_records().items():
         bg = cls(12345)
         np.random.Generator(bg).integers(0, 2**32, dtype=np.uint32)  # a buffered half
         view = record.view(bg)
@@ -284,12 +293,12 @@ def test_probes_prove_the_records_they_accept():
 
 
 def test_a_pcg_record_of_another_layout_is_refused():
-    record = user_rngs._probe_pcg(np.random.PCG64)
+    record = records.probe_pcg(np.random.PCG64)
     if record is None:  # pragma: no cover - not CPython, or NumPy laid out otherwise
         pytest.skip("no PCG64 record on this interpreter")
-    wrong = user_rngs._PcgRecord("PCG64", record.gap + 16)  # a pointer that does not match
+    wrong = records.PcgRecord("PCG64", record.gap + 16)  # a pointer that does not match
     assert wrong.view(np.random.PCG64(1)) is None
-    assert user_rngs._probe_pcg(np.random.SFC64) is None  # no pointer where PCG64 has one
+    assert records.probe_pcg(np.random.SFC64) is None  # no pointer where PCG64 has one
 
 
 def test_a_failed_restore_of_one_rng_still_restores_the_others():
@@ -327,9 +336,9 @@ def test_a_failed_restore_of_one_rng_still_restores_the_others():
 def _layout(keys_prefix: str) -> list[tuple[Any, ...]]:
     """The blocks' steps for the entries whose keys start with ``keys_prefix``."""
     out: list[tuple[Any, ...]] = []
-    names = {user_rngs._MtBatch: "mt", user_rngs._RecordBatch: "record"}
-    for step in user_rngs._steps():
-        if isinstance(step, user_rngs._Batch):
+    names = {batches._MtBatch: "mt", batches._RecordBatch: "record"}
+    for step in registry.block_steps():
+        if isinstance(step, batches.Batch):
             keys = [e.key for e in step.entries if e.key.startswith(keys_prefix)]
             if keys:
                 out.append((names[type(step)], step.shared, keys))
@@ -339,7 +348,7 @@ def _layout(keys_prefix: str) -> list[tuple[Any, ...]]:
 
 
 def test_runs_of_batchable_rngs_are_batched_by_kind_in_registration_order():
-    n, m = user_rngs._MT_BATCH_MIN, user_rngs._RECORD_BATCH_MIN
+    n, m = batches._MT_BATCH_MIN, batches._RECORD_BATCH_MIN
     a = [register_rng(random.Random(i), key=f"run-a{i}") for i in range(n)]
     g = [register_rng(np.random.default_rng(i), key=f"run-g{i}") for i in range(m - 1)]
     g.append(register_rng(np.random.RandomState(0), key=f"run-g{m - 1}"))  # the same family
@@ -374,7 +383,7 @@ def test_runs_of_batchable_rngs_are_batched_by_kind_in_registration_order():
 def test_inside_every_block_a_batch_is_the_real_seeding(seeds):
     """``test_inside_every_block_the_state_is_the_real_seeding`` for a batch:
     the memo of the whole run is written (and ``gauss_next`` cleared) on a hit."""
-    n = user_rngs._MT_BATCH_MIN
+    n = batches._MT_BATCH_MIN
     rngs = [register_rng(random.Random(i), key=f"seeded{i}", shared=True) for i in range(n)]
     try:
         assert _layout("seeded") == [("mt", True, [f"seeded{i}" for i in range(n)])]
@@ -397,7 +406,7 @@ def test_a_batch_made_before_one_of_its_rngs_died_skips_it():
     """The loops fetch the steps, then read the weak references: an RNG may die
     in between (a collection, another thread).  The batch then falls back to
     its live entries, each exactly as alone."""
-    n = max(user_rngs._MT_BATCH_MIN, 3)
+    n = max(batches._MT_BATCH_MIN, 3)
     rngs = [register_rng(random.Random(i), key=f"stale{i}") for i in range(n)]
     keys = [f"stale{i}" for i in range(n) if i != 1]
     try:
@@ -405,8 +414,8 @@ def test_a_batch_made_before_one_of_its_rngs_died_skips_it():
             rng.gauss(0.0, 1.0)
         (batch,) = [
             s
-            for s in user_rngs._steps()
-            if isinstance(s, user_rngs._Batch) and s.entries[0].key == "stale0"
+            for s in registry.block_steps()
+            if isinstance(s, batches.Batch) and s.entries[0].key == "stale0"
         ]
         del rngs[1]  # the last reference: its entry leaves the registry at once
         layout = _layout("stale")  # the next steps lack it, batched or not
@@ -431,7 +440,7 @@ def test_a_batch_made_before_one_of_its_rngs_died_skips_it():
 
 
 def test_a_batch_restore_interrupted_half_way_restores_every_rng(monkeypatch):
-    n = user_rngs._MT_BATCH_MIN
+    n = batches._MT_BATCH_MIN
     rngs = [register_rng(random.Random(i), key=f"half{i}") for i in range(n)]
     source = user_rngs.UserRngSource()
     try:
@@ -439,7 +448,7 @@ def test_a_batch_restore_interrupted_half_way_restores_every_rng(monkeypatch):
             rng.gauss(0.0, 1.0)
         before = [rng.getstate() for rng in rngs]
         state = source.capture()
-        assert any(isinstance(record[0], user_rngs._Batch) for record in state)
+        assert any(isinstance(record[0], batches.Batch) for record in state)
         for rng in rngs:
             rng.random()
             rng.gauss(0.0, 1.0)
@@ -450,7 +459,7 @@ def test_a_batch_restore_interrupted_half_way_restores_every_rng(monkeypatch):
                     raise KeyboardInterrupt("injected")
                 return super().readinto(buffer)
 
-        monkeypatch.setattr(user_rngs, "BytesIO", Interrupted)
+        monkeypatch.setattr(batches, "BytesIO", Interrupted)
         with pytest.raises(KeyboardInterrupt, match="injected"):
             source.restore(state)
         assert [rng.getstate() for rng in rngs] == before
@@ -462,14 +471,14 @@ def test_a_batch_restore_interrupted_half_way_restores_every_rng(monkeypatch):
 @pytest.mark.parametrize("family", ["mt", "record"])
 def test_a_batch_saves_and_loads_what_each_rng_alone_would(family):
     if family == "mt":
-        makes = [random.Random] * user_rngs._MT_BATCH_MIN
+        makes = [random.Random] * batches._MT_BATCH_MIN
     else:  # Generators on each proven record, and RandomStates (two records each)
         makes = [
             np.random.default_rng,
             lambda k: np.random.Generator(np.random.PCG64DXSM(k)),
             lambda k: np.random.Generator(np.random.MT19937(k)),
             np.random.RandomState,
-        ] * user_rngs._RECORD_BATCH_MIN
+        ] * batches._RECORD_BATCH_MIN
     rngs = [register_rng(make(i), key=f"save{i}") for i, make in enumerate(makes)]
     try:
         for rng in rngs[::2]:
@@ -479,9 +488,9 @@ def test_a_batch_saves_and_loads_what_each_rng_alone_would(family):
         assert _layout("save") == [(family, False, [f"save{i}" for i in range(len(rngs))])]
         saved = {u["key"]: u for u in snap.state_dict()["sources"]["user"]}
         for i, rng in enumerate(rngs):
-            entry = next(e for e in user_rngs._live() if e.get() is rng)
+            entry = next(e for e in registry.live_entries() if e.get() is rng)
             state = rng.getstate() if isinstance(rng, random.Random) else entry.kind.get(rng)
-            assert saved[f"save{i}"]["state"] == user_rngs._CODECS[entry.kind.name][0](rng, state)
+            assert saved[f"save{i}"]["state"] == persistence.CODECS[entry.kind.name][0](rng, state)
         for loaded in (snap, Snapshot.from_state_dict(snap.state_dict())):
             for rng in rngs:
                 stir(rng)
@@ -647,16 +656,16 @@ def _workload(ops: list[tuple[Any, ...]]) -> list[Any]:
 def _runs(ops: list[tuple[Any, ...]]) -> tuple[list[Any], list[Any]]:
     """The workload on the fast paths (batches from two RNGs on), then on the public API."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(user_rngs, "_MT_BATCH_MIN", 2)
-        mp.setattr(user_rngs, "_RECORD_BATCH_MIN", 2)
-        user_rngs._changed()  # steps made with another threshold are stale
+        mp.setattr(batches, "_MT_BATCH_MIN", 2)
+        mp.setattr(batches, "_RECORD_BATCH_MIN", 2)
+        registry._changed()  # steps made with another threshold are stale
         fast = _workload(ops)
-        mp.setattr(user_rngs, "_MT_BATCH_MIN", 10**9)
-        mp.setattr(user_rngs, "_RECORD_BATCH_MIN", 10**9)
-        mp.setattr(user_rngs._Entry, "_choose_path", lambda self, obj: None)
-        user_rngs._changed()
+        mp.setattr(batches, "_MT_BATCH_MIN", 10**9)
+        mp.setattr(batches, "_RECORD_BATCH_MIN", 10**9)
+        mp.setattr(entries.Entry, "_choose_path", lambda self, obj: None)
+        registry._changed()
         reference = _workload(ops)
-    user_rngs._changed()
+    registry._changed()
     return fast, reference
 
 
@@ -738,7 +747,7 @@ def test_a_record_batch_with_a_lock_held_elsewhere_waits_entry_by_entry():
     """A batch takes its bit generators' locks without waiting; one held by
     another thread (a draw in progress) makes the entries do the work, each
     waiting for its lock as alone: the record is read after the draw."""
-    m = user_rngs._RECORD_BATCH_MIN
+    m = batches._RECORD_BATCH_MIN
     gens = [register_rng(np.random.default_rng(i), key=f"locked{i}") for i in range(m)]
     held, release = threading.Event(), threading.Event()
     target = gens[-1].bit_generator
@@ -790,10 +799,10 @@ def _free_everywhere(locks: list[Any]) -> bool:
 
 def _record_batch(prefix: str) -> tuple[list[Any], Any]:
     """Registered NumPy Generators that form one record batch, and that batch."""
-    m = user_rngs._RECORD_BATCH_MIN
+    m = batches._RECORD_BATCH_MIN
     gens = [register_rng(np.random.default_rng(i), key=f"{prefix}{i}") for i in range(m)]
     assert _layout(prefix) == [("record", False, [f"{prefix}{i}" for i in range(m)])]
-    (batch,) = [s for s in user_rngs._steps() if isinstance(s, user_rngs._RecordBatch)]
+    (batch,) = [s for s in registry.block_steps() if isinstance(s, batches._RecordBatch)]
     return gens, batch
 
 
@@ -832,14 +841,14 @@ def test_an_interrupt_inside_a_record_batch_releases_every_lock(monkeypatch, whe
                     raise KeyboardInterrupt
                 return bool(lock.acquire(blocking))
 
-            monkeypatch.setattr(user_rngs, "_acquire", acquire)
+            monkeypatch.setattr(batches, "_acquire", acquire)
         with pytest.raises(KeyboardInterrupt):
             batch.locked(interrupt)
         monkeypatch.undo()
         assert _free_everywhere(locks)
         # And through a block: the interrupted exit is completed, every state restored.
         before = [public(g) for g in gens]
-        real = user_rngs._RecordBatch._write
+        real = batches._RecordBatch._write
         fired: list[bool] = []
 
         def write_once(self: Any, raw: bytes) -> bool:
@@ -850,7 +859,7 @@ def test_an_interrupt_inside_a_record_batch_releases_every_lock(monkeypatch, whe
 
         with pytest.raises(KeyboardInterrupt), deterministic(seed=3):
             [g.random() for g in gens]
-            monkeypatch.setattr(user_rngs._RecordBatch, "_write", write_once)
+            monkeypatch.setattr(batches._RecordBatch, "_write", write_once)
         monkeypatch.undo()
         assert fired
         assert [public(g) for g in gens] == before

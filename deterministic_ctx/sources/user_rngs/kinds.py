@@ -1,0 +1,126 @@
+"""The kinds of RNG that :func:`.registry.register_rng` accepts, and which
+one an object is.
+
+A :class:`Kind` is how the public API of one family of RNG reads, writes and
+seeds its state (and how many bits its seed has); :func:`kind_of` picks an
+object's kind, or refuses the object with the reason.  The fast paths of
+:mod:`.entries` fall back to these, and are tested equal to them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+
+class Kind(NamedTuple):
+    """How the public API of one family of RNG reads, writes and seeds its
+    state; ``bits``: the width of the seed ``derive_seed`` makes for it."""
+
+    name: str
+    get: Callable[[Any], Any]
+    set: Callable[[Any, Any], None]
+    seed: Callable[[Any, int], None]
+    bits: int
+
+
+def _np_generator_seed(gen: np.random.Generator, seed: int) -> None:
+    bg = gen.bit_generator
+    bg.state = type(bg)(seed).state
+
+
+RANDOM = Kind(
+    "random.Random",
+    lambda r: r.getstate(),
+    lambda r, s: r.setstate(s),
+    lambda r, s: r.seed(s),
+    64,
+)
+GENERATOR = Kind(
+    "numpy.random.Generator",
+    lambda g: g.bit_generator.state,
+    lambda g, s: setattr(g.bit_generator, "state", s),
+    _np_generator_seed,
+    64,
+)
+RANDOM_STATE = Kind(
+    "numpy.random.RandomState",
+    lambda r: r.get_state(legacy=False),
+    lambda r, s: r.set_state(s),
+    lambda r, s: r.seed(s),
+    32,
+)
+TORCH = Kind(
+    "torch.Generator",
+    lambda g: g.get_state(),
+    lambda g, s: g.set_state(s),
+    lambda g, s: g.manual_seed(s),
+    64,
+)
+#: Any object with ``seed()``, ``getstate()`` and ``setstate()``.  Its seed is
+#: 32 bits: ``seed()`` is the object's own code, and 0 .. 2**32 - 1 is what
+#: every integer-seeded generator accepts (NumPy's legacy seeding, C++
+#: ``std::mt19937``, bindings that take a ``uint32_t``), where 64 bits would be
+#: refused or silently truncated by some.
+RANDOM_LIKE = Kind(
+    "random-like",
+    lambda o: o.getstate(),
+    lambda o, s: o.setstate(s),
+    lambda o, s: o.seed(s),
+    32,
+)
+
+KINDS: tuple[tuple[type, Kind], ...] = (
+    (random.Random, RANDOM),
+    (np.random.Generator, GENERATOR),
+    (np.random.RandomState, RANDOM_STATE),
+    (torch.Generator, TORCH),
+)
+_PROTOCOL = "an object with seed(), getstate() and setstate() methods"
+
+
+def random_like(obj: object) -> bool:
+    return all(callable(getattr(obj, name, None)) for name in ("seed", "getstate", "setstate"))
+
+
+def kind_of(obj: object) -> Kind:
+    if isinstance(obj, random.SystemRandom):
+        raise TypeError(
+            "register_rng() cannot manage random.SystemRandom: it draws from the OS and "
+            "has no state to seed or restore"
+        )
+    if obj is np.random.mtrand._rand or obj is getattr(random.random, "__self__", None):
+        raise ValueError(
+            "register_rng() is for your own RNGs: the global random and NumPy generators "
+            "are managed by every block already"
+        )
+    if isinstance(obj, np.random.RandomState) and not isinstance(
+        obj._bit_generator, np.random.MT19937
+    ):
+        raise TypeError(
+            f"register_rng() cannot manage a RandomState over "
+            f"{type(obj._bit_generator).__name__}: RandomState.seed() only re-seeds MT19937, "
+            f"so blocks could not seed it; register np.random.Generator(bit_generator) instead"
+        )
+    for cls, kind in KINDS:
+        if isinstance(obj, cls):
+            return kind
+    if random_like(obj):
+        return RANDOM_LIKE
+    accepted = ", ".join(k.name for _, k in KINDS)
+    raise TypeError(
+        f"register_rng() cannot manage {type(obj).__qualname__} {short_repr(obj)}; "
+        f"accepted: {accepted}, or {_PROTOCOL}"
+    )
+
+
+def short_repr(obj: object) -> str:
+    try:
+        text = repr(obj)
+    except Exception as exc:  # a repr that raises must not hide the real error
+        return f"(unprintable: {type(exc).__name__})"
+    return text if len(text) <= 80 else text[:77] + "..."

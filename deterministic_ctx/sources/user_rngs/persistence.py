@@ -1,0 +1,280 @@
+"""Registered RNGs' states as checkpoint data, and back, checked.
+
+:data:`CODECS` holds, for each kind, how a public state becomes plain data
+and how plain data read from a file becomes a public state again, checked
+field by field (``ValueError`` names the field).  A random-like object's
+``getstate()`` may return any tree of plain Python data: it is flattened
+(no nesting, so no recursion on load) and bounded (``_MAX_*``), so that a
+crafted or runaway state cannot make a checkpoint slow to write or load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from .. import _plain
+from ..numpy_global import BIT_GENERATORS, bit_generator_state_from_plain, numpy_state_to_plain
+from ..python_random import random_state_from_plain, random_state_to_plain
+from ..torch_cpu import generator_state_from_plain
+from .kinds import KINDS, RANDOM_LIKE
+
+
+def _bit_generator_name(obj: np.random.Generator | np.random.RandomState) -> str:
+    bg = obj.bit_generator if isinstance(obj, np.random.Generator) else obj._bit_generator
+    return type(bg).__name__
+
+
+def _numpy_to_plain(obj: Any, state: dict[str, Any]) -> dict[str, Any]:
+    name = state.get("bit_generator")
+    if name not in BIT_GENERATORS:
+        raise NotPlain(
+            f"its bit generator is a {name}, and a snapshot holds the state of NumPy's own "
+            f"bit generators only ({', '.join(BIT_GENERATORS)})"
+        )
+    return numpy_state_to_plain(state)
+
+
+def _numpy_from_plain(obj: Any, data: object, path: str) -> dict[str, Any]:
+    legacy = isinstance(obj, np.random.RandomState)
+    state = bit_generator_state_from_plain(data, path, legacy=legacy)
+    if state["bit_generator"] != _bit_generator_name(obj):
+        raise ValueError(
+            f"{path}.bit_generator: saved {state['bit_generator']}, but the registered RNG "
+            f"uses {_bit_generator_name(obj)}"
+        )
+    return state
+
+
+def _torch_from_plain(obj: torch.Generator, data: object, path: str) -> torch.Tensor:
+    d = _plain.fields(data, path, ["device", "state"])
+    _plain.text(d["device"], f"{path}.device", choices=(str(obj.device),))
+    return generator_state_from_plain(d["state"], f"{path}.state", obj)
+
+
+def class_path(obj: object) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+#: Bounds on a random-like object's saved state: far above a Mersenne Twister's
+#: 627 items, far below what would make a checkpoint slow to write or load.
+_MAX_NODES = 1 << 16
+_MAX_TEXT = 1 << 20  # characters of all strings together
+_MAX_INT_BITS = 4096  # JSON writes ints as decimal digits; Python caps them at 4300
+_MAX_DEPTH = 64
+#: Bytes of all tensors together: a CPU generator's state is 5056 bytes.
+_MAX_TENSOR_BYTES = 1 << 22
+#: One letter per item, in prefix order: scalars, then containers.
+_SCALARS: dict[type, str] = {int: "i", float: "f", str: "s", bool: "b", type(None): "n"}
+#: The letter of a tensor leaf (a generator state): a value, like a scalar,
+#: but never a dict key.
+_TENSOR = "x"
+_CONTAINERS: dict[type, str] = {tuple: "t", list: "l", dict: "d"}
+
+
+class NotPlain(Exception):
+    """A random-like object's state that a checkpoint cannot hold (says why)."""
+
+
+def _tree_to_plain(value: object) -> dict[str, Any]:
+    """A tree of plain Python data as checkpoint data, without nesting.
+
+    ``{"shape": str, "values": [...], "sizes": [...]}``: ``shape`` has one
+    letter per item in prefix order (``i`` int, ``f`` float, ``s`` str, ``b``
+    bool, ``n`` None, ``x`` 1-D uint8 CPU tensor, ``t`` tuple, ``l`` list,
+    ``d`` dict), ``values`` the scalars other than ``None`` and the tensors
+    (copies) in that order, ``sizes`` the length of each container (a dict's
+    items follow it as key, value, key, value, ...; keys are scalars).  Exact
+    types only: a subclass (a NamedTuple, an IntEnum) would come back as its
+    base type.  Raises :class:`NotPlain`.
+    """
+    shape: list[str] = []
+    values: list[object] = []
+    sizes: list[int] = []
+    text = 0
+    nbytes = 0
+
+    def walk(item: Any, where: str, depth: int) -> None:
+        nonlocal text, nbytes
+        if len(shape) >= _MAX_NODES:
+            raise NotPlain(f"getstate() returned more than {_MAX_NODES} items")
+        kind = type(item)
+        if kind is torch.Tensor:
+            if item.dtype != torch.uint8 or item.dim() != 1 or item.device.type != "cpu":
+                raise NotPlain(
+                    f"getstate(){where} is a {item.device.type} {item.dtype} tensor of shape "
+                    f"{tuple(item.shape)}, and only 1-D uint8 CPU tensors (generator states) "
+                    f"are saved"
+                )
+            nbytes += item.numel()
+            if nbytes > _MAX_TENSOR_BYTES:
+                raise NotPlain(f"getstate() holds more than {_MAX_TENSOR_BYTES} tensor bytes")
+            shape.append(_TENSOR)
+            values.append(item.detach().clone())  # the file is written later: a copy
+            return
+        letter = _SCALARS.get(kind)
+        if letter is not None:
+            if kind is int and item.bit_length() > _MAX_INT_BITS:
+                raise NotPlain(f"getstate(){where} is an int of more than {_MAX_INT_BITS} bits")
+            if kind is str:
+                text += len(item)
+                if text > _MAX_TEXT:
+                    raise NotPlain(f"getstate() holds more than {_MAX_TEXT} characters")
+            shape.append(letter)
+            if letter != "n":
+                values.append(item)
+            return
+        letter = _CONTAINERS.get(kind)
+        if letter is None:
+            raise NotPlain(f"getstate(){where} is a {class_path(item)}")
+        if depth >= _MAX_DEPTH:
+            raise NotPlain(f"getstate() nests deeper than {_MAX_DEPTH} levels")
+        shape.append(letter)
+        sizes.append(len(item))
+        if letter == "d":
+            for k, v in item.items():
+                if type(k) not in _SCALARS:
+                    raise NotPlain(f"getstate(){where} has a key of type {class_path(k)}")
+                walk(k, where, depth + 1)
+                walk(v, f"{where}[{k!r}]", depth + 1)
+        else:
+            for j, v in enumerate(item):
+                walk(v, f"{where}[{j}]", depth + 1)
+
+    walk(value, "", 0)
+    return {"shape": "".join(shape), "values": values, "sizes": sizes}
+
+
+def _tree_from_plain(data: object, path: str) -> object:
+    """The checked inverse of :func:`_tree_to_plain`; ``ValueError`` names the field.
+
+    Iterative (a crafted file cannot exhaust the stack), and it allocates no
+    more than the data holds.
+    """
+    d = _plain.fields(data, path, ["shape", "values", "sizes"])
+    shape, values, sizes = d["shape"], d["values"], d["sizes"]
+    if type(shape) is not str or not shape or len(shape) > _MAX_NODES:
+        raise ValueError(f"{path}.shape: expected a str of 1 to {_MAX_NODES} letters")
+    if type(values) is not list or type(sizes) is not list:
+        raise ValueError(f"{path}: values and sizes must be lists")
+    types = {letter: kind for kind, letter in _SCALARS.items()}
+    nbytes = 0
+    iv: Iterator[Any] = iter(values)
+    isz: Iterator[Any] = iter(sizes)
+    nv = ns = 0
+    # Open containers: [letter, items, items still to come].
+    stack: list[list[Any]] = []
+    root: list[object] = []
+    for pos, letter in enumerate(shape):
+        where = f"{path}.shape[{pos}]"
+        value: Any
+        if letter in types:
+            if letter == "n":
+                value = None
+            else:
+                value = next(iv, _MISSING)
+                if value is _MISSING:
+                    raise ValueError(f"{path}.values: too few for the shape")
+                if type(value) is not types[letter]:
+                    raise ValueError(
+                        f"{path}.values[{nv}]: expected a {types[letter].__name__} "
+                        f"(shape {letter!r}), got {type(value).__name__}"
+                    )
+                if letter == "i" and cast(int, value).bit_length() > _MAX_INT_BITS:
+                    raise ValueError(
+                        f"{path}.values[{nv}]: an int of more than {_MAX_INT_BITS} bits"
+                    )
+                nv += 1
+        elif letter == _TENSOR:
+            value = next(iv, _MISSING)
+            if value is _MISSING:
+                raise ValueError(f"{path}.values: too few for the shape")
+            value = _plain.byte_tensor(value, f"{path}.values[{nv}]")  # checked, copied
+            nbytes += value.numel()
+            if nbytes > _MAX_TENSOR_BYTES:
+                raise ValueError(f"{path}.values: more than {_MAX_TENSOR_BYTES} tensor bytes")
+            nv += 1
+        elif letter in ("t", "l", "d"):
+            n = next(isz, None)
+            if type(n) is not int or not 0 <= n <= len(shape) - pos - 1:
+                raise ValueError(f"{path}.sizes[{ns}]: expected an int of at most the items left")
+            ns += 1
+            if n:
+                stack.append([letter, [], 2 * n if letter == "d" else n])
+                continue
+            value = () if letter == "t" else [] if letter == "l" else {}
+        else:
+            raise ValueError(f"{where}: unknown letter {letter!r} (expected one of ifsbnxtld)")
+        while True:  # hand the finished item to its container, closing those it completes
+            if not stack:
+                if root:
+                    raise ValueError(f"{where}: items after the end of the state")
+                root.append(value)
+                break
+            frame = stack[-1]
+            if frame[0] == "d" and not len(frame[1]) % 2 and type(value) not in _SCALARS:
+                raise ValueError(f"{where}: a dict key must be a scalar")
+            frame[1].append(value)
+            frame[2] -= 1
+            if frame[2]:
+                break
+            stack.pop()
+            letter_, items, _ = frame
+            if letter_ == "t":
+                value = tuple(items)
+            elif letter_ == "l":
+                value = items
+            else:
+                value = dict(zip(items[::2], items[1::2], strict=True))
+                if len(value) * 2 != len(items):
+                    raise ValueError(f"{where}: a dict repeats a key")
+    if stack or not root:
+        raise ValueError(f"{path}.shape: the state ends inside a container")
+    if next(iv, _MISSING) is not _MISSING or next(isz, None) is not None:
+        raise ValueError(f"{path}: values or sizes left over after the shape")
+    return root[0]
+
+
+_MISSING: Any = object()
+
+
+def _random_like_to_plain(obj: object, state: object) -> dict[str, Any]:
+    try:
+        tree = _tree_to_plain(state)
+    except NotPlain as exc:
+        raise NotPlain(
+            f"{exc}, and a snapshot holds only plain data (int, float, str, bool, None, 1-D "
+            f"uint8 CPU tensors, and lists, tuples and dicts of them, at most {_MAX_NODES} "
+            f"items); or make its "
+            f"getstate() return plain data"
+        ) from None
+    return {"class": class_path(obj), **tree}
+
+
+def _random_like_from_plain(obj: object, data: object, path: str) -> object:
+    d = _plain.fields(data, path, ["class", "shape", "values", "sizes"])
+    _plain.text(d["class"], f"{path}.class", choices=(class_path(obj),))
+    return _tree_from_plain({k: d[k] for k in ("shape", "values", "sizes")}, path)
+
+
+#: kind name -> (public state to plain data, checked plain data to public state).
+CODECS: dict[str, tuple[Callable[[Any, Any], Any], Callable[[Any, object, str], Any]]] = {
+    "random.Random": (
+        lambda _obj, s: random_state_to_plain(s),
+        lambda _obj, d, p: random_state_from_plain(d, p),
+    ),
+    "numpy.random.Generator": (_numpy_to_plain, _numpy_from_plain),
+    "numpy.random.RandomState": (_numpy_to_plain, _numpy_from_plain),
+    "torch.Generator": (
+        lambda obj, s: {"device": str(obj.device), "state": s.clone()},
+        _torch_from_plain,
+    ),
+    "random-like": (_random_like_to_plain, _random_like_from_plain),
+}
+assert set(CODECS) == {kind.name for _cls, kind in KINDS} | {RANDOM_LIKE.name}, (
+    "every kind needs a codec"
+)

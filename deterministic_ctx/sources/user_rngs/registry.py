@@ -1,0 +1,378 @@
+"""The registry of user RNGs: who is registered, under which key, and the
+order the blocks' loops go through them.
+
+:func:`register_rng` and :func:`unregister_rng` change it under ``_lock``;
+a collected RNG's weak-reference callback (:func:`_on_collect`) removes its
+entry without it (see the package docstring for why that is safe).
+:func:`block_steps` and :func:`live_entries` give the loops an immutable
+tuple, rebuilt only when the registry changed.  :func:`seed_registered_rngs`
+is the seeding loop; the entry points of :data:`ENTRY_POINT_GROUP` are
+loaded here too, at the first read of the registry, since they register RNGs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
+from .batches import Batch, batched
+from .entries import RECORD, Entry, Ref
+from .kinds import KINDS, kind_of, random_like, short_repr
+
+T = TypeVar("T")
+
+#: The entry-point group through which an installed package contributes RNGs:
+#: each entry point loads to a zero-argument callable returning an RNG, an
+#: iterable of RNGs, a mapping of names to RNGs, or ``None`` (nothing).
+ENTRY_POINT_GROUP = "deterministic_ctx.rngs"
+
+
+#: Serializes ``register_rng`` / ``unregister_rng`` against each other.  Never
+#: taken by a weak-reference callback, which may run while this thread holds it.
+_lock = threading.Lock()
+#: token -> entry, in registration order (tokens only grow; dicts keep insertion order).
+_entries: dict[int, Entry] = {}
+#: id(object) -> token of its entry: the O(1) duplicate check.
+_by_id: dict[int, int] = {}
+_tokens = itertools.count()
+#: Default keys: the ordinal among registrations without ``key=`` (never reused).
+_counter = itertools.count()
+#: Bumped after every change to ``_entries``; ``_cache`` is valid while it matches.
+_versions = itertools.count(1)
+_version = 0
+#: ``(version, entries, steps)``; starts stale, so that the first
+#: :func:`live_entries` loads the entry points.
+_cache: tuple[int, tuple[Entry, ...], tuple[Entry | Batch, ...]] = (-1, (), ())
+
+
+def _changed() -> None:
+    # ``next()`` on a C counter is atomic: racing bumps never produce one value
+    # twice, so a cache built before a change never matches after it.
+    global _version
+    _version = next(_versions)
+
+
+def _on_collect(
+    ref: Ref,
+    _entries: dict[int, Entry] = _entries,
+    _by_id: dict[int, int] = _by_id,
+    _changed: Callable[[], None] = _changed,
+) -> None:
+    """Drop a collected RNG's entry.  Runs wherever the object died (see the
+    package docstring): no lock, single dict operations only.  The tables (and
+    the version bump) are bound as defaults so that a callback at interpreter
+    shutdown, when module globals may already be None, still finds them."""
+    if _entries.pop(ref.token, None) is None:
+        return  # unregistered before it died (a snapshot kept the entry alive)
+    # The dying object still occupies its address until this returns, so no
+    # other object can have registered under the same id meanwhile.
+    if _by_id.get(ref.oid) == ref.token:
+        _by_id.pop(ref.oid, None)
+    # Not contextlib.suppress: at interpreter shutdown that module's name may be gone too.
+    try:  # noqa: SIM105
+        _changed()
+    except TypeError:  # interpreter shutdown: the module's globals are gone, no block follows
+        pass
+
+
+def live_entries() -> tuple[Entry, ...]:
+    """The entries in registration order, as an immutable tuple to iterate over."""
+    cache = _cache
+    return cache[1] if cache[0] == _version else _refresh()[1]
+
+
+def block_steps() -> tuple[Entry | Batch, ...]:
+    """The entries in registration order, runs of batchable ones as
+    batches (:func:`batched`): what the blocks' loops go through."""
+    cache = _cache
+    return cache[2] if cache[0] == _version else _refresh()[2]
+
+
+def _refresh() -> tuple[int, tuple[Entry, ...], tuple[Entry | Batch, ...]]:
+    global _cache
+    if _plugins_pending:
+        _load_plugins()
+    while True:
+        version = _version  # read before copying: a change after it makes a mismatch
+        try:
+            # ``dict.copy`` runs no Python code and no collection, so no callback
+            # can change the dict halfway; the retry is a guard, not a path.
+            entries = tuple(_entries.copy().values())
+        except RuntimeError:  # pragma: no cover - "dictionary changed size"
+            continue
+        _cache = cache = (version, entries, batched(entries))
+        return cache
+
+
+def _after_fork_in_child() -> None:
+    """A thread that was inside ``register_rng`` when another thread forked does
+    not exist in the child: give the child a free lock, and rebuild the id
+    index from the entries, which a registration cut short may have left
+    without its id."""
+    global _lock, _plugins_lock
+    _lock = threading.Lock()
+    _plugins_lock = threading.RLock()
+    _by_id.clear()
+    for entry in tuple(_entries.copy().values()):
+        obj = entry.get()
+        if obj is not None:
+            _by_id[id(obj)] = entry.token
+    _changed()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _find(obj: object) -> Entry | None:
+    """The live entry of ``obj``, or ``None``.  Caller holds ``_lock``."""
+    token = _by_id.get(id(obj))
+    if token is None:
+        return None
+    entry = _entries.get(token)
+    # ``is``: an entry whose object died and whose callback has not run yet
+    # (it is on its way) has the same id but another object, or none.
+    return entry if entry is not None and entry.get() is obj else None
+
+
+def register_rng(obj: T, *, key: str | None = None, shared: bool = False) -> T:
+    """Manage a user-owned RNG in every deterministic block; returns ``obj``.
+
+    Accepted: ``random.Random``, ``numpy.random.Generator``,
+    ``numpy.random.RandomState``, ``torch.Generator`` (any device), and any
+    object with ``seed()``, ``getstate()`` and ``setstate()`` methods (the
+    protocol of Hypothesis's ``register_random``).  Inside a block the object
+    is seeded with ``derive_seed(seed, "user", key)`` (64 bits for
+    ``random.Random``, ``Generator`` and torch, 32 for ``RandomState`` and
+    random-like objects, whose ``seed(int)`` is called); on exit its state is
+    restored (``setstate(getstate())`` for random-like objects).  Registering
+    the same object again is a no-op (with another ``shared``, a
+    ``ValueError``).  Objects that can be weakly referenced are held by weak
+    reference and leave the registry when collected; NumPy's types are held
+    until :func:`unregister_rng`.
+
+    ``seed`` above is the block's per-rank seed under ``rank=`` (user RNGs
+    are data-side, like ``random`` and NumPy: augmentation differs across
+    ranks).  With ``shared=True`` it is the block's shared seed instead, the
+    one torch's generators get, so the RNG draws alike on every rank: for
+    state that must agree across ranks, such as the streams of
+    :class:`~deterministic_ctx.streams.RngStreams` (registered this way).
+
+    Example:
+        >>> import random
+        >>> from deterministic_ctx import deterministic, register_rng, unregister_rng
+        >>> augment = register_rng(random.Random(), key="augment")
+        >>> with deterministic(seed=0):
+        ...     a = augment.random()
+        >>> with deterministic(seed=0):
+        ...     b = augment.random()
+        >>> a == b
+        True
+        >>> unregister_rng(augment)
+        >>> masks = register_rng(random.Random(), key="masks", shared=True)
+        >>> with deterministic(seed=0, rank=1):
+        ...     on_rank_1 = masks.random()
+        >>> with deterministic(seed=0, rank=2):
+        ...     on_rank_1 == masks.random()  # the shared seed: alike on every rank
+        True
+        >>> unregister_rng(masks)
+    """
+    kind = kind_of(obj)
+    if key is not None and not isinstance(key, str):
+        raise TypeError(f"key must be a str or None, got {type(key).__name__} {key!r}")
+    if not isinstance(shared, bool):
+        raise TypeError(f"shared must be True or False, got {shared!r:.80}")
+    with _lock:
+        found = _find(obj)
+        if found is not None:
+            if found.shared != shared:
+                raise ValueError(
+                    f"register_rng(): {short_repr(obj)} is registered already with "
+                    f"shared={found.shared}; call unregister_rng() first to register it with "
+                    f"shared={shared}"
+                )
+            return obj
+        token = next(_tokens)
+        entry = Entry(
+            obj,
+            key if key is not None else str(next(_counter)),
+            kind,
+            token,
+            shared,
+            on_collect=_on_collect,
+        )
+        _entries[token] = entry
+        _by_id[id(obj)] = token
+        _changed()
+    return obj
+
+
+def unregister_rng(obj: object) -> None:
+    """Stop managing ``obj``; ``ValueError`` if it was not registered.
+
+    Example:
+        >>> import random
+        >>> from deterministic_ctx import register_rng, unregister_rng
+        >>> rng = register_rng(random.Random(1))
+        >>> unregister_rng(rng)
+    """
+    with _lock:
+        entry = _find(obj)
+        if entry is not None:
+            _entries.pop(entry.token, None)
+            if _by_id.get(id(obj)) == entry.token:
+                _by_id.pop(id(obj), None)
+            _changed()
+            return
+    raise ValueError(f"unregister_rng(): {obj!r} is not registered")
+
+
+def registered_rngs() -> list[tuple[str, object]]:
+    """``(key, object)`` for every live registered RNG, in registration order.
+
+    The first call (or the first block) also registers what installed
+    packages contribute through the ``deterministic_ctx.rngs`` entry points.
+
+    Example:
+        >>> import random
+        >>> rng = register_rng(random.Random(), key="doc")
+        >>> [key for key, obj in registered_rngs() if obj is rng]
+        ['doc']
+        >>> unregister_rng(rng)
+    """
+    live = [(e.key, e.get()) for e in live_entries()]
+    return [(k, o) for k, o in live if o is not None]
+
+
+def seed_registered_rngs(seed: int, *, shared_seed: int | None = None) -> None:
+    """Seed every registered RNG from ``seed`` as a block seeded with it does
+    (each with ``derive_seed(seed, "user", key)``), without capturing anything.
+
+    RNGs registered with ``shared=True`` are seeded from ``shared_seed``
+    instead, where it is given (a block under ``rank=`` gives its shared
+    seed there and its per-rank seed as ``seed``).
+
+    Example:
+        >>> import random
+        >>> rng = register_rng(random.Random(), key="doc")
+        >>> from deterministic_ctx import derive_seed
+        >>> seed_registered_rngs(5)
+        >>> rng.random() == random.Random(derive_seed(5, "user", "doc", bits=64)).random()
+        True
+        >>> unregister_rng(rng)
+    """
+    steps: tuple[Any, ...] = block_steps()  # entries and batches
+    for entry in steps:
+        s = shared_seed if entry.shared and shared_seed is not None else seed
+        mt = entry.mt
+        if mt is None and type(entry) is not Entry:  # a batch
+            entry.seed(s)
+            continue
+        obj = entry.get()
+        if obj is None:
+            continue
+        memo = entry.memo
+        if memo[0] != s:
+            entry.seed_slow(obj, s)
+        elif mt is not None:  # inline: one copy and an attribute
+            mt[:] = memo[1]
+            obj.gauss_next = None
+        elif entry.mode == RECORD and obj._bit_generator is entry.bg:  # Entry.seed_again's
+            with entry.lock: entry.view[:] = memo[1]  # noqa: E701  # fmt: skip
+        else:
+            entry.seed_again(obj, s)
+
+
+# -- entry points ------------------------------------------------------------------------
+
+#: True until the entry points of :data:`ENTRY_POINT_GROUP` were loaded.
+_plugins_pending = True
+#: Held while loading, so a second thread waits for the RNGs the first is
+#: registering; re-entrant, for an entry point whose code reaches
+#: ``registered_rngs()`` or a block itself (then it sees what is registered so far).
+_plugins_lock = threading.RLock()
+
+
+def _load_plugins() -> None:
+    """Register what every installed entry point of the group contributes, once.
+
+    A broken entry point (it fails to load, raises, or returns something
+    ``register_rng`` rejects) is skipped with a ``RuntimeWarning`` naming it
+    and the error: a block must not fail because of another package.
+    """
+    global _plugins_pending
+    with _plugins_lock:
+        if not _plugins_pending:
+            return
+        _plugins_pending = False
+        try:
+            for ep in _entry_points():
+                _register_entry_point(ep)
+        except BaseException:  # an interrupt: the next block tries again
+            _plugins_pending = True
+            raise
+
+
+def _entry_points() -> list[Any]:
+    from importlib.metadata import entry_points
+
+    try:
+        found = entry_points(group=ENTRY_POINT_GROUP)
+    except Exception as exc:  # broken metadata of some installed distribution
+        warnings.warn(
+            f"deterministic_ctx could not list the {ENTRY_POINT_GROUP!r} entry points, so no "
+            f"installed package's RNGs are managed: {type(exc).__name__}: {exc}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return []
+    return sorted(found, key=lambda ep: (ep.name, ep.value))
+
+
+def _register_entry_point(ep: Any) -> None:
+    try:
+        factory = ep.load()
+        if not callable(factory):
+            raise TypeError(f"it loads to a {type(factory).__qualname__}, not a callable")
+        pairs = _contributions(ep.name, factory())
+        for _key, obj in pairs:
+            kind_of(obj)  # all or nothing: check every object before registering any
+        for key, obj in pairs:
+            register_rng(obj, key=key)
+    except Exception as exc:
+        warnings.warn(
+            f"entry point {ep.name!r} ({ep.value}) of group {ENTRY_POINT_GROUP!r} failed, so "
+            f"deterministic blocks do not manage the RNGs it contributes: "
+            f"{type(exc).__name__}: {exc}",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+
+
+def _manageable(obj: object) -> bool:
+    return isinstance(obj, tuple(cls for cls, _ in KINDS)) or random_like(obj)
+
+
+def _contributions(name: str, produced: object) -> list[tuple[str, object]]:
+    """``(key, object)`` pairs from what an entry point's callable returned."""
+    if produced is None:
+        return []
+    if _manageable(produced):
+        return [(name, produced)]
+    if isinstance(produced, Mapping):
+        out = []
+        for k, v in produced.items():
+            if not isinstance(k, str):
+                raise TypeError(f"its mapping has a key of type {type(k).__qualname__}, not str")
+            out.append((f"{name}.{k}", v))
+        return out
+    if isinstance(produced, Iterable) and not isinstance(produced, (str, bytes)):
+        return [(f"{name}.{i}", v) for i, v in enumerate(produced)]
+    raise TypeError(
+        f"it returned a {type(produced).__qualname__}: expected an RNG, an iterable of RNGs, "
+        f"a mapping of names to RNGs, or None"
+    )

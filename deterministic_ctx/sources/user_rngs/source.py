@@ -1,0 +1,196 @@
+"""The source of all registered RNGs: what a block captures, applies and
+restores for them, and what a snapshot saves of them.
+
+:class:`UserRngSource` runs the blocks' loops over :func:`.registry.block_steps`,
+with the common cases of :class:`.entries.Entry` inlined (no call per RNG
+where a copy does) and batches left to :mod:`.batches`; its checkpoint
+methods turn states into plain data and back through :mod:`.persistence`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, cast
+
+from ..._settings import Settings
+from .. import _plain
+from .batches import Batch, BatchRecord
+from .entries import RECORD, Entry, Record
+from .persistence import CODECS, NotPlain, class_path
+from .registry import block_steps, live_entries, seed_registered_rngs
+
+
+class UserRngSource:
+    """All registered RNGs: captured, seeded and restored together."""
+
+    name = "user"
+    #: The slot of the fused plan (sources/fused.py) this exact class fills.
+    fused_slot = "user"
+    device_type: str | None = None  # not a device generator: saved under "sources"
+
+    def capture(self) -> tuple[Record | BatchRecord, ...]:
+        """One record per live RNG, or per batch of them; ``()`` when there are none.
+
+        A record is ``(entry, object, state, gauss_next)``, or ``(batch,
+        objects, joined records, extra)`` for a :class:`Batch`.
+        """
+        steps = block_steps()
+        if not steps:
+            return ()
+        out: list[Any] = []
+        append = out.append
+        entries: tuple[Any, ...] = steps  # entries and batches
+        for entry in entries:
+            mt = entry.mt
+            if mt is None and type(entry) is not Entry:  # a batch
+                entry.capture(out)
+                continue
+            obj = entry.get()
+            if obj is None:  # collected after the tuple was made: its callback has run
+                continue
+            if mt is not None:  # inline: one copy and an attribute
+                append((entry, obj, mt.tobytes(), obj.gauss_next))
+            elif entry.mode == RECORD and obj._bit_generator is entry.bg:  # Entry.capture's
+                with entry.lock: raw = entry.view.tobytes()  # noqa: E701  # fmt: skip
+                append((entry, obj, raw, None))
+            else:
+                append((entry, obj, entry.capture(obj), None))
+        return tuple(out)
+
+    def apply(self, settings: Settings) -> None:
+        # Per rank, like ``random`` and NumPy; ``shared=True`` ones like torch.
+        seed_registered_rngs(settings.rank_seed, shared_seed=settings.seed)
+
+    def restore(self, state: tuple[Record | BatchRecord, ...]) -> None:
+        """Put every RNG of ``state`` back.  One that fails does not stop the
+        others; the first failure is raised once all were tried."""
+        # The object is kept alive by the snapshot only while the snapshot lives;
+        # an RNG collected meanwhile has no state left to restore.
+        error: BaseException | None = None
+        records: tuple[tuple[Any, Any, Any, Any], ...] = state
+        for first, obj, saved, extra in records:
+            try:
+                mt = first.mt
+                if mt is not None:
+                    mt[:] = saved
+                    obj.gauss_next = extra
+                elif type(first) is not Entry:  # a batch
+                    if not first.put(obj, saved, extra):
+                        error = _put_each(first.records(obj, saved, extra), error)
+                elif (  # Entry.put's common case, inline
+                    first.mode == RECORD and type(saved) is bytes and obj._bit_generator is first.bg
+                ):
+                    with first.lock: first.view[:] = saved  # noqa: E701  # fmt: skip
+                else:
+                    first.put(obj, saved)
+            except BaseException as exc:  # an interrupt too: the rest are restored first
+                error = error or exc
+                if type(first) is not Entry:  # a batch: RNG by RNG, past the failure
+                    error = _put_each(first.records(obj, saved, extra), error)
+        if error is not None:
+            raise error
+
+    def export_state(self, state: tuple[Record | BatchRecord, ...]) -> list[dict[str, Any]]:
+        """The state as plain data: ``[{"key", "kind", "state"}, ...]``.
+
+        Raises ``ValueError`` if two registered RNGs share a key (a loaded
+        snapshot finds each RNG by its key, so it could not tell them apart),
+        or if a random-like object's ``getstate()`` returned something that is
+        not plain data (see :mod:`.persistence`): its state cannot be saved.
+        """
+        out: list[dict[str, Any]] = []
+        keys: set[str] = set()
+        for entry, obj, saved, gauss in _per_rng(state):
+            if entry.key in keys:
+                raise ValueError(
+                    f"two registered RNGs share the key {entry.key!r}, so a saved snapshot "
+                    f"could not tell them apart: register them with distinct keys"
+                )
+            keys.add(entry.key)
+            try:
+                plain = CODECS[entry.kind.name][0](obj, entry.public(saved, gauss))
+            except NotPlain as exc:
+                raise ValueError(
+                    f"the state of user RNG {entry.key!r} ({class_path(obj)}) cannot be "
+                    f"saved: {exc}. Unregister it before saving a snapshot"
+                ) from None
+            out.append({"key": entry.key, "kind": entry.kind.name, "state": plain})
+        return out
+
+    def import_state(self, data: object, path: str) -> tuple[Record, ...]:
+        """Bind each saved state to the RNG registered here under the same key.
+
+        Every saved RNG must be registered (``register_rng(obj, key=...)``)
+        before loading, with the same kind: otherwise ``ValueError``, since its
+        state could not be restored.  RNGs registered here but absent from the
+        snapshot are left alone, as by any snapshot taken before they existed.
+        Loaded states are restored through each kind's public API, which
+        checks them again, never by writing raw memory.  NumPy and torch
+        states are also checked here, on throw-away generators; a random-like
+        object's state is checked only by its ``setstate()``, at restore.
+        """
+        if type(data) is not list:
+            raise ValueError(f"{path}: expected a list, got {type(data).__name__}")
+        by_key: dict[str, list[tuple[Entry, Any]]] = {}
+        for e in live_entries():
+            obj = e.get()
+            if obj is not None:
+                by_key.setdefault(e.key, []).append((e, obj))
+        out: list[Record] = []
+        seen: set[str] = set()
+        for i, item in enumerate(data):
+            where = f"{path}[{i}]"
+            d = _plain.fields(item, where, ["key", "kind", "state"])
+            key = _plain.text(d["key"], f"{where}.key")
+            kind = _plain.text(d["kind"], f"{where}.kind", choices=CODECS)
+            if key in seen:
+                raise ValueError(f"{where}.key: {key!r} is saved twice")
+            seen.add(key)
+            found = by_key.get(key, [])
+            if len(found) != 1:
+                raise ValueError(
+                    f"{where}: the snapshot holds user RNG {key!r} ({kind}), and "
+                    + (
+                        f"no RNG is registered with that key here: call "
+                        f"register_rng(rng, key={key!r}) before loading"
+                        if not found
+                        else f"{len(found)} RNGs are registered with that key here"
+                    )
+                )
+            entry, obj = found[0]
+            if entry.kind.name != kind:
+                raise ValueError(
+                    f"{where}.kind: saved a {kind}, but the RNG registered here with key "
+                    f"{key!r} is a {entry.kind.name}"
+                )
+            state = CODECS[kind][1](obj, d["state"], f"{where}.state")
+            out.append((entry.loaded(), obj, state, None))
+        return tuple(out)
+
+
+def _per_rng(state: tuple[Record | BatchRecord, ...]) -> Iterator[Record]:
+    """One ``(entry, object, state, gauss_next)`` per RNG of a captured state
+    (a batch's record as its entries' records), in registration order but
+    within a run of batches, whose ``random.Random`` come before its NumPy
+    objects (they touch separate memory; a saved state is matched by key)."""
+    for record in state:
+        first = record[0]
+        if isinstance(first, Batch):
+            yield from first.records(record[1], record[2], record[3])
+        else:
+            yield cast(Record, record)
+
+
+def _put_each(records: Iterable[Record], error: BaseException | None) -> BaseException | None:
+    """Restore each RNG's record (the restore loop's body, for a batch's slow
+    path); the first error, ``error`` if given, is returned once all were tried."""
+    for entry, obj, saved, gauss in records:
+        try:
+            if entry.mt is not None:
+                entry.mt[:] = saved
+                obj.gauss_next = gauss
+            else:
+                entry.put(obj, saved)
+        except BaseException as exc:  # an interrupt too, as in the restore loop
+            error = error or exc
+    return error
