@@ -9,6 +9,7 @@ has; the values themselves are read here, through torch's public API.
 
 from __future__ import annotations
 
+import importlib
 import os
 import random
 import threading
@@ -90,15 +91,16 @@ def _flags() -> tuple[Any, ...]:
     import sys
 
     inductor = sys.modules.get("torch._inductor.config")
-    fill = _torch.FILL_UNINITIALIZED_MEMORY.available
-    if fill:
-        import torch.utils.deterministic  # noqa: F401  (not imported by every torch)
+    # A module that not every torch imports by itself.
+    fill = _torch.FILL_UNINITIALIZED_MEMORY.available and importlib.import_module(
+        "torch.utils.deterministic"
+    )
     return (
         torch.backends.cudnn.deterministic,
         torch.backends.cudnn.benchmark,
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
-        torch.utils.deterministic.fill_uninitialized_memory if fill else "absent",
+        fill.fill_uninitialized_memory if fill else "absent",
         torch.backends.mkldnn.deterministic
         if _torch.MKLDNN_DETERMINISTIC.available
         else "absent",
