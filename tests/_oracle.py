@@ -101,9 +101,7 @@ def _flags() -> tuple[Any, ...]:
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
         fill.fill_uninitialized_memory if fill else "absent",
-        torch.backends.mkldnn.deterministic
-        if _torch.MKLDNN_DETERMINISTIC.available
-        else "absent",
+        torch.backends.mkldnn.deterministic if _torch.MKLDNN_DETERMINISTIC.available else "absent",
         # An import cannot be undone: "not imported" counts as its default.
         (os.getenv("TORCHINDUCTOR_DETERMINISTIC") == "1")
         if inductor is None

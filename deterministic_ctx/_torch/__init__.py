@@ -40,6 +40,7 @@ from ._capability import (
 
 __all__ = [
     "ACCELERATOR_API",
+    "CONFIG_OVERRIDES",
     "DEFAULT_DEVICE_GETTER",
     "DEVICE_MESH",
     "DISPATCH_MODES",
@@ -321,6 +322,25 @@ INDUCTOR_FALLBACK_RANDOM = Capability(
 )
 """``torch._inductor.config`` where it has ``fallback_random`` (probed once inductor is
 imported)."""
+
+
+def _config_overrides() -> object | None:
+    import importlib
+
+    module = importlib.import_module("torch.utils._config_module")
+    return getattr(module, "_UNSET_SENTINEL", None)
+
+
+CONFIG_OVERRIDES = Capability(
+    "config_user_overrides",
+    reads="torch.utils._config_module._UNSET_SENTINEL (a config entry's user override)",
+    since="2.6",
+    fallback="torch.compile's config entries are restored by value: one written back "
+    "reads as set by the user",
+    probe=_config_overrides,
+)
+"""torch's "nobody set it" sentinel of config entries (``sources/_config.py`` reads it
+from ``sys.modules``; this probe is for the report and the tests)."""
 
 
 # -- torch's process defaults (tests/_oracle.py) ---------------------------------------
