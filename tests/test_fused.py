@@ -901,7 +901,9 @@ def forget_cudnn_initial_state() -> None:
     first write loses it for good, and the reference restore writes the value that
     behaves the same.  Replaced here by that value first, so that every run starts
     alike: with no parent set, the initial state reads "tf32" like an explicit
-    "tf32", which is written."""
+    "tf32", which is written.  (Nothing to forget without the fp32_precision API.)"""
+    if not _torch.FP32_PRECISION.available:
+        return
     generic = B.fp32_precision
     B.fp32_precision = "none"
     cuda_all = B.cudnn.fp32_precision  # its own value, now that generic is unset
