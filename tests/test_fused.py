@@ -46,6 +46,7 @@ import importlib
 import os
 import random
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -211,7 +212,7 @@ def observe(known: Known) -> dict[str, Any]:
         "flags": Oracle.now().flags,
         "flags, hidden": plain(tuple(_FLAGS_SOURCE.capture()), known),
         "inductor": None
-        if inductor is None
+        if inductor is None or not hasattr(inductor, "deterministic")  # torch < 2.7: no flag
         else (inductor.deterministic, inductor._is_default("deterministic")),
         "torch.compile": Oracle.now().compiled,
         "defaults": (
@@ -445,7 +446,7 @@ def _mkldnn_allow_tf32(value: bool) -> None:
 
 def _set_inductor(value: bool) -> None:
     config = sys.modules.get("torch._inductor.config")
-    if config is not None:
+    if config is not None and hasattr(config, "deterministic"):
         config.deterministic = value
 
 
@@ -1055,7 +1056,9 @@ def test_batches_of_registered_rngs_through_the_plan(registry, monkeypatch):
     inner = Block(1, True, 5, body)
     outer = Block(0, False, None, (*body, inner, ("step a decorated generator", 0), *body))
     differential(prelude, [outer, outer], register_test_env=False)
-    assert {"_MtBatch", "_RecordBatch"} <= set(captured)
+    # NumPy's record batches need RLock bit generator locks (NumPy 2): elsewhere none.
+    records = type(np.random.default_rng(0).bit_generator.lock) is type(threading.RLock())
+    assert {"_MtBatch", *(["_RecordBatch"] if records else [])} <= set(captured)
 
 
 def test_a_block_that_fails_to_enter(registry):
