@@ -170,9 +170,27 @@ def __getattr__(name: str) -> Any:
     if where is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     module, attribute = where
-    value = getattr(importlib.import_module(module, __name__), attribute)
+    try:
+        value = getattr(importlib.import_module(module, __name__), attribute)
+    except AttributeError as exc:
+        # ``from deterministic_ctx import name`` turns an AttributeError raised
+        # here into "cannot import name", and drops it: the real cause (a torch
+        # attribute missing while a module loads, say) would be lost.
+        raise _LoadError(name, module, exc) from exc
     globals()[name] = value  # later lookups are plain attribute reads
     return value
+
+
+class _LoadError(ImportError):
+    """A public name whose module failed to load with an ``AttributeError``:
+    raised as an ``ImportError`` that names the real cause, which is chained."""
+
+    def __init__(self, name: str, module: str, cause: AttributeError) -> None:
+        super().__init__(
+            f"deterministic_ctx.{name} could not be loaded: importing or reading "
+            f"deterministic_ctx{module} raised {type(cause).__name__}: {cause}",
+            name=__name__,
+        )
 
 
 def __dir__() -> list[str]:

@@ -24,6 +24,7 @@ from typing import Any, Literal, TypeAlias
 import numpy as np
 
 from ._seed import derive_seed, show_int, validate_seed
+from ._torch import FILL_UNINITIALIZED_MEMORY
 
 __all__ = [
     "AUTO",
@@ -93,6 +94,10 @@ def validate_switches(
     for name, value in zip(names, values, strict=True):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
+    if not fill_uninitialized_memory:
+        # Asked for explicitly: a torch without the flag cannot honour it (the
+        # default, True, is simply off there, and report() says so).
+        FILL_UNINITIALIZED_MEMORY.require("fill_uninitialized_memory=False")
     return warn_only, flags, fill_uninitialized_memory  # type: ignore[return-value]
 
 

@@ -38,6 +38,13 @@ from ._settings import (
     validate_rank,
     validate_switches,
 )
+from ._torch import (
+    TorchFeatureError,
+    accelerator_type,
+    default_device,
+    is_compiling,
+    missing_capabilities,
+)
 from ._version import __version__ as VERSION
 from .engine import Block, inside_block, opaque
 from .sources import (
@@ -55,7 +62,7 @@ from .sources._plain import mapping as plain_mapping
 from .sources.compiler import compiled_settings
 from .sources.environ import CUBLAS_VALID, managed_env_vars, register_env_var
 from .sources.environ import SEED as SEED_ENV_VAR
-from .sources.flags import PRECISION_OPS
+from .sources.flags import PRECISION_OPS, UNSUPPORTED_FLAGS
 
 __all__ = [
     "AUTO",
@@ -63,17 +70,23 @@ __all__ = [
     "MAX_SEED",
     "PRECISION_OPS",
     "SEED_ENV_VAR",
+    "UNSUPPORTED_FLAGS",
     "VERSION",
     "Block",
     "CompiledRng",
     "Rank",
     "Settings",
+    "TorchFeatureError",
+    "accelerator_type",
     "compiled_settings",
+    "default_device",
     "derive_seed",
     "generator_sources",
     "inside_block",
+    "is_compiling",
     "launcher_variables",
     "managed_env_vars",
+    "missing_capabilities",
     "opaque",
     "plain_fields",
     "plain_flag",

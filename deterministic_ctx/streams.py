@@ -96,7 +96,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .internal import derive_seed, register_rng, validate_seed
+from .internal import accelerator_type, derive_seed, register_rng, validate_seed
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -119,12 +119,7 @@ def _accelerator() -> tuple[Any, str]:
     swapped: ``default_generators`` behind ``is_initialized()`` and
     ``current_device()`` (CUDA, XPU, ...).  ``(None, "")`` on a CPU build;
     MPS is not swapped."""
-    api = getattr(torch, "accelerator", None)
-    if api is not None and hasattr(api, "current_accelerator"):
-        device = api.current_accelerator()  # never initializes a device
-        device_type = "" if device is None else device.type
-    else:  # torch < 2.6: CUDA only
-        device_type = "cuda" if torch.cuda._is_compiled() else ""
+    device_type = accelerator_type()  # never initializes a device
     module = getattr(torch, device_type, None) if device_type else None
     if not all(
         callable(getattr(module, name, None)) for name in ("is_initialized", "current_device")

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import InvalidSnapshotError, decode, encode
-from .internal import registered_rngs
+from .internal import accelerator_type, registered_rngs
 from .snapshot import Snapshot
 
 __all__ = [
@@ -392,11 +392,13 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
         return torch.device("cpu")
     if "nccl" in backend:
         return torch.device("cuda", torch.cuda.current_device())
-    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
-    if accelerator is not None:
-        current = accelerator.current_accelerator()
-        if current is not None:
-            return torch.device(current.type, accelerator.current_device_index())
+    device_type = accelerator_type()
+    if device_type:
+        # torch.accelerator (torch >= 2.6), else the device's own module.
+        index = getattr(getattr(torch, "accelerator", None), "current_device_index", None)
+        index = index or getattr(getattr(torch, device_type, None), "current_device", None)
+        if index is not None:
+            return torch.device(device_type, index())
     return torch.device("cpu")
 
 

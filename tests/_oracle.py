@@ -1,11 +1,15 @@
 """An independent view of global random state, built only from public APIs.
 
 Tests compare against this rather than against ``Snapshot``, so a bug in the
-library's own capture cannot hide a bug in its restore.
+library's own capture cannot hide a bug in its restore.  Which of torch's
+attributes exist is asked of the library's capability probes
+(``deterministic_ctx._torch``), so the guard reads what every supported torch
+has; the values themselves are read here, through torch's public API.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import random
 import threading
@@ -14,6 +18,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from deterministic_ctx import _torch
 
 #: Every environment variable a block must put back (docs/explanation/captures.md), written
 #: out here rather than read from the library, so the guard stays independent.
@@ -80,25 +86,37 @@ def _queued(entry: Any) -> Any:
 
 
 def _flags() -> tuple[Any, ...]:
+    """The flags through torch's public attributes; a flag this torch lacks (the
+    library's capability probes say which) reads ``"absent"``."""
     import sys
 
     inductor = sys.modules.get("torch._inductor.config")
+    # A module that not every torch imports by itself.
+    fill = _torch.FILL_UNINITIALIZED_MEMORY.available and importlib.import_module(
+        "torch.utils.deterministic"
+    )
     return (
         torch.backends.cudnn.deterministic,
         torch.backends.cudnn.benchmark,
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
-        torch.utils.deterministic.fill_uninitialized_memory,
-        torch.backends.mkldnn.deterministic,
+        fill.fill_uninitialized_memory if fill else "absent",
+        torch.backends.mkldnn.deterministic if _torch.MKLDNN_DETERMINISTIC.available else "absent",
         # An import cannot be undone: "not imported" counts as its default.
         (os.getenv("TORCHINDUCTOR_DETERMINISTIC") == "1")
         if inductor is None
-        else inductor.deterministic,
+        else getattr(inductor, "deterministic", "absent"),
         # Default-ness too: inductor's compile-cache keys depend on it.
-        True if inductor is None else inductor._is_default("deterministic"),
+        _is_default(inductor, "deterministic"),
         _read(torch.get_float32_matmul_precision),
         _read(lambda: torch.backends.cuda.matmul.allow_tf32),
         _read(lambda: torch.backends.cudnn.allow_tf32),
+        *(_precision() if _torch.FP32_PRECISION.available else ()),
+    )
+
+
+def _precision() -> tuple[Any, ...]:
+    return (
         torch.backends.fp32_precision,
         torch.backends.cuda.matmul.fp32_precision,
         torch.backends.cudnn.fp32_precision,
@@ -109,6 +127,16 @@ def _flags() -> tuple[Any, ...]:
         torch.backends.mkldnn.conv.fp32_precision,
         torch.backends.mkldnn.rnn.fp32_precision,
     )
+
+
+def _is_default(config: Any, key: str) -> Any:
+    """Whether a config entry is at its default; ``True`` where the module is not
+    imported, its value where torch's config cannot tell (``_is_default``: torch >= 2.2)."""
+    if config is None or not hasattr(config, key):
+        return True
+    if not hasattr(config, "_is_default"):
+        return getattr(config, key)
+    return config._is_default(key)
 
 
 #: The config entries that decide compiled random numbers, read through torch's
@@ -128,7 +156,7 @@ def _compiled() -> tuple[Any, ...]:
     for name, keys in _COMPILED.items():
         config = sys.modules.get(name)
         for key in keys:
-            if config is None or not hasattr(config, key) or config._is_default(key):
+            if _is_default(config, key) is True:
                 out.append("default")
             else:
                 out.append(getattr(config, key))
@@ -150,7 +178,7 @@ def _defaults() -> tuple[Any, ...]:
     )
     return (
         torch.get_default_dtype(),
-        torch.get_default_device(),
+        _torch.default_device(),
         ctx if ctx in ("absent", None) else id(ctx),  # never set / None / which context object
         torch._C._get_default_device(),  # the legacy set_default_tensor_type device
         torch.get_num_threads(),
@@ -178,7 +206,12 @@ class World:
                 for i in range(torch.cuda.device_count())
             )
         else:
-            cuda = (_lazy(torch.cuda), _lazy(torch.xpu), _lazy(torch.mtia))
+            # The lazily seeded devices whose queues the library manages on this torch.
+            cuda = tuple(
+                _lazy(module)
+                for module in map(_torch.lazy_device, ("cuda", "xpu", "mtia"))
+                if module is not None
+            )
         return cls(
             random.getstate(),
             _np_state(),

@@ -17,7 +17,37 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from deterministic_ctx import _torch
+
+
 #: For tests that start gloo process groups (on loopback).
+def needs(capability: _torch.Capability) -> pytest.MarkDecorator:
+    """Skip where the running torch lacks ``capability`` (``deterministic_ctx._torch``),
+    naming what it reads and the torch version that has it."""
+    return pytest.mark.skipif(
+        not capability.available,
+        reason=f"needs {capability.reads} (torch >= {capability.since}); "
+        f"torch {torch.__version__} lacks it",
+    )
+
+
+def needs_config_entries(module: str, *keys: str) -> pytest.MarkDecorator:
+    """Skip where torch's config ``module`` (imported here: the tests that ask import
+    it anyway) lacks one of ``keys``, or cannot tell a value from a default
+    (``torch.utils._config_module``'s user overrides)."""
+    import importlib
+
+    config = importlib.import_module(module)
+    missing = [k for k in keys if not hasattr(config, k)]
+    layout = _torch.CONFIG_OVERRIDES.available
+    return pytest.mark.skipif(
+        bool(missing) or not layout,
+        reason=f"torch {torch.__version__}'s {module} lacks {', '.join(missing)}"
+        if missing
+        else f"needs {_torch.CONFIG_OVERRIDES.reads} (torch >= {_torch.CONFIG_OVERRIDES.since})",
+    )
+
+
 needs_gloo = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
 )

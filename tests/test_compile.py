@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from deterministic_ctx import (
     InvalidSnapshotError,
     Snapshot,
+    _torch,
     deterministic,
     isolated,
     reproducible,
@@ -29,7 +30,11 @@ from deterministic_ctx.sources.compiler import (
     ENTRIES,
     compiled_settings,
 )
-from tests.helpers import run_python, set_config_override
+from tests.helpers import needs, run_python, set_config_override
+
+#: Blocks inside compiled code stay eager only where dynamo takes a per-code frame
+#: strategy; without it (torch 2.6) dynamo traces into the block and fails.
+needs_frame_strategy = needs(_torch.FRAME_EXEC_STRATEGY)
 
 inductor = importlib.import_module("torch._inductor.config")
 functorch = importlib.import_module("torch._functorch.config")
@@ -81,6 +86,10 @@ def _no_dynamo_warnings(caught: list[warnings.WarningMessage]) -> None:
 NEWER = {
     "torch._inductor.config.align_random_eager": (2, 12),
     "torch._inductor.config.batch_invariant": (2, 13),
+    # Absent from torch 2.6.0 (tools/compat.py's middle corner), present in 2.13.
+    "torch._functorch.config.graphsafe_rng_functionalization": (2, 7),
+    # Absent from torch 2.1.2 (the lowest corner), present in 2.6.
+    "torch._dynamo.config.use_numpy_random_stream": (2, 2),
 }
 TORCH = tuple(int(part) for part in torch.__version__.split(".")[:2])
 PRESENT = {e.name for e in ENTRIES if NEWER.get(e.name, (0, 0)) <= TORCH}
@@ -372,6 +381,7 @@ def _with_isolated(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fn", [_with_block, _calls_decorated, _with_isolated])
+@needs_frame_strategy
 def test_inside_compiled_code_eager_numbers_and_no_warnings(fn, restored):
     x = torch.ones(N)
     torch.manual_seed(5)
@@ -397,6 +407,7 @@ def test_inside_compiled_code_eager_numbers_and_no_warnings(fn, restored):
         (_calls_decorated, "a @reproducible / @isolated function"),
     ],
 )
+@needs_frame_strategy
 def test_fullgraph_raises_with_our_explanation(fn, text, restored):
     with pytest.raises(Exception, match="fullgraph=True") as raised:
         torch.compile(_copy(fn), fullgraph=True)(torch.ones(N))
@@ -423,6 +434,7 @@ def test_a_decorated_generator_iterated_in_compiled_code(restored):
 
 
 @pytest.mark.slow
+@needs_frame_strategy
 def test_the_compiler_is_given_back_after_a_block_inside_compiled_code(restored):
     # After the block, the rest of the compiled function's callees compile as
     # usual: the pause ends with the block.
@@ -463,6 +475,7 @@ def test_a_block_traced_by_non_strict_export_is_refused(restored):
 
 
 @pytest.mark.slow
+@needs_frame_strategy
 def test_a_block_in_strict_export_is_dynamos_error_with_our_explanation(restored):
     with pytest.raises(Exception, match="move the block around the compiled call") as raised:
         torch.export.export(_BlockInForward(), (torch.ones(2),), strict=True)
@@ -530,6 +543,7 @@ def test_a_block_left_after_the_compiled_call_does_not_turn_dynamo_on_in_eager_c
 
 @pytest.mark.slow
 @pytest.mark.parametrize("wrap", ["compile", "script_if_tracing"])
+@needs_frame_strategy
 def test_decorating_a_compiled_function_keeps_the_block(wrap, restored):
     inner = (torch.compile if wrap == "compile" else torch.jit.script_if_tracing)(
         lambda x: x + torch.rand_like(x)

@@ -133,7 +133,7 @@ def test_reproducible_takes_a_rank():
         ("1", ValueError, r"rank must be a non-negative int, 'auto' or None, got '1'"),
         (1.0, TypeError, r"rank must be a non-negative int, 'auto' or None, got float 1.0"),
         (True, TypeError, r"got bool True"),
-        (np.bool_(False), TypeError, r"got bool np.False_"),
+        (np.bool_(False), TypeError, r"got bool_? (np\.)?False"),  # NumPy 2's repr, or 1.x's
     ],
 )
 def test_bad_ranks_are_rejected_where_they_are_written(rank, error, message):

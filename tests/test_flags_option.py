@@ -7,9 +7,12 @@ import os
 import pytest
 import torch
 
-from deterministic_ctx import Snapshot, deterministic, reproducible, seed_everything
+from deterministic_ctx import Snapshot, _torch, deterministic, reproducible, seed_everything
 from tests._oracle import World
-from tests.helpers import draw
+from tests.helpers import draw, needs
+
+#: A block's ``fill_uninitialized_memory=False`` needs the flag (torch >= 2.2).
+needs_fill = needs(_torch.FILL_UNINITIALIZED_MEMORY)
 
 
 def test_flags_false_seeds_and_isolates_but_keeps_the_callers_flags(monkeypatch):
@@ -29,6 +32,7 @@ def test_flags_false_seeds_and_isolates_but_keeps_the_callers_flags(monkeypatch)
     assert World.now() == before
 
 
+@needs_fill
 def test_fill_uninitialized_memory_false_is_the_value_in_the_block():
     assert torch.utils.deterministic.fill_uninitialized_memory
     with deterministic(seed=0, fill_uninitialized_memory=False) as block:
@@ -39,6 +43,7 @@ def test_fill_uninitialized_memory_false_is_the_value_in_the_block():
     assert block.flags and not block.fill_uninitialized_memory
 
 
+@needs_fill
 def test_nested_blocks_each_apply_their_own_options():
     with deterministic(seed=0):
         with deterministic(seed=1, flags=False):
@@ -49,6 +54,7 @@ def test_nested_blocks_each_apply_their_own_options():
     assert not torch.are_deterministic_algorithms_enabled()
 
 
+@needs_fill
 def test_reproducible_and_seed_everything_take_the_options():
     @reproducible(seed=3, flags=False)
     def inside():
@@ -73,3 +79,14 @@ def test_bad_values_are_refused_by_name(name, value):
         reproducible(seed=0, **{name: value})
     with pytest.raises(TypeError, match=f"{name} must be True or False"):
         seed_everything(0, **{name: value})
+
+
+@pytest.mark.skipif(
+    _torch.FILL_UNINITIALIZED_MEMORY.available, reason="this torch has the flag: see above"
+)
+def test_fill_uninitialized_memory_false_on_a_torch_without_the_flag_is_refused():
+    # Where it is written, naming the torch version that has the flag.
+    with pytest.raises(_torch.TorchFeatureError, match=r"fill_uninitialized_memory=False.*2\.2"):
+        deterministic(seed=0, fill_uninitialized_memory=False)
+    with deterministic(seed=0):  # the default: the flag is off here, the block works
+        assert torch.are_deterministic_algorithms_enabled()

@@ -181,7 +181,8 @@ def _clean(before: World) -> bool:
     return (
         LOCK.depth == 0
         and not LOCK.held_by_other_thread()
-        and not numpy_lock._is_owned()
+        # _is_owned: RLocks (NumPy 2), and plain locks from Python 3.11; else not held at all.
+        and not (getattr(numpy_lock, "_is_owned", None) or numpy_lock.locked)()
         and World.now() == before
     )
 

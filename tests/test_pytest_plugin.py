@@ -23,7 +23,11 @@ import torch._dynamo
 import torch._inductor.config  # noqa: F401
 
 import _deterministic_ctx_pytest as plugin
-from tests.helpers import run_python
+from deterministic_ctx import _torch
+from tests.helpers import needs, run_python
+
+#: A block's ``fill_uninitialized_memory=False`` needs the flag (torch >= 2.2).
+needs_fill = needs(_torch.FILL_UNINITIALIZED_MEMORY)
 
 # Each inner test imports this: ``draw`` takes one value from each global RNG, ``recipe`` is the
 # classic seeding recipe the library must reproduce.
@@ -151,6 +155,7 @@ def test_marker_on_module_and_class_applies_to_every_test(pytester: pytest.Pytes
     run(pytester).assert_outcomes(passed=3)
 
 
+@needs_fill
 def test_marker_flags_and_fill_options(pytester: pytest.Pytester):
     pytester.makepyfile(
         """

@@ -27,7 +27,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deterministic_ctx import InvalidSnapshotError, Snapshot, checkpoint, deterministic
+from deterministic_ctx import InvalidSnapshotError, Snapshot, _torch, checkpoint, deterministic
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -37,8 +37,24 @@ def _module() -> Any:
     return importlib.import_module("deterministic_ctx.sources.torch_defaults")
 
 
+#: torch 2.1 keeps the default device context in a module global (``None`` until
+#: set), later torch per thread, in a ``threading.local``.
+_PER_THREAD = isinstance(torch._GLOBAL_DEVICE_CONTEXT, threading.local)
+needs_per_thread_device = pytest.mark.skipif(
+    not _PER_THREAD,
+    reason=f"torch {torch.__version__} keeps one default device per process "
+    "(torch._GLOBAL_DEVICE_CONTEXT per thread: torch >= 2.3)",
+)
+
+
+#: What :func:`_context` reads where set_default_device was never called.
+_NEVER_SET = "absent" if _PER_THREAD else None
+
+
 def _context() -> Any:
     """What ``torch.set_default_device`` installed in this thread (a sentinel when nothing)."""
+    if not _PER_THREAD:
+        return torch._GLOBAL_DEVICE_CONTEXT
     return torch._GLOBAL_DEVICE_CONTEXT.__dict__.get("device_context", "absent")
 
 
@@ -68,7 +84,9 @@ def _defaults_kept() -> Iterator[None]:
             except AssertionError:  # the mode stack was left in disorder: empty it
                 while _mode_stack():
                     torch.overrides._pop_mode()
-        if context == "absent":
+        if not _PER_THREAD:
+            torch._GLOBAL_DEVICE_CONTEXT = context
+        elif context == "absent":
             torch._GLOBAL_DEVICE_CONTEXT.__dict__.pop("device_context", None)
         device_module.CURRENT_DEVICE = current
         torch.set_default_dtype(dtype)
@@ -119,21 +137,22 @@ def test_block_leaves_the_callers_dtype_in_force_inside():
 
 
 def test_block_restores_an_absent_default_device_as_absent():
-    assert _context() == "absent"
+    assert _context() == _NEVER_SET
     stack = _mode_stack()
     with deterministic(seed=0):
         torch.set_default_device("meta")
         assert torch.empty(2).device.type == "meta"
-    assert _context() == "absent"
+    assert _context() == _NEVER_SET
     assert _mode_stack() == stack
     assert torch.empty(2).device.type == "cpu"
 
 
+@needs_per_thread_device  # torch 2.1: "never set" is None
 def test_block_restores_an_absent_default_device_after_set_default_device_none():
     with deterministic(seed=0):
         torch.set_default_device(None)
         assert _context() is None
-    assert _context() == "absent"
+    assert _context() == _NEVER_SET
 
 
 def test_block_restores_the_callers_device_context_object():
@@ -167,6 +186,7 @@ def test_default_device_under_a_device_context_manager():
     assert torch.empty(1).device.type == "cpu"
 
 
+@needs_per_thread_device
 def test_default_device_is_per_thread_and_restored_in_the_blocks_thread():
     seen: list[Any] = []
 
@@ -180,7 +200,7 @@ def test_default_device_is_per_thread_and_restored_in_the_blocks_thread():
     t.start()
     t.join()
     assert seen == [False, "absent"]
-    assert _context() == "absent"
+    assert _context() == _NEVER_SET
 
 
 def test_block_restores_the_number_of_threads():
@@ -262,7 +282,7 @@ def test_a_failing_device_restore_does_not_stop_the_other_defaults(monkeypatch):
     assert torch.get_num_threads() == state[mod.THREADS]
     monkeypatch.undo()
     source.restore(state)  # and a second run finishes the job
-    assert _context() == "absent" and _mode_stack() == []
+    assert _context() == _NEVER_SET and _mode_stack() == []
 
 
 def test_a_restore_interrupted_after_exiting_the_bodys_context_finishes_once():
@@ -272,7 +292,7 @@ def test_a_restore_interrupted_after_exiting_the_bodys_context_finishes_once():
     torch.set_default_device("meta")
     _context().__exit__(None, None, None)  # as if interrupted right after this step
     source.restore(state)
-    assert _context() == "absent" and _mode_stack() == []
+    assert _context() == _NEVER_SET and _mode_stack() == []
 
 
 def test_a_restore_interrupted_after_entering_the_callers_context_finishes_once():
@@ -285,7 +305,8 @@ def test_a_restore_interrupted_after_entering_the_callers_context_finishes_once(
     context.__enter__()  # as if interrupted right after this step
     source.restore(state)
     assert _context() is context
-    assert _mode_stack() == [context] and context.prev_mode is None
+    # prev_mode: the mode below it (torch 2.1's modes have no such attribute).
+    assert _mode_stack() == [context] and getattr(context, "prev_mode", None) is None
     assert torch.empty(1).device.type == "meta"
 
 
@@ -412,7 +433,7 @@ def test_round_trip(via, tmp_path):
     assert _entry(loaded.state_dict()) == _entry(saved)
     loaded.restore()
     assert torch.get_default_dtype() == torch.float64
-    assert torch.get_default_device() == torch.device("meta")
+    assert _torch.default_device() == torch.device("meta")
     assert torch.get_num_threads() == threads
     context = _context()
     loaded.restore()  # again: the device context it installed is kept, not rebuilt
@@ -550,7 +571,7 @@ def _apply_ops(ops: list[tuple[str, Any]]) -> None:
 def _defaults() -> tuple[Any, ...]:
     return (
         torch.get_default_dtype(),
-        torch.get_default_device(),
+        _torch.default_device(),
         torch.get_num_threads(),
         len(_mode_stack()),
     )

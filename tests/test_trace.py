@@ -37,7 +37,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from deterministic_ctx import InvalidSnapshotError, Snapshot, checkpoint, deterministic, isolated
+from deterministic_ctx import (
+    InvalidSnapshotError,
+    Snapshot,
+    _torch,
+    checkpoint,
+    deterministic,
+    isolated,
+)
 from deterministic_ctx import cli as cli_module
 from deterministic_ctx.cli import _split_trace_record, main
 from deterministic_ctx.record import Event
@@ -51,7 +58,10 @@ from deterministic_ctx.trace import (
     record_trace,
     script_result,
 )
-from tests.helpers import run_python
+from tests.helpers import needs, run_python
+
+#: A block's ``fill_uninitialized_memory=False`` needs the flag (torch >= 2.2).
+needs_fill = needs(_torch.FILL_UNINITIALIZED_MEMORY)
 
 TRACE_MAGIC = b"\x89DCT\r\n\x1a\n"  # as documented in deterministic_ctx/trace/__init__.py
 
@@ -509,6 +519,7 @@ def test_another_op_or_fewer_op_calls_are_named(shifted):
     assert found.op_detail.startswith("B called aten.ones.default at ")
 
 
+@needs_fill
 def test_uninitialized_memory_is_explained():
     """Without fill_uninitialized_memory (``--no-fill``), torch.empty's output is whatever
     the memory held: when it is the first op that differs, the report says why."""

@@ -60,7 +60,7 @@ def report() -> DeterminismReport:
     import numpy as np
     import torch
 
-    from ..internal import VERSION, compiled_settings, inside_block
+    from ..internal import VERSION, compiled_settings, inside_block, missing_capabilities
     from ..snapshot import Snapshot
 
     snapshot = Snapshot.capture()
@@ -95,6 +95,11 @@ def report() -> DeterminismReport:
         rngs=rngs,
         torch_compile=torch_compile,
         collectives=collectives,
+    )
+    # What this torch lacks, one note each: the feature it serves is off.
+    problems += tuple(
+        Problem("note", f"torch-lacks-{c.name.replace('_', '-')}", c.describe())
+        for c in missing_capabilities()
     )
     return DeterminismReport(
         versions, in_block, flags, env, rngs, cuda, process, problems, torch_compile, collectives

@@ -65,10 +65,12 @@ def start_method() -> tuple[str, bool]:
 
 
 def flags(torch: Any, snapshot: Any) -> dict[str, Any]:
-    from ..internal import PRECISION_OPS
+    from ..internal import PRECISION_OPS, UNSUPPORTED_FLAGS
 
     state = snapshot.state_of("torch.flags")  # a named tuple or dataclass of flag values
     flags = dict(state._asdict()) if hasattr(state, "_asdict") else dataclasses.asdict(state)
+    for name in UNSUPPORTED_FLAGS:  # this torch lacks them: a problem note says so
+        flags[name] = None
     precision = flags.pop("fp32_precision", ())
     # What restoring needs, not what a reader asks: the entries' own values
     # (the effective ones are shown below) and inductor's raw override (its

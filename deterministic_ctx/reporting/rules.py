@@ -72,7 +72,7 @@ def _uninitialized_memory(f: Facts) -> Problem | None:
     if (
         not flags["deterministic_algorithms"]
         or flags["deterministic_warn_only"]
-        or flags["fill_uninitialized_memory"]
+        or flags["fill_uninitialized_memory"] is not False  # None: this torch lacks it
     ):
         return None
     return Problem(

@@ -64,6 +64,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .. import _torch
 from .._errors import GraphCaptureError
 from .._settings import Settings
 from . import _plain
@@ -86,8 +87,6 @@ _NOTE = ["  (seed queued by deterministic_ctx on entry to a deterministic block)
 _RESTORE_NOTE = ["  (generator states queued by deterministic_ctx restoring a loaded snapshot)\n"]
 #: More devices than any machine has; bounds what a crafted checkpoint can declare.
 _MAX_DEVICES = 4096
-_REQUIRED = ("is_initialized", "_lazy_seed_tracker", "_queued_calls", "default_generators")
-_TRACKER_FIELDS = ("manual_seed_all_cb", "manual_seed_cb", "call_order")
 #: Device types whose default generators are torch's Philox generators
 #: (``CUDAGeneratorImpl``, ROCm's as well, and ``XPUGeneratorImpl``): their states
 #: have rules of their own, which :func:`check_philox_state` checks at load.
@@ -454,32 +453,22 @@ class MPSSource:
         return _plain.byte_tensor(states[0], f"{path}.states[0]", numel=self.capture().numel())
 
 
-def _usable(module: Any) -> bool:
-    tracker = getattr(module, "_lazy_seed_tracker", None)
-    return all(hasattr(module, a) for a in _REQUIRED) and all(
-        hasattr(tracker, f) for f in _TRACKER_FIELDS
-    )
-
-
 def accelerator_sources() -> Sequence[LazyAcceleratorSource | MPSSource]:
     """The accelerator sources this torch build has.
 
     CUDA, XPU and MTIA are managed even on builds without them: ``torch.manual_seed``
     inside a block still queues lazy seeds for them, and those must not outlive
-    the block.  A module that lacks the attributes we rely on is not silently
-    skipped: we fail loudly at import, since its state could not be restored.
+    the block.  A device module that lacks the lazy-seeding internals captured
+    here (``torch.xpu`` before torch 2.4, ``torch.mtia`` without
+    ``default_generators`` in torch 2.6: see ``_torch.LAZY_DEVICES``) is left
+    out, and :func:`~deterministic_ctx.report` names it: no torch of those
+    versions seeds its generators from ``torch.manual_seed`` either.
     """
     found: list[LazyAcceleratorSource | MPSSource] = []
     for device_type in ("cuda", "xpu", "mtia"):
-        module = getattr(torch, device_type, None)
-        if module is None:
-            continue
-        if not _usable(module):
-            raise ImportError(
-                f"deterministic_ctx does not support this torch build: torch.{device_type} "
-                f"lacks the lazy-seeding internals it captures ({', '.join(_REQUIRED)})"
-            )
-        found.append(LazyAcceleratorSource(module, device_type))
+        module = _torch.lazy_device(device_type)
+        if module is not None:
+            found.append(LazyAcceleratorSource(module, device_type))
     if getattr(torch._C, "_has_mps", False) and torch.backends.mps.is_available():
         found.append(MPSSource())
     return found

@@ -58,6 +58,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
+from .. import _torch
 from .._settings import Settings
 from . import _plain
 from ._config import AT_DEFAULT, ConfigEntry, is_unset
@@ -154,11 +155,7 @@ class TorchCompileSource:
         if settings.compiled_rng == "eager":
             if _INDUCTOR not in sys.modules:
                 importlib.import_module(_INDUCTOR)  # the option asks for it: see the docstring
-            if _FALLBACK_RANDOM.located() is None:
-                raise RuntimeError(
-                    f"compiled_rng='eager' needs torch._inductor.config.fallback_random, "
-                    f"which torch {torch.__version__} does not have"
-                )
+            _torch.INDUCTOR_FALLBACK_RANDOM.require("compiled_rng='eager'")
             _FALLBACK_RANDOM.set(True)
 
     def restore(self, state: tuple[object, ...]) -> None:
@@ -230,11 +227,13 @@ def compiled_settings() -> dict[str, Any]:
 # -- the boundary ---------------------------------------------------------------
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+# dynamo's C frame hook, in every supported torch.
 _eval_frame: Any = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
 _set_eval_frame: Any = getattr(_eval_frame, "set_eval_frame", None)
-_set_strategy: Any = getattr(_eval_frame, "set_code_exec_strategy", None)
-_Strategy: Any = getattr(_eval_frame, "_FrameExecStrategy", None)
-_Action: Any = getattr(_eval_frame, "_FrameAction", None)
+_set_strategy: Any
+_Strategy: Any
+_Action: Any
+_set_strategy, _Strategy, _Action = _torch.FRAME_EXEC_STRATEGY.value or (None, None, None)
 
 
 def _no_compiler() -> None:
@@ -256,15 +255,10 @@ def resume_compiler(callback: object) -> None:
         _set_eval_frame(callback)
 
 
-_is_compiling: Callable[[], bool] = getattr(
-    getattr(torch, "compiler", None), "is_compiling", lambda: False
-)
-_get_mode: Any = getattr(torch._C, "_get_dispatch_mode", None)
-_MODE_KEYS: tuple[Any, ...] = tuple(
-    key
-    for name in ("FAKE", "PROXY")
-    if (key := getattr(getattr(torch._C, "_TorchDispatchModeKey", None), name, None)) is not None
-)
+_is_compiling: Callable[[], bool] = _torch.IS_COMPILING.value or _torch.is_compiling
+_get_mode: Any
+_MODE_KEYS: tuple[Any, ...]
+_get_mode, _MODE_KEYS = _torch.DISPATCH_MODES.value or (None, ())
 
 
 def _tracing_here() -> bool:

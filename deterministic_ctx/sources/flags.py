@@ -75,16 +75,18 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
+from .. import _torch
 from .._settings import Settings
 from . import _plain
 from ._config import AT_DEFAULT, ConfigEntry
 
-__all__ = ["PRECISION_OPS", "FlagState", "TorchFlagsSource"]
+__all__ = ["PRECISION_OPS", "UNSUPPORTED_FLAGS", "FlagState", "TorchFlagsSource"]
 
 _C: Any = torch._C
 
-_get_precision = getattr(_C, "_get_fp32_precision_getter", None)
-_set_precision = getattr(_C, "_set_fp32_precision_setter", None)
+_get_precision: Any
+_set_precision: Any
+_get_precision, _set_precision = _torch.FP32_PRECISION.value or (None, None)
 #: The getter for the hot paths, which run it only where the API exists (``_EXACT``).
 _get_any: Any = _get_precision
 
@@ -147,10 +149,12 @@ _MATMUL_ENTRIES = {
     "medium": ("tf32", "bf16"),
 }
 
-_get_onednn = getattr(_C, "_get_onednn_allow_tf32", None)
 #: Only XPU builds keep the oneDNN TF32 flag: elsewhere the getter returns
 #: None and the setter warns and ignores it.
-_ONEDNN = _get_onednn is not None and isinstance(_get_onednn(), bool)
+_get_onednn: Any
+_set_onednn: Any
+_get_onednn, _set_onednn = _torch.ONEDNN_ALLOW_TF32.value or (None, None)
+_ONEDNN = _get_onednn is not None
 
 
 #: Taken by whoever writes the precision state here: a probe (which unsets
@@ -507,6 +511,26 @@ class _Flag(NamedTuple):
     inside: bool | None
 
 
+def _absent_get() -> bool:
+    return False
+
+
+def _absent_set(value: bool) -> None:
+    return None
+
+
+def _optional_flag(field: str, capability: _torch.Capability, inside: bool) -> _Flag:
+    """A flag that not every torch has: where this one lacks it (see ``capability``),
+    it reads ``False`` (an older torch behaves as if it were off: it never fills
+    memory, oneDNN has no switch of its own), is never written, and a block
+    leaves it ``False`` too."""
+    found = capability.value
+    if found is None:
+        return _Flag(field, _absent_get, _absent_set, False)
+    get, put = found
+    return _Flag(field, get, put, inside)
+
+
 #: The boolean flags, in :class:`FlagState`'s order (its first fields).
 _FLAGS = (
     _Flag("cudnn_deterministic", _C._get_cudnn_deterministic, _C._set_cudnn_deterministic, True),
@@ -523,15 +547,14 @@ _FLAGS = (
         _set_deterministic_warn_only,
         None,
     ),
-    _Flag(
-        "fill_uninitialized_memory",
-        _C._get_deterministic_fill_uninitialized_memory,
-        _C._set_deterministic_fill_uninitialized_memory,
-        True,
-    ),
-    _Flag("mkldnn_deterministic", _C._get_mkldnn_deterministic, _C._set_mkldnn_deterministic, True),
+    _optional_flag("fill_uninitialized_memory", _torch.FILL_UNINITIALIZED_MEMORY, True),
+    _optional_flag("mkldnn_deterministic", _torch.MKLDNN_DETERMINISTIC, True),
 )
 _BOOLS = tuple(flag.field for flag in _FLAGS)
+#: The flags this torch lacks: held ``False`` in every state, never written.
+UNSUPPORTED_FLAGS: frozenset[str] = frozenset(
+    flag.field for flag in _FLAGS if flag.get is _absent_get
+)
 _MODE, _WARN_ONLY = (
     _BOOLS.index("deterministic_algorithms"),
     _BOOLS.index("deterministic_warn_only"),
@@ -546,7 +569,11 @@ _FILL = _BOOLS.index("fill_uninitialized_memory")
 #: The flags' values inside a block, by its ``(warn_only, fill_uninitialized_memory)``.
 _INSIDE = {
     (warn_only, fill): tuple(
-        warn_only if flag.inside is None else fill if i == _FILL else flag.inside
+        warn_only
+        if flag.inside is None
+        else fill
+        if i == _FILL and flag.get is not _absent_get
+        else flag.inside
         for i, flag in enumerate(_FLAGS)
     )
     for warn_only in (False, True)
@@ -857,7 +884,7 @@ def _write_legacy(
         _C._set_cudnn_allow_tf32(state.cudnn_allow_tf32)
         written[_CONV] = written[_RNN] = "tf32" if state.cudnn_allow_tf32 else "none"
     if _ONEDNN and state.onednn_allow_tf32 not in (None, _onednn_allow_tf32()):
-        _C._set_onednn_allow_tf32(state.onednn_allow_tf32)
+        _set_onednn(state.onednn_allow_tf32)
     if written and not _EXACT:
         return _precisions()  # older rules: read what the setters wrote
     return tuple(written.get(i, value) for i, value in enumerate(own))

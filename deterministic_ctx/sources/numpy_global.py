@@ -72,7 +72,11 @@ def _free_global_lock_in_child() -> None:
     hook may restore NumPy's state, which takes this lock.
     """
     lock = getattr(np.random.mtrand._rand._bit_generator, "lock", None)
-    if lock is None or not hasattr(lock, "_at_fork_reinit") or lock._is_owned():
+    # ``_is_owned`` (Python >= 3.11 for plain locks, NumPy 1.x's kind): without it, a
+    # lock held here is taken for a dead thread's, since the forking thread cannot
+    # be inside a draw or a state copy while it forks.
+    owned = getattr(lock, "_is_owned", None)
+    if lock is None or not hasattr(lock, "_at_fork_reinit") or (owned is not None and owned()):
         return
     if lock.acquire(False):
         lock.release()
