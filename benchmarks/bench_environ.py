@@ -30,7 +30,7 @@ import torch
 
 from deterministic_ctx import deterministic, managed_env_vars
 from deterministic_ctx import sources as _sources
-from deterministic_ctx._settings import Settings
+from deterministic_ctx.base.settings import Settings
 from deterministic_ctx.sources.environ import CUBLAS_VALID, EnvironSource
 
 CUBLAS, HASHSEED = "CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED"

@@ -10,7 +10,7 @@ measured in the same run:
 
 * ``import deterministic_ctx`` alone: the lazy package (PEP 562), which must
   load neither torch nor NumPy;
-* ``import deterministic_ctx.cli``: what ``deterministic-ctx run`` loads in the
+* ``import deterministic_ctx.integrations.cli``: what ``deterministic-ctx run`` loads in the
   interpreter it throws away when it restarts for ``PYTHONHASHSEED``;
 * the first use of ``deterministic_ctx.deterministic``, with torch and NumPy
   already imported: the engine and its sources;
@@ -68,7 +68,9 @@ BASELINE = Row("import torch, numpy (baseline)", "", TORCH_NUMPY)
 ROWS = (
     BASELINE,
     Row("import deterministic_ctx", "", "import deterministic_ctx"),
-    Row("import deterministic_ctx.cli", "", "import deterministic_ctx.cli"),
+    Row(
+        "import deterministic_ctx.integrations.cli", "", "import deterministic_ctx.integrations.cli"
+    ),
     Row(
         "engine: first deterministic_ctx.deterministic",
         "import torch, numpy, deterministic_ctx",

@@ -24,33 +24,32 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._version import __version__ as __version__
+from .base.version import __version__ as __version__
 
 if TYPE_CHECKING:  # what the names below resolve to, for type checkers and readers
-    from ._errors import (
+    from .audit import AuditFinding, AuditReport, audit_nondeterminism
+    from .base.errors import (
         AbandonedBlockWarning,
         GraphCaptureError,
         InvalidSnapshotError,
         LockWaitWarning,
         RestoreError,
     )
-    from ._lock import set_lock_warning
-    from ._seed import derive_seed
-    from .audit import AuditFinding, AuditReport, audit_nondeterminism
-    from .context import deterministic, isolated
-    from .data import chain_worker_init, seed_worker, seeded_generator
-    from .dcp import RngState
-    from .decorate import reproducible
-    from .distributed import Ranks, broadcast_seed, rank_seed, ranks
-    from .locate import DivergenceReport, locate_divergence
+    from .base.lock import set_lock_warning
+    from .base.seed import derive_seed
+    from .core.context import deterministic, isolated
+    from .core.decorate import reproducible
+    from .parallel.data import chain_worker_init, seed_worker, seeded_generator
+    from .parallel.ranks import Ranks, broadcast_seed, rank_seed, ranks
+    from .parallel.seeding import seed_everything
+    from .parallel.streams import RngStreams
     from .reporting import DeterminismReport, report
     from .reporting import report as determinism_report
-    from .seeding import seed_everything
-    from .snapshot import Snapshot
     from .sources import register_rng, registered_rngs, unregister_rng
     from .sources.environ import DETERMINISTIC_COLLECTIVES, managed_env_vars, register_env_var
-    from .streams import RngStreams
-    from .sync import RngStateError, sync_rng_state
+    from .state.dcp import RngState
+    from .state.snapshot import Snapshot
+    from .state.sync import RngStateError, sync_rng_state
     from .trace import InvalidTraceError, Trace, TraceComparison, compare_traces, record_trace
     from .verify import (
         BatchInvarianceError,
@@ -60,6 +59,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
         assert_compiled_matches_eager,
         assert_reproducible,
     )
+    from .verify.locate import DivergenceReport, locate_divergence
 
 __all__ = [
     "DETERMINISTIC_COLLECTIVES",
@@ -114,53 +114,53 @@ __all__ = [
 
 #: Where each public name lives: ``(module, attribute)``.
 _WHERE: dict[str, tuple[str, str]] = {
-    "AbandonedBlockWarning": ("._errors", "AbandonedBlockWarning"),
+    "AbandonedBlockWarning": (".base.errors", "AbandonedBlockWarning"),
     "AuditFinding": (".audit", "AuditFinding"),
     "AuditReport": (".audit", "AuditReport"),
     "BatchInvarianceError": (".verify", "BatchInvarianceError"),
     "CompiledMismatchError": (".verify", "CompiledMismatchError"),
     "DETERMINISTIC_COLLECTIVES": (".sources.environ", "DETERMINISTIC_COLLECTIVES"),
     "DeterminismReport": (".reporting", "DeterminismReport"),
-    "DivergenceReport": (".locate", "DivergenceReport"),
-    "GraphCaptureError": ("._errors", "GraphCaptureError"),
-    "InvalidSnapshotError": ("._errors", "InvalidSnapshotError"),
+    "DivergenceReport": (".verify.locate", "DivergenceReport"),
+    "GraphCaptureError": (".base.errors", "GraphCaptureError"),
+    "InvalidSnapshotError": (".base.errors", "InvalidSnapshotError"),
     "InvalidTraceError": (".trace", "InvalidTraceError"),
-    "LockWaitWarning": ("._errors", "LockWaitWarning"),
+    "LockWaitWarning": (".base.errors", "LockWaitWarning"),
     "NotReproducibleError": (".verify", "NotReproducibleError"),
-    "Ranks": (".distributed", "Ranks"),
-    "RestoreError": ("._errors", "RestoreError"),
-    "RngState": (".dcp", "RngState"),
-    "RngStateError": (".sync", "RngStateError"),
-    "RngStreams": (".streams", "RngStreams"),
-    "Snapshot": (".snapshot", "Snapshot"),
+    "Ranks": (".parallel.ranks", "Ranks"),
+    "RestoreError": (".base.errors", "RestoreError"),
+    "RngState": (".state.dcp", "RngState"),
+    "RngStateError": (".state.sync", "RngStateError"),
+    "RngStreams": (".parallel.streams", "RngStreams"),
+    "Snapshot": (".state.snapshot", "Snapshot"),
     "Trace": (".trace", "Trace"),
     "TraceComparison": (".trace", "TraceComparison"),
     "assert_batch_invariant": (".verify", "assert_batch_invariant"),
     "assert_compiled_matches_eager": (".verify", "assert_compiled_matches_eager"),
     "assert_reproducible": (".verify", "assert_reproducible"),
     "audit_nondeterminism": (".audit", "audit_nondeterminism"),
-    "broadcast_seed": (".distributed", "broadcast_seed"),
-    "chain_worker_init": (".data", "chain_worker_init"),
+    "broadcast_seed": (".parallel.ranks", "broadcast_seed"),
+    "chain_worker_init": (".parallel.data", "chain_worker_init"),
     "compare_traces": (".trace", "compare_traces"),
-    "derive_seed": ("._seed", "derive_seed"),
+    "derive_seed": (".base.seed", "derive_seed"),
     "determinism_report": (".reporting", "report"),
-    "deterministic": (".context", "deterministic"),
-    "isolated": (".context", "isolated"),
-    "locate_divergence": (".locate", "locate_divergence"),
+    "deterministic": (".core.context", "deterministic"),
+    "isolated": (".core.context", "isolated"),
+    "locate_divergence": (".verify.locate", "locate_divergence"),
     "managed_env_vars": (".sources.environ", "managed_env_vars"),
-    "rank_seed": (".distributed", "rank_seed"),
-    "ranks": (".distributed", "ranks"),
+    "rank_seed": (".parallel.ranks", "rank_seed"),
+    "ranks": (".parallel.ranks", "ranks"),
     "record_trace": (".trace", "record_trace"),
     "register_env_var": (".sources.environ", "register_env_var"),
     "register_rng": (".sources", "register_rng"),
     "registered_rngs": (".sources", "registered_rngs"),
     "report": (".reporting", "report"),
-    "reproducible": (".decorate", "reproducible"),
-    "seed_everything": (".seeding", "seed_everything"),
-    "seed_worker": (".data", "seed_worker"),
-    "seeded_generator": (".data", "seeded_generator"),
-    "set_lock_warning": ("._lock", "set_lock_warning"),
-    "sync_rng_state": (".sync", "sync_rng_state"),
+    "reproducible": (".core.decorate", "reproducible"),
+    "seed_everything": (".parallel.seeding", "seed_everything"),
+    "seed_worker": (".parallel.data", "seed_worker"),
+    "seeded_generator": (".parallel.data", "seeded_generator"),
+    "set_lock_warning": (".base.lock", "set_lock_warning"),
+    "sync_rng_state": (".state.sync", "sync_rng_state"),
     "unregister_rng": (".sources", "unregister_rng"),
 }
 
@@ -199,17 +199,17 @@ def __dir__() -> list[str]:
 
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext deterministic_ctx``: registers ``%%deterministic`` and
-    ``%deterministic_report`` (see :mod:`deterministic_ctx.ipython`).
+    ``%deterministic_report`` (see :mod:`deterministic_ctx.integrations.ipython`).
 
     IPython is imported only here, never at package import.
     """
-    from .ipython import load_ipython_extension as load
+    from .integrations.ipython import load_ipython_extension as load
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     """``%unload_ext deterministic_ctx``."""
-    from .ipython import unload_ipython_extension as unload
+    from .integrations.ipython import unload_ipython_extension as unload
 
     unload(ipython)

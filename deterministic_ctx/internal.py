@@ -25,8 +25,15 @@ Example:
 
 from __future__ import annotations
 
-from ._seed import MAX_SEED, derive_seed, validate_seed
-from ._settings import (
+from ._torch import (
+    TorchFeatureError,
+    accelerator_type,
+    default_device,
+    is_compiling,
+    missing_capabilities,
+)
+from .base.seed import MAX_SEED, derive_seed, validate_seed
+from .base.settings import (
     AUTO,
     CompiledRng,
     Rank,
@@ -38,15 +45,8 @@ from ._settings import (
     validate_rank,
     validate_switches,
 )
-from ._torch import (
-    TorchFeatureError,
-    accelerator_type,
-    default_device,
-    is_compiling,
-    missing_capabilities,
-)
-from ._version import __version__ as VERSION
-from .engine import Block, inside_block, opaque
+from .base.version import __version__ as VERSION
+from .core.engine import Block, inside_block, opaque
 from .sources import (
     generator_sources,
     register_rng,

@@ -247,7 +247,7 @@ def _first_initialized(before: Any, after: Any) -> bool:
     seeded from the OS's randomness, as torch's initialization always seeds them, so
     any state is what it would have been (a GPU test that moves a tensor to the
     device initializes CUDA, and that is no leak).  With a seed queued before, the
-    state after is not checked here: tests/test_gpu.py checks that case itself."""
+    state after is not checked here: tests/core/test_gpu.py checks that case itself."""
     if not (isinstance(after[0], bytes) and not isinstance(before[0], bytes)):
         return False
     seed_all, seed_one, order, _count = before[0]  # torch queues calls of its own too

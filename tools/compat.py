@@ -17,7 +17,7 @@ Usage::
 
     python tools/compat.py                      # every corner, pytest -m "not slow" -n 2
     python tools/compat.py --corner lowest      # one corner
-    python tools/compat.py --corner middle -- tests/test_flags.py -x -n 0
+    python tools/compat.py --corner middle -- tests/sources/test_flags.py -x -n 0
     python tools/compat.py --build-only         # make (or check) the environments, run nothing
     python tools/compat.py --rebuild --corner newest
 

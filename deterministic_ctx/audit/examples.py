@@ -1,5 +1,5 @@
 """The examples of the op table's entries, by key: each builds its tensors on a device ``d``
-and runs its entry's case.  The GPU test (``tests/test_audit.py``) runs each under
+and runs its entry's case.  The GPU test (``tests/verify/test_audit.py``) runs each under
 deterministic mode on a real CUDA device to check the entry's behaviour."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..ops import QuietDispatchMode
+from ..verify.ops import QuietDispatchMode
 from .findings import AuditFinding
 from .model import OpCall, OpEntry
 from .sites import Frames, Modules, Site, called_outside_torch

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 from torch.nn.modules import module as _nn_module
 
-from ..compare import short_repr, tensor_leaves
-from ..context import deterministic
+from ..core.context import deterministic
 from ..internal import CUBLAS_VALID
-from ..rerun import SavedState, call_and_consume, check_fn, objects_to_reset
+from ..verify.compare import short_repr, tensor_leaves
+from ..verify.rerun import SavedState, call_and_consume, check_fn, objects_to_reset
 from .findings import AuditReport
 from .model import CHECKED_TORCH, CUBLAS_CONFIG_CHECKED_BEFORE, nearest_checked, release_of
 from .recorder import Auditor, Functions, watched_functions

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..ops import is_library_file
+from ..verify.ops import is_library_file
 
 __all__ = ["Frames", "Modules", "Site", "called_outside_torch"]
 

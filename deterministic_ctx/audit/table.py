@@ -14,7 +14,7 @@ behaviour under deterministic mode (and, where torch changed it, the
 behaviour on earlier releases), the phase the op normally runs in, and a
 note; a field left out takes :class:`~.model.OpEntry`'s default.  Each entry
 has a runnable example, in :data:`~.examples.EXAMPLES` under its key, that the
-GPU test (``tests/test_audit.py``) runs on a real CUDA device to check the
+GPU test (``tests/verify/test_audit.py``) runs on a real CUDA device to check the
 behaviour.  Entries for one op are tried in order; the first whose condition
 holds wins.
 

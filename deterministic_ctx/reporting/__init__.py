@@ -61,7 +61,7 @@ def report() -> DeterminismReport:
     import torch
 
     from ..internal import VERSION, compiled_settings, inside_block, missing_capabilities
-    from ..snapshot import Snapshot
+    from ..state.snapshot import Snapshot
 
     snapshot = Snapshot.capture()
     in_block = inside_block()

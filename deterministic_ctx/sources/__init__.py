@@ -6,7 +6,7 @@ a flag means adding or changing one module here, nothing above it.
 
 from __future__ import annotations
 
-from .._settings import Settings
+from ..base.settings import Settings
 from ._base import DeviceSource, Source
 from .accelerators import accelerator_sources
 from .compiler import TorchCompileSource

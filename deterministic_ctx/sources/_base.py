@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from .._settings import Settings
+from ..base.settings import Settings
 
 __all__ = ["DeviceSource", "Source"]
 

@@ -65,8 +65,8 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import _torch
-from .._errors import GraphCaptureError
-from .._settings import Settings
+from ..base.errors import GraphCaptureError
+from ..base.settings import Settings
 from . import _plain
 
 __all__ = [

@@ -54,7 +54,7 @@ from operator import ne
 from types import MappingProxyType
 from typing import Any
 
-from .._settings import Settings
+from ..base.settings import Settings
 from . import _plain
 
 __all__ = [

@@ -76,7 +76,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from .. import _torch
-from .._settings import Settings
+from ..base.settings import Settings
 from . import _plain
 from ._config import AT_DEFAULT, ConfigEntry
 

@@ -16,7 +16,7 @@ captured instead of reading them again.
 ``restore`` leave, and runs the reference method of a source whenever that
 source is not in its common state: a replaced NumPy bit generator, a state
 loaded from a checkpoint, an accelerator with queued work, registered user
-RNGs.  ``tests/test_fused.py`` proves it equal to the reference with a
+RNGs.  ``tests/sources/test_fused.py`` proves it equal to the reference with a
 Hypothesis differential test over random workloads.
 
 **Which source is which.**  Each source class the plan inlines declares its
@@ -28,7 +28,7 @@ the device can never be initialized; any other device source runs its own
 methods), then the flags, compiler, defaults, environment and user slots.
 Sources the plan cannot take (tests swap ``SOURCES``) get no plan:
 :func:`build` returns ``None``, :func:`why_not` says why, and the engine
-runs the reference loop.  ``tests/test_fused.py`` fails if the default
+runs the reference loop.  ``tests/sources/test_fused.py`` fails if the default
 sources have no plan, so a new source cannot turn it off unnoticed.
 
 Failure paths stay the reference's: :class:`~deterministic_ctx.world.World`
@@ -41,7 +41,7 @@ import random
 from operator import is_
 from typing import Any, TypeVar
 
-from .._settings import Settings
+from ..base.settings import Settings
 from ._base import Source
 from .accelerators import LazyAcceleratorSource, LazyState
 from .compiler import TorchCompileSource

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._settings import Settings
+from ..base.settings import Settings
 from . import _plain
 from ._memory import NUMPY_LAYOUT, NumpyGaussLayout, mt19937_view
 from ._seeded import SeededCache

@@ -7,7 +7,7 @@ import struct
 import warnings
 from typing import Any, NamedTuple
 
-from .._settings import Settings
+from ..base.settings import Settings
 from . import _plain
 from ._memory import RANDOM_LAYOUT, MTLayout
 from ._seeded import SeededCache

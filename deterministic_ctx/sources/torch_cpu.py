@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .._settings import Settings
+from ..base.settings import Settings
 from . import _plain
 from ._seeded import SeededCache
 from .accelerators import PHILOX_DEVICES, check_philox_state

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from .._settings import Settings
+from ..base.settings import Settings
 from . import _plain
 
 __all__ = ["DefaultsState", "TorchDefaultsSource"]

@@ -9,11 +9,11 @@ import os
 import re
 from typing import Any
 
-from ..compare import short_repr
-from ..locate import Divergence
-from ..ops import OpCall, TensorPrint, first_op_difference
-from ..record import Event, Run
-from ..timeline import Finding, compare_runs
+from ..verify.compare import short_repr
+from ..verify.locate import Divergence
+from ..verify.ops import OpCall, TensorPrint, first_op_difference
+from ..verify.record import Event, Run
+from ..verify.timeline import Finding, compare_runs
 from .culprits import EnvironmentDifference, environment_differences
 from .fileformat import Trace
 

@@ -14,10 +14,18 @@ from typing import Any, cast
 
 import torch
 
-from ..checkpoint import FileKind, InvalidSnapshotError, decode, encode, origin_of, read, write
-from ..compare import short_repr
 from ..internal import plain_fields, plain_flag, plain_integer, plain_mapping
-from ..record import Event
+from ..state.checkpoint import (
+    FileKind,
+    InvalidSnapshotError,
+    decode,
+    encode,
+    origin_of,
+    read,
+    write,
+)
+from ..verify.compare import short_repr
+from ..verify.record import Event
 from .facts import Fact
 
 FORMAT = "deterministic_ctx.trace"

@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..compare import short_repr, tensor_leaves
-from ..context import deterministic
-from ..fingerprint import fingerprint
-from ..ops import OpCall
-from ..record import Event, OpWindow, Run, record_run
-from ..rerun import SavedState, call_and_consume, check_fn, objects_to_reset
+from ..core.context import deterministic
+from ..verify.compare import short_repr, tensor_leaves
+from ..verify.fingerprint import fingerprint
+from ..verify.ops import OpCall
+from ..verify.record import Event, OpWindow, Run, record_run
+from ..verify.rerun import SavedState, call_and_consume, check_fn, objects_to_reset
 from .facts import Fact, environment
 from .fileformat import DIGEST, NO_MODULE, Trace, checked_path
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from ..compare import Difference, first_difference, tensor_leaves
-from ..context import deterministic
-from ..rerun import SavedState, call_and_consume, check_fn, objects_to_reset
+from ..core.context import deterministic
+from .compare import Difference, first_difference, tensor_leaves
 from .reproducible import NotReproducibleError, fn_name
+from .rerun import SavedState, call_and_consume, check_fn, objects_to_reset
 from .rows import batch_layout, check_dim, check_rows, result_layout, row_of
 
 __all__ = ["BatchInvarianceError", "assert_batch_invariant"]

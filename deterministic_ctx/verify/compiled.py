@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from ..compare import first_difference, short_repr
-from ..context import deterministic
+from ..core.context import deterministic
 from ..internal import CompiledRng, unchanged_config
-from ..rerun import SavedState, call_and_consume, check_fn, objects_to_reset
+from .compare import first_difference, short_repr
 from .reproducible import NotReproducibleError, fn_name
+from .rerun import SavedState, call_and_consume, check_fn, objects_to_reset
 
 __all__ = ["CompiledMismatchError", "assert_compiled_matches_eager"]
 

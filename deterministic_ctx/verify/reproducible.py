@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..compare import first_difference
-from ..context import deterministic
-from ..rerun import SavedState, call_and_consume, check_fn, check_runs, objects_to_reset
+from ..core.context import deterministic
+from .compare import first_difference
+from .rerun import SavedState, call_and_consume, check_fn, check_runs, objects_to_reset
 
 __all__ = ["NotReproducibleError", "assert_reproducible", "fn_name"]
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..compare import short_repr, tensor_leaves
+from .compare import short_repr, tensor_leaves
 
 __all__ = ["batch_layout", "check_dim", "check_rows", "result_layout", "row_of"]
 

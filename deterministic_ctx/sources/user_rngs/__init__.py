@@ -76,7 +76,7 @@ what its loops need, bound once at registration.
   to copy all records out and one ``BytesIO.readinto`` per RNG to copy them
   back, so no Python bytecode runs per RNG.  A batch falls back to its
   entries, one by one, whenever it cannot do its work this way.
-  ``tests/test_user_rngs_fast.py`` proves every path equal to the public
+  ``tests/sources/test_user_rngs_fast.py`` proves every path equal to the public
   API with a Hypothesis differential test over random workloads.
 
 **Layout.**  This package's ``__init__`` is its only public face; each

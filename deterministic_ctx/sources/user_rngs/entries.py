@@ -21,7 +21,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from ..._seed import derive_seed
+from ...base.seed import derive_seed
 from .._memory import NUMPY_LAYOUT, mt19937_view
 from ..python_random import PythonRandomState, fast_layout_for, public_state
 from .kinds import GENERATOR, RANDOM, RANDOM_STATE, TORCH, Kind

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any, cast
 
-from ..._settings import Settings
+from ...base.settings import Settings
 from .. import _plain
 from .batches import Batch, BatchRecord
 from .entries import RECORD, Entry, Record

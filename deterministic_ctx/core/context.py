@@ -1,0 +1,405 @@
+"""``deterministic``: the ``with`` / ``async with`` block, and the decorator.
+
+Each ``with`` is one :class:`~deterministic_ctx.engine.Block`; this module
+only validates the arguments, keeps each object's open blocks (per asyncio
+task for ``async with``) and makes sure an interrupted ``__exit__`` still
+leaves.  As a decorator, ``deterministic`` is :func:`~deterministic_ctx.decorate.reproducible`.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from inspect import CO_ASYNC_GENERATOR, CO_COROUTINE, CO_GENERATOR, CO_ITERABLE_COROUTINE
+from types import FrameType, TracebackType
+from typing import Any, TypeVar, overload
+
+from ..base.settings import CompiledRng, Rank, Settings
+from .decorate import decorate
+from .engine import Block, drain_signals, opaque, pause_compiler, resume_compiler
+
+__all__ = ["deterministic", "isolated"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+_B = TypeVar("_B", bound="_Blocks")
+
+
+#: What a ``with`` entered inside compiled code paused: dynamo's callback, and
+#: the frame that entered, which alone may give it back (see ``__exit__``).
+_Paused = tuple[object, FrameType] | None
+#: An open block, and what its entry paused.
+_Open = tuple[Block, _Paused]
+#: Frames that can suspend with the block open and resume after the compiled
+#: call that paused dynamo has returned: their exit never gives its callback back.
+_SUSPENDABLE = CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR | CO_ITERABLE_COROUTINE
+
+#: Dynamo's message when a block appears in compiled code: a graph break, or
+#: under ``fullgraph=True`` an error whose text includes this.
+_IN_COMPILED_CODE = (
+    "deterministic-ctx: a `with deterministic(...)` / `isolated()` block changes "
+    "process-global RNG state and flags, which cannot be part of a graph; dynamo runs "
+    "the function that contains it eagerly (the block's body draws eager's random "
+    "numbers). Under fullgraph=True, move the block around the compiled call instead: "
+    "`with deterministic(0): compiled(x)`."
+)
+
+
+class _PerThread(threading.local):
+    """One object's open blocks in the calling thread, by the asyncio task of
+    an ``async with`` (``None`` for a ``with``), in the order they were entered.
+
+    Per thread, so one object (``DET = deterministic(seed=0)`` at module level)
+    can be entered by many threads at once, each leaving its own blocks in its
+    own order; a thread's record goes away with the thread.
+    """
+
+    blocks: dict[object, list[_Open]]
+
+    def __init__(self) -> None:
+        self.blocks = {}
+
+
+def _leave_anyway(blocks: dict[object, list[_Open]], task: object) -> _Paused:
+    """Complete an interrupted ``__exit__``: its block's ``stop()`` is idempotent.
+    Returns what its entry paused."""
+    stack = blocks.get(task)
+    if not stack:
+        raise RuntimeError("deterministic block exited without being entered") from None
+    block, paused = stack[-1]
+    block.stop()
+    del stack[-1]
+    return paused
+
+
+def _leave_if_entered(blocks: dict[object, list[_Open]], task: object, depth: int) -> None:
+    """After an exception in ``__enter__``: if the block was entered (the
+    interrupt came as ``_push`` returned: where a PEP 523 frame evaluator,
+    dynamo's, is installed, Python handles pending signals after every call
+    returns), nobody will call ``__exit__``: leave it here."""
+    stack = blocks.get(task)
+    if stack is not None and len(stack) > depth:
+        paused = _leave_anyway(blocks, task)
+        if paused is not None:
+            resume_compiler(paused[0])
+
+
+def _paused_here(callback: object) -> _Paused:
+    """What ``__enter__`` keeps when it paused dynamo's ``callback``: the
+    callback and the frame of the ``with``."""
+    frame = sys._getframe(2)  # the frame of the ``with`` (above __enter__)
+    return None if frame.f_code.co_flags & _SUSPENDABLE else (callback, frame)
+
+
+def _current_task() -> object:
+    """The running asyncio task, or ``None``: never imports asyncio itself."""
+    asyncio = sys.modules.get("asyncio")
+    if asyncio is None:
+        return None
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no running event loop (another framework drives the coroutine)
+        return None
+
+
+class _Blocks:
+    """What :class:`deterministic` and :class:`isolated` share: each ``with``
+    (or ``async with``) is one :class:`~deterministic_ctx.engine.Block` of
+    these settings (``None``: capture and restore, apply nothing)."""
+
+    __slots__ = ("_local", "_settings")
+
+    _settings: Settings | None
+    #: The open blocks of this object, per thread (see :class:`_PerThread`).
+    _local: _PerThread
+
+    def __enter__(self: _B) -> _B:
+        # Inside a compiled function (which dynamo then runs eagerly, see
+        # _IN_COMPILED_CODE) the frames the body calls must run eagerly too,
+        # or they would be compiled and draw inductor's numbers: dynamo is
+        # paused first, before any Python frame is called, until the exit.
+        # Outside compiled code this swaps None for None.
+        # (``_paused_here`` only inside compiled code: no frame for it elsewhere.)
+        blocks = self._local.blocks
+        stack = blocks.setdefault(None, [])
+        depth = len(stack)
+        try:
+            return self._push(stack, None if (cb := pause_compiler()) is None else _paused_here(cb))
+        except BaseException:
+            _leave_if_entered(blocks, None, depth)
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Written out, not shared with ``__aexit__``: every call is a point
+        # where a signal handler can raise, so the exit starts protected.
+        try:
+            # Dynamo paused before any Python frame (see __enter__).
+            now = pause_compiler()
+            stack = self._local.blocks[None]
+            block, paused = stack[-1]
+            block.stop()
+            del stack[-1]  # last, and no call after it: an interrupt lands before it or never
+        except BaseException:
+            paused = _leave_anyway(self._local.blocks, None)
+            if paused is not None and paused[1] is sys._getframe(1):
+                resume_compiler(paused[0])
+            raise
+        # Given back: the callback the entry paused, by the frame that entered
+        # (a ``with`` in compiled code); anywhere else (an ExitStack, a
+        # generator resumed later) what was in force here, which may be no
+        # callback at all: a compiled call's callback must not outlive it.
+        # After the block is left, an interrupt here costs dynamo its callback
+        # until the compiled call returns, never a restore.
+        resume_compiler(paused[0] if paused is not None and paused[1] is sys._getframe(1) else now)
+
+    async def __aenter__(self: _B) -> _B:
+        task = _current_task()
+        stack = self._stack_of(task)
+        depth = len(stack)
+        try:
+            return self._push(stack, None)
+        except BaseException:
+            _leave_if_entered(self._local.blocks, task, depth)
+            raise
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Each task leaves its own block, whatever the order the tasks leave in.
+        try:
+            stack = self._local.blocks[_current_task()]
+            stack[-1][0].stop()
+            del stack[-1]
+        except BaseException:
+            _leave_anyway(self._local.blocks, _current_task())
+            raise
+
+    def _stack_of(self, task: object) -> list[_Open]:
+        """The calling thread's open blocks of ``task`` (an asyncio task, or ``None``)."""
+        blocks = self._local.blocks
+        if len(blocks) > 1:  # drop the emptied stacks of finished tasks
+            for done in [t for t, stack in blocks.items() if t is not None and not stack]:
+                del blocks[done]
+        return blocks.setdefault(task, [])
+
+    def _push(self: _B, stack: list[_Open], paused: _Paused) -> _B:
+        """Enter a new block, recorded on ``stack`` (this object's blocks of
+        one task) with ``paused``, what its exit may give back to dynamo."""
+        block = Block(self._settings)
+        entry = (block, paused)
+        try:
+            stack.append(entry)  # recorded first: an interrupt below still finds it
+            block.start()
+            drain_signals()
+            return self
+        except BaseException:
+            # ``with`` calls ``__exit__`` only if ``__enter__`` returned: leave now.
+            try:
+                if stack and stack[-1] is entry:
+                    del stack[-1]
+                block.stop()
+            finally:
+                if paused is not None:
+                    resume_compiler(paused[0])
+            raise
+
+    def __call__(self, func: F) -> F:
+        return decorate(func, self._settings)
+
+
+# Opaque to dynamo (see sources/compiler.py): a ``with`` in compiled code is one
+# clean graph break, never a trace through the engine's C calls.
+# Entry and exit pause dynamo themselves (recursive=False): the pause must
+# outlive the entry's frame.  Dynamo compiles no coroutine: the async pair
+# only needs to stay untraced.
+opaque(_Blocks.__enter__, _IN_COMPILED_CODE, recursive=False)
+opaque(_Blocks.__exit__, _IN_COMPILED_CODE, recursive=False)
+opaque(_Blocks.__aenter__, _IN_COMPILED_CODE, recursive=True)
+opaque(_Blocks.__aexit__, _IN_COMPILED_CODE, recursive=True)
+
+
+class deterministic(
+    _Blocks
+):  # lowercase: it reads like a function, ``with deterministic(seed=0):``
+    """Run a block reproducibly and isolated from the rest of the program.
+
+    On entry every RNG (Python ``random``, NumPy's global RNG, torch CPU and
+    accelerators, registered user RNGs) and every determinism flag is
+    captured; then the RNGs are seeded exactly as ``random.seed(seed);
+    np.random.seed(seed); torch.manual_seed(seed)`` would, and deterministic
+    algorithms are turned on (``warn_only`` as given), cuDNN made
+    deterministic, ``CUBLAS_WORKSPACE_CONFIG`` and ``PYTHONHASHSEED`` set.
+    On exit, by any route, everything is restored bit for bit: the caller's
+    streams continue as if the block never ran.
+
+    The object can be reused for any number of blocks, nested or in a row;
+    each starts from ``seed``.  One object may be shared by many threads: its
+    open blocks are kept per thread, and blocks in different threads run one
+    at a time.  As a decorator it is exactly :func:`reproducible`.
+
+    ``async with`` works too and restores on every exit, but cannot hide the
+    block from other tasks that run while it awaits: to isolate interleaved
+    tasks, decorate the coroutine function with :func:`reproducible` instead.
+
+    Args:
+        seed: an int in ``0 .. 2**32 - 1`` (NumPy integers accepted).
+        warn_only: deterministic algorithms warn instead of raising when an
+            operation has no deterministic implementation.
+        rank: for multi-process training, the process's rank (a non-negative
+            int), ``"auto"`` for its rank in the initialized
+            ``torch.distributed`` process group (0 without one, looked up each
+            time a block starts), or ``None``.  Python ``random``, NumPy and
+            registered user RNGs then get a well-mixed per-rank seed, so
+            augmentation differs across ranks; torch's generators keep
+            ``seed`` on every rank, so model initialization is identical.
+            Rank 0 draws exactly what ``rank=None`` draws.
+        flags: with ``False``, the block seeds and isolates but applies no
+            determinism flag and no environment variable: the caller's stay
+            in force (and are still captured and restored).  For models that
+            use ops without a deterministic CUDA kernel.
+        fill_uninitialized_memory: the value of
+            ``torch.utils.deterministic.fill_uninitialized_memory`` inside the
+            block: ``False`` skips filling new tensors (torchtitan's choice:
+            the fill costs time and races with communication streams).  With
+            ``flags=False`` no flag is set, this one included.
+        compiled_rng: ``"eager"`` makes code compiled with ``torch.compile``
+            in the block draw eager's random numbers (inductor's
+            ``fallback_random``: random ops run eager's kernels, unfused;
+            ``torch._inductor`` is imported if it is not yet).  ``None``
+            (default) leaves inductor's setting as it is: compiled code draws
+            its own numbers, reproducible run to run but not equal to eager's.
+            Either way, inductor's random-number settings are restored on exit.
+
+    Inside a function compiled with ``torch.compile``, a block is a graph
+    break: dynamo runs that function eagerly and the block's body draws
+    eager's random numbers (an error under ``fullgraph=True``).
+
+    Example:
+        >>> import torch
+        >>> from deterministic_ctx import deterministic
+        >>> with deterministic(seed=0):
+        ...     a = torch.rand(2)
+        >>> with deterministic(seed=0):
+        ...     b = torch.rand(2)
+        >>> torch.equal(a, b)
+        True
+    """
+
+    __slots__ = ()
+    _settings: Settings
+
+    def __init__(
+        self,
+        seed: int,
+        *,
+        warn_only: bool = False,
+        rank: Rank = None,
+        flags: bool = True,
+        fill_uninitialized_memory: bool = True,
+        compiled_rng: CompiledRng = None,
+    ) -> None:
+        if callable(seed):  # ``@deterministic`` without arguments: say what to write
+            name = getattr(seed, "__name__", type(seed).__name__)
+            raise TypeError(
+                f"deterministic needs a seed: write @deterministic(seed=0) above {name}, "
+                f"or @reproducible, whose seed defaults to 0"
+            )
+        self._settings = Settings.build(
+            seed, warn_only, rank, flags, fill_uninitialized_memory, compiled_rng
+        )
+        self._local = _PerThread()
+
+    @property
+    def seed(self) -> int:
+        """The seed every block of this object starts from."""
+        return self._settings.seed
+
+    @property
+    def warn_only(self) -> bool:
+        """Whether deterministic algorithms only warn inside the block."""
+        return self._settings.warn_only
+
+    @property
+    def rank(self) -> Rank:
+        """The ``rank`` given: an int, ``"auto"`` or ``None``."""
+        return self._settings.rank
+
+    @property
+    def flags(self) -> bool:
+        """Whether the block sets the determinism flags and variables (else the caller's stay)."""
+        return self._settings.flags
+
+    @property
+    def fill_uninitialized_memory(self) -> bool:
+        """``torch.utils.deterministic.fill_uninitialized_memory`` inside the block."""
+        return self._settings.fill_uninitialized_memory
+
+    @property
+    def compiled_rng(self) -> CompiledRng:
+        """``"eager"`` if compiled code draws eager's random numbers in the block, else ``None``."""
+        return self._settings.compiled_rng
+
+    def __repr__(self) -> str:
+        rank = "" if self.rank is None else f", rank={self.rank!r}"
+        flags = "" if self.flags else ", flags=False"
+        fill = "" if self.fill_uninitialized_memory else ", fill_uninitialized_memory=False"
+        rng = "" if self.compiled_rng is None else f", compiled_rng={self.compiled_rng!r}"
+        return (
+            f"deterministic(seed={self.seed}, warn_only={self.warn_only}{rank}{flags}{fill}{rng})"
+        )
+
+
+class isolated(_Blocks):  # lowercase, like ``deterministic``
+    """Run a block isolated from the rest of the program, seeding nothing.
+
+    ``torch.random.fork_rng`` and Lightning's ``isolate_rng``, for every RNG
+    and flag: on entry everything a :class:`deterministic` block captures is
+    captured (every RNG, registered RNGs, determinism and precision flags,
+    torch's defaults, the managed environment variables), and nothing is
+    applied: the block draws from the caller's streams and runs with the
+    caller's flags.  On exit, by any route, everything is restored bit for
+    bit, so the caller's streams continue as if the block never ran.  Same
+    lock, exit-path and exit-order guarantees as a deterministic block.
+
+    As a decorator (``@isolated`` or ``@isolated()``) it works on every kind
+    of callable :func:`reproducible` takes: each call of a function, and each
+    generator, coroutine or async generator in its own world across every
+    ``yield``/``await`` (its first step starts from the caller's state at
+    that moment).
+
+    Example:
+        >>> import torch
+        >>> from deterministic_ctx import isolated
+        >>> torch.manual_seed(1)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> with isolated():
+        ...     inside = torch.rand(2)  # the caller's next numbers
+        >>> torch.equal(torch.rand(2), inside)  # the stream is as before the block
+        True
+    """
+
+    __slots__ = ()
+
+    @overload
+    def __new__(cls, func: None = None, /) -> isolated: ...
+    @overload
+    def __new__(cls, func: F, /) -> F: ...  # type: ignore[misc]
+
+    def __new__(cls, func: Any = None, /) -> Any:
+        if func is not None:  # ``@isolated`` without parentheses
+            return decorate(func, None)
+        self = super().__new__(cls)
+        self._settings = None
+        self._local = _PerThread()
+        return self
+
+    def __repr__(self) -> str:
+        return "isolated()"

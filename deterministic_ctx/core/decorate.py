@@ -1,0 +1,401 @@
+"""``reproducible``: one isolated block per call, for every kind of callable.
+
+A sync context manager around a generator or coroutine function exits before
+the body runs (the bug of ``contextlib.ContextDecorator``, ``mock.patch``,
+``np.errstate`` on coroutines).  Here each call gets its own
+:class:`~deterministic_ctx.engine.Block`; for generators, coroutines and
+async generators the block is *resumed* before every step of the body and
+*suspended* at every ``yield``/``await`` suspension, so callers and
+interleaved tasks never see each other's streams.  Nothing here depends on
+asyncio: the driver only forwards ``send``/``throw``/``close``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import unittest
+from collections.abc import Callable, Generator
+from typing import Any, NoReturn, TypeVar, cast, overload
+
+from ..base.settings import CompiledRng, Rank, Settings
+from .engine import Block, opaque
+
+__all__ = ["DEFAULT_SEED", "decorate", "reproducible"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+C = TypeVar("C")
+
+#: The seed of a bare ``@reproducible``.
+DEFAULT_SEED = 0
+
+#: Dynamo's message when compiled code calls a decorated function: a graph
+#: break, or under ``fullgraph=True`` an error whose text includes this.
+_IN_COMPILED_CODE = (
+    "deterministic-ctx: a @reproducible / @isolated function runs in its own block, "
+    "which changes process-global RNG state and flags and cannot be part of a graph; "
+    "it is called eagerly, outside the graph (its body draws eager's random numbers). "
+    "Under fullgraph=True, call it outside the compiled function, or compile its body "
+    "and decorate the compiled function."
+)
+
+
+def _send(it: Any, value: Any, to_throw: BaseException | None) -> tuple[Any, bool, Any]:
+    """One step of ``it``: ``(value, finished, exception)``, never raising.
+
+    A function of its own, not an inner ``try``: CPython gives no exception
+    handler to the line of a ``try:`` statement, so an interrupt there would
+    skip the caller's handler; here it propagates to the caller's ``try``.
+    """
+    try:
+        if to_throw is not None:
+            return it.throw(to_throw), False, None
+        return it.send(value), False, None
+    except StopIteration as stop:
+        return stop.value, True, None
+    except BaseException as exc:
+        return None, True, exc
+
+
+def _steps(it: Any, block: Block, *, final: bool) -> Generator[Any, Any, Any]:
+    """Drive ``it`` step by step in ``block`` (:func:`_drive`); whatever ends the
+    driving with an exception, ``it`` is closed in its own world first."""
+    end = block.stop if final else block.suspend
+    try:
+        return (yield from _drive(it, block, end))
+    except BaseException:
+        _abandon(it, block, end)
+        raise
+
+
+def _drive(it: Any, block: Block, end: Callable[[], None]) -> Generator[Any, Any, Any]:
+    """Drive ``it`` (generator, coroutine, or awaitable iterator) step by step,
+    resuming ``block`` around each step.
+
+    ``end`` leaves the block when ``it`` is done: ``stop`` (generators,
+    coroutines), or ``suspend`` when more steps of the same world follow
+    (async generators).  Each step enters and leaves the block inside one ``try`` whose handler
+    leaves it again (``stop``/``suspend`` are idempotent), so an interrupt
+    at any point of the step still leaves the caller's state restored.
+    """
+    send_value: Any = None
+    to_throw: BaseException | None = None
+    while True:
+        try:
+            block.start()
+            value, done, error = _send(it, send_value, to_throw)
+            to_throw = None
+            if done:
+                end()
+            else:
+                block.suspend()
+        except BaseException:
+            # Interrupted: keep the body's world (``_steps`` closes the body in
+            # it); a no-op if the block already left.
+            block.suspend()
+            raise
+        if error is not None:
+            _reraise(error)
+        if done:
+            return value
+        try:
+            send_value = yield value
+        except GeneratorExit:
+            # close() or garbage collection: run the body's cleanup in its own world.
+            try:
+                block.start()
+                it.close()
+                end()
+            except BaseException:
+                block.suspend()  # as above: ``_steps`` finishes the closing
+                raise
+            raise
+        except BaseException as exc:
+            to_throw, send_value = exc, None
+
+
+def _abandon(it: Any, block: Block, end: Callable[[], None]) -> None:
+    """An interrupt stopped the driver of ``it`` (the exit it stopped has
+    completed itself): close ``it`` in its own world, so its cleanup neither
+    runs later, outside every block, nor is lost."""
+    try:
+        if block.suspended:
+            block.start()
+        close = getattr(it, "close", None)  # an ``__await__`` iterator may have none
+        if close is not None:
+            close()
+        end()
+    except BaseException:
+        end()
+        raise
+
+
+class _Isolated:
+    """An awaitable that runs ``awaitable``'s steps inside ``block``."""
+
+    __slots__ = ("_awaitable", "_block", "_final")
+
+    def __init__(self, awaitable: Any, block: Block, final: bool) -> None:
+        self._awaitable, self._block, self._final = awaitable, block, final
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        it = self._awaitable
+        if not hasattr(it, "send"):  # an awaitable object, not a coroutine
+            it = it.__await__()
+        return _steps(it, self._block, final=self._final)
+
+
+def _reraise(error: BaseException) -> NoReturn:
+    """Raise the body's exception again once the block is left, without
+    listing the wrapper twice in its traceback."""
+    tb = error.__traceback__
+    try:
+        raise error.with_traceback(tb.tb_next if tb is not None else None)
+    finally:
+        del error, tb  # no reference cycle through this frame
+
+
+def _call(func: Callable[..., Any], args: Any, kwargs: Any) -> tuple[Any, BaseException | None]:
+    """``(result, None)`` or ``(None, exception)``: see :func:`_send` for why a function."""
+    try:
+        return func(*args, **kwargs), None
+    except BaseException as exc:
+        return None, exc
+
+
+def _wrap_function(func: Callable[..., Any], settings: Settings | None) -> Callable[..., Any]:
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        block = Block(settings)
+        # The block is left inside the ``try``, on both outcomes of the body,
+        # so an interrupt at any line from here on is caught and the exit
+        # completed (``stop`` is idempotent); the body's own exception is
+        # raised only once the block is left.
+        try:
+            block.start()
+            result, error = _call(func, args, kwargs)
+            block.stop()
+        except BaseException:
+            block.stop()
+            raise
+        if error is not None:
+            _reraise(error)
+        return result
+
+    return wrapper
+
+
+def _wrap_generator(func: Callable[..., Any], settings: Settings | None) -> Callable[..., Any]:
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        # Creating the generator runs none of its code; the block is seeded on
+        # the first next().
+        return (yield from _steps(func(*args, **kwargs), Block(settings), final=True))
+
+    return wrapper
+
+
+def _wrap_coroutine(func: Callable[..., Any], settings: Settings | None) -> Callable[..., Any]:
+    @functools.wraps(func)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return await _Isolated(func(*args, **kwargs), Block(settings), final=True)
+
+    return wrapper
+
+
+def _wrap_async_generator(
+    func: Callable[..., Any], settings: Settings | None
+) -> Callable[..., Any]:
+    @functools.wraps(func)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        agen = func(*args, **kwargs)
+        block = Block(settings)
+        send_value: Any = None
+        to_throw: BaseException | None = None
+        try:
+            while True:
+                if to_throw is not None:
+                    exc, to_throw = to_throw, None
+                    step = agen.athrow(exc)
+                else:
+                    step = agen.asend(send_value)
+                try:
+                    value = await _Isolated(step, block, final=False)
+                except StopAsyncIteration:
+                    return
+                try:
+                    send_value = yield value
+                except GeneratorExit:
+                    raise
+                except BaseException as exc:
+                    to_throw, send_value = exc, None
+        finally:
+            # Closing runs the body's own finally blocks inside its world.
+            await _Isolated(agen.aclose(), block, final=False)
+
+    return wrapper
+
+
+#: Set on the ``setUp``/``setUpClass`` a decorated TestCase gets: the class's
+#: own method it wraps, or ``None`` if it had none (the inherited one runs).
+_WRAPPED = "__deterministic_ctx_wraps__"
+
+
+def _inherited(cls: type, name: str) -> Callable[..., Any]:
+    """The first ``name`` after ``cls`` in its MRO, as a plain function, with the
+    block of a decorated base taken off: the closest decoration wins, so a
+    decorated subclass runs its base's setUp in its own block, not in two."""
+    for base in cls.__mro__[1:]:
+        found = base.__dict__.get(name)
+        if found is None:
+            continue
+        func = found.__func__ if isinstance(found, classmethod) else found
+        wrapped = getattr(func, _WRAPPED, func)
+        if wrapped is not None:
+            return cast(Callable[..., Any], wrapped)
+    raise AttributeError(name)  # unreachable: unittest.TestCase defines both
+
+
+def _closest(klass: type, name: str) -> type | None:
+    """The class nearest to ``klass`` in its MRO whose ``name`` is a decorated wrapper."""
+    for base in klass.__mro__:
+        found = base.__dict__.get(name)
+        func = found.__func__ if isinstance(found, classmethod) else found
+        if func is not None and hasattr(func, _WRAPPED):
+            return base
+    return None
+
+
+def _decorate_testcase(
+    cls: type[unittest.TestCase], settings: Settings | None
+) -> type[unittest.TestCase]:
+    own_setup = cls.__dict__.get("setUp")
+    own_setup_class = cls.__dict__.get("setUpClass")
+    own_setup = getattr(own_setup, _WRAPPED, own_setup)  # decorated twice: the closest wins
+    if own_setup_class is not None:
+        own_setup_class = getattr(own_setup_class.__func__, _WRAPPED, own_setup_class.__func__)
+
+    def setUp(self: unittest.TestCase) -> None:
+        setup = own_setup or _inherited(cls, "setUp")
+        if _closest(type(self), "setUp") is not cls:
+            # ``super().setUp()`` from a decorated subclass: its block is open.
+            setup(self)
+            return
+        block = Block(settings)
+        try:
+            block.start()
+            # The first cleanup registered runs last: after tearDown and every
+            # other cleanup, and also when setUp itself fails.
+            self.addCleanup(block.stop)
+        except BaseException:
+            block.stop()
+            raise
+        setup(self)
+
+    def setUpClass(klass: type[unittest.TestCase]) -> None:
+        setup_class = own_setup_class or _inherited(cls, "setUpClass")
+        if _closest(klass, "setUpClass") is not cls:
+            setup_class(klass)
+            return
+        _wrap_function(setup_class, settings)(klass)  # one block, as for a decorated call
+
+    setattr(setUp, _WRAPPED, own_setup)
+    setattr(setUpClass, _WRAPPED, own_setup_class)
+    setUp.__qualname__ = f"{cls.__qualname__}.setUp"
+    setUpClass.__qualname__ = f"{cls.__qualname__}.setUpClass"
+    cls.setUp = setUp  # type: ignore[method-assign]
+    cls.setUpClass = classmethod(setUpClass)  # type: ignore[assignment,method-assign]
+    return cls
+
+
+def decorate(obj: C, settings: Settings | None) -> C:
+    """Wrap ``obj`` so each call (or each test) runs in its own block.
+
+    Dispatches on the kind of callable: ``unittest.TestCase`` subclass, async
+    generator function, coroutine function, generator function, other callable.
+    """
+    if isinstance(obj, (staticmethod, classmethod)):
+        return type(obj)(decorate(obj.__func__, settings))
+    if isinstance(obj, type):
+        if issubclass(obj, unittest.TestCase):
+            return _decorate_testcase(obj, settings)  # type: ignore[return-value]
+        raise TypeError(
+            f"reproducible cannot decorate class {obj.__qualname__}: only functions, "
+            "methods, generator/coroutine functions and unittest.TestCase subclasses"
+        )
+    if isinstance(obj, property):
+        raise TypeError(
+            "reproducible cannot decorate a property object: put it below @property, so "
+            "that it decorates the getter (@property, then @reproducible, then def ...)"
+        )
+    if not callable(obj):
+        raise TypeError(
+            f"reproducible expects a callable or a unittest.TestCase subclass, "
+            f"got {type(obj).__name__} {obj!r}"
+        )
+    if inspect.isasyncgenfunction(obj):
+        wrapper = _wrap_async_generator(obj, settings)
+    elif inspect.iscoroutinefunction(obj):
+        wrapper = _wrap_coroutine(obj, settings)
+    elif inspect.isgeneratorfunction(obj):
+        wrapper = _wrap_generator(obj, settings)
+    else:
+        wrapper = _wrap_function(obj, settings)
+    # Called from compiled code: one graph break, then the whole call (entry,
+    # body, exit) runs eagerly (see sources/compiler.py).
+    return cast(C, opaque(wrapper, _IN_COMPILED_CODE, recursive=True))
+
+
+@overload
+def reproducible(func: F, /) -> F: ...
+@overload
+def reproducible(
+    *,
+    seed: int = ...,
+    warn_only: bool = ...,
+    rank: Rank = ...,
+    flags: bool = ...,
+    fill_uninitialized_memory: bool = ...,
+    compiled_rng: CompiledRng = ...,
+) -> Callable[[F], F]: ...
+
+
+def reproducible(
+    func: Any = None,
+    /,
+    *,
+    seed: int = DEFAULT_SEED,
+    warn_only: bool = False,
+    rank: Rank = None,
+    flags: bool = True,
+    fill_uninitialized_memory: bool = True,
+    compiled_rng: CompiledRng = None,
+) -> Any:
+    """Make every call of a function (or every test of a TestCase) a fresh block.
+
+    Works on plain functions and methods, generator functions, coroutine
+    functions, async generator functions and ``unittest.TestCase`` classes.
+    Each call starts from ``seed`` (default 0) and leaves the caller's random
+    state untouched.  A generator or coroutine gets its own RNG world, seeded
+    at its first step and swapped out at every ``yield``/``await``, so the
+    values it produces do not depend on what the caller or other tasks draw
+    in between.  ``@deterministic(seed=s)`` is the same decorator.  ``rank``
+    is as in :class:`deterministic`; ``"auto"`` is looked up at each call, so
+    decorating at import time, before the process group exists, is fine.
+    ``flags``, ``fill_uninitialized_memory`` and ``compiled_rng`` are as in
+    :class:`deterministic`.  Called from code compiled with ``torch.compile``,
+    a decorated function is a graph break and runs eagerly, body included.
+
+    Example:
+        >>> import numpy as np
+        >>> from deterministic_ctx import reproducible
+        >>> @reproducible(seed=3)
+        ... def noise(n):
+        ...     return np.random.rand(n)
+        >>> bool((noise(4) == noise(4)).all())
+        True
+    """
+    settings = Settings.build(seed, warn_only, rank, flags, fill_uninitialized_memory, compiled_rng)
+    if func is None:
+        return lambda f: decorate(f, settings)
+    return decorate(func, settings)

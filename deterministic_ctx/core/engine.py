@@ -1,0 +1,383 @@
+"""The engine: :class:`Block`, one isolated RNG world, and the bookkeeping of open blocks.
+
+Part of the internal API (:mod:`deterministic_ctx.internal`).  A block's four
+operations are the whole engine; plain blocks, decorated functions,
+generators, coroutines, async generators and ``seed_everything`` are all made
+of them:
+
+* ``start()``: take the lock, capture the caller's state, then either apply
+  the block's settings (first time; none for an isolation-only block) or
+  restore the block's own saved state;
+* ``suspend()``: save the block's state, restore the caller's, drop the lock;
+* ``stop()``: restore the caller's state (or hand it on), drop the lock;
+* ``commit()``: keep the block's state as the process's own, drop the lock.
+
+This module knows nothing of torch: sources do the work.  It also keeps the
+process's random state right across ``os.fork``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable
+
+from .. import sources as _sources
+from ..base.errors import AbandonedBlockWarning, RestoreError
+from ..base.lock import LOCK
+from ..base.settings import Settings
+from ..sources.compiler import opaque, pause_compiler, refuse_while_tracing, resume_compiler
+from .world import World
+from .world import headroom as _headroom
+
+# ``opaque``, ``pause_compiler`` and ``resume_compiler`` are the boundary
+# between blocks and torch.compile (sources/compiler.py); the context and
+# decorate layers take them from here, the engine they are built on.
+__all__ = [
+    "Block",
+    "drain_signals",
+    "inside_block",
+    "opaque",
+    "pause_compiler",
+    "resume_compiler",
+]
+
+
+class Block:
+    """One isolated RNG world: entered, left, suspended and resumed.
+
+    **Any exit order.**  ``_active`` lists the open blocks of the thread that
+    holds the lock, in the order they were entered; each one's ``_outer`` is
+    the state at its entry, which is the world of the block below it.  The
+    top block leaves by restoring its ``_outer``.  A block that leaves while
+    a later one is still open (interleaved ``async with`` tasks, a generator
+    closed inside another block) restores nothing: the later block's world is
+    the live one, so the leaving block hands its ``_outer`` to the block
+    above it, which restores it when it leaves in turn.  Once every block has
+    left, the state is exactly the one before the first.
+
+    **Suspension.**  Blocks entered during a step of a decorated generator or
+    coroutine and still open at its ``yield``/``await`` belong to its world:
+    they are *carried* (taken off ``_active`` with it) and put back when it
+    resumes.
+
+    **Interrupts.**  Each operation is either rolled back (entry) or completed
+    (exit) when an exception — ``KeyboardInterrupt`` from a signal handler,
+    say — interrupts it at any line: entry registers the block in ``_active``
+    before it applies anything, exits are idempotent steps that are simply
+    run again, and the lock's depth is read back from the lock itself
+    (:meth:`~deterministic_ctx._lock.ProcessLock.release_to`).
+    """
+
+    __slots__ = ("_carried", "_carrier", "_inner", "_outer", "_settings", "_started")
+
+    def __init__(self, settings: Settings | None) -> None:
+        self._settings = settings  # None: isolation only, nothing applied
+        self._outer: World | None = None  # the caller's state, while the block is open
+        self._inner: World | None = None  # the block's own state, while it is suspended
+        self._started = False
+        self._carried: tuple[Block, ...] = ()  # blocks opened inside this one's suspended step
+        self._carrier: Block | None = None  # the suspended block carrying this one
+
+    def start(self) -> None:
+        """Take the lock, capture the caller's state and enter the block's world:
+        the first time by applying the block's settings, after a
+        :meth:`suspend` by restoring the block's own state.
+
+        On any exception nothing is left applied and the lock is back at the
+        caller's depth; then the exception propagates.  While torch traces a
+        graph (``torch.export``), nothing is done: it raises (see
+        :func:`~deterministic_ctx.sources.compiler.refuse_while_tracing`).
+        """
+        refuse_while_tracing()
+        depth = LOCK.count()
+        if depth and not LOCK.mine():  # a dead thread with this thread's ident holds it
+            depth = 0
+        try:
+            LOCK.acquire()
+            self._outer = outer = World.capture()
+            _active.append(self)  # from here on, fork and out-of-order exits see the caller's state
+            if self._started:
+                assert self._inner is not None
+                self._inner.restore_over(outer)  # nothing has changed since ``outer`` was captured
+                self._uncarry()
+                self._inner = None  # last: until here a retry can still restore it
+            else:
+                if self._settings is not None:  # None: isolation only, nothing applied
+                    _sources.apply_captured(self._settings, outer.sources, outer.states)
+                self._started = True
+        except BaseException:
+            with _headroom():
+                self._rollback(depth)
+            raise
+
+    def _rollback(self, depth: int) -> None:
+        i = _position(self)
+        if i is not None:
+            if not self._carried:  # carried blocks that were being put back go back again
+                self._carried = tuple(_active[i + 1 :])
+            for block in self._carried:
+                block._carrier = self
+            del _active[i:]
+            outer, self._outer = self._outer, None
+            try:
+                if outer is not None:
+                    outer.restore()
+            finally:
+                LOCK.release_to(depth)
+        else:
+            self._outer = None
+            LOCK.release_to(depth)
+
+    def _uncarry(self) -> None:
+        carried = self._carried
+        if carried:
+            for _ in carried:  # each open block holds one level of the lock
+                LOCK.acquire()
+            _active.extend(carried)
+            for block in carried:
+                block._carrier = None
+            self._carried = ()
+
+    @property
+    def suspended(self) -> bool:
+        """Left at a suspension point, with its own state saved to resume from."""
+        return self._inner is not None and _position(self) is None
+
+    def suspend(self) -> None:
+        """Save the block's state, restore the caller's and drop the lock.
+
+        Completed even if interrupted; the interrupt propagates afterwards.
+        """
+        _run_to_completion(self._suspend)
+
+    def _suspend(self) -> None:
+        # The common case first: this block is the top one (a step that left
+        # no block of its own open), found without a loop over ``_active``.
+        i = len(_active) - 1 if _active and _active[-1] is self else _position(self)
+        if i is not None:
+            fresh: World | None = None
+            if self._inner is None:  # not captured yet in this suspension
+                self._inner = fresh = World.capture()
+            if i + 1 < len(_active):  # blocks opened in this step stay in its world
+                carried = tuple(_active[i + 1 :])
+                self._carried = carried
+                for block in carried:
+                    block._carrier = self
+                del _active[i + 1 :]
+            assert self._outer is not None
+            if fresh is not None:
+                # Captured just now, nothing changed since: the restore reads
+                # nothing again.  A retry after an interrupt (``_inner`` set,
+                # the world maybe half-restored) takes the full restore.
+                self._outer.restore_over(fresh)
+            else:
+                self._outer.restore()
+            del _active[i]
+            self._outer = None
+        LOCK.release_to(len(_active))
+
+    def stop(self) -> None:
+        """Leave the block: restore the caller's state (or hand it on) and drop the lock.
+
+        Idempotent, and completed even if interrupted; the interrupt (or a
+        :class:`RestoreError`) propagates afterwards.
+        """
+        # The common exit inline (the top block leaves); any other case, or an
+        # interrupt, takes the idempotent general path.
+        error: RestoreError | None = None
+        try:
+            if _active and _active[-1] is self and self._outer is not None:
+                try:
+                    self._outer.restore()
+                except RestoreError as exc:  # every other source was restored: leave anyway
+                    error = exc
+                del _active[-1]
+                self._outer = None
+                LOCK.release_to(len(_active))
+            else:
+                _run_to_completion(self._finish)
+        except BaseException:
+            _run_to_completion(self._finish)
+            raise
+        if error is not None:
+            raise error
+
+    def _finish(self) -> None:
+        error: RestoreError | None = None
+        i = _position(self)
+        if i is not None:
+            if i + 1 == len(_active):
+                assert self._outer is not None
+                try:
+                    self._outer.restore()
+                except RestoreError as exc:  # every other source was restored: leave anyway
+                    error = exc
+            else:  # a later block is open: its world is the live one (class docstring)
+                _active[i + 1]._outer = self._outer
+            del _active[i]
+            self._outer = None
+        elif self._carrier is not None:
+            self._leave_carrier()
+        LOCK.release_to(len(_active))
+        if error is not None:
+            raise error
+
+    def _leave_carrier(self) -> None:
+        carrier = self._carrier
+        assert carrier is not None
+        carried = carrier._carried
+        i = next((k for k, block in enumerate(carried) if block is self), None)
+        if i is None:  # a retry after the carrier was already updated
+            self._carrier = self._outer = None
+            return
+        if i + 1 == len(carried):
+            carrier._inner = self._outer  # the carrier's world as it was before this block
+        else:
+            carried[i + 1]._outer = self._outer
+        carrier._carried = carried[:i] + carried[i + 1 :]
+        self._carrier = self._outer = None
+
+    def commit(self) -> None:
+        """Keep the block's state as the process's own: the caller's state
+        is dropped, not restored (``seed_everything``)."""
+        i = _position(self)
+        if i is not None:
+            del _active[i]
+            self._outer = None
+        LOCK.release_to(len(_active))
+
+
+#: The open blocks of the thread that holds the lock, in entry order.
+_active: list[Block] = []
+
+
+def inside_block() -> bool:
+    """Whether the calling thread is inside a block (or a decorated call) now."""
+    return LOCK.mine()
+
+
+def _position(block: Block) -> int | None:
+    for i, other in enumerate(_active):
+        if other is block:
+            return i
+    return None
+
+
+def _after_dead_owner(thread: threading.Thread) -> None:
+    """``thread`` ended inside blocks; the calling thread has taken its lock over.
+
+    The dead thread's open blocks can never be left, so they are left here:
+    the state from before the first of them is put back, exactly what
+    leaving them all would have done (``_active[0]._outer`` holds it from
+    before the first change is applied until after the last one is undone,
+    as for a fork).  Blocks the dead thread had suspended (a decorated
+    generator it was stepping) are not open and are not touched.
+    """
+    left = list(_active)
+    target = left[0]._outer if left else None
+    del _active[:]
+    for block in left:
+        block._outer = None
+    what = f"an open {_describe(left[0])} block" if left else "the lock, in no block"
+    if len(left) > 1:
+        what += f" and {len(left) - 1} more nested in it"
+    warnings.warn(
+        f"thread {thread.name!r} ended inside {what}; its blocks were left for it "
+        "(the random state and flags from before them are back) and this thread took "
+        "over the process-wide lock. Leave every block you enter: use `with`, or pair "
+        "__enter__() with __exit__() in a finally clause",
+        AbandonedBlockWarning,
+        stacklevel=2,
+    )
+    if target is not None:
+        target.restore()
+
+
+def _describe(block: Block) -> str:
+    settings = block._settings
+    return "isolated()" if settings is None else f"deterministic(seed={settings.seed})"
+
+
+LOCK.on_dead_owner = _after_dead_owner
+
+
+_ATTEMPTS = 4
+
+
+def _run_to_completion(step: Callable[[], None]) -> None:
+    """Run the idempotent ``step``; if an interrupt stops it, run it again
+    until it completes, then re-raise the first interrupt.
+
+    An ordinary exception from ``step`` (``RestoreError``) is raised once the
+    step has done its bookkeeping, so it is not retried.
+    """
+    try:
+        step()
+    except BaseException:
+        with _headroom():
+            for _ in range(_ATTEMPTS):
+                try:
+                    step()
+                    break
+                except Exception:
+                    break
+                except BaseException:
+                    continue
+        raise
+
+
+#: A call of a C function: CPython runs pending signal handlers after it, so
+#: the end of ``__enter__`` calls it while the entry is still protected.
+drain_signals = time.perf_counter
+
+
+#: The state at the moment of a fork made from inside a block, for the child.
+_at_fork: World | None = None
+
+
+def _before_fork() -> None:
+    global _at_fork
+    # CPython reseeds ``random`` in every forked child.  Inside a block that
+    # breaks reproducibility (NumPy and torch are inherited as they are), so
+    # the child gets back exactly the state the forking thread had.
+    if LOCK.depth:
+        _at_fork = World.capture()
+
+
+def _after_fork_in_parent() -> None:
+    global _at_fork
+    _at_fork = None
+
+
+def _after_fork_in_child() -> None:
+    global _at_fork
+    target, _at_fork = _at_fork, None
+    if not LOCK.depth:
+        # Forked outside every block.  If another thread was inside (or
+        # entering, or leaving) one, that thread does not exist here: the
+        # child continues from the state outside its blocks, which is the
+        # forking thread's view.  ``_active[0]`` holds it from before the
+        # first change is applied until after the last one is undone.
+        target = _active[0]._outer if _active else None
+        del _active[:]
+        LOCK.reset_after_fork()
+    if target is not None:
+        try:
+            target.restore()
+        except Exception as exc:
+            warnings.warn(
+                f"deterministic_ctx: could not restore the random state in a forked child: {exc!r}",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=_before_fork,
+        after_in_parent=_after_fork_in_parent,
+        after_in_child=_after_fork_in_child,
+    )

@@ -1,0 +1,140 @@
+"""World: the captured state of every source at one moment, and how to put it back.
+
+The engine's unit of state (a block's caller's world, a suspended block's own
+world) and what :class:`~deterministic_ctx.snapshot.Snapshot` wraps.  It knows
+nothing of seeds, blocks or files.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from .. import sources as _sources
+from ..base.errors import RestoreError
+from ..sources import Source
+
+__all__ = ["World", "headroom"]
+
+
+class World:
+    """The state of each of ``sources`` (``states[i]`` is ``sources[i]``'s).
+
+    Never mutated after it is built: it may be restored any number of times.
+
+    Example:
+        >>> import random
+        >>> world = World.capture()
+        >>> first = random.random()
+        >>> world.restore()
+        >>> random.random() == first
+        True
+    """
+
+    __slots__ = ("sources", "states")
+
+    def __init__(self, sources: tuple[Source, ...], states: tuple[Any, ...]) -> None:
+        self.sources = sources
+        self.states = states
+
+    @classmethod
+    def capture(cls) -> World:
+        """The state of every source of :data:`~deterministic_ctx.sources.SOURCES` now."""
+        sources = _sources.SOURCES
+        plan = _sources.PLAN
+        if plan is not None and plan.sources is sources:
+            return cls(sources, plan.capture())
+        return cls(sources, tuple([s.capture() for s in sources]))
+
+    def restore(self) -> None:
+        """Put every captured source back; raise :class:`RestoreError` on failure.
+
+        Through the fused plan (:mod:`~deterministic_ctx.sources.fused`) where
+        the sources have one.  If anything interrupts it or fails in it, the
+        reference restore below runs from the start (every restore is
+        idempotent) and decides the outcome: its own exception if it fails,
+        else the first one, re-raised once everything is back.
+        """
+        plan = _sources.PLAN
+        if plan is None or plan.sources is not self.sources:
+            self.restore_each()
+            return
+        try:
+            plan.restore(self.states)
+        except BaseException:
+            with headroom():  # the plan may have failed at the recursion limit
+                self.restore_each()
+            raise
+
+    def restore_over(self, now: World) -> None:
+        """:meth:`restore`, where ``now`` was captured just before and nothing
+        has changed since (a block swapping its world and its caller's): what
+        a restore reads to find what changed is taken from ``now``.  Same
+        outcome and failure rules as :meth:`restore`."""
+        plan = _sources.PLAN
+        if plan is None or plan.sources is not self.sources or now.sources is not self.sources:
+            self.restore()
+            return
+        try:
+            plan.restore_over(self.states, now.states)
+        except BaseException:
+            with headroom():  # the plan may have failed at the recursion limit
+                self.restore_each()
+            raise
+
+    def restore_each(self) -> None:
+        """Put every captured source back, one by one (the reference restore);
+        raise :class:`RestoreError` on failure.
+
+        Sources are restored in reverse capture order.  A ``KeyboardInterrupt``
+        (or any exception a signal handler raises) while restoring does not
+        leave a source half-restored or stop the others: the interrupted
+        source is restored again, then the rest, and the interrupt is
+        re-raised afterwards.  A source that fails twice in a row has failed;
+        every other source is still restored, then :class:`RestoreError`
+        names the ones that failed.
+        """
+        failures: dict[str, BaseException] | None = None
+        interrupt: BaseException | None = None
+        for source, state in zip(reversed(self.sources), reversed(self.states), strict=True):
+            try:
+                source.restore(state)
+            except BaseException as exc:
+                # A failure, or an exception a signal handler raised half-way
+                # (``KeyboardInterrupt``, a timeout): restores are idempotent,
+                # so try once more.  If that works, the first one was an
+                # interruption, re-raised once everything is back.
+                try:
+                    source.restore(state)
+                except Exception as again:
+                    failures = failures or {}
+                    failures[source.name] = again
+                except BaseException as again:  # interrupted again: go on with the others
+                    interrupt = interrupt or again
+                else:
+                    interrupt = interrupt or exc
+        if interrupt is not None:
+            raise interrupt
+        if failures:
+            raise RestoreError(failures)
+
+
+class headroom:
+    """Room on the stack to finish an exit or a roll-back.
+
+    A decorated function that recursed to the limit fails to enter its block
+    with ``RecursionError``, and the blocks it leaves on the way back up are
+    left near the limit; putting the caller's state back needs a few frames
+    more.  The limit is raised by a little for as long as that takes (only on
+    failure paths: the engine's retries and the reference restore that runs
+    after the fused plan failed).
+    """
+
+    __slots__ = ("_limit",)
+
+    def __enter__(self) -> None:
+        self._limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(self._limit + 100)
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setrecursionlimit(self._limit)

@@ -1,0 +1,867 @@
+"""The command line: ``deterministic-ctx`` / ``python -m deterministic_ctx``.
+
+Three subcommands:
+
+* ``report [--json] [--init-cuda]`` prints the determinism report of a fresh
+  interpreter (see :func:`deterministic_ctx.reporting.report`).
+* ``run [--seed N] [--warn-only] [--no-flags] [--no-fill] [--compiled-rng eager]
+  [--deterministic-collectives] [--] script.py [args ...]`` (or ``-m module``)
+  runs an unmodified script as ``python script.py args ...`` would, after
+  applying :func:`~deterministic_ctx.seed_everything` settings, so that it
+  draws the same numbers on every run; ``--deterministic-collectives`` sets
+  NCCL's variables for reductions in a fixed order (``DETERMINISTIC_COLLECTIVES``)
+  in its environment, before it can start a process group.
+* ``trace record [run's options] [--backward] [--ops] OUT [--] script.py [args ...]``
+  runs a script as ``run`` does, in a ``deterministic`` block of those
+  settings, and writes its trace to ``OUT`` (see :mod:`deterministic_ctx.trace`;
+  ``--ops`` records every aten op call too);
+  ``trace compare [--json] A B`` compares two trace files, recorded on any
+  machines.
+
+``PYTHONHASHSEED`` only takes effect when an interpreter starts, so ``run``
+(and ``trace record``) restarts the interpreter once with ``PYTHONHASHSEED`` set to the seed when it
+is not already: ``str`` and ``bytes`` hashes, and so the iteration order of
+sets, are then the same on every run too.  Everything up to that restart
+(parsing, checking the script exists) imports neither torch nor NumPy, so the
+interpreter that is thrown away costs milliseconds, not the seconds torch takes
+to load; the engine is imported only in the restarted interpreter.
+
+Exit codes: ``0`` success (for ``trace compare``: the traces agree); for
+``trace compare``, ``1`` when the traces differ; for ``run`` and ``trace
+record``, the script's own exit status (``sys.exit(n)`` gives ``n``; an
+uncaught exception ``1``, its traceback printed as Python prints it); ``2`` a
+usage error (bad arguments, a script or module that does not exist, a file
+that is not a trace); ``130`` interrupted by Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import os
+import runpy
+import subprocess
+import sys
+import traceback
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, NamedTuple
+
+# The version only: a leaf module, so ``--version`` and ``run``'s restart load no torch.
+from ..base.version import __version__
+
+# Nothing from the engine here: ``deterministic_ctx.internal`` imports torch and
+# NumPy, which ``run`` must not load before it restarts the interpreter.
+
+__all__ = ["main"]
+
+PROG = "deterministic-ctx"
+
+#: Exit statuses of the command (the script's own status aside).
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+#: The largest seed (NumPy's legacy global RNG takes 32 bits).  The same value
+#: as ``deterministic_ctx.internal.MAX_SEED``, repeated because that module
+#: imports torch; ``tests/integrations/test_cli.py`` checks that the two agree, and
+#: ``seed_everything`` validates the seed again after the restart.
+MAX_SEED = 2**32 - 1
+#: The signature of trace files, ``deterministic_ctx.trace.TRACE_FILE.magic``: repeated for the
+#: same reason, and checked the same way.
+TRACE_MAGIC = b"\x89DCT\r\n\x1a\n"
+#: ``deterministic_ctx.sources.environ.DETERMINISTIC_COLLECTIVES``, repeated for the same
+#: reason, and checked the same way: the values ``run --deterministic-collectives`` sets.
+DETERMINISTIC_COLLECTIVES = {
+    "NCCL_ALGO": "Ring",
+    "NCCL_NVLS_ENABLE": "0",
+    "NCCL_COLLNET_ENABLE": "0",
+}
+
+_EXIT_CODES = f"""\
+exit status:
+  {EXIT_OK}    success (trace compare: the traces agree)
+  {EXIT_ERROR}    trace compare: the traces differ
+  N    run, trace record: the script's own exit status (sys.exit(N)); {EXIT_ERROR} if it raised
+       an uncaught exception, whose traceback is printed as Python prints it
+  {EXIT_USAGE}    usage error: bad arguments, a script or module that does not exist, a file
+       that is not a trace
+  {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
+"""
+
+_DESCRIPTION = """\
+Reproducible randomness for PyTorch programs from the command line: check an
+environment's determinism setup, run an unmodified script reproducibly, or
+record its trace on one machine and compare it with another's.
+"""
+
+_EPILOG = f"""\
+examples:
+  {PROG} report
+  {PROG} report --json > determinism.json
+  {PROG} run --seed 3 -- train.py --epochs 2
+  {PROG} run -m mypackage.train --epochs 2
+  python -m deterministic_ctx run train.py
+  {PROG} trace record a.trace -- train.py --epochs 1
+  {PROG} trace compare a.trace b.trace
+
+{_EXIT_CODES}"""
+
+_RUN_USAGE = f"""\
+{PROG} run [-h] [--seed N] [--warn-only] [--no-flags] [--no-fill]
+                             [--compiled-rng eager] [--deterministic-collectives]
+                             [--] script.py [args ...]
+       {PROG} run [options] -m module [args ...]"""
+
+_RUN_DESCRIPTION = """\
+Run a Python script as `python script.py args ...` would (as __main__, with
+sys.argv set to [script.py, args ...] and the script's directory first on
+sys.path), after seeding Python's random, NumPy's global RNG and torch
+exactly as random.seed(N); np.random.seed(N); torch.manual_seed(N) would,
+and turning deterministic algorithms on (seed_everything(N)). The script
+needs no change to become reproducible.
+
+PYTHONHASHSEED only takes effect when Python starts, so when it is not
+already N the interpreter is restarted once with PYTHONHASHSEED=N: string
+hashes and set iteration order are then reproducible as well (export
+PYTHONHASHSEED=N beforehand to skip the restart). Child processes inherit it.
+
+--deterministic-collectives sets NCCL_ALGO=Ring, NCCL_NVLS_ENABLE=0 and
+NCCL_COLLNET_ENABLE=0 in the script's environment (replacing other values),
+so that NCCL all-reduces sum in the same order on every run: NCCL reads them
+when the script starts its process group. To launch several ranks, run
+torchrun under it (`run --deterministic-collectives -m torch.distributed.run
+...`), or it under torchrun (`torchrun ... -m deterministic_ctx run ...`).
+
+The options above end at the script (or module) name: everything after it
+goes to the script. `--` may separate them."""
+
+_RUN_EPILOG = f"""\
+examples:
+  {PROG} run train.py --lr 0.1            # seed 0
+  {PROG} run --seed 3 -- train.py --seed-is-not-mine 7
+  {PROG} run --warn-only -m mypackage.train
+  {PROG} run --deterministic-collectives -m torch.distributed.run --nproc-per-node=2 t.py
+
+exit status: the script's own (sys.exit(N) gives N, an uncaught exception {EXIT_ERROR});
+{EXIT_INTERRUPTED} when interrupted (Ctrl-C), and then no trace is written; {EXIT_USAGE} for a usage
+error or a script or module that does not exist.
+"""
+
+_REPORT_DESCRIPTION = """\
+Print the determinism setup of a fresh Python process in this environment:
+library versions, determinism flags, the relevant environment variables,
+which RNGs are seeded, CUDA facts and warnings for known problems. The
+report never initializes CUDA itself; pass --init-cuda to include device
+facts (device names, cuDNN version)."""
+
+_TRACE_DESCRIPTION = """\
+Record the trace of a script on one machine, and compare traces recorded on
+different machines, GPU models, thread counts or library versions: the first
+module call whose results differ, and the facts of the environments that
+differ, most likely culprits first."""
+
+_TRACE_RECORD_USAGE = f"""\
+{PROG} trace record [-h] [--seed N] [--backward] [--ops] [--warn-only]
+                                      [--no-flags] [--no-fill] [--compiled-rng eager]
+                                      OUT [--] script.py [args ...]
+       {PROG} trace record [options] OUT -m module [args ...]"""
+
+_TRACE_RECORD_DESCRIPTION = """\
+Run a Python script as `deterministic-ctx run` does (as __main__, seeded as
+random.seed(N); np.random.seed(N); torch.manual_seed(N) would, deterministic
+algorithms on, PYTHONHASHSEED=N), inside one deterministic block whose global
+module hooks fingerprint the outputs of every module call of the whole script
+(with --backward, the gradients too; with --ops, every aten op call too, with
+the line of the script that made it), then write the trace to OUT: those
+fingerprints, the final parameters and buffers of every model, the tensors
+left in the script's global variables (a script has no return value), and
+the environment (versions, CPU, threads, CUDA devices once the script used
+CUDA, precision and determinism flags). The trace is written also when the
+script exits with an error (not when interrupted); the exit status is the
+script's. `trace compare` of two traces recorded with --ops names the first
+op call whose results differ, and its file:line; --ops makes the script run
+several times slower and the file larger: record a step or two.
+
+The options end at the script (or module) name, after OUT: everything after
+it goes to the script. `--` may separate them."""
+
+_TRACE_RECORD_EPILOG = f"""\
+examples:
+  {PROG} trace record a.trace train.py --steps 2
+  {PROG} trace record --seed 3 --backward b.trace -- train.py --steps 2
+  {PROG} trace record --ops c.trace train.py --steps 1
+  {PROG} trace record d.trace -m mypackage.train
+
+exit status: the script's own (sys.exit(N) gives N, an uncaught exception \
+{EXIT_ERROR});
+{EXIT_INTERRUPTED} when interrupted (Ctrl-C), and then no trace is written; {EXIT_USAGE} for a \
+usage
+error or a script or module that does not exist.
+"""
+
+_TRACE_COMPARE_DESCRIPTION = """\
+Compare two traces written by `trace record` or record_trace(): the first
+module call (or gradient, return value, final parameter; of two traces
+recorded with --ops, the op call, with its file:line) whose fingerprints
+differ, and the environment facts that differ, most likely culprits first."""
+
+_TRACE_COMPARE_EPILOG = f"""\
+exit status: {EXIT_OK} the traces agree, {EXIT_ERROR} they differ, {EXIT_USAGE} a usage error \
+or a file that
+is not a readable trace.
+"""
+
+
+def _seed_argument(text: str) -> int:
+    """argparse type of ``--seed``: an integer in ``0 .. 2**32 - 1``.
+
+    Parsed without the library's ``validate_seed``, which would import NumPy
+    before ``run`` decides to restart the interpreter.
+    """
+    with contextlib.suppress(ValueError):  # not an integer: the same error as out of range
+        seed = int(text, 10)
+        if 0 <= seed <= MAX_SEED:
+            return seed
+    raise argparse.ArgumentTypeError(f"must be an integer in 0 .. {MAX_SEED}, got {text!r}")
+
+
+class _Parsers(NamedTuple):
+    """The command's parser, and the subparsers whose errors ``main`` prints itself."""
+
+    main: argparse.ArgumentParser
+    run: argparse.ArgumentParser
+    trace_record: argparse.ArgumentParser
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options of ``run``, which ``trace record`` shares."""
+    parser.add_argument(
+        "--seed",
+        type=_seed_argument,
+        default=0,
+        metavar="N",
+        help=f"the seed, an integer in 0 .. {MAX_SEED} (default: 0)",
+    )
+    parser.add_argument(
+        "--warn-only",
+        action="store_true",
+        help="operations without a deterministic implementation warn instead of raising",
+    )
+    parser.add_argument(
+        "--no-flags",
+        action="store_true",
+        help="seed only: leave the determinism flags and variables as they are",
+    )
+    parser.add_argument(
+        "--no-fill",
+        action="store_true",
+        help="torch.utils.deterministic.fill_uninitialized_memory off",
+    )
+    parser.add_argument(
+        "--compiled-rng",
+        choices=["eager"],
+        default=None,
+        help="eager: code compiled with torch.compile draws eager's random numbers "
+        "(inductor's fallback_random)",
+    )
+    parser.add_argument(
+        "-m",
+        dest="module",
+        metavar="module",
+        help="run a library module as a script, like python -m module",
+    )
+
+
+def _parsers() -> _Parsers:
+    """The command's parser and its subparsers."""
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=_DESCRIPTION, epilog=_EPILOG, formatter_class=formatter
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="{report,run,trace}")
+    commands.required = True
+
+    report = commands.add_parser(
+        "report",
+        help="print this environment's determinism setup and known problems",
+        description=_REPORT_DESCRIPTION,
+        epilog=_EXIT_CODES,
+        formatter_class=formatter,
+    )
+    report.add_argument("--json", action="store_true", help="print the report as JSON, for tools")
+    report.add_argument(
+        "--init-cuda",
+        action="store_true",
+        help="initialize CUDA first, so the report includes device facts "
+        "(does nothing where CUDA is not available)",
+    )
+
+    run = commands.add_parser(
+        "run",
+        help="run a Python script reproducibly",
+        usage=_RUN_USAGE,
+        description=_RUN_DESCRIPTION,
+        epilog=_RUN_EPILOG,
+        formatter_class=formatter,
+    )
+    _add_run_options(run)
+    run.add_argument(
+        "--deterministic-collectives",
+        action="store_true",
+        help="set NCCL_ALGO=Ring, NCCL_NVLS_ENABLE=0 and NCCL_COLLNET_ENABLE=0 for the script "
+        "and its children, so that NCCL reductions sum in a fixed order",
+    )
+
+    trace = commands.add_parser(
+        "trace",
+        help="record a script's trace, or compare traces recorded on two machines",
+        description=_TRACE_DESCRIPTION,
+        epilog=_EXIT_CODES,
+        formatter_class=formatter,
+    )
+    actions = trace.add_subparsers(dest="trace_command", metavar="{record,compare}")
+    actions.required = True
+    record = actions.add_parser(
+        "record",
+        help="run a script reproducibly and write its trace",
+        usage=_TRACE_RECORD_USAGE,
+        description=_TRACE_RECORD_DESCRIPTION,
+        epilog=_TRACE_RECORD_EPILOG,
+        formatter_class=formatter,
+    )
+    _add_run_options(record)
+    record.add_argument(
+        "--backward",
+        action="store_true",
+        help="fingerprint the gradients too (each call's inputs and each module's parameters)",
+    )
+    record.add_argument(
+        "--ops",
+        action="store_true",
+        help="record every aten op call too (its results' fingerprints and the script's "
+        "file:line), so that compare names the first op that differs; several times slower",
+    )
+    record.add_argument("output", metavar="OUT", help="the trace file to write")
+    compare = actions.add_parser(
+        "compare",
+        help="compare two trace files: the first differing module call, and the environments",
+        description=_TRACE_COMPARE_DESCRIPTION,
+        epilog=_TRACE_COMPARE_EPILOG,
+        formatter_class=formatter,
+    )
+    compare.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    compare.add_argument("a", metavar="A", help="a trace file")
+    compare.add_argument("b", metavar="B", help="another trace file")
+    return _Parsers(parser, run, record)
+
+
+#: ``run`` options that take a value, for splitting the command line at the script.
+_RUN_VALUE_OPTIONS = ("--seed", "--compiled-rng", "-m")
+
+
+def _split_run(tokens: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split the words after ``run`` into our options and the script's command.
+
+    Like ``python`` itself, our options end at the first word that is not one
+    of them (the script), at ``--``, or right after ``-m module``.
+
+    Example:
+        >>> _split_run(["--seed", "3", "train.py", "--seed", "5"])
+        (['--seed', '3'], ['train.py', '--seed', '5'])
+        >>> _split_run(["--", "train.py"])
+        ([], ['train.py'])
+        >>> _split_run(["-m", "pkg.mod", "-v"])
+        (['-m', 'pkg.mod'], ['-v'])
+    """
+    options: list[str] = []
+    rest = list(tokens)
+    while rest and _is_option(rest[0]):
+        token = rest.pop(0)
+        options.append(token)
+        if token in _RUN_VALUE_OPTIONS and rest:
+            options.append(rest.pop(0))
+        if token.startswith("-m"):  # -m module, or -mmodule: the module's arguments follow
+            return options, rest
+    return options, rest[1:] if rest[:1] == ["--"] else rest
+
+
+def _split_trace_record(tokens: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split the words after ``trace record`` into our options with ``OUT``, and the
+    script's command.
+
+    As for ``run``, but the first word that is not an option is ``OUT``, and the
+    options may go on after it; ``--`` ends them (the word after it is ``OUT``
+    if none was given yet).
+
+    Example:
+        >>> _split_trace_record(["a.trace", "--seed", "3", "train.py", "--seed", "5"])
+        (['a.trace', '--seed', '3'], ['train.py', '--seed', '5'])
+        >>> _split_trace_record(["--backward", "a.trace", "--", "-odd.py"])
+        (['--backward', 'a.trace'], ['-odd.py'])
+        >>> _split_trace_record(["a.trace", "-m", "pkg.mod", "-v"])
+        (['a.trace', '-m', 'pkg.mod'], ['-v'])
+    """
+    options: list[str] = []
+    rest = list(tokens)
+    out = False
+    while rest:
+        word = rest.pop(0)
+        if word == "--":
+            if not out and rest:  # `--` then OUT: argparse takes it as a positional
+                options += ["--", rest.pop(0)]
+            return options, rest
+        if not _is_option(word):
+            if out:
+                rest.insert(0, word)  # the script
+                return options, rest
+            out = True
+        options.append(word)
+        if word in _RUN_VALUE_OPTIONS and rest:
+            options.append(rest.pop(0))
+        if word.startswith("-m"):  # -m module: the module's arguments follow
+            return options, rest
+    return options, rest
+
+
+def _is_option(word: str) -> bool:
+    """Whether ``word`` is one of our options (``-`` is stdin's name and ``--`` the separator)."""
+    return word.startswith("-") and word not in ("-", "--")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line and return its exit status.
+
+    Args:
+        argv: the arguments after the program name; ``None`` (the console
+            script and ``python -m deterministic_ctx``) reads ``sys.argv``.
+            Called with a list, ``run`` runs the script in this process
+            (seeding it and changing ``sys.argv`` and ``sys.path`` for good,
+            as the script's own process would) and never restarts the
+            interpreter, so ``PYTHONHASHSEED`` is then only set for child
+            processes.
+
+    Example:
+        >>> main(["run", "--seed", "abc", "train.py"])  # the usage error goes to stderr
+        2
+    """
+    from_command_line = argv is None
+    args = list(sys.argv[1:] if argv is None else argv)
+    parsers = _parsers()
+    command: list[str] = []
+    if args and args[0] == "run":
+        options, command = _split_run(args[1:])
+        args = ["run", *options]
+    elif args[:2] == ["trace", "record"]:
+        options, command = _split_trace_record(args[2:])
+        args = ["trace", "record", *options]
+    try:
+        ns = parsers.main.parse_args(args)
+    except SystemExit as exc:  # --help, --version and usage errors
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    if ns.command == "report":
+        return _report(as_json=ns.json, init_cuda=ns.init_cuda)
+    if ns.command == "trace" and ns.trace_command == "compare":
+        return _trace_compare(ns.a, ns.b, as_json=ns.json)
+    if ns.command == "trace":
+        return _trace_record(
+            parsers.trace_record,
+            output=ns.output,
+            backward=ns.backward,
+            ops=ns.ops,
+            settings=_Settings.of(ns),
+            module=ns.module,
+            command=command,
+            restart=from_command_line,
+        )
+    return _run(
+        parsers.run,
+        seed=ns.seed,
+        warn_only=ns.warn_only,
+        flags=not ns.no_flags,
+        fill_uninitialized_memory=not ns.no_fill,
+        compiled_rng=ns.compiled_rng,
+        collectives=ns.deterministic_collectives,
+        module=ns.module,
+        command=command,
+        restart=from_command_line,
+    )
+
+
+# --- report ---------------------------------------------------------------------------------------
+
+
+def _report(*, as_json: bool, init_cuda: bool) -> int:
+    from ..reporting import report
+
+    if init_cuda:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.init()  # type: ignore[no-untyped-call]
+    r = report()
+    if as_json:
+        print(json.dumps(r.to_dict(), indent=2))
+    else:
+        print(r)
+    return EXIT_OK
+
+
+# --- run ------------------------------------------------------------------------------------------
+
+
+class _Target(NamedTuple):
+    """What ``run`` runs: a script file or, with ``-m``, a module; and its arguments."""
+
+    name: str
+    args: list[str]
+    is_module: bool
+
+    @property
+    def path0(self) -> str:
+        """``sys.path[0]`` as ``python`` sets it: the current directory for ``-m``,
+        the script's own directory otherwise."""
+        if self.is_module:
+            return os.getcwd()
+        return os.path.dirname(os.path.abspath(self.name))
+
+    def run(self) -> dict[str, Any]:
+        """Run it as ``__main__``, as ``python script.py`` / ``python -m module`` would;
+        its global variables when it ended."""
+        if self.is_module:
+            return runpy.run_module(self.name, run_name="__main__", alter_sys=True)
+        return runpy.run_path(self.name, run_name="__main__")
+
+
+class _UsageError(Exception):
+    """A usage error of ``run``: printed as ``deterministic-ctx run: error: ...``, status 2."""
+
+    def __init__(self, message: str, *, show_usage: bool = False) -> None:
+        super().__init__(message)
+        self.show_usage = show_usage
+
+
+def _run(
+    parser: argparse.ArgumentParser,
+    *,
+    seed: int,
+    warn_only: bool,
+    flags: bool,
+    fill_uninitialized_memory: bool,
+    compiled_rng: str | None,
+    collectives: bool,
+    module: str | None,
+    command: list[str],
+    restart: bool,
+) -> int:
+    """``run``: check the target, restart for ``PYTHONHASHSEED``, seed, then run the target."""
+    try:
+        target = _target(module, command)
+        if collectives:  # before the restart: the new interpreter starts with them
+            _set_collectives()
+        status = _restart_with_hashseed(seed) if restart else None
+        if status is not None:  # Windows: the restarted command ran in a child process
+            return status
+        # From here on this is the interpreter that runs the script: only now
+        # does the engine, and with it torch and NumPy, get imported.
+        _set_up_main(target)
+        from ..parallel.seeding import seed_everything
+
+        seed_everything(
+            seed,
+            warn_only=warn_only,
+            flags=flags,
+            fill_uninitialized_memory=fill_uninitialized_memory,
+            compiled_rng=compiled_rng,  # type: ignore[arg-type]  # argparse checked the choice
+        )
+        if collectives:
+            # Set in this process when it did not restart: tell the report that they were
+            # set before any process group (it cannot know otherwise).
+            from ..reporting.collectives import observe
+
+            observe()
+        _find_module(target)
+    except _UsageError as exc:
+        if exc.show_usage:
+            parser.print_usage(sys.stderr)
+        print(f"{PROG} run: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return _execute(target)
+
+
+def _target(module: str | None, command: list[str]) -> _Target:
+    """The script (the first word of ``command``, which must exist) or the module to run.
+
+    Raises:
+        _UsageError: no script was given, or the script does not exist.
+    """
+    if module is not None:
+        return _Target(module, command, is_module=True)
+    if not command:
+        raise _UsageError("a script (or -m module) is required", show_usage=True)
+    script, *script_args = command
+    if not os.path.exists(script):
+        raise _UsageError(f"can't open file {script!r}: no such file or directory")
+    return _Target(script, script_args, is_module=False)
+
+
+def _set_up_main(target: _Target) -> None:
+    """Set ``sys.argv`` and ``sys.path[0]`` as ``python`` sets them for ``target``."""
+    sys.argv[:] = [target.name, *target.args]
+    if getattr(sys.flags, "safe_path", False):  # python -P: nothing is put in front
+        return
+    if sys.path:
+        sys.path[0] = target.path0
+    else:
+        sys.path.insert(0, target.path0)
+
+
+def _find_module(target: _Target) -> None:
+    """Check that the module of ``-m`` exists; a script was checked before the restart.
+
+    Called after seeding: finding a module imports its parent packages, which
+    are part of the program and may draw random numbers at import.
+
+    Raises:
+        _UsageError: the module, or one of its parent packages, cannot be found.
+    """
+    if not target.is_module:
+        return
+    try:
+        found = importlib.util.find_spec(target.name) is not None
+    except (ImportError, ValueError) as exc:
+        raise _UsageError(f"cannot find module {target.name!r}: {exc}") from None
+    if not found:
+        raise _UsageError(f"no module named {target.name!r}")
+
+
+def _execute(target: _Target) -> int:
+    """Run ``target`` and return its exit status; its ``SystemExit`` propagates.
+
+    ``SystemExit`` is left to Python, which prints a message and picks the
+    status exactly as for ``python script.py``; any other exception is printed
+    as Python prints an uncaught one.
+    """
+    try:
+        target.run()
+    except SystemExit:
+        raise
+    except KeyboardInterrupt as exc:
+        _print_exception(exc)
+        return EXIT_INTERRUPTED
+    except BaseException as exc:
+        _print_exception(exc)
+        return EXIT_ERROR
+    return EXIT_OK
+
+
+def _set_collectives() -> None:
+    """Set :data:`DETERMINISTIC_COLLECTIVES` in ``os.environ``, saying which values it replaces."""
+    for name, value in DETERMINISTIC_COLLECTIVES.items():
+        before = os.environ.get(name)
+        if before is not None and before != value:
+            print(f"{PROG} run: note: {name} was {before!r}, now {value!r}", file=sys.stderr)
+        os.environ[name] = value
+
+
+def _restart_with_hashseed(seed: int) -> int | None:
+    """Restart this command with ``PYTHONHASHSEED=seed``; ``None`` if not needed.
+
+    On POSIX the process is replaced (``os.execv``: same pid, same standard
+    streams, signals go to the script), so this returns only on Windows,
+    where the command runs in a child process whose status is returned.
+    """
+    value = str(seed)
+    if os.environ.get("PYTHONHASHSEED") == value:
+        return None
+    if sys.flags.ignore_environment:
+        print(
+            f"{PROG} run: note: python -E/-I ignores PYTHONHASHSEED; str hashes and set order "
+            "stay randomized in this run",
+            file=sys.stderr,
+        )
+        return None
+    argv = [sys.executable, *sys.orig_argv[1:]]
+    env = {**os.environ, "PYTHONHASHSEED": value}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.name == "nt":  # pragma: no cover - os.execv does not keep the exit status on Windows
+        try:
+            return subprocess.call(argv, env=env)
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
+    os.execve(sys.executable, argv, env)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+# --- trace ----------------------------------------------------------------------------------------
+
+
+class _Settings(NamedTuple):
+    """The block settings of ``run``'s options, which ``trace record`` shares."""
+
+    seed: int
+    warn_only: bool
+    flags: bool
+    fill_uninitialized_memory: bool
+    compiled_rng: str | None
+
+    @classmethod
+    def of(cls, ns: argparse.Namespace) -> _Settings:
+        return cls(ns.seed, ns.warn_only, not ns.no_flags, not ns.no_fill, ns.compiled_rng)
+
+
+@dataclasses.dataclass
+class _Outcome:
+    """How a recorded script ended: its exit status, the ``SystemExit`` to re-raise,
+    and whether Ctrl-C stopped it (a script may exit with status 130 itself)."""
+
+    status: int = EXIT_OK
+    exit: SystemExit | None = None
+    interrupted: bool = False
+
+
+def _trace_record(
+    parser: argparse.ArgumentParser,
+    *,
+    output: str,
+    backward: bool,
+    ops: bool,
+    settings: _Settings,
+    module: str | None,
+    command: list[str],
+    restart: bool,
+) -> int:
+    """``trace record``: check, restart for ``PYTHONHASHSEED``, run the target in a
+    recording block, write the trace."""
+    try:
+        target = _target(module, command)
+        _check_output(output)
+        status = _restart_with_hashseed(settings.seed) if restart else None
+        if status is not None:  # Windows: the restarted command ran in a child process
+            return status
+        _set_up_main(target)
+        # Only now, in the interpreter that runs the script, is torch imported.
+        from ..core.context import deterministic
+        from ..trace import record_in, script_result
+
+        block = deterministic(
+            settings.seed,
+            warn_only=settings.warn_only,
+            flags=settings.flags,
+            fill_uninitialized_memory=settings.fill_uninitialized_memory,
+            compiled_rng=settings.compiled_rng,  # type: ignore[arg-type]  # argparse checked it
+        )
+        outcome = _Outcome()
+
+        def script() -> dict[str, Any] | None:
+            _find_module(target)  # in the block: finding it imports its parent packages
+            namespace = _execute_recorded(target, outcome)
+            return None if namespace is None else script_result(namespace)
+
+        name = f"-m {target.name}" if target.is_module else target.name
+        trace = record_in(
+            block,
+            script,
+            backward=backward,
+            ops=ops,
+            source=f"script {' '.join([name, *target.args])}",
+            root="globals",
+        )
+    except _UsageError as exc:
+        if exc.show_usage:
+            parser.print_usage(sys.stderr)
+        print(f"{PROG} trace record: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if outcome.interrupted:
+        print(f"{PROG} trace record: interrupted: no trace written", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    dataclasses.replace(trace, status=outcome.status).save(output)
+    counted = f"{trace.calls} module calls"
+    if ops:
+        counted += f", {sum(e.phase == 'op' for e in trace.events)} op calls"
+    print(f"{PROG} trace record: wrote {output} ({counted}, seed {settings.seed})", file=sys.stderr)
+    if outcome.exit is not None:
+        raise outcome.exit  # Python prints its message and picks the status, as for run
+    return outcome.status
+
+
+def _check_output(output: str) -> None:
+    """Refuse an ``OUT`` that could not be written, before the script runs, and one that
+    is a file of another kind: ``trace record train.py out.trace`` (``OUT`` and the
+    script swapped) must not replace the script with a trace."""
+    directory = os.path.dirname(os.path.abspath(output))
+    if os.path.isdir(output):
+        raise _UsageError(f"OUT {output!r} is a directory")
+    if not os.path.isdir(directory):
+        raise _UsageError(f"can't write {output!r}: no such directory {directory!r}")
+    try:
+        with open(output, "rb") as f:
+            start = f.read(len(TRACE_MAGIC))
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise _UsageError(f"can't write {output!r}: {exc.strerror or exc}") from None
+    if start and start != TRACE_MAGIC:
+        raise _UsageError(
+            f"OUT {output!r} exists and is not a trace file: refusing to replace it "
+            "(OUT comes before the script)"
+        )
+
+
+def _execute_recorded(target: _Target, outcome: _Outcome) -> dict[str, Any] | None:
+    """Run ``target`` for a trace: its global variables, or ``None`` if it did not end
+    normally; how it ended goes to ``outcome``.
+
+    Nothing propagates, so that the recording completes: a ``SystemExit`` is
+    kept to be raised once the trace is written, any other exception printed as
+    Python prints an uncaught one (from here, without the recording's frames).
+    """
+    try:
+        return target.run()
+    except SystemExit as exc:
+        outcome.exit = exc
+        code = exc.code
+        outcome.status = 0 if code is None else code if isinstance(code, int) else EXIT_ERROR
+    except KeyboardInterrupt as exc:
+        _print_exception(exc)
+        outcome.status = EXIT_INTERRUPTED
+        outcome.interrupted = True
+    except BaseException as exc:
+        _print_exception(exc)
+        outcome.status = EXIT_ERROR
+    return None
+
+
+def _trace_compare(a: str, b: str, *, as_json: bool) -> int:
+    """``trace compare``: the comparison, printed; 0 when the traces agree, 1 when not."""
+    from ..trace import InvalidTraceError, compare_traces
+
+    try:
+        comparison = compare_traces(a, b)
+    except (InvalidTraceError, OSError) as exc:
+        print(f"{PROG} trace compare: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if as_json:
+        print(json.dumps(comparison.to_dict(), indent=2))
+    else:
+        print(comparison)
+    return EXIT_OK if comparison.agree else EXIT_ERROR
+
+
+def _print_exception(exc: BaseException) -> None:
+    """Print ``exc`` as Python prints an uncaught exception, without our own frames."""
+    ours = (__name__, runpy.__name__)
+    tb: TracebackType | None = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_globals.get("__name__") in ours:
+        tb = tb.tb_next
+    exc.__traceback__ = tb  # the default hook prints the exception's own traceback
+    try:
+        sys.excepthook(type(exc), exc, tb)
+    except Exception:  # a broken excepthook: fall back to the standard format
+        traceback.print_exception(type(exc), exc, tb)

@@ -1,0 +1,256 @@
+"""IPython / Jupyter extension: ``%%deterministic`` and ``%deterministic_report``.
+
+Load it with ``%load_ext deterministic_ctx`` (or ``%load_ext
+deterministic_ctx.ipython``); add ``"deterministic_ctx"`` to
+``c.InteractiveShellApp.extensions`` to load it in every session.
+
+* ``%%deterministic [SEED] [--warn-only]`` runs the cell inside
+  ``deterministic(SEED, warn_only=...)`` (``SEED`` defaults to 0): the cell
+  prints the same numbers every time it is run, and the cells after it draw as
+  if it never ran.  ``$name`` and ``{expr}`` in the arguments are expanded as
+  in any magic.
+* ``%deterministic_report [--json]`` prints the determinism report
+  (:func:`deterministic_ctx.reporting.report`).
+
+This module imports IPython; ``import deterministic_ctx`` never imports it.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import json
+import sys
+import tokenize
+from types import CodeType
+from typing import Any, NamedTuple, NoReturn
+
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+
+from ..core.context import deterministic as _block
+from ..internal import MAX_SEED, CompiledRng, validate_seed
+
+__all__ = ["DeterministicMagics", "load_ipython_extension", "unload_ipython_extension"]
+
+CELL_USAGE = "%%deterministic [SEED] [--warn-only] [--no-flags] [--no-fill] [--compiled-rng=eager]"
+
+
+class CellOptions(NamedTuple):
+    """What a ``%%deterministic`` line asks for: :class:`deterministic`'s arguments."""
+
+    seed: int
+    warn_only: bool = False
+    flags: bool = True
+    fill_uninitialized_memory: bool = True
+    compiled_rng: CompiledRng = None
+
+
+REPORT_USAGE = "%deterministic_report [--json]"
+
+
+def parse_cell_line(line: str) -> CellOptions:
+    """The options of a ``%%deterministic`` line, or :class:`UsageError`.
+
+    Example:
+        >>> parse_cell_line("")  # doctest: +NORMALIZE_WHITESPACE
+        CellOptions(seed=0, warn_only=False, flags=True, fill_uninitialized_memory=True,
+                    compiled_rng=None)
+        >>> parse_cell_line("--warn-only 3").seed, parse_cell_line("--warn-only 3").warn_only
+        (3, True)
+        >>> parse_cell_line("7 --no-flags").flags
+        False
+        >>> parse_cell_line("--compiled-rng=eager").compiled_rng
+        'eager'
+        >>> parse_cell_line("3 --compiled-rng eager").compiled_rng
+        'eager'
+        >>> parse_cell_line("abc")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        IPython.core.error.UsageError: %%deterministic: SEED must be an integer ..., got 'abc'
+        usage: %%deterministic [SEED] [--warn-only] [--no-flags] [--no-fill] [--compiled-rng=eager]
+    """
+    seed: int | None = None
+    switches = {"--warn-only": False, "--no-flags": False, "--no-fill": False}
+    compiled_rng: CompiledRng = None
+    words = line.split()
+    # ``--compiled-rng eager`` as the command line writes it, or ``--compiled-rng=eager``.
+    for k, word in enumerate(words[:-1]):
+        if word == "--compiled-rng":
+            words[k : k + 2] = [f"--compiled-rng={words[k + 1]}"]
+            break
+    for word in words:
+        if word in switches:
+            switches[word] = True
+        elif word.startswith("--compiled-rng"):
+            if word != "--compiled-rng=eager":
+                _usage_error(f"--compiled-rng takes one value, eager: got {word!r}", CELL_USAGE)
+            compiled_rng = "eager"
+        elif word in ("-h", "--help"):
+            _usage_error(
+                "runs the cell in a deterministic block: seeded with SEED (default 0), restored "
+                "after, so re-running the cell gives the same output and later cells are "
+                "unaffected; --warn-only: operations without a deterministic implementation warn "
+                "instead of raising; --no-flags: seed and isolate only, the determinism flags "
+                "and variables stay as they are; --no-fill: "
+                "torch.utils.deterministic.fill_uninitialized_memory off in the cell; "
+                "--compiled-rng=eager: code compiled with torch.compile draws eager's random "
+                "numbers in the cell",
+                CELL_USAGE,
+            )
+        elif word.startswith("-") and not word[1:].isdigit():
+            _usage_error(f"unknown option {word!r}", CELL_USAGE)
+        elif seed is not None:
+            _usage_error(f"expected at most one SEED, got {seed} and {word!r}", CELL_USAGE)
+        else:
+            try:
+                seed = validate_seed(int(word, 10))
+            except ValueError:
+                _usage_error(
+                    f"SEED must be an integer in 0 .. {MAX_SEED}, got {word!r}", CELL_USAGE
+                )
+    return CellOptions(
+        0 if seed is None else seed,
+        warn_only=switches["--warn-only"],
+        flags=not switches["--no-flags"],
+        fill_uninitialized_memory=not switches["--no-fill"],
+        compiled_rng=compiled_rng,
+    )
+
+
+def _usage_error(message: str, usage: str) -> NoReturn:
+    name = usage.split()[0]
+    raise UsageError(f"{name}: {message}\nusage: {usage}")
+
+
+def _ends_with_semicolon(source: str) -> bool:
+    """Whether the last token of ``source`` is ``;`` (IPython's way to hide a cell's value)."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return False
+    skip = (tokenize.ENDMARKER, tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT)
+    for token in reversed(tokens):
+        if token.type in skip:
+            continue
+        return token.type == tokenize.OP and token.string == ";"
+    return False
+
+
+def _compile_cell(shell: Any, line: str, cell: str) -> tuple[CodeType, CodeType | None]:
+    """Compile a cell body as IPython would: the statements, and the last expression if any.
+
+    The body is registered in ``linecache`` under a name IPython shows as
+    ``Cell In[n]``, with the magic's own line first, so tracebacks and syntax
+    errors point at the right line of the cell.  (``shell`` is ``Any``:
+    IPython's annotations of its compiler accept only source strings.)
+    """
+    transformed = shell.transform_cell(cell)
+    number = _cell_number(shell)
+    # Line 1 is the %%deterministic line itself; the body starts on line 2.
+    shown = f"%%deterministic {line}".rstrip() + "\n" + transformed
+    filename = shell.compile.cache(shown, number)
+    tree = shell.compile.ast_parse("\n" + transformed, filename=filename)
+    transformed_tree = shell.transform_ast(tree)
+    if transformed_tree is not None:
+        tree = transformed_tree
+    last: ast.Expression | None = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    body = shell.compile(ast.Module(tree.body, type_ignores=[]), filename, "exec")
+    value = None if last is None else shell.compile(last, filename, "eval")
+    return body, value
+
+
+def _cell_number(shell: Any) -> int:
+    """The ``In[n]`` number of the running cell: that of the innermost cell code on the stack."""
+    numbers: dict[str, int] = getattr(shell.compile, "_filename_map", {})
+    frame = sys._getframe(1)
+    while frame is not None:
+        number = numbers.get(frame.f_code.co_filename)
+        if number is not None:
+            return number
+        frame = frame.f_back  # type: ignore[assignment]
+    return int(shell.execution_count)
+
+
+@magics_class
+class DeterministicMagics(Magics):
+    """The magics of the extension."""
+
+    @cell_magic
+    def deterministic(self, line: str, cell: str) -> Any:
+        """Run the cell inside a deterministic block.
+
+        Usage::
+
+          %%deterministic [SEED] [--warn-only]
+
+        Every RNG (Python ``random``, NumPy's global RNG, torch CPU and
+        accelerators, generators registered with ``register_rng``) is seeded
+        with SEED (default 0) exactly as ``random.seed(SEED);
+        np.random.seed(SEED); torch.manual_seed(SEED)`` would, deterministic
+        algorithms are on, and all of it is restored when the cell ends, even
+        by an exception or an interrupt: the cell gives the same output every
+        time it is run, and the cells after it draw as if it never ran.
+
+        ``--warn-only``: operations without a deterministic implementation
+        warn instead of raising.  The value of the cell's last expression is
+        shown as usual (``;`` hides it).  Generators that live in the
+        notebook's own variables (``rng = np.random.default_rng()``) are not
+        global state: register them with ``register_rng`` to have them seeded
+        and restored too.
+        """
+        __tracebackhide__ = True
+        options = parse_cell_line(line)
+        shell = self.shell
+        assert shell is not None
+        body, last = _compile_cell(shell, line, cell)  # a SyntaxError here runs nothing
+        with _block(
+            options.seed,
+            warn_only=options.warn_only,
+            flags=options.flags,
+            fill_uninitialized_memory=options.fill_uninitialized_memory,
+            compiled_rng=options.compiled_rng,
+        ):
+            exec(body, shell.user_global_ns, shell.user_ns)
+            value = None if last is None else eval(last, shell.user_global_ns, shell.user_ns)
+        return None if _ends_with_semicolon(cell) else value
+
+    @line_magic
+    def deterministic_report(self, line: str) -> None:
+        """Print the determinism report of this kernel.
+
+        Usage::
+
+          %deterministic_report [--json]
+
+        Library versions, determinism flags, the relevant environment
+        variables, which RNGs are seeded, CUDA facts and warnings for known
+        problems (see ``deterministic_ctx.reporting.report``).  ``--json`` prints
+        it as JSON.  Reading it changes nothing and never initializes CUDA.
+        """
+        words = line.split()
+        unknown = [w for w in words if w != "--json"]
+        if unknown:
+            _usage_error(f"unknown argument {unknown[0]!r}", REPORT_USAGE)
+        from ..reporting import report
+
+        r = report()
+        print(json.dumps(r.to_dict(), indent=2) if words else r)
+
+
+def load_ipython_extension(ipython: InteractiveShell) -> None:
+    """Register ``%%deterministic`` and ``%deterministic_report`` (``%load_ext``)."""
+    ipython.register_magics(DeterministicMagics)
+
+
+def unload_ipython_extension(ipython: InteractiveShell) -> None:
+    """Remove the magics again (``%unload_ext``); blocks already run keep their effect."""
+    manager = ipython.magics_manager
+    for kind, name in (("cell", "deterministic"), ("line", "deterministic_report")):
+        function = manager.magics[kind].get(name)
+        if isinstance(getattr(function, "__self__", None), DeterministicMagics):
+            del manager.magics[kind][name]
+    manager.registry.pop(DeterministicMagics.__name__, None)

@@ -1,0 +1,154 @@
+"""``seed_everything``: the classic global recipe, without a block."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from ..internal import (
+    AUTO,
+    SEED_ENV_VAR,
+    Block,
+    CompiledRng,
+    Rank,
+    Settings,
+    opaque,
+    process_rank,
+    validate_compiled_rng,
+    validate_rank,
+    validate_seed,
+    validate_switches,
+)
+
+__all__ = ["seed_everything"]
+
+_log = logging.getLogger("deterministic_ctx")
+
+
+#: The default of ``seed``: the seed a parent process exported, else a fresh one.
+_INHERIT: Any = type("_Inherit", (), {"__repr__": lambda self: "<inherited or fresh>"})()
+
+
+def seed_everything(
+    seed: int | None = _INHERIT,
+    *,
+    warn_only: bool = False,
+    rank: Rank = None,
+    broadcast: bool = False,
+    flags: bool = True,
+    fill_uninitialized_memory: bool = True,
+    compiled_rng: CompiledRng = None,
+) -> int:
+    """Seed every RNG and turn on deterministic algorithms for the whole process.
+
+    For the top of a script, where nothing needs to be put back: it applies
+    exactly what a ``deterministic(seed, rank=rank)`` block applies on entry,
+    and never restores.  If applying fails half-way, the previous state is
+    restored before the error propagates.  Returns the seed (the shared one,
+    not the per-rank one), and logs it on the ``deterministic_ctx`` logger.
+
+    The seed is exported in the environment variable ``DETERMINISTIC_CTX_SEED``
+    (a block restores it like its other variables), so child processes
+    (``torch.multiprocessing.spawn`` workers, ``subprocess`` runs) inherit it:
+    ``seed_everything()`` there applies the same seed.  ``PYTHONHASHSEED`` is
+    exported too, as in a block (not with ``flags=False``, which sets no
+    variable), so string hashing in children is fixed.
+
+    Args:
+        seed: an int in ``0 .. 2**32 - 1``, or ``None`` to draw a fresh one
+            from the operating system (logged at INFO level and returned, so
+            the run can be replayed with that seed).  Left out, the seed a
+            ``seed_everything`` of a parent process exported, else a fresh one.
+        warn_only: as in :class:`deterministic`.
+        rank: as in :class:`deterministic`: ``random``, NumPy and registered
+            user RNGs get a per-rank seed, torch keeps the shared one.
+        flags: as in :class:`deterministic`.
+        fill_uninitialized_memory: as in :class:`deterministic`.
+        compiled_rng: as in :class:`deterministic` (``compiled_rng="eager"``
+            stays set for the rest of the process).
+        broadcast: a collective on ``torch.distributed``'s default group:
+            every rank uses rank 0's seed (drawn there if ``None``).  Without
+            a process group it changes nothing.  ``seed=None`` on more than
+            one rank requires it, since each rank would draw its own seed.
+
+    Example:
+        >>> import random
+        >>> from deterministic_ctx import Snapshot, seed_everything
+        >>> before = Snapshot.capture()
+        >>> seed_everything(0)
+        0
+        >>> a = random.random()
+        >>> random.seed(0)
+        >>> random.random() == a
+        True
+        >>> before.restore()
+    """
+    if not isinstance(broadcast, bool):
+        raise TypeError(f"broadcast must be True or False, got {broadcast!r}")
+    # Validate everything before the collective, so a bad argument fails on
+    # its own rank instead of leaving the others waiting in the broadcast.
+    inherited = False
+    if seed is _INHERIT:
+        seed = None
+        exported = os.environ.get(SEED_ENV_VAR)
+        if exported is not None:
+            try:
+                seed = validate_seed(int(exported), name=f"the {SEED_ENV_VAR} environment variable")
+            except ValueError as exc:
+                raise ValueError(
+                    f"{SEED_ENV_VAR}={exported!r} (exported for child processes) is not a "
+                    f"seed: an int in 0 .. 2**32 - 1 is expected"
+                ) from exc
+            inherited = True
+    elif seed is not None:
+        validate_seed(seed)
+    rank = validate_rank(rank)
+    validate_switches(warn_only, flags, fill_uninitialized_memory)
+    validate_compiled_rng(compiled_rng)
+    drawn = seed is None
+    if broadcast or drawn:
+        from . import ranks as distributed
+
+        if broadcast:
+            seed = distributed.broadcast_seed(seed)
+        elif distributed.world_size() > 1:
+            raise ValueError(
+                f"seed=None draws a different seed on every rank of the run "
+                f"(world size {distributed.world_size()}); pass broadcast=True so that every "
+                f"rank uses rank 0's seed"
+            )
+        else:
+            seed = distributed.draw_seed()
+    settings = Settings.build(seed, warn_only, rank, flags, fill_uninitialized_memory, compiled_rng)
+    block = Block(settings)
+    try:
+        block.start()  # applies, or rolls back to the previous state and raises
+        # Inside the block's lock, before the commit: an interrupt before the
+        # commit rolls this back with everything else.
+        os.environ[SEED_ENV_VAR] = str(settings.seed)
+        block.commit()
+    except BaseException:
+        block.stop()  # interrupted before the commit: nothing stays applied
+        raise
+    _log.info(
+        "seed_everything: seed %d%s, rank %s",
+        settings.seed,
+        " (drawn fresh: pass it as seed to replay)"
+        if drawn
+        else f" (from {SEED_ENV_VAR}, exported by a parent process)"
+        if inherited
+        else "",
+        process_rank() if rank == AUTO else rank,
+    )
+    return settings.seed
+
+
+# Called from compiled code: one graph break, the call eager (see sources/compiler.py).
+opaque(
+    seed_everything,
+    "deterministic-ctx: seed_everything() changes process-global RNG state and flags, which "
+    "cannot be part of a graph; dynamo calls it eagerly, outside the graph. Under "
+    "fullgraph=True, call it before the compiled function.",
+    recursive=True,
+)

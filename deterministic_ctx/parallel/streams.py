@@ -1,0 +1,697 @@
+"""Parallel RNG streams: named torch generator states, per rank along chosen dimensions.
+
+Tensor, pipeline and expert parallelism need random numbers that agree along
+some dimensions of the process grid and differ along others: dropout inside a
+tensor-parallel region must differ across tensor-parallel (TP) ranks, since
+each holds another shard of the activations, and agree across data-parallel
+(DP) ranks' copies of the model.  Megatron-LM keeps such streams
+(``CudaRNGStatesTracker``) seeded ``seed + 2718 + tp_rank`` and ``seed + 1024
++ 100 * ep_rank + etp_rank``: offsets, which collide across seeds and ranks.
+
+:class:`RngStreams` takes the process's coordinates along named dimensions
+(a mapping ``{"dp": (rank, size), "tp": (rank, size)}`` or a
+``DeviceMesh`` with dimension names), and streams each declared with the
+dimensions it *varies along*.  A stream's seed is
+``derive_seed(base, "stream", name, dim, rank_along_dim, ...)`` over those
+dimensions only (:func:`~deterministic_ctx.derive_seed`, no offsets): equal on
+ranks that share those coordinates, unrelated elsewhere.  ``with
+streams.fork(name):`` swaps the stream into torch's default generators (the CPU
+one, and the current accelerator device's where that device is initialized:
+CUDA is never initialized here) and swaps it back on exit, keeping the
+stream's advance, so the next fork continues where the last one stopped.
+
+**Blocks, snapshots, checkpoints.**  The streams are registered as a user RNG
+(``register_rng(..., key=key, shared=True)``): every
+:class:`~deterministic_ctx.deterministic` block captures and restores them,
+and starts them over from the block's *shared* seed ``s`` (the seed torch's
+generators get), never from the per-rank seed ``rank=`` gives ``random`` and
+NumPy, which would make a TP stream differ across DP ranks.  The base is
+``derive_seed(s, "user", key)``, which is also what ``RngStreams(s, ...)``
+starts from: the streams draw the same numbers after construction with ``s``,
+after ``seed_everything(s)`` and at the entry of ``deterministic(seed=s)``, on
+every rank.  :class:`~deterministic_ctx.Snapshot` holds their states, and a
+saved snapshot restores them where an ``RngStreams`` with the same ``key``
+declares the same streams; a stream saved by a process with other
+coordinates along its dimensions is refused (``ValueError`` at restore),
+never restored on the wrong rank.
+
+**Per-rank dropout.**  torch's generators keep one seed on every rank, so that
+model initialization agrees.  For dropout that differs across DP ranks,
+declare a stream that varies along ``"dp"`` and fork it around the forward
+pass: what runs outside the fork (building the model, now or later) still
+draws the shared stream.  ``torch.utils.checkpoint`` recomputes with the
+stream's state (it saves the generator state inside the fork).
+
+**DTensor** (``torch.distributed.tensor._random``, read in torch 2.13).
+DTensor keeps no generator state of its own: on a CUDA-like mesh its
+``OffsetBasedRNGTracker`` reads the current device's default generator, runs
+each random op at a per-shard Philox offset, then sets that generator to the
+old offset plus the whole tensor's size, on every rank alike.  Inside a fork
+it therefore draws from, and advances, the forked stream (a test on a GPU
+checks it).  Its shards are right only if every rank of the DTensor's mesh
+holds the same state, so fork streams that agree along that mesh's
+dimensions: vary along *other* dimensions (``"dp"`` for a TP-sharded DTensor).
+A stream that varies along the mesh's dimensions breaks DTensor's replicas.
+When the tracker is made lazily, by the first random DTensor op, it
+broadcasts the default group's rank 0 generator state to every rank
+(``run_state_sync``); made inside a fork, that would overwrite the stream on
+every rank with rank 0's.  Make it outside any fork first:
+``torch.distributed.tensor._random.manual_seed(seed, mesh)`` makes it without
+the broadcast (and calls ``torch.manual_seed(seed)``: torchtitan's way).
+Inside ``deterministic(seed=s, rank=...)`` torch's generators hold ``s`` on
+every rank, as DTensor requires.  On a CPU mesh torch has no tracker (it warns
+at every random op): each rank draws its local shard from its own CPU
+generator, so ranks with equal states draw equal shards; a fork applies as to
+any op.
+
+**Threads and nesting.**  A fork swaps process-global generators, as
+``torch.random.fork_rng`` does, and takes no lock: fork in one thread at a
+time, and leave forks in reverse order of entry (``with`` does; an exit out
+of order raises ``RuntimeError``).  An inner fork of a stream already forked
+continues it, also with forks of other streams in between.  A decorated
+generator (:func:`~deterministic_ctx.reproducible`) may hold a fork open
+across its ``yield``: its world, its fork.  Seeding or restoring a snapshot
+inside a fork is undone for torch's generators by the fork's exit, which puts
+back what it found at its entry; seeding starts the streams over (a block's
+entry does too) and the fork's exit then keeps nothing.
+
+**Cost.**  A fork is two generator-state reads and two writes per device (a
+CPU state is 5 KB): about what ``torch.random.fork_rng`` costs for the same
+devices (medians of two runs on a 16-core server: 5.6 to 9.2 µs against 4.9
+to 7.4 µs on the CPU alone, 17.6 to 19.6 µs against 12.1 to 19.3 µs with
+CUDA initialized).  With streams registered, a block pays what any
+registered RNG costs it, plus a few microseconds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import sys
+from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ..internal import accelerator_type, derive_seed, register_rng, validate_seed
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["RngStreams"]
+
+#: A stream's states by device (``"cpu"``, ``"cuda:0"``), with the seed they
+#: were drawn from: ``name -> (seed, {device: state})``.  Never mutated once
+#: made (a fork's exit builds a new one), so a capture holds it without a copy.
+_States = dict[str, tuple[int, dict[str, torch.Tensor]]]
+
+#: The identity of a stream world (see ``_StreamStates``): unique in this
+#: process, and started at random so that a token loaded from another
+#: process's checkpoint does not name one of this process's open forks.
+_TOKENS = itertools.count(secrets.randbits(62))
+
+
+def _accelerator() -> tuple[Any, str]:
+    """The accelerator's torch module and device type, if its generators can be
+    swapped: ``default_generators`` behind ``is_initialized()`` and
+    ``current_device()`` (CUDA, XPU, ...).  ``(None, "")`` on a CPU build;
+    MPS is not swapped."""
+    device_type = accelerator_type()  # never initializes a device
+    module = getattr(torch, device_type, None) if device_type else None
+    if not all(
+        callable(getattr(module, name, None)) for name in ("is_initialized", "current_device")
+    ) or not hasattr(module, "default_generators"):
+        return None, device_type
+    return module, device_type
+
+
+_DEVICE_MODULE, _DEVICE_TYPE = _accelerator()
+_CPU = torch.default_generator
+_CPU_STATE_BYTES = _CPU.get_state().numel()
+
+
+def _generators() -> list[tuple[str, torch.Generator]]:
+    """torch's generators a fork swaps now: the CPU one, and the current
+    accelerator device's if that device is initialized (asking never initializes it)."""
+    found = [("cpu", _CPU)]
+    module = _DEVICE_MODULE
+    if module is not None and module.is_initialized():
+        index = int(module.current_device())  # initialized: asking is safe
+        found.append((f"{_DEVICE_TYPE}:{index}", module.default_generators[index]))
+    return found
+
+
+class _StreamStates:
+    """What blocks and snapshots see of an :class:`RngStreams`: a random-like
+    object (``seed`` / ``getstate`` / ``setstate``, see ``register_rng``).
+
+    Its state is ``(base, token, states)``: the base seed every stream's seed
+    is derived from, the token of this *world*, and the streams' states.
+    ``seed()`` starts a new world (a new token, no state: each stream starts
+    from its seed at its next fork); ``setstate`` brings a world back, token
+    included.  A fork remembers the token it was opened in, so an inner fork
+    of the same stream in the same world continues it, while one in a block
+    entered inside the fork (a new world) starts the block's stream.
+
+    Kept apart from :class:`RngStreams` so that the public class has no
+    ``seed()``/``getstate()`` of its own, and holds no reference back to it:
+    the registry's weak reference dies with the ``RngStreams``.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_base",
+        "_coords",
+        "_known",
+        "_open",
+        "_seeds",
+        "_states",
+        "_token",
+        "_varies",
+    )
+
+    #: A state of this rank's: ``sync_rng_state`` keeps it rather than take another
+    #: rank's (a stream that varies along a dimension would be refused anyway).
+    rank_local = True
+
+    def __init__(self, base: int, coords: dict[str, tuple[int, int]]) -> None:
+        self._coords = coords
+        #: Declared streams: name -> the dimensions it varies along, sorted.
+        self._varies: dict[str, tuple[str, ...]] = {}
+        self._base = base
+        self._token = next(_TOKENS)
+        self._states: _States = {}
+        #: Stream seeds for one base: ``(base, {name: seed})``.
+        self._seeds: tuple[int, dict[str, int]] = (base, {})
+        #: Every open fork, in order of entry (runtime bookkeeping, not state).
+        self._open: list[_Frame] = []
+        #: ``id(states) -> (states, base)`` for states dicts made or checked
+        #: here (kept, so no id is reused): restoring one again skips the
+        #: checks, which would otherwise cost every block a few microseconds.
+        self._known: dict[int, tuple[_States, int]] = {}
+        self._remember(self._states, base)
+
+    def _remember(self, states: _States, base: int) -> None:
+        known = self._known
+        if len(known) >= 16:  # a bound: forgetting costs one check later
+            known.clear()
+        known[id(states)] = (states, base)
+
+    # -- the random-like protocol ------------------------------------------------
+
+    def seed(self, seed: int) -> None:
+        """Start every stream over from ``seed`` (a block's entry does this)."""
+        self._base = validate_seed(seed)
+        self._token = next(_TOKENS)
+        self._states = {}
+        self._remember(self._states, self._base)
+
+    def getstate(self) -> tuple[int, int, _States]:
+        return (self._base, self._token, self._states)
+
+    def setstate(self, state: object) -> None:
+        """Bring back a state of :meth:`getstate`, checked first (it may come
+        from a file): ``ValueError`` for a stream not declared here, or one
+        drawn from another seed than its coordinates here give it."""
+        if type(state) is not tuple or len(state) != 3:
+            raise ValueError(f"expected (base, token, states), got {type(state).__name__}")
+        base, token, states = state
+        base = validate_seed(base, name="the streams' base seed")
+        if type(token) is not int:
+            raise ValueError(f"the streams' token must be an int, got {type(token).__name__}")
+        known = self._known.get(id(states))
+        if known is None or known[0] is not states or known[1] != base:
+            if type(states) is not dict:
+                raise ValueError(f"the streams' states must be a dict, got {type(states).__name__}")
+            for name, entry in states.items():
+                self._check(base, name, entry)
+            self._remember(states, base)
+        self._base, self._token, self._states = base, token, states
+
+    def _check(self, base: int, name: object, entry: object) -> None:
+        if name not in self._varies:
+            declared = ", ".join(map(repr, self._varies)) or "none"
+            raise ValueError(
+                f"the snapshot holds stream {name!r}, which is not declared here "
+                f"(declared: {declared}): add() it before restoring"
+            )
+        assert isinstance(name, str)
+        if type(entry) is not tuple or len(entry) != 2 or type(entry[1]) is not dict:
+            raise ValueError(f"stream {name!r}: expected (seed, {{device: state}})")
+        seed, devices = entry
+        expected = self.seed_for(base, name)
+        if seed != expected:
+            raise ValueError(
+                f"stream {name!r} in the snapshot was drawn from seed {seed!r}, but here it "
+                f"is seeded {expected} ({self._where(name)}): the snapshot was saved by a "
+                f"process with other coordinates along the dimensions the stream varies "
+                f"along, or the stream varied along other dimensions there; restoring it "
+                f"would give this rank another rank's random numbers"
+            )
+        for device, value in devices.items():
+            if type(device) is not str or type(value) is not torch.Tensor:
+                raise ValueError(f"stream {name!r}: expected {{device: uint8 tensor}}")
+            if (
+                value.dtype != torch.uint8
+                or value.dim() != 1
+                or (device == "cpu" and value.numel() != _CPU_STATE_BYTES)
+            ):
+                raise ValueError(f"stream {name!r}, device {device}: not a generator state")
+
+    def _where(self, name: str) -> str:
+        varies = self._varies[name]
+        if not varies:
+            return "it varies along no dimension"
+        return ", ".join(
+            f"{dim}={self._coords[dim][0]} of {self._coords[dim][1]}" for dim in varies
+        )
+
+    # -- seeds ---------------------------------------------------------------------
+
+    def seed_for(self, base: int, name: str) -> int:
+        """The seed of stream ``name`` under ``base`` (remembered for the current base)."""
+        cached_base, seeds = self._seeds
+        if cached_base != base:
+            if base != self._base:
+                return self._derive(base, name)
+            seeds = {}
+            self._seeds = (base, seeds)
+        seed = seeds.get(name)
+        if seed is None:
+            seed = seeds[name] = self._derive(base, name)
+        return seed
+
+    def _derive(self, base: int, name: str) -> int:
+        keys: list[int | str] = ["stream", name]
+        for dim in self._varies[name]:
+            keys += (dim, self._coords[dim][0])
+        return derive_seed(base, *keys, bits=64)
+
+    def record(self, name: str, token: int, advanced: dict[str, torch.Tensor]) -> None:
+        """Keep what a fork of ``name`` opened in world ``token`` drew, if that
+        world is still the current one (a new one replaced it: nothing to keep)."""
+        if token != self._token:
+            return
+        old = self._states
+        entry = old.get(name)
+        if entry is None:
+            entry = (self.seed_for(self._base, name), advanced)
+        elif entry[1].keys() <= advanced.keys():  # the usual case: the same devices
+            entry = (entry[0], advanced)
+        else:
+            entry = (entry[0], {**entry[1], **advanced})
+        self._states = states = {**old, name: entry}
+        self._remember(states, self._base)
+
+    def __repr__(self) -> str:
+        return f"<RngStreams states {sorted(self._varies)}>"
+
+
+class _Frame:
+    """An open fork: its stream and world, and per swapped device
+    ``[device, generator, state]``, where ``state`` is the caller's (the state
+    the generator gets back at the exit)."""
+
+    __slots__ = ("holder", "name", "swapped", "token")
+
+    def __init__(
+        self, name: str, token: int, swapped: list[list[Any]], holder: _Frame | None
+    ) -> None:
+        self.name = name
+        self.token = token
+        self.swapped = swapped
+        #: For a fork of a stream open lower in the stack: the frame entered
+        #: right above that one, whose callers' states hold the stream's live
+        #: state (its exit gives them back to the generators).
+        self.holder = holder
+
+
+class _Fork:
+    """``with streams.fork(name):`` (see :meth:`RngStreams.fork`)."""
+
+    __slots__ = ("_frames", "_name", "_states")
+
+    def __init__(self, states: _StreamStates, name: str) -> None:
+        self._states = states
+        self._name = name
+        #: Per entry of this object, in order: its frame, or ``None`` where the
+        #: stream was live already (nothing swapped).
+        self._frames: list[_Frame | None] = []
+
+    def __enter__(self) -> None:
+        states, name = self._states, self._name
+        token = states._token
+        open_ = states._open
+        # The open forks of this world (a suspended decorated generator's stay
+        # open in its own world), innermost first, down to this stream's.
+        holder: _Frame | None = None
+        above: _Frame | None = None
+        found: _Frame | None = None
+        for other in reversed(open_):
+            if other.token != token:
+                continue
+            if other.name == name:
+                found = other
+                break
+            above = other
+        if found is not None:  # forked already in this world
+            if above is None:  # and it is the live stream: nothing to swap
+                self._frames.append(None)
+                return
+            # Another stream was forked inside it: the stream's live state is
+            # what that fork (the one entered right after it) gives back at its exit.
+            holder = above
+            saved = {entry[0]: entry[2] for entry in holder.swapped}
+        else:
+            entry = states._states.get(name)
+            saved = entry[1] if entry is not None else {}
+        swapped: list[list[Any]] = []
+        frame = _Frame(name, token, swapped, holder)
+        try:
+            for device, gen in _generators():
+                state = saved.get(device)
+                if state is None and holder is not None:
+                    continue  # not swapped out by the holder: the live state is the stream's
+                caller = gen.get_state()
+                if state is None:  # its first fork on this device in this world
+                    gen.manual_seed(states.seed_for(states._base, name))
+                else:
+                    gen.set_state(state)
+                swapped.append([device, gen, caller])
+            self._frames.append(frame)
+            open_.append(frame)
+        except BaseException:  # nothing half-applied
+            if self._frames and self._frames[-1] is frame:
+                del self._frames[-1]
+            if open_ and open_[-1] is frame:
+                del open_[-1]
+            for _device, gen, caller in reversed(swapped):
+                gen.set_state(caller)
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not self._frames:
+            raise RuntimeError(f"fork({self._name!r}) exited without being entered")
+        frame = self._frames.pop()
+        if frame is None:
+            return
+        open_ = self._states._open
+        # The innermost open fork of its world must be this one.
+        last = open_[-1] if open_ else None
+        if last is not frame:
+            last = next((f for f in reversed(open_) if f.token == frame.token), None)
+        if last is not frame:
+            later = last.name if last is not None else "?"
+            if frame in open_:
+                open_.remove(frame)
+            raise RuntimeError(
+                f"fork({self._name!r}) exited while fork({later!r}), entered after it, is "
+                f"still open: forks swap torch's process-global generators and must be left "
+                f"in reverse order of entry (interleaved tasks or threads cannot share them)"
+            )
+        try:
+            advanced = {device: gen.get_state() for device, gen, _ in frame.swapped}
+        finally:  # whatever happens, the caller's generators come back
+            for _device, gen, caller in frame.swapped:
+                gen.set_state(caller)
+            if open_[-1] is frame:
+                del open_[-1]
+            else:  # a suspended generator's fork is open above it, in another world
+                open_.remove(frame)
+        holder = frame.holder
+        if holder is None:
+            self._states.record(self._name, frame.token, advanced)
+        else:  # the stream lives on in the holder's saved states
+            for entry in holder.swapped:
+                if entry[0] in advanced:
+                    entry[2] = advanced[entry[0]]
+
+
+class RngStreams:
+    """Named RNG streams that differ along some parallel dimensions and agree along the others.
+
+    Each stream is declared with :meth:`add` and the dimensions it varies
+    along; its seed is ``derive_seed(base, "stream", name, dim, rank, ...)``
+    over those dimensions' ranks (no offsets, so no collisions), where
+    ``base`` is ``derive_seed(seed, "user", key)``.  ``with
+    streams.fork(name):`` swaps the stream into torch's default generators
+    (CPU, and the current accelerator device's if initialized) and back,
+    keeping its advance.  The streams are registered with
+    ``register_rng(..., key=key, shared=True)``: blocks restart them from their
+    shared seed and restore them on exit, snapshots and checkpoints hold them
+    (see the module docstring for the rules, DTensor and threads).
+
+    Args:
+        seed: an int in ``0 .. 2**32 - 1``, the same on every rank (as given
+            to ``seed_everything`` or ``deterministic``).
+        ranks: this process's coordinates: a mapping of dimension names to
+            ``(rank, size)`` with ``0 <= rank < size``, a
+            ``torch.distributed.device_mesh.DeviceMesh`` with
+            ``mesh_dim_names`` (its coordinates are read once, here), or
+            ``None`` (one process: streams vary along no dimension).
+        key: the registration key, which a saved snapshot finds the streams
+            by; distinct objects need distinct keys.
+
+    Example (two data-parallel ranks, run in turn here):
+
+        >>> import torch
+        >>> from deterministic_ctx import deterministic
+        >>> from deterministic_ctx.streams import RngStreams
+        >>> def step(dp_rank):
+        ...     streams = RngStreams(0, {"dp": (dp_rank, 2), "tp": (0, 2)})
+        ...     streams.add("tensor-parallel", varies=["tp"])
+        ...     streams.add("dropout", varies=["dp"])
+        ...     with deterministic(seed=0, rank=dp_rank):
+        ...         init = torch.rand(2)  # model initialization: torch's shared stream
+        ...         with streams.fork("dropout"):
+        ...             mask = torch.rand(2)
+        ...         with streams.fork("tensor-parallel"):
+        ...             tp = torch.rand(2)
+        ...     return init, mask, tp
+        >>> zero, one = step(0), step(1)
+        >>> [torch.equal(a, b) for a, b in zip(zero, one)]  # init, dropout, tensor-parallel
+        [True, False, True]
+    """
+
+    __slots__ = ("_key", "_seed", "_states")
+
+    def __init__(
+        self,
+        seed: int,
+        ranks: Mapping[str, tuple[int, int]] | DeviceMesh | None = None,
+        *,
+        key: str = "streams",
+    ) -> None:
+        seed = validate_seed(seed)
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"key must be a non-empty str, got {key!r:.80}")
+        self._seed = seed
+        self._key = key
+        self._states = _StreamStates(derive_seed(seed, "user", key, bits=32), _coordinates(ranks))
+        register_rng(self._states, key=key, shared=True)
+
+    def add(self, name: str, *, varies: Iterable[str] = ()) -> None:
+        """Declare stream ``name``, different on ranks whose coordinates along
+        ``varies`` differ, and alike on ranks that share them.
+
+        Declaring it again with the same dimensions does nothing; with others
+        it is a ``ValueError``.
+
+        Example:
+            >>> from deterministic_ctx.streams import RngStreams
+            >>> streams = RngStreams(0, {"dp": (0, 2), "tp": (1, 2)})
+            >>> streams.add("tp", varies=["tp"])
+            >>> streams.add("tp", varies=["dp"])
+            Traceback (most recent call last):
+            ...
+            ValueError: stream 'tp' is declared already, varying along ('tp',), not ('dp',)
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, got {type(name).__name__} {name!r:.80}")
+        if not name:
+            raise ValueError("name must be a non-empty str")
+        dims = _dimensions(varies, self._states._coords)
+        declared = self._states._varies
+        if name in declared:
+            if declared[name] != dims:
+                raise ValueError(
+                    f"stream {name!r} is declared already, varying along {declared[name]}, "
+                    f"not {dims}"
+                )
+            return
+        declared[name] = dims
+
+    def fork(self, name: str) -> AbstractContextManager[None]:
+        """A context manager that runs its body with stream ``name`` in torch's generators.
+
+        On entry torch's CPU generator (and the current accelerator device's,
+        where that device is initialized) is set to the stream's state,
+        seeded with :meth:`seed_of` at its first fork; on exit, by any route,
+        the stream keeps its advance and the caller's generator states come
+        back.  A fork inside a fork of the same stream continues it.  The
+        object can be entered again; leave forks in reverse order of entry.
+
+        Example:
+            >>> import torch
+            >>> from deterministic_ctx import isolated
+            >>> from deterministic_ctx.streams import RngStreams
+            >>> streams = RngStreams(0)
+            >>> streams.add("noise")
+            >>> with isolated():
+            ...     with streams.fork("noise"):
+            ...         a = torch.rand(1)
+            ...     before = torch.get_rng_state()
+            ...     with streams.fork("noise"):
+            ...         b = torch.rand(1)
+            ...     torch.equal(before, torch.get_rng_state())
+            True
+            >>> bool(a != b)  # the second fork went on from the first
+            True
+        """
+        if name not in self._states._varies:
+            declared = ", ".join(map(repr, self._states._varies)) or "none yet: add() them"
+            raise ValueError(f"no stream named {name!r:.80}; declared: {declared}")
+        return _Fork(self._states, name)
+
+    def seed_of(self, name: str) -> int:
+        """The seed stream ``name`` starts from now (a 64-bit int): inside a
+        block, the block's.  Also for seeding torch by hand with it.
+
+        Example:
+            >>> from deterministic_ctx import derive_seed
+            >>> from deterministic_ctx.streams import RngStreams
+            >>> streams = RngStreams(0, {"tp": (1, 2)})
+            >>> streams.add("tp", varies=["tp"])
+            >>> base = derive_seed(0, "user", "streams")
+            >>> streams.seed_of("tp") == derive_seed(base, "stream", "tp", "tp", 1, bits=64)
+            True
+        """
+        if name not in self._states._varies:
+            raise ValueError(f"no stream named {name!r:.80}")
+        states = self._states
+        return states.seed_for(states._base, name)
+
+    @property
+    def seed(self) -> int:
+        """The seed given to the constructor.
+
+        Example:
+            >>> from deterministic_ctx.streams import RngStreams
+            >>> RngStreams(7).seed
+            7
+        """
+        return self._seed
+
+    @property
+    def key(self) -> str:
+        """The key the streams are registered (and saved) under.
+
+        Example:
+            >>> from deterministic_ctx.streams import RngStreams
+            >>> RngStreams(7, key="model-parallel").key
+            'model-parallel'
+        """
+        return self._key
+
+    @property
+    def ranks(self) -> dict[str, tuple[int, int]]:
+        """This process's ``(rank, size)`` along each dimension.
+
+        Example:
+            >>> from deterministic_ctx.streams import RngStreams
+            >>> RngStreams(7, {"tp": (1, 4)}).ranks
+            {'tp': (1, 4)}
+        """
+        return dict(self._states._coords)
+
+    @property
+    def streams(self) -> dict[str, tuple[str, ...]]:
+        """Each declared stream and the dimensions it varies along.
+
+        Example:
+            >>> from deterministic_ctx.streams import RngStreams
+            >>> streams = RngStreams(7, {"ep": (0, 2), "etp": (1, 2)})
+            >>> streams.add("expert", varies=["etp", "ep"])
+            >>> streams.streams
+            {'expert': ('ep', 'etp')}
+        """
+        return dict(self._states._varies)
+
+    def __repr__(self) -> str:
+        return (
+            f"RngStreams(seed={self._seed}, ranks={self.ranks}, streams={self.streams}"
+            + ("" if self._key == "streams" else f", key={self._key!r}")
+            + ")"
+        )
+
+
+def _dimensions(varies: object, coords: dict[str, tuple[int, int]]) -> tuple[str, ...]:
+    if isinstance(varies, str) or not isinstance(varies, Iterable):
+        raise TypeError(
+            f"varies must be a list of dimension names (of ranks: {', '.join(coords) or 'none'}), "
+            f"got {type(varies).__name__} {varies!r:.80}"
+        )
+    dims = list(varies)
+    for dim in dims:
+        if dim not in coords:
+            raise ValueError(
+                f"varies: {dim!r:.80} is not a dimension of ranks "
+                f"(there are: {', '.join(map(repr, coords)) or 'none'})"
+            )
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"varies names a dimension twice: {dims}")
+    return tuple(sorted(dims))
+
+
+def _coordinates(ranks: object) -> dict[str, tuple[int, int]]:
+    """``{dimension: (rank, size)}`` from what ``ranks=`` accepts, checked."""
+    if ranks is None:
+        return {}
+    mesh_module = sys.modules.get("torch.distributed.device_mesh")
+    if mesh_module is not None and isinstance(ranks, mesh_module.DeviceMesh):
+        return _mesh_coordinates(ranks)
+    if not isinstance(ranks, Mapping):
+        raise TypeError(
+            f"ranks must be a mapping of dimension names to (rank, size), a DeviceMesh with "
+            f"dimension names, or None, got {type(ranks).__name__} {ranks!r:.80}"
+        )
+    coords: dict[str, tuple[int, int]] = {}
+    for dim, value in ranks.items():
+        if not isinstance(dim, str) or not dim:
+            raise TypeError(f"ranks: dimension names must be non-empty str, got {dim!r:.80}")
+        if not isinstance(value, (tuple, list)) or len(value) != 2:
+            raise TypeError(f"ranks[{dim!r}] must be a pair (rank, size), got {value!r:.80}")
+        rank, size = (_int(v, f"ranks[{dim!r}]") for v in value)
+        if not 0 <= rank < size:
+            raise ValueError(
+                f"ranks[{dim!r}] must be (rank, size) with 0 <= rank < size, got {value!r:.80}"
+            )
+        coords[dim] = (rank, size)
+    return coords
+
+
+def _int(value: object, path: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{path} must hold ints, got {type(value).__name__} {value!r:.80}")
+    return int(value)
+
+
+def _mesh_coordinates(mesh: Any) -> dict[str, tuple[int, int]]:
+    names = mesh.mesh_dim_names
+    if not names:
+        raise ValueError(
+            "ranks: the DeviceMesh has no dimension names, and streams name the dimensions "
+            "they vary along: build it with init_device_mesh(..., mesh_dim_names=(...))"
+        )
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ValueError("ranks: this process is not part of the DeviceMesh")
+    return {str(name): (int(coordinate[i]), int(mesh.size(i))) for i, name in enumerate(names)}

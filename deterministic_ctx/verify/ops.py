@@ -1,0 +1,723 @@
+"""Recording aten op calls: the op, the user's line that ran it, fingerprints of what it made.
+
+:func:`~deterministic_ctx.locate.locate_divergence` with ``ops=True`` re-runs
+the part of a run where two runs first differ under an :class:`OpRecorder`
+and compares the two recordings with :func:`first_op_difference`; traces
+record whole runs with it.  The recorder is a ``TorchDispatchMode``: it sees
+every aten op call made in its thread (and, through autograd's thread-local
+state, the ops that autograd's engine runs for a backward started there)
+below autograd, after composite ops were decomposed, exactly as the kernels
+receive them.  Per op call it keeps an :class:`OpCall`: the op's name
+(``"aten.index_add_.default"``), the ``file:line`` of the innermost frame of
+*user* code on the stack (torch's own files, this package's and Python's
+standard library are skipped; other installed packages count as user code,
+since a model's ``forward`` often lives in one), and exact fingerprints
+(:mod:`.fingerprint`) of its outputs, of the arguments it changed in place,
+and of each tensor input that no recorded op made (a parameter, a batch, a
+tensor made with NumPy), taken before the op runs, at every use (so a change
+made behind torch's back to such a tensor, e.g. through a NumPy view, shows at
+the next op that reads it).  So the first entry that differs between two
+recordings is either an op's result, whose inputs all agreed, or an input
+from outside, which says the difference came from elsewhere.  A tensor that a
+recorded op made is trusted to hold what that op left in it and is not
+fingerprinted again when read: a change to it that bypasses torch (through a
+NumPy view or a data pointer) is not seen, and the next op that reads it is
+named as if it made the difference.
+
+Fingerprints are computed on the tensors' own devices and kept there until
+the recorder exits, then moved to the host in one copy per device, like a
+recorded run's (:class:`FingerprintStore`).  Cost: every op call made while
+the recorder's mode is on goes through Python (about 20 µs on a CPU), and
+every recorded one also has its user frame found and its outputs and
+outside inputs fingerprinted (a few small torch ops each): a recorded
+training step of a 6-block MLP took about 4 times as long as a plain one on
+a busy 2-core CPU.
+
+Example:
+    >>> import torch
+    >>> from deterministic_ctx.ops import OpRecorder, first_op_difference
+    >>> def work(scale):
+    ...     return torch.ones(3).mul(scale)
+    >>> recordings = []
+    >>> for scale in (2.0, 3.0):
+    ...     with OpRecorder() as rec:
+    ...         _ = work(scale)
+    ...     recordings.append(rec.calls)
+    >>> [c.op for c in recordings[0]]
+    ['aten.ones.default', 'aten.mul.Tensor']
+    >>> diff = first_op_difference(*recordings)
+    >>> diff.kind, diff.call.op, diff.call.function
+    ('values', 'aten.mul.Tensor', 'work')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import re
+import sys
+import sysconfig
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from types import CodeType, FrameType, TracebackType
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+
+from .compare import tensor_leaves
+from .fingerprint import FingerprintStore, Slot
+
+__all__ = [
+    "PHASES",
+    "FingerprintStore",
+    "OpCall",
+    "OpDifference",
+    "OpRecorder",
+    "QuietDispatchMode",
+    "Slot",
+    "TensorPrint",
+    "first_op_difference",
+    "is_library_file",
+]
+
+#: Which op calls an :class:`OpRecorder` records: all, those made outside autograd's
+#: engine, or those autograd's engine runs (a backward pass).
+PHASES = ("any", "forward", "backward")
+
+#: A tensor of an op call while recording: path, shape, dtype and where its fingerprint
+#: is (a slot, ``None``, or ``("number", repr)`` for a Python number).
+_Leaf = tuple[str, tuple[int, ...], str, Any]
+
+#: What the recorder keeps per op call until it exits: op, ``(location, function)``,
+#: autograd node, outputs, inputs from outside.
+_Record = tuple[str, tuple[str, str] | None, str | None, list[_Leaf], list[_Leaf]]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorPrint:
+    """One tensor (or Python number) of an op call, and its fingerprint.
+
+    ``path`` says which: ``"output"``, ``"output[1]"``, ``"self (changed in
+    place)"`` or, for an input no recorded op made, ``"input 'index'"``.
+    ``fingerprint`` is the bytes of :func:`~deterministic_ctx.fingerprint.fingerprint`
+    (for a number, of its ``repr``), or ``None`` when there is none.  ``dtype``
+    is torch's name without ``torch.`` (``"float32"``), or the Python type's
+    for a number.
+
+    Example:
+        >>> TensorPrint("output", (2, 3), "float32", None).shape
+        (2, 3)
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    fingerprint: bytes | None
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCall:
+    """One recorded aten op call.
+
+    ``op`` is the overload's name (``"aten.index_add_.default"``); ``index``
+    its position in the recording.  ``location`` is ``"file:line"`` of the
+    user's code responsible and ``function`` the qualified name of the
+    function there (``None`` when no user frame was found).  For ops of a
+    forward pass that is the line that called the op (through any number of
+    torch functions and modules).  For ops autograd's engine runs, ``node``
+    names the autograd node (``"IndexBackward0"``, ``"MyFunctionBackward"``);
+    the line is in the node's own code when it is Python (a custom
+    ``autograd.Function.backward``), else the forward line that created the
+    node when the recorder had ``node_locations=True``, else the line that
+    started the backward pass.  ``outputs`` are the results and the
+    arguments changed in place; ``inputs`` the tensor inputs no earlier
+    recorded op made, fingerprinted before the op ran.
+
+    Example:
+        >>> call = OpCall(0, "aten.add.Tensor", "model.py:3", "forward", None, (), ())
+        >>> call.described()
+        'aten.add.Tensor at model.py:3 (in forward)'
+    """
+
+    index: int
+    op: str
+    location: str | None
+    function: str | None
+    node: str | None
+    outputs: tuple[TensorPrint, ...]
+    inputs: tuple[TensorPrint, ...]
+
+    def described(self) -> str:
+        """``op at file:line (in function)``, with the autograd node in a backward pass."""
+        text = self.op
+        if self.location is not None:
+            text += f" at {self.location}"
+            if self.function:
+                text += f" (in {self.function})"
+        if self.node is not None:
+            text += f", in the backward of {self.node}"
+        return text
+
+
+@dataclasses.dataclass(frozen=True)
+class OpDifference:
+    """The first difference between two op recordings.
+
+    ``kind`` is ``"values"`` (an output's fingerprint differs: the op's inputs
+    agreed, so the op itself made the difference), ``"input"`` (a tensor input
+    that no recorded op made differs: the difference came from outside),
+    ``"shape"`` (shapes or dtypes of outputs or such inputs differ), ``"op"``
+    (another op was called at that point), ``"missing"`` or ``"extra"`` (the
+    second recording ends first, or the first one does).  ``call`` is the
+    first recording's op call (the second's for ``"extra"``), ``other`` the
+    second's when both have one; ``index`` their position; ``what`` which
+    tensor (``"output"``, ``"input 'index'"``, or ``""``); ``detail`` one
+    sentence.  See the module's example.
+    """
+
+    kind: str
+    index: int
+    call: OpCall
+    other: OpCall | None
+    what: str
+    detail: str
+
+    @property
+    def from_outside(self) -> bool:
+        """Whether the difference is a tensor input that no recorded op made (its values,
+        shape or dtype), read by :attr:`call`: that op only read it, and what made it
+        ran before the recording or outside torch ops.  An op that brings Python or
+        NumPy data into torch (``torch.tensor``, ``torch.from_numpy``) is not such a
+        reader: it is where the outside data comes in.
+
+        Example:
+            >>> a = OpCall(0, "aten.neg.default", None, None, None, (),
+            ...            (TensorPrint("input 'self'", (2,), "float32", b"a"),))
+            >>> b = dataclasses.replace(
+            ...     a, inputs=(TensorPrint("input 'self'", (2,), "float32", b"b"),))
+            >>> first_op_difference([a], [b]).from_outside
+            True
+        """
+        return (
+            self.kind in ("input", "shape")
+            and self.what.startswith("input ")
+            and self.call.op not in _FRESH
+        )
+
+
+def first_op_difference(
+    a: Sequence[OpCall], b: Sequence[OpCall], *, left: str = "run 1", right: str = "run 2"
+) -> OpDifference | None:
+    """The first op call where recordings ``a`` and ``b`` differ, or ``None``.
+
+    Per op call in order: the op's name, then its inputs from outside
+    (shapes, then fingerprints), then its outputs.  ``left`` and ``right``
+    name the recordings in the detail sentence.  See the module's example.
+    """
+    for index, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x.op != y.op:
+            detail = f"{left} called {x.described()}, {right} called {y.described()}"
+            return OpDifference("op", index, x, y, "", detail)
+        for kind, xs, ys in (("input", x.inputs, y.inputs), ("values", x.outputs, y.outputs)):
+            found = _leaves_difference(kind, index, x, y, xs, ys, left, right)
+            if found is not None:
+                return found
+    index = min(len(a), len(b))
+    if len(a) > index:
+        detail = f"{left} called {a[index].described()}, {right} made no more op calls"
+        return OpDifference("missing", index, a[index], None, "", detail)
+    if len(b) > index:
+        detail = f"{right} called {b[index].described()}, {left} made no more op calls"
+        return OpDifference("extra", index, b[index], None, "", detail)
+    return None
+
+
+def _leaves_difference(
+    kind: str,
+    index: int,
+    x: OpCall,
+    y: OpCall,
+    xs: tuple[TensorPrint, ...],
+    ys: tuple[TensorPrint, ...],
+    left: str,
+    right: str,
+) -> OpDifference | None:
+    layout = [(p.path, p.shape, p.dtype) for p in xs]
+    other = [(p.path, p.shape, p.dtype) for p in ys]
+    if layout != other:
+        detail = f"{_layout(layout)} ({left}) vs {_layout(other)} ({right})"
+        what = xs[0].path if xs else (ys[0].path if ys else "")
+        for mine, theirs in zip(xs, ys, strict=False):
+            if (mine.path, mine.shape, mine.dtype) != (theirs.path, theirs.shape, theirs.dtype):
+                what = mine.path
+                break
+        return OpDifference("shape", index, x, y, what, f"shapes/dtypes differ: {detail}")
+    for mine, theirs in zip(xs, ys, strict=True):
+        if mine.fingerprint is None or theirs.fingerprint is None:
+            continue
+        if mine.fingerprint != theirs.fingerprint:
+            if kind == "input" and x.op in _FRESH:
+                detail = (
+                    "it brings in a tensor made from Python or NumPy data (torch.tensor, "
+                    f"torch.from_numpy, torch.as_tensor, ...), and that data differs between "
+                    f"{left} and {right}"
+                )
+            elif kind == "input":
+                detail = (
+                    f"its {mine.path} differs between {left} and {right}, and no recorded op "
+                    "made it: the difference comes from outside the recorded ops (earlier code, "
+                    "NumPy or another library, or a change that bypassed torch)"
+                )
+            else:
+                detail = (
+                    f"its {mine.path} differs between {left} and {right} while every tensor it "
+                    "read agreed: the op made the difference"
+                )
+            return OpDifference(kind, index, x, y, mine.path, detail)
+    return None
+
+
+#: The ops through which torch hands a tensor made outside any op (from Python or NumPy
+#: data) to the dispatch modes.
+_FRESH = frozenset({"aten.lift_fresh.default", "aten.lift_fresh_copy.default", "aten.lift.default"})
+
+
+def _layout(layout: list[tuple[str, tuple[int, ...], str]]) -> str:
+    return ", ".join(f"{path} {shape} {dtype}" for path, shape, dtype in layout) or "nothing"
+
+
+# --- whose code is it ----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _library_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Directories of library code: ``(packages, standard library)``.
+
+    Torch's package and this one are library code wholly; the standard library is,
+    except its ``site-packages`` (a virtual environment's ``platstdlib`` is the
+    environment's ``lib/pythonX.Y``, which holds the installed packages).
+    """
+    packages = {
+        os.path.dirname(os.path.realpath(torch.__file__)),
+        os.path.dirname(os.path.realpath(__file__)),
+    }
+    paths = sysconfig.get_paths()
+    stdlib = {os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib") if k in paths}
+    return tuple(p + os.sep for p in packages), tuple(p + os.sep for p in stdlib)
+
+
+#: Per code object: is it library code (see _library_roots)?
+_LIBRARY: dict[CodeType, bool] = {}
+_SITE_DIRS = ("site-packages", "dist-packages")
+
+
+def _is_library(code: CodeType) -> bool:
+    found = _LIBRARY.get(code)
+    if found is None:
+        found = _LIBRARY[code] = is_library_file(code.co_filename)
+    return found
+
+
+@functools.lru_cache(maxsize=4096)  # per file: anomaly mode's stacks name files, not code
+def is_library_file(filename: str) -> bool:
+    if filename.startswith("<"):  # "<frozen importlib._bootstrap>" is; "<string>", "<stdin>" not
+        return filename.startswith("<frozen")
+    path = os.path.realpath(filename)
+    packages, stdlib = _library_roots()
+    if path.startswith(packages):
+        return True
+    for root in stdlib:
+        if path.startswith(root):
+            return path[len(root) :].split(os.sep, 1)[0] not in _SITE_DIRS
+    return False
+
+
+def _qualname(code: CodeType) -> str:
+    return getattr(code, "co_qualname", code.co_name)  # co_qualname: Python 3.11+
+
+
+#: The function of torch that hands a backward pass to autograd's engine (C++): op calls
+#: below it on the stack were made by a built-in backward formula.
+_ENGINE_ENTRY = "_engine_run_backward"
+
+
+def _user_frame(frame: FrameType | None) -> tuple[FrameType | None, bool]:
+    """The innermost frame of user code from ``frame`` outwards, and whether autograd's
+    engine was entered below it (the op is then not that code's own)."""
+    engine = False
+    while frame is not None:
+        code = frame.f_code
+        if not _is_library(code):
+            return frame, engine
+        if code.co_name == _ENGINE_ENTRY:
+            engine = True
+        frame = frame.f_back
+    return None, engine
+
+
+_TRACEBACK_LINE = re.compile(r'\s*File "(?P<file>.*)", line (?P<line>\d+), in (?P<function>.*)')
+
+
+def _node_location(node: Any) -> tuple[str, str] | None:
+    """``(file:line, function)`` of the user's forward code that created autograd node
+    ``node``, from the stack anomaly mode saved with it (``None`` without one)."""
+    try:
+        stack = node.metadata.get("traceback_")
+    except (AttributeError, RuntimeError):
+        return None
+    if not isinstance(stack, list):
+        return None
+    for entry in reversed(stack):  # innermost frame last
+        match = _TRACEBACK_LINE.match(str(entry))
+        if match is not None and not is_library_file(match["file"]):
+            return f"{match['file']}:{match['line']}", match["function"]
+    return None
+
+
+# --- the recorder ---------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4096)  # one entry per overload used
+def _schema(func: Any) -> tuple[tuple[str, ...], frozenset[str]]:
+    """Argument names of op ``func``, in order, and those it writes to."""
+    try:
+        arguments = func._schema.arguments
+    except AttributeError:
+        return (), frozenset()
+    names = tuple(a.name for a in arguments)
+    written = frozenset(
+        a.name for a in arguments if a.alias_info is not None and a.alias_info.is_write
+    )
+    return names, written
+
+
+def _named_args(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Iterator[tuple[str, Any]]:
+    names = _schema(func)[0]
+    for i, value in enumerate(args):
+        yield (names[i] if i < len(names) else f"args[{i}]"), value
+    yield from kwargs.items()
+
+
+class _Paused(threading.local):
+    """Per thread: how many :meth:`OpRecorder.pause` blocks are open."""
+
+    depth = 0
+
+
+def _hand_over(mode: QuietDispatchMode, func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+    return mode._dispatch(func, args, kwargs or {})
+
+
+@functools.cache
+def _hand_over_unseen_by_dynamo() -> Any:
+    """:func:`_hand_over`, which Dynamo never traces (imported only once Dynamo is)."""
+    import torch._dynamo
+
+    return torch._dynamo.disable(_hand_over, recursive=True)  # type: ignore[no-untyped-call]
+
+
+class QuietDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """A dispatch mode that never imports ``torch._dynamo`` itself: subclasses
+    implement ``_dispatch(func, args, kwargs)``, called for every op call.
+
+    Example:
+        >>> import torch
+        >>> class Count(QuietDispatchMode):
+        ...     calls = 0
+        ...     def _dispatch(self, func, args, kwargs):
+        ...         self.calls += 1
+        ...         return func(*args, **kwargs)
+        >>> with Count() as mode:
+        ...     _ = torch.ones(2) + 1
+        >>> mode.calls > 0
+        True
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # When this is True (the default), TorchDispatchMode.__init_subclass__ wraps
+        # __torch_dispatch__ in torch._disable_dynamo, which imports torch._dynamo at its
+        # first call: about 2 s in the first recording of a process, and a change of
+        # process state that traces report.  What the wrapper protects against is
+        # Dynamo tracing into this Python code while it compiles a function run under
+        # the mode; Dynamo can do that only once it is imported, so __torch_dispatch__
+        # goes through torch._dynamo.disable exactly then, and never imports it itself.
+        return False
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if "torch._dynamo" in sys.modules:
+            return _hand_over_unseen_by_dynamo()(self, func, args, kwargs)
+        return _hand_over(self, func, args, kwargs)
+
+    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        raise NotImplementedError
+
+
+class _Mode(QuietDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__
+    """The dispatch mode: hands every op call to its recorder."""
+
+    def __init__(self, recorder: OpRecorder) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.recorder = recorder
+
+    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        return self.recorder._dispatch(func, args, kwargs)
+
+
+class OpRecorder:
+    """A context manager that records every aten op call made inside it.
+
+    ``phase`` chooses which: ``"any"`` (the default), ``"forward"`` (not those
+    autograd's engine runs) or ``"backward"`` (only those).  With
+    ``inputs=True`` (the default), each tensor input that no earlier recorded
+    op made is fingerprinted before every op that reads it.  With
+    ``node_locations=True`` autograd's anomaly mode (without its NaN check) is
+    on while the recorder is, so that every autograd node keeps the stack that
+    created it, and the ops of built-in backward formulas are placed at the
+    user's forward line; that costs a Python stack per autograd node in the
+    forward pass.
+
+    :meth:`stop` ends the recording early (the rest of the block runs
+    unrecorded) and :meth:`pause` leaves out a stretch of one thread's op
+    calls (your own bookkeeping, e.g. fingerprints).  After the block,
+    :attr:`calls` holds the :class:`OpCall` list, in order.  A recorder
+    records once.  Op calls made in other threads are not seen, except those
+    autograd's engine makes for a backward pass started inside the block.
+    See the module's example.
+
+    Example:
+        >>> import torch
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> with OpRecorder(phase="backward") as rec:
+        ...     (x * 3).sum().backward()
+        >>> [(c.op, c.node) for c in rec.calls][:2]
+        [('aten.expand.default', 'SumBackward0'), ('aten.mul.Tensor', 'MulBackward0')]
+    """
+
+    def __init__(
+        self, *, phase: str = "any", inputs: bool = True, node_locations: bool = False
+    ) -> None:
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {', '.join(map(repr, PHASES))}, got {phase!r}")
+        for name, value in (("inputs", inputs), ("node_locations", node_locations)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False, got {value!r}")
+        self.phase = phase
+        self.inputs = inputs
+        self.node_locations = node_locations
+        self._mode = _Mode(self)
+        self._state = "new"  # -> "recording" -> ("stopped" ->) "done"
+        self._mode_on = False
+        self._anomaly: Any = None
+        self._owner = 0
+        self._paused = _Paused()
+        self._lock = threading.Lock()  # backward ops of other devices run on autograd's threads
+        self._store = FingerprintStore()
+        # Per op call: op, (location, function), node, and per tensor its path, shape, dtype
+        # and slot, for outputs and for inputs; made into OpCalls at exit.
+        self._records: list[_Record] = []
+        # Tensors whose values a recorded op made (its outputs, or arguments it changed in
+        # place): id -> the tensor, weakly.  Not their version: inside the dispatch mode a
+        # view's version counter is not yet its base's, and a change in place through torch
+        # is a recorded op anyway.
+        self._known: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._calls: list[OpCall] | None = None
+
+    # The context manager.
+
+    def __enter__(self) -> OpRecorder:
+        if self._state != "new":
+            raise RuntimeError("an OpRecorder records once: make a new one")
+        self._owner = threading.get_ident()
+        if self.node_locations:
+            self._anomaly = torch.autograd.set_detect_anomaly(True, check_nan=False)
+        try:
+            self._mode.__enter__()  # type: ignore[no-untyped-call]
+        except BaseException:
+            self._restore_anomaly()
+            raise
+        self._mode_on = True
+        self._state = "recording"
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._state == "done":
+            return
+        self._state = "done"
+        try:
+            if self._mode_on:
+                self._mode_on = False
+                self._mode.__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
+        finally:
+            self._restore_anomaly()
+        data = self._store.host()
+        self._calls = [
+            OpCall(
+                index,
+                op,
+                None if where is None else where[0],
+                None if where is None else where[1],
+                node,
+                tuple(_printed(leaf, data) for leaf in outputs),
+                tuple(_printed(leaf, data) for leaf in inputs),
+            )
+            for index, (op, where, node, outputs, inputs) in enumerate(self._records)
+        ]
+        self._records.clear()
+        self._known.clear()
+
+    def _restore_anomaly(self) -> None:
+        anomaly, self._anomaly = self._anomaly, None
+        if anomaly is not None:
+            anomaly.__exit__(None, None, None)
+
+    @property
+    def calls(self) -> list[OpCall]:
+        """The op calls recorded, in order; available once the recorder has exited."""
+        if self._calls is None:
+            raise RuntimeError("OpRecorder.calls is available once the recorder has exited")
+        return self._calls
+
+    @property
+    def count(self) -> int:
+        """How many op calls have been recorded so far: a position in the recording, by
+        which other records (a run's events, module calls) are placed among its op calls."""
+        calls = self._calls
+        return len(self._records) if calls is None else len(calls)
+
+    def stop(self) -> None:
+        """Record nothing more.  Called in the thread that entered the recorder while its
+        mode is the innermost one, outside a backward pass, this also takes the mode off
+        at once, so the rest of the block runs at full speed; the recording is finished
+        at exit."""
+        if self._state != "recording":
+            return
+        self._state = "stopped"
+        # Autograd's engine runs a backward pass with a copy of the caller's thread-local
+        # state, the mode stack included, and puts the original back when it is done: a
+        # mode taken off in there would be back on afterwards.
+        if (
+            self._mode_on
+            and threading.get_ident() == self._owner
+            and torch._C._current_autograd_node() is None
+            and _get_current_dispatch_mode() is self._mode
+        ):
+            self._mode_on = False
+            self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Leave out the op calls that this thread makes inside the ``with`` block.
+
+        Example:
+            >>> import torch
+            >>> with OpRecorder() as rec:
+            ...     x = torch.ones(2)
+            ...     with rec.pause():
+            ...         _ = x + 1
+            >>> [c.op for c in rec.calls]
+            ['aten.ones.default']
+        """
+        local = self._paused
+        local.depth += 1
+        try:
+            yield
+        finally:
+            local.depth -= 1
+
+    # What the mode calls.
+
+    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._state != "recording" or self._paused.depth:
+            return func(*args, **kwargs)
+        node = torch._C._current_autograd_node()
+        if (self.phase == "backward" and node is None) or (
+            self.phase == "forward" and node is not None
+        ):
+            return func(*args, **kwargs)
+        frame, engine = _user_frame(sys._getframe(1))
+        where = None
+        if frame is not None:
+            where = f"{frame.f_code.co_filename}:{frame.f_lineno}", _qualname(frame.f_code)
+        if node is not None and (frame is None or engine):
+            # A built-in backward formula: the user's line is where the node was made.
+            where = _node_location(node) or where
+        with self._lock:
+            inputs = self._outside_inputs(func, args, kwargs) if self.inputs else []
+        out = func(*args, **kwargs)
+        with self._lock:
+            outputs = self._outputs(func, args, kwargs, out)
+            self._records.append(
+                (str(func), where, None if node is None else node.name(), outputs, inputs)
+            )
+        return out
+
+    def _leaf(self, path: str, t: torch.Tensor) -> _Leaf:
+        return path, tuple(t.shape), str(t.dtype).removeprefix("torch."), self._store.add(t)
+
+    def _remember(self, t: torch.Tensor) -> None:
+        self._known[id(t)] = weakref.ref(t)
+
+    def _outside_inputs(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> list[_Leaf]:
+        found: list[_Leaf] = []
+        for name, value in _named_args(func, args, kwargs):
+            for path, t in tensor_leaves(value, f"input {name!r}"):
+                known = self._known.get(id(t))
+                if known is not None and known() is t:
+                    continue
+                found.append(self._leaf(path, t))
+        return found
+
+    def _outputs(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> list[_Leaf]:
+        leaves: list[_Leaf] = []
+        returned: list[torch.Tensor] = []
+        if isinstance(out, (bool, int, float, complex)):  # .item(), is_nonzero, equal, ...
+            leaves.append(("output", (), type(out).__name__, ("number", repr(out))))
+        else:
+            for path, t in tensor_leaves(out, "output"):
+                leaves.append(self._leaf(path, t))
+                returned.append(t)
+        written = _schema(func)[1]
+        if written:
+            for name, value in _named_args(func, args, kwargs):
+                if name not in written:
+                    continue
+                for path, t in tensor_leaves(value, name):
+                    if all(t is not r for r in returned):
+                        leaves.append(self._leaf(f"{path} (changed in place)", t))
+                        returned.append(t)
+        for t in returned:
+            self._remember(t)
+        return leaves
+
+
+def _printed(leaf: _Leaf, data: list[bytes]) -> TensorPrint:
+    path, shape, dtype, slot = leaf
+    if slot is None:
+        fingerprint = None
+    elif slot[0] == "number":
+        fingerprint = slot[1].encode()
+    else:
+        fingerprint = data[slot[0]][slot[1] : slot[2]]
+    return TensorPrint(path, shape, dtype, fingerprint)

@@ -1,0 +1,1 @@
+"""Tests of blocks, decorated callables, threads, fork, interrupts, torch.compile and CUDA graphs."""

@@ -1,0 +1,1 @@
+"""Tests of every code block of the README and the docs, and the examples."""

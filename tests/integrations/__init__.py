@@ -1,0 +1,1 @@
+"""Tests of the CLI, IPython, the pytest plugin, pytest-randomly, Hypothesis, real libraries."""

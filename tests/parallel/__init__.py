@@ -1,0 +1,1 @@
+"""Tests of ranks, DataLoader workers, torchrun, parallel streams, collectives."""

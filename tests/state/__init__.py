@@ -1,0 +1,1 @@
+"""Tests of snapshots, their file format, checkpoints, DCP and rank-to-rank sync."""

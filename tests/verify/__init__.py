@@ -1,0 +1,1 @@
+"""Tests of assert_*, locate_divergence, fingerprints, traces, the audit."""
