@@ -1,4 +1,7 @@
-"""``python -m deterministic_ctx``: the command line (see :mod:`deterministic_ctx.cli`)."""
+"""``python -m deterministic_ctx``: the command line.
+
+See :mod:`deterministic_ctx.integrations.cli`.
+"""
 
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 
 The integrations (``seeding``, ``data``, ``distributed``, ``verify``,
 ``locate`` and their parts, ``report``, ``cli``, ``ipython`` and the pytest
-plugin) import from the public modules (:mod:`~deterministic_ctx.context`,
-:mod:`~deterministic_ctx.decorate`, :mod:`~deterministic_ctx.snapshot`,
-:mod:`~deterministic_ctx.checkpoint`) and from here, never from the engine,
+plugin) import from the public modules (:mod:`~deterministic_ctx.core.context`,
+:mod:`~deterministic_ctx.core.decorate`, :mod:`~deterministic_ctx.state.snapshot`,
+:mod:`~deterministic_ctx.state.checkpoint`) and from here, never from the engine,
 the sources or a private module directly; ``lint-imports`` (the contracts in
 the repository's ``.importlinter``) fails the build otherwise.  Changing an
 integration therefore needs nothing beyond this page, and the engine can

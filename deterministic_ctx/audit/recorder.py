@@ -133,7 +133,8 @@ def _reads_values(func: Any, name: str, create: frozenset[str]) -> bool:
 
 class Auditor(QuietDispatchMode):
     """Sees every aten op call of the run and keeps what matches the table
-    (never importing torch._dynamo: see :class:`~deterministic_ctx.ops.QuietDispatchMode`)."""
+    (never importing torch._dynamo: see
+    :class:`~deterministic_ctx.verify.ops.QuietDispatchMode`)."""
 
     def __init__(self, modules: Modules, *, backward: bool, warn_only: bool, version: str) -> None:
         super().__init__()  # type: ignore[no-untyped-call]

@@ -1,9 +1,9 @@
 """``deterministic``: the ``with`` / ``async with`` block, and the decorator.
 
-Each ``with`` is one :class:`~deterministic_ctx.engine.Block`; this module
+Each ``with`` is one :class:`~deterministic_ctx.core.engine.Block`; this module
 only validates the arguments, keeps each object's open blocks (per asyncio
 task for ``async with``) and makes sure an interrupted ``__exit__`` still
-leaves.  As a decorator, ``deterministic`` is :func:`~deterministic_ctx.decorate.reproducible`.
+leaves.  As a decorator, ``deterministic`` is :func:`~deterministic_ctx.core.decorate.reproducible`.
 """
 
 from __future__ import annotations
@@ -104,14 +104,28 @@ def _current_task() -> object:
 
 class _Blocks:
     """What :class:`deterministic` and :class:`isolated` share: each ``with``
-    (or ``async with``) is one :class:`~deterministic_ctx.engine.Block` of
+    (or ``async with``) is one :class:`~deterministic_ctx.core.engine.Block` of
     these settings (``None``: capture and restore, apply nothing)."""
 
-    __slots__ = ("_local", "_settings")
+    __slots__ = ("_per_thread", "_settings")
 
     _settings: Settings | None
-    #: The open blocks of this object, per thread (see :class:`_PerThread`).
-    _local: _PerThread
+    #: ``{"local": _PerThread}``: the open blocks of this object, per thread
+    #: (see :class:`_PerThread`), made at its first entry, not in ``__init__``:
+    #: dynamo traces the construction of a block object in compiled code and
+    #: cannot trace a ``threading.local``.  A dict, so that two threads
+    #: entering a new object at once agree on one record (``setdefault`` is
+    #: atomic) without a lock an interrupt could leave held.
+    _per_thread: dict[str, _PerThread]
+
+    def _first_entry(self) -> dict[object, list[_Open]]:
+        """This object's open blocks in the calling thread, made if it was never entered."""
+        return self._per_thread.setdefault("local", _PerThread()).blocks
+
+    def _blocks_if_entered(self) -> dict[object, list[_Open]]:
+        """This object's open blocks in the calling thread (``{}``: never entered)."""
+        local = self._per_thread.get("local")
+        return {} if local is None else local.blocks
 
     def __enter__(self: _B) -> _B:
         # Inside a compiled function (which dynamo then runs eagerly, see
@@ -120,7 +134,10 @@ class _Blocks:
         # paused first, before any Python frame is called, until the exit.
         # Outside compiled code this swaps None for None.
         # (``_paused_here`` only inside compiled code: no frame for it elsewhere.)
-        blocks = self._local.blocks
+        try:
+            blocks = self._per_thread["local"].blocks
+        except KeyError:
+            blocks = self._first_entry()
         stack = blocks.setdefault(None, [])
         depth = len(stack)
         try:
@@ -140,12 +157,12 @@ class _Blocks:
         try:
             # Dynamo paused before any Python frame (see __enter__).
             now = pause_compiler()
-            stack = self._local.blocks[None]
+            stack = self._per_thread["local"].blocks[None]
             block, paused = stack[-1]
             block.stop()
             del stack[-1]  # last, and no call after it: an interrupt lands before it or never
         except BaseException:
-            paused = _leave_anyway(self._local.blocks, None)
+            paused = _leave_anyway(self._blocks_if_entered(), None)
             if paused is not None and paused[1] is sys._getframe(1):
                 resume_compiler(paused[0])
             raise
@@ -164,7 +181,7 @@ class _Blocks:
         try:
             return self._push(stack, None)
         except BaseException:
-            _leave_if_entered(self._local.blocks, task, depth)
+            _leave_if_entered(self._blocks_if_entered(), task, depth)
             raise
 
     async def __aexit__(
@@ -175,16 +192,19 @@ class _Blocks:
     ) -> None:
         # Each task leaves its own block, whatever the order the tasks leave in.
         try:
-            stack = self._local.blocks[_current_task()]
+            stack = self._per_thread["local"].blocks[_current_task()]
             stack[-1][0].stop()
             del stack[-1]
         except BaseException:
-            _leave_anyway(self._local.blocks, _current_task())
+            _leave_anyway(self._blocks_if_entered(), _current_task())
             raise
 
     def _stack_of(self, task: object) -> list[_Open]:
         """The calling thread's open blocks of ``task`` (an asyncio task, or ``None``)."""
-        blocks = self._local.blocks
+        try:
+            blocks = self._per_thread["local"].blocks
+        except KeyError:
+            blocks = self._first_entry()
         if len(blocks) > 1:  # drop the emptied stacks of finished tasks
             for done in [t for t, stack in blocks.items() if t is not None and not stack]:
                 del blocks[done]
@@ -315,7 +335,7 @@ class deterministic(
         self._settings = Settings.build(
             seed, warn_only, rank, flags, fill_uninitialized_memory, compiled_rng
         )
-        self._local = _PerThread()
+        self._per_thread = {}
 
     @property
     def seed(self) -> int:
@@ -398,7 +418,7 @@ class isolated(_Blocks):  # lowercase, like ``deterministic``
             return decorate(func, None)
         self = super().__new__(cls)
         self._settings = None
-        self._local = _PerThread()
+        self._per_thread = {}
         return self
 
     def __repr__(self) -> str:

@@ -3,7 +3,7 @@
 A sync context manager around a generator or coroutine function exits before
 the body runs (the bug of ``contextlib.ContextDecorator``, ``mock.patch``,
 ``np.errstate`` on coroutines).  Here each call gets its own
-:class:`~deterministic_ctx.engine.Block`; for generators, coroutines and
+:class:`~deterministic_ctx.core.engine.Block`; for generators, coroutines and
 async generators the block is *resumed* before every step of the body and
 *suspended* at every ``yield``/``await`` suspension, so callers and
 interleaved tasks never see each other's streams.  Nothing here depends on

@@ -68,7 +68,7 @@ class Block:
     say — interrupts it at any line: entry registers the block in ``_active``
     before it applies anything, exits are idempotent steps that are simply
     run again, and the lock's depth is read back from the lock itself
-    (:meth:`~deterministic_ctx._lock.ProcessLock.release_to`).
+    (:meth:`~deterministic_ctx.base.lock.ProcessLock.release_to`).
     """
 
     __slots__ = ("_carried", "_carrier", "_inner", "_outer", "_settings", "_started")

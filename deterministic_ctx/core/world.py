@@ -1,7 +1,7 @@
 """World: the captured state of every source at one moment, and how to put it back.
 
 The engine's unit of state (a block's caller's world, a suspended block's own
-world) and what :class:`~deterministic_ctx.snapshot.Snapshot` wraps.  It knows
+world) and what :class:`~deterministic_ctx.state.snapshot.Snapshot` wraps.  It knows
 nothing of seeds, blocks or files.
 """
 

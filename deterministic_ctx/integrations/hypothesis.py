@@ -21,9 +21,9 @@ draw from torch merely because deterministic-ctx is installed.
 
 Example:
     >>> import torch
-    >>> import deterministic_ctx.hypothesis
+    >>> import deterministic_ctx.integrations.hypothesis
     >>> from hypothesis import given, strategies as st
-    >>> _ = deterministic_ctx.hypothesis.register()
+    >>> _ = deterministic_ctx.integrations.hypothesis.register()
     >>> drawn = []
     >>> @given(st.integers())
     ... def test_noise(n):
@@ -34,7 +34,7 @@ Example:
     1
     >>> torch.equal(torch.get_rng_state(), before)  # and the caller's stream is untouched
     True
-    >>> deterministic_ctx.hypothesis.unregister()
+    >>> deterministic_ctx.integrations.hypothesis.unregister()
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def register() -> TorchRandom:
     not in reverse, so of two managers of one object the second would restore a seeded state.
 
     Example:
-        >>> import deterministic_ctx.hypothesis as dch
+        >>> import deterministic_ctx.integrations.hypothesis as dch
         >>> dch.register() is dch.register()
         True
         >>> dch.unregister()
@@ -205,7 +205,7 @@ def unregister() -> None:
     it seeds nothing and captures nothing.  :func:`register` turns it back on.
 
     Example:
-        >>> import deterministic_ctx.hypothesis as dch
+        >>> import deterministic_ctx.integrations.hypothesis as dch
         >>> rng = dch.register()
         >>> dch.unregister()
         >>> rng.getstate() is None

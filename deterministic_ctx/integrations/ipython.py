@@ -1,7 +1,7 @@
 """IPython / Jupyter extension: ``%%deterministic`` and ``%deterministic_report``.
 
 Load it with ``%load_ext deterministic_ctx`` (or ``%load_ext
-deterministic_ctx.ipython``); add ``"deterministic_ctx"`` to
+deterministic_ctx.integrations.ipython``); add ``"deterministic_ctx"`` to
 ``c.InteractiveShellApp.extensions`` to load it in every session.
 
 * ``%%deterministic [SEED] [--warn-only]`` runs the cell inside

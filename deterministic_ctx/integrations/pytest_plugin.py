@@ -38,7 +38,7 @@ __all__ = ["DEFAULT_SEED", "DeterministicLeakWarning", "deterministic_seed"]
 #: It is also the seed of a bare ``@reproducible``.
 DEFAULT_SEED = 0
 
-# deterministic_ctx._seed.MAX_SEED, repeated so that parsing options imports no torch; a test
+# deterministic_ctx.base.seed.MAX_SEED, repeated so that parsing options imports no torch; a test
 # checks that the two agree.
 _MAX_SEED = 2**32 - 1
 _MARKER = "deterministic"

@@ -66,7 +66,7 @@ def seeded_generator(
             and ``rank`` are used.
         key: names the generator among others of the same seed.
         rank: a non-negative int or ``"auto"`` (the global rank, see
-            :func:`~deterministic_ctx.distributed.ranks`): one generator per
+            :func:`~deterministic_ctx.parallel.ranks.ranks`): one generator per
             rank (a ``DataLoader`` that shuffles the whole dataset on every
             rank should not give every rank the same batches).  ``None`` (the
             default): the ``deterministic`` object's rank, and for an int seed,
@@ -77,7 +77,7 @@ def seeded_generator(
         >>> import torch
         >>> from torch.utils.data import DataLoader
         >>> from deterministic_ctx import deterministic
-        >>> from deterministic_ctx.data import seeded_generator
+        >>> from deterministic_ctx.parallel.data import seeded_generator
         >>> with deterministic(seed=0) as det:
         ...     a = list(DataLoader(range(6), shuffle=True, generator=seeded_generator(det)))
         ...     _ = torch.rand(100)  # more draws before the loader: same order
@@ -196,7 +196,7 @@ def chain_worker_init(
 
     Example:
         >>> from torch.utils.data import DataLoader
-        >>> from deterministic_ctx.data import chain_worker_init
+        >>> from deterministic_ctx.parallel.data import chain_worker_init
         >>> def open_shard(worker_id):
         ...     pass
         >>> loader = DataLoader(range(8), num_workers=2,

@@ -31,7 +31,7 @@ Sources the plan cannot take (tests swap ``SOURCES``) get no plan:
 runs the reference loop.  ``tests/sources/test_fused.py`` fails if the default
 sources have no plan, so a new source cannot turn it off unnoticed.
 
-Failure paths stay the reference's: :class:`~deterministic_ctx.world.World`
+Failure paths stay the reference's: :class:`~deterministic_ctx.core.world.World`
 reruns the reference restore after any exception here.
 """
 

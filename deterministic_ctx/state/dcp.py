@@ -36,7 +36,7 @@ The entries, under the ``Stateful``'s key (``"rng"`` below)::
         16      4     u32  world size
         20      4     u32  reserved, 0
         24      8     u64  n, the snapshot file's length
-        32      n     a snapshot file (see deterministic_ctx.checkpoint: its own
+        32      n     a snapshot file (see deterministic_ctx.state.checkpoint: its own
                       signature and SHA-256)
         32+n    ...   zeros
 
@@ -62,7 +62,7 @@ ranks, ``state_dict()`` and ``load_state_dict()`` are collectives over it:
 the ranks agree that every rank could save (or restore) its state before any
 rank goes on, so a failure on one rank (a state larger than ``capacity``, a
 corrupted entry, a registered RNG missing) raises
-:class:`~deterministic_ctx.sync.RngStateError` on every rank, instead of one
+:class:`~deterministic_ctx.state.sync.RngStateError` on every rank, instead of one
 rank failing while the others wait in DCP's or the training's next
 collective.  Nothing is restored anywhere unless every rank can restore its
 own.  As ``dcp.save`` and ``dcp.load`` themselves, every rank must call them.
@@ -107,7 +107,7 @@ class RngState:
     may draw from an RNG in between).  Register the same RNGs under the same
     keys (``register_rng(obj, key=...)``) before loading.  Tensors only:
     nothing is unpickled.  Works without a process group too (one process,
-    rank 0).  See :mod:`deterministic_ctx.dcp` for the layout, the world size
+    rank 0).  See :mod:`deterministic_ctx.state.dcp` for the layout, the world size
     policy and the collectives.
 
     Args:
@@ -123,7 +123,7 @@ class RngState:
     Example:
         >>> import random, tempfile, warnings
         >>> import torch.distributed.checkpoint as dcp
-        >>> from deterministic_ctx.dcp import RngState
+        >>> from deterministic_ctx.state.dcp import RngState
         >>> with tempfile.TemporaryDirectory() as path, warnings.catch_warnings():
         ...     warnings.simplefilter("ignore")  # DCP: "no process group: one process"
         ...     _ = dcp.save({"rng": RngState()}, checkpoint_id=path)
@@ -203,7 +203,7 @@ class RngState:
         into.  A collective where a process group of several ranks is
         initialized: if any rank cannot encode its state (larger than
         ``capacity``, two registered RNGs sharing a key), every rank raises
-        :class:`~deterministic_ctx.sync.RngStateError`; in one process the
+        :class:`~deterministic_ctx.state.sync.RngStateError`; in one process the
         error itself is raised.
 
         Example:
@@ -227,7 +227,7 @@ class RngState:
 
         Every field is checked (:class:`~deterministic_ctx.InvalidSnapshotError`
         on bad input), then every rank restores its own state, or, if any rank
-        cannot, every rank raises :class:`~deterministic_ctx.sync.RngStateError`
+        cannot, every rank raises :class:`~deterministic_ctx.state.sync.RngStateError`
         and none restores anything (in one process, the error itself is
         raised).  A different world size follows ``on_world_size_change``.
 

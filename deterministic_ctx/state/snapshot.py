@@ -1,8 +1,8 @@
 """Snapshot: an immutable capture of every source of global random state.
 
-The public face of :class:`~deterministic_ctx.world.World` (what the engine
+The public face of :class:`~deterministic_ctx.core.world.World` (what the engine
 captures and restores) together with its persistence
-(:mod:`~deterministic_ctx.checkpoint`): it sits above both.
+(:mod:`~deterministic_ctx.state.checkpoint`): it sits above both.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ class Snapshot:
 
         The file is replaced by a rename once the new one is complete and
         flushed to disk: a crash leaves the previous file intact (and maybe a
-        ``.NAME.*.tmp`` file beside it).  See :mod:`deterministic_ctx.checkpoint`
+        ``.NAME.*.tmp`` file beside it).  See :mod:`deterministic_ctx.state.checkpoint`
         for the format.
 
         Example:

@@ -15,7 +15,7 @@ registered user RNGs).  Two things stay each rank's own:
   :class:`~deterministic_ctx.RngStreams`, whose streams vary along parallel
   dimensions and refuse another rank's state).
 
-What travels is the snapshot file of :mod:`~deterministic_ctx.checkpoint`
+What travels is the snapshot file of :mod:`~deterministic_ctx.state.checkpoint`
 (plain data and tensors, checked by a SHA-256), as a ``uint8`` tensor: its
 length first, then its bytes, on the device the backend needs (CPU for gloo,
 MPI and UCC; the current CUDA device for NCCL).  Nothing is pickled, so
@@ -33,7 +33,7 @@ Per-rank state after a sync: none is left but ``RngStreams``.  The ranks
 draw the same numbers from every other source, including those that ``deterministic(rank=...)``
 and ``seed_everything(rank=...)`` seed per rank (``random``, NumPy, the
 registered RNGs).  That is the point of a sync.  DataLoader workers seeded by
-:data:`~deterministic_ctx.data.seed_worker` still differ per rank: it mixes
+:data:`~deterministic_ctx.parallel.data.seed_worker` still differ per rank: it mixes
 the rank into their seeds.  To split the other streams again, reseed them per
 rank (``seed_everything(seed, rank="auto")``, or a
 ``deterministic(seed, rank="auto")`` block).
@@ -69,7 +69,7 @@ class RngStateError(RuntimeError):
     """One or more ranks could not take a random state, so no rank took it.
 
     Raised on every rank of the group, by :func:`sync_rng_state` and by
-    :class:`~deterministic_ctx.dcp.RngState` (saving or loading in a
+    :class:`~deterministic_ctx.state.dcp.RngState` (saving or loading in a
     checkpoint), when any rank fails: every rank is where it was before the
     call.  ``failures`` maps each failing rank (a global rank) to its problem.
     On a failing rank the exception it met is the ``__cause__``.
@@ -120,7 +120,7 @@ def sync_rng_state(src: int = 0, group: dist.ProcessGroup | None = None) -> None
 
     Example:
         >>> import random
-        >>> from deterministic_ctx.sync import sync_rng_state
+        >>> from deterministic_ctx.state.sync import sync_rng_state
         >>> before = random.getstate()
         >>> sync_rng_state()  # no process group here: one rank, nothing to send
         >>> random.getstate() == before
@@ -380,7 +380,7 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
 
     Example:
         >>> import torch.distributed as dist
-        >>> from deterministic_ctx.sync import collective_device
+        >>> from deterministic_ctx.state.sync import collective_device
         >>> store = dist.HashStore()
         >>> dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         >>> collective_device()

@@ -1,6 +1,6 @@
 """Traces: a run's fingerprints and environment, recorded on one machine and compared on another.
 
-:func:`locate_divergence <deterministic_ctx.locate.locate_divergence>` compares
+:func:`locate_divergence <deterministic_ctx.verify.locate.locate_divergence>` compares
 two runs in one process.  When the same seed gives other results on another
 machine, GPU model or torch version, the two runs never meet: record a trace
 on each machine with :func:`record_trace` (or ``deterministic-ctx trace record``
@@ -10,9 +10,9 @@ of the two environments that differ, most likely culprits first.
 
 A trace holds, in call order, the fingerprints of every module call's outputs
 (and, with ``backward=True``, of the gradients), of the return value's leaves
-and of the final parameters and buffers, as :func:`~deterministic_ctx.record.record_run`
+and of the final parameters and buffers, as :func:`~deterministic_ctx.verify.record.record_run`
 records them for ``locate_divergence``; with ``ops=True`` also every aten op
-call of the run (:class:`~deterministic_ctx.ops.OpRecorder`: the op, the
+call of the run (:class:`~deterministic_ctx.verify.ops.OpRecorder`: the op, the
 user's ``file:line``, the fingerprints of its outputs and of the inputs it got
 from outside the recorded ops), so that a comparison names the first op whose
 result differs, before the module output it feeds; and the environment that
@@ -34,7 +34,7 @@ shape and dtype have equal digests exactly when their fingerprints are equal
 a trace has no values, so a divergence names the module call and the tensor,
 never the index or the size of the difference.
 
-**File**: the container of :mod:`~deterministic_ctx.checkpoint` (sizes checked
+**File**: the container of :mod:`~deterministic_ctx.state.checkpoint` (sizes checked
 against the file's length, a SHA-256 checksum, JSON, nothing ever unpickled)
 with the signature ``b"\\x89DCT\\r\\n\\x1a\\n"`` and this state, version 1::
 

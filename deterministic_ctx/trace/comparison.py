@@ -1,5 +1,5 @@
 """Comparing two traces: the first module call (or op call) whose fingerprints differ, named
-as :func:`~deterministic_ctx.locate.locate_divergence` names it, and the facts that differ.
+as :func:`~deterministic_ctx.verify.locate.locate_divergence` names it, and the facts that differ.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class TraceComparison:
     ``agree`` is true when every fingerprint of the two traces matched (module
     outputs, gradients, the return value, final parameters and buffers);
     otherwise ``divergence`` is the first difference in A's call order, named
-    as :class:`~deterministic_ctx.locate.Divergence` names it for
+    as :class:`~deterministic_ctx.verify.locate.Divergence` names it for
     ``locate_divergence`` (``run`` is 2: trace B; ``index`` and
     ``max_abs_diff`` are ``None``, a trace has no values).  ``environment``
     lists the facts that differ, most likely culprits first: the seed, then
@@ -127,7 +127,8 @@ class TraceComparison:
 
 
 def _where(d: Divergence) -> str:
-    """Where a divergence is, as :class:`~deterministic_ctx.locate.DivergenceReport` says it."""
+    """Where a divergence is, as
+    :class:`~deterministic_ctx.verify.locate.DivergenceReport` says it."""
     if d.phase == "forward":
         where = f"module call #{d.call_index}, {d.location}"
         return where if d.kind in ("call", "missing", "extra") else f"{where}, forward {d.what}"
@@ -225,7 +226,7 @@ def _trace_arg(value: object, name: str, side: str) -> tuple[str, Trace]:
 
 
 def _as_run(trace: Trace, drop: set[str]) -> Run:
-    """The trace as a recorded run for :func:`~deterministic_ctx.timeline.compare_runs`,
+    """The trace as a recorded run for :func:`~deterministic_ctx.verify.timeline.compare_runs`,
     without the events of the phases in ``drop``."""
     events: list[Event] = list(trace.events)
     starts = list(trace.starts)
@@ -300,8 +301,8 @@ def _op_divergence(
     finding: Finding, a: Run, b: Run
 ) -> tuple[str, tuple[str | None, str | None, str | None]]:
     """The kind of a difference found at an op event, and ``(op, op_location, op_detail)``
-    as :func:`~deterministic_ctx.locate.locate_divergence` names them: the op calls of the
-    two traces at that point, compared by :func:`~deterministic_ctx.ops.first_op_difference`
+    as :func:`~deterministic_ctx.verify.locate.locate_divergence` names them: the op calls of the
+    two traces at that point, compared by :func:`~deterministic_ctx.verify.ops.first_op_difference`
     (which tensor differs, and what that says)."""
     e, other = finding.event, finding.other
     if finding.kind == "extra":  # only B called it: the event is B's
@@ -330,7 +331,7 @@ def _since(key: tuple[Any, ...]) -> str:
     return f"{number} op call(s) since module call #{started - 1} started"
 
 
-#: ``what`` of an op event: :meth:`~deterministic_ctx.ops.OpCall.described`'s format.
+#: ``what`` of an op event: :meth:`~deterministic_ctx.verify.ops.OpCall.described`'s format.
 _OP_WHAT = re.compile(
     r"(?P<op>\S+)(?: at (?P<location>.+?:\d+)(?: \(in (?P<function>[^()]*)\))?)?"
     r"(?:, in the backward of (?P<node>\S+))?"

@@ -1,6 +1,6 @@
 """The trace and its file: :class:`Trace`, writing and reading it, checking every field read.
 
-The file is the container of :mod:`~deterministic_ctx.checkpoint` with the
+The file is the container of :mod:`~deterministic_ctx.state.checkpoint` with the
 signature of :data:`TRACE_FILE`, holding the state that the docstring of
 :mod:`deterministic_ctx.trace` describes; bad input raises :class:`InvalidTraceError`.
 """
@@ -58,7 +58,7 @@ class InvalidTraceError(InvalidSnapshotError):
         self.args = (f"invalid trace {origin}: {problem}",)
 
 
-#: The container of a trace file (see :mod:`~deterministic_ctx.checkpoint`).
+#: The container of a trace file (see :mod:`~deterministic_ctx.state.checkpoint`).
 TRACE_FILE = FileKind("trace", b"\x89DCT\r\n\x1a\n", InvalidTraceError)
 
 
@@ -76,7 +76,7 @@ class Trace:
     to plain values.  ``structure`` is who was called, per module call:
     ``(root class, qualified name, class name)``; ``starts`` how many events
     had been recorded when each call started; ``events`` the events
-    (:class:`~deterministic_ctx.record.Event`) whose ``slots`` point into
+    (:class:`~deterministic_ctx.verify.record.Event`) whose ``slots`` point into
     ``digests``.  ``ops`` says whether per-op events were recorded.  Made by
     :func:`record_trace`; :meth:`save` and :meth:`load` write and read files.
 

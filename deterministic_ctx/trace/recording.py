@@ -41,7 +41,7 @@ def record_trace(
 ) -> Trace:
     """Run ``fn(*args, **kwargs)`` once in a fresh block and record its trace.
 
-    The run is what one run of :func:`~deterministic_ctx.locate.locate_divergence`
+    The run is what one run of :func:`~deterministic_ctx.verify.locate.locate_divergence`
     is: a fresh ``deterministic(seed, warn_only=warn_only)`` block with global
     module hooks that fingerprint every module call's outputs in call order
     (with ``backward=True`` also the gradients), then the return value's
@@ -49,7 +49,7 @@ def record_trace(
     ``ops=True`` every aten op call ``fn`` makes (its backward passes'
     included) is recorded too, in the timeline, with the user's ``file:line``
     and the fingerprints of its outputs and outside inputs
-    (:class:`~deterministic_ctx.ops.OpRecorder`; on a CPU about 0.2 ms and
+    (:class:`~deterministic_ctx.verify.ops.OpRecorder`; on a CPU about 0.2 ms and
     150 bytes of file per op call, and the first recording of a process
     imports ``torch._dynamo``, about 2 s).  The environment is read inside
     the block right after ``fn`` returns (see the module docstring).
@@ -311,7 +311,7 @@ def _op_event(
     slot: Callable[[bytes | None], tuple[int, int, int] | None],
 ) -> Event:
     """The event of one op call: its inputs from outside the recorded ops, then its
-    outputs (the order :func:`~deterministic_ctx.ops.first_op_difference` checks)."""
+    outputs (the order :func:`~deterministic_ctx.verify.ops.first_op_difference` checks)."""
     prints = (*call.inputs, *call.outputs)
     label: tuple[str | None, str | None, str | None] = (
         NO_MODULE if inside is None else structure[inside]

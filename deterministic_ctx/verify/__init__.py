@@ -20,7 +20,7 @@ the same exact comparison; see its docstring for what makes the two equal.
 ``fn(batch)`` against ``fn`` called on that row alone, with the same seed.
 
 The comparison is :mod:`.compare`'s and the resetting :mod:`.rerun`'s, both
-shared with :func:`~deterministic_ctx.locate.locate_divergence`.
+shared with :func:`~deterministic_ctx.verify.locate.locate_divergence`.
 
 One module per check: :mod:`.reproducible` (with :class:`NotReproducibleError`,
 the base of the other checks' errors), :mod:`.compiled` and :mod:`.batch`, whose

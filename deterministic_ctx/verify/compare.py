@@ -1,7 +1,7 @@
 """Exact comparison of results: the first place where two values differ, bit for bit.
 
 Used by :func:`~deterministic_ctx.verify.assert_reproducible` to compare whole
-results and by :func:`~deterministic_ctx.locate.locate_divergence` for return
+results and by :func:`~deterministic_ctx.verify.locate.locate_divergence` for return
 values and single tensors.  Tensors and arrays are compared by their bit
 patterns (NaNs in the same places are equal, ``-0.0`` and ``0.0`` are not),
 containers recursively, everything else with ``==``.  The first difference in
@@ -9,7 +9,7 @@ depth-first order is described by its path, e.g. ``result["logits"][3]``.
 
 Example:
     >>> import torch
-    >>> from deterministic_ctx.compare import first_difference
+    >>> from deterministic_ctx.verify.compare import first_difference
     >>> found = first_difference({"w": torch.zeros(3)}, {"w": torch.tensor([0.0, 1.0, 0.0])})
     >>> found.path, found.index, found.max_abs_diff
     ('result["w"]', (1,), 1.0)

@@ -1,6 +1,6 @@
 """Fingerprints of tensors: a few integer sums that change when any element changes.
 
-:func:`~deterministic_ctx.locate.locate_divergence` fingerprints every module
+:func:`~deterministic_ctx.verify.locate.locate_divergence` fingerprints every module
 output of a run and compares runs by these fingerprints alone.  They are
 computed where the tensor lives, without copying it to the host: the tensor's
 bytes are read as int64 words laid out in a near-square table, and the
@@ -21,7 +21,7 @@ operation per device rather than one per tensor.
 
 Example:
     >>> import torch
-    >>> from deterministic_ctx.fingerprint import fingerprint
+    >>> from deterministic_ctx.verify.fingerprint import fingerprint
     >>> a = torch.arange(1000.0)  # 500 words: 29 rows of 17, then 7 more
     >>> f = fingerprint(a)
     >>> f.dtype, f.shape
@@ -136,8 +136,8 @@ class FingerprintStore:
     :meth:`add` fingerprints a tensor where it lives (no host sync) and says
     where its bytes will be; :meth:`host` concatenates each device's
     fingerprints and copies them once.  Used per run by
-    :mod:`~deterministic_ctx.record` and per recording by
-    :class:`~deterministic_ctx.ops.OpRecorder`; ``add`` runs once per tensor
+    :mod:`~deterministic_ctx.verify.record` and per recording by
+    :class:`~deterministic_ctx.verify.ops.OpRecorder`; ``add`` runs once per tensor
     recorded, so it does no more than file the parts.
 
     Example:

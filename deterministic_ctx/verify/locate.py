@@ -262,7 +262,7 @@ def locate_divergence(
 
     Example:
         >>> import torch
-        >>> from deterministic_ctx.locate import locate_divergence
+        >>> from deterministic_ctx.verify.locate import locate_divergence
         >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
         >>> report = locate_divergence(model, torch.ones(2, 4))
@@ -339,7 +339,7 @@ def locate_divergence(
 
 
 def _compared(first: Recording, other: Recording, run: int) -> tuple[Finding | None, int]:
-    """:func:`~deterministic_ctx.timeline.compare_runs` of run 1 and run ``run``.
+    """:func:`~deterministic_ctx.verify.timeline.compare_runs` of run 1 and run ``run``.
 
     Runs that recorded exactly the same and returned equal values are found equal
     in one comparison of their records (:meth:`Recording.agreement`), with the count

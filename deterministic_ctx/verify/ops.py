@@ -1,6 +1,6 @@
 """Recording aten op calls: the op, the user's line that ran it, fingerprints of what it made.
 
-:func:`~deterministic_ctx.locate.locate_divergence` with ``ops=True`` re-runs
+:func:`~deterministic_ctx.verify.locate.locate_divergence` with ``ops=True`` re-runs
 the part of a run where two runs first differ under an :class:`OpRecorder`
 and compares the two recordings with :func:`first_op_difference`; traces
 record whole runs with it.  The recorder is a ``TorchDispatchMode``: it sees
@@ -35,7 +35,7 @@ a busy 2-core CPU.
 
 Example:
     >>> import torch
-    >>> from deterministic_ctx.ops import OpRecorder, first_op_difference
+    >>> from deterministic_ctx.verify.ops import OpRecorder, first_op_difference
     >>> def work(scale):
     ...     return torch.ones(3).mul(scale)
     >>> recordings = []
@@ -103,7 +103,7 @@ class TensorPrint:
 
     ``path`` says which: ``"output"``, ``"output[1]"``, ``"self (changed in
     place)"`` or, for an input no recorded op made, ``"input 'index'"``.
-    ``fingerprint`` is the bytes of :func:`~deterministic_ctx.fingerprint.fingerprint`
+    ``fingerprint`` is the bytes of :func:`~deterministic_ctx.verify.fingerprint.fingerprint`
     (for a number, of its ``repr``), or ``None`` when there is none.  ``dtype``
     is torch's name without ``torch.`` (``"float32"``), or the Python type's
     for a number.

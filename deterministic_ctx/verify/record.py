@@ -1,6 +1,6 @@
 """Recording one run: global module hooks that fingerprint every call, in call order.
 
-:func:`~deterministic_ctx.locate.locate_divergence` records each run with
+:func:`~deterministic_ctx.verify.locate.locate_divergence` records each run with
 :func:`record_run`: a fresh ``deterministic`` block with global forward hooks
 that fingerprint, in call order, the outputs of every module call (and, with
 ``backward=True``, the gradients flowing into each call's inputs and
@@ -9,7 +9,7 @@ A run keeps only the fingerprints (a few integer sums per tensor, on the
 tensor's device: no host sync per call) and moves them to the host once, at
 its end; a run asked to ``capture`` one event also keeps a copy of its tensors,
 and a run given an :class:`OpWindow` records the aten op calls in that window
-(an :class:`~deterministic_ctx.ops.OpRecorder` entered and left by the hooks).
+(an :class:`~deterministic_ctx.verify.ops.OpRecorder` entered and left by the hooks).
 :func:`record` returns the run as the hooks left it (a :class:`Recording`): two
 runs that recorded exactly the same are found equal in one comparison, and the
 :class:`Event` objects of a :class:`Run` are only made when a run is looked at
@@ -18,7 +18,7 @@ event by event (:meth:`Recording.run`; :func:`record_run` does both).
 Example:
     >>> import torch
     >>> from deterministic_ctx import deterministic
-    >>> from deterministic_ctx.record import record_run
+    >>> from deterministic_ctx.verify.record import record_run
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
     >>> run = record_run(deterministic(0), model, (torch.ones(1, 2),), {}, [model], backward=False)
     >>> [(e.phase, e.module, e.what) for e in run.events][:3]
@@ -105,7 +105,7 @@ class OpWindow:
     them: the whole call of ``fn``.  ``backward=True`` keeps only the op calls
     that autograd's engine runs, and places those of built-in backward
     formulas at the forward line that made their node (see
-    :class:`~deterministic_ctx.ops.OpRecorder`'s ``node_locations``).
+    :class:`~deterministic_ctx.verify.ops.OpRecorder`'s ``node_locations``).
 
     Example:
         >>> OpWindow(call=3).describe()
@@ -524,7 +524,7 @@ class Run:
 
         Tensors of one shape and dtype with equal bits have equal fingerprints;
         one changed element, or two different elements that trade places, give
-        another (see :func:`~deterministic_ctx.fingerprint.fingerprint_parts`).
+        another (see :func:`~deterministic_ctx.verify.fingerprint.fingerprint_parts`).
         """
         data = self.data
         return tuple([None if s is None else data[s[0]][s[1] : s[2]] for s in event.slots])
@@ -598,7 +598,7 @@ class Recording:
         Exactly: the same module calls in the same order, each started after the same
         number of events; the same events (keys, names, tensor paths, shapes and dtypes)
         in the same order; the same fingerprint bytes in the same places.  Then
-        :func:`~deterministic_ctx.timeline.compare_runs` finds no difference (but perhaps
+        :func:`~deterministic_ctx.verify.timeline.compare_runs` finds no difference (but perhaps
         in the return values, which this does not compare) and counts as agreeing the
         events before the first ``"final"`` one, then the ``"final"`` ones: the count
         returned, found in one comparison of the records and without making an

@@ -1,7 +1,7 @@
 """Running a function again from the same start: checked arguments, saved inputs, one call.
 
 :func:`~deterministic_ctx.verify.assert_reproducible` and
-:func:`~deterministic_ctx.locate.locate_divergence` both call ``fn`` several
+:func:`~deterministic_ctx.verify.locate.locate_divergence` both call ``fn`` several
 times and need every run to start from the same inputs.  Modules and
 optimizers passed to ``fn`` are saved once and put back before every run (and
 after the last), because a training step that updates its model would
@@ -9,7 +9,7 @@ otherwise differ from run to run for the wrong reason.
 
 Example:
     >>> import torch
-    >>> from deterministic_ctx.rerun import SavedState, objects_to_reset
+    >>> from deterministic_ctx.verify.rerun import SavedState, objects_to_reset
     >>> model = torch.nn.Linear(2, 1)
     >>> saved = SavedState(objects_to_reset(model, (), {}, ()))
     >>> before = model.weight.clone()

@@ -639,7 +639,7 @@ def test_an_interrupt_as_the_entry_returns_leaves_the_block(kind, monkeypatch):
     # __exit__ follows (seen in the suite's real-signal test after compiling).
     import asyncio
 
-    from deterministic_ctx import engine
+    from deterministic_ctx.core import engine
     from deterministic_ctx.core.context import _Blocks
 
     real_push = _Blocks._push
@@ -663,6 +663,6 @@ def test_an_interrupt_as_the_entry_returns_leaves_the_block(kind, monkeypatch):
         else:
             asyncio.run(enter_async())
     assert not engine._active
-    assert all(not stack for stack in block._local.blocks.values())
+    assert all(not stack for stack in block._blocks_if_entered().values())
     after = Snapshot.capture().state_dict()["sources"]["torch.cpu"]["state"]
     assert torch.equal(after, before)

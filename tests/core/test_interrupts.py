@@ -235,7 +235,7 @@ def test_an_exception_at_any_line_of_entry_or_exit_leaves_nothing_behind(scenari
 
 
 def _leave_open_blocks() -> None:
-    from deterministic_ctx import engine
+    from deterministic_ctx.core import engine
 
     while engine._active:
         engine._active[-1].stop()
@@ -375,7 +375,7 @@ def test_real_signals_during_a_loop_of_small_blocks():
                     if not _clean(before):
                         problems.append(i)
                         _leave_open_blocks()
-                        det._local.blocks.clear()
+                        det._blocks_if_entered().clear()
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)

@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 import torch
 
-from deterministic_ctx import InvalidSnapshotError, Snapshot, checkpoint
+from deterministic_ctx import InvalidSnapshotError, Snapshot
+from deterministic_ctx.state import checkpoint
 from tests.state.checkpoint_helpers import MAGIC, fresh_state, load_bytes, seal, seal_state
 
 

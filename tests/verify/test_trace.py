@@ -37,16 +37,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from deterministic_ctx import (
-    InvalidSnapshotError,
-    Snapshot,
-    _torch,
-    checkpoint,
-    deterministic,
-    isolated,
-)
-from deterministic_ctx import cli as cli_module
+from deterministic_ctx import InvalidSnapshotError, Snapshot, _torch, deterministic, isolated
+from deterministic_ctx.integrations import cli as cli_module
 from deterministic_ctx.integrations.cli import _split_trace_record, main
+from deterministic_ctx.state import checkpoint
 from deterministic_ctx.trace import (
     TRACE_FILE,
     EnvironmentDifference,

@@ -7,7 +7,7 @@ object.  Under ``rank=`` the block's per-rank seed takes the place of
 ``block_seed`` (user RNGs are data-side, like ``random`` and NumPy), except
 for RNGs registered with ``shared=True``: they keep the block's shared seed,
 like torch's generators, for state that must agree across ranks (parallel RNG
-streams, :mod:`deterministic_ctx.streams`).  The key is the one given to
+streams, :mod:`deterministic_ctx.parallel.streams`).  The key is the one given to
 ``register_rng`` or, by default, the registration ordinal (``"0"``, ``"1"``,
 …).
 

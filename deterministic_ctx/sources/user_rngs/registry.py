@@ -160,7 +160,7 @@ def register_rng(obj: T, *, key: str | None = None, shared: bool = False) -> T:
     ranks).  With ``shared=True`` it is the block's shared seed instead, the
     one torch's generators get, so the RNG draws alike on every rank: for
     state that must agree across ranks, such as the streams of
-    :class:`~deterministic_ctx.streams.RngStreams` (registered this way).
+    :class:`~deterministic_ctx.parallel.streams.RngStreams` (registered this way).
 
     Example:
         >>> import random

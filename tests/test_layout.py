@@ -1,0 +1,171 @@
+"""The package's layout keeps its promises: old import paths, entry points, sizes.
+
+The modules moved into layer packages (docs/explanation/architecture.md); what users
+import, and what other tools find through entry points, must keep working, and the
+tree must stay readable: no giant module, a short package root.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from pathlib import Path
+
+import pytest
+
+import deterministic_ctx
+from tests.helpers import ROOT, run_python
+
+PACKAGE = ROOT / "deterministic_ctx"
+
+#: Old import path -> the module it *is* now.
+ALIASES = {
+    "deterministic_ctx.data": "deterministic_ctx.parallel.data",
+    "deterministic_ctx.distributed": "deterministic_ctx.parallel.ranks",
+    "deterministic_ctx.dcp": "deterministic_ctx.state.dcp",
+    "deterministic_ctx.snapshot": "deterministic_ctx.state.snapshot",
+    "deterministic_ctx.locate": "deterministic_ctx.verify.locate",
+    "deterministic_ctx.ops": "deterministic_ctx.verify.ops",
+    "deterministic_ctx.hypothesis": "deterministic_ctx.integrations.hypothesis",
+    "deterministic_ctx.streams": "deterministic_ctx.parallel.streams",
+}
+#: Public paths that are packages (or modules) of their own.
+PACKAGES = [
+    "deterministic_ctx.trace",
+    "deterministic_ctx.audit",
+    "deterministic_ctx.verify",
+    "deterministic_ctx.reporting",
+    "deterministic_ctx.internal",
+    "deterministic_ctx.sources",
+    "deterministic_ctx.sources.user_rngs",
+]
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(ALIASES.items()))
+def test_an_old_path_is_the_moved_module(old, new):
+    assert importlib.import_module(old) is importlib.import_module(new)
+    parent, _, last = old.rpartition(".")
+    assert getattr(importlib.import_module(parent), last) is importlib.import_module(new)
+
+
+def test_patching_through_an_old_path_patches_the_module(monkeypatch):
+    from deterministic_ctx import data
+    from deterministic_ctx.parallel import data as real
+
+    monkeypatch.setattr(data, "seed_worker", "patched")
+    assert real.seed_worker == "patched"
+
+
+def test_names_users_import_from_old_paths():
+    from deterministic_ctx.data import seed_worker, seeded_generator
+    from deterministic_ctx.dcp import RngState
+    from deterministic_ctx.distributed import rank_seed
+    from deterministic_ctx.locate import locate_divergence
+    from deterministic_ctx.snapshot import Snapshot
+    from deterministic_ctx.streams import RngStreams
+
+    assert seed_worker is deterministic_ctx.seed_worker
+    assert seeded_generator is deterministic_ctx.seeded_generator
+    assert RngState is deterministic_ctx.RngState
+    assert rank_seed is deterministic_ctx.rank_seed
+    assert locate_divergence is deterministic_ctx.locate_divergence
+    assert Snapshot is deterministic_ctx.Snapshot
+    assert RngStreams is deterministic_ctx.RngStreams
+
+
+@pytest.mark.parametrize("name", PACKAGES)
+def test_public_packages_import(name):
+    importlib.import_module(name)
+
+
+@pytest.mark.parametrize("name", deterministic_ctx.__all__)
+def test_every_public_name_resolves(name):
+    assert getattr(deterministic_ctx, name) is not None
+
+
+def _entry_point(group: str, name: str) -> importlib.metadata.EntryPoint:
+    (found,) = [ep for ep in importlib.metadata.entry_points(group=group) if ep.name == name]
+    return found
+
+
+def test_the_entry_points_load():
+    from deterministic_ctx.integrations import pytest_plugin, randomly
+    from deterministic_ctx.integrations.cli import main
+
+    assert _entry_point("pytest11", "deterministic_ctx").load() is pytest_plugin
+    assert _entry_point("pytest_randomly.random_seeder", "deterministic_ctx").load() is (
+        randomly.reseed
+    )
+    assert _entry_point("console_scripts", "deterministic-ctx").load() is main
+
+
+def test_the_rng_entry_point_group_keeps_its_name():
+    from deterministic_ctx.sources.user_rngs import ENTRY_POINT_GROUP
+
+    assert ENTRY_POINT_GROUP == "deterministic_ctx.rngs"
+
+
+def test_the_plugins_old_name_is_the_plugin():
+    import _deterministic_ctx_pytest
+    from deterministic_ctx.integrations import pytest_plugin
+
+    assert _deterministic_ctx_pytest is pytest_plugin
+    assert _deterministic_ctx_pytest.DeterministicLeakWarning is (
+        pytest_plugin.DeterministicLeakWarning
+    )
+
+
+def test_the_ipython_extension_is_the_package():
+    assert callable(deterministic_ctx.load_ipython_extension)
+    assert callable(deterministic_ctx.unload_ipython_extension)
+
+
+def test_python_dash_m_runs_the_cli():
+    proc = run_python(["-m", "deterministic_ctx", "--version"], check=True, timeout=120)
+    assert proc.stdout.strip().endswith(deterministic_ctx.__version__)
+
+
+def test_the_plugins_old_name_imports_no_torch():
+    # pytest imports the plugin in every project of the environment.
+    code = (
+        "import sys, _deterministic_ctx_pytest, deterministic_ctx.base.version\n"
+        "print(sorted({'torch', 'numpy'} & set(sys.modules)))"
+    )
+    assert run_python([], code=code, check=True).stdout.strip() == "[]"
+
+
+# -- the tree stays readable ---------------------------------------------------------------
+
+
+def _modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_no_module_over_900_lines():
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in _modules()
+        if (n := len(p.read_text().splitlines())) > 900
+    }
+    assert long == {}
+
+
+def test_at_most_ten_plain_modules_at_the_package_root():
+    plain = sorted(p.name for p in PACKAGE.glob("*.py") if not p.name.startswith("__"))
+    assert len(plain) <= 10, plain
+
+
+def test_every_folder_of_the_package_is_a_package():
+    for folder in PACKAGE.rglob("*"):
+        if folder.is_dir() and folder.name != "__pycache__":
+            assert (folder / "__init__.py").exists(), folder
+
+
+def test_tests_mirror_the_package():
+    tests = ROOT / "tests"
+    for layer in ("core", "sources", "state", "parallel", "verify", "reporting", "integrations"):
+        assert (PACKAGE / layer).is_dir(), layer
+        assert list((tests / layer).glob("test_*.py")), f"no tests/{layer}/test_*.py"
+    assert not list(tests.glob("test_*.py")) or all(
+        p.name == Path(__file__).name for p in tests.glob("test_*.py")
+    ), "tests at the top of tests/ belong in the folder of what they test"
