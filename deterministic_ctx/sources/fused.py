@@ -41,6 +41,7 @@ import random
 from operator import is_
 from typing import Any, TypeVar
 
+from .._torch.internals import lazy_seed_queue
 from ..base.settings import Settings
 from ._base import Source
 from .accelerators import LazyAcceleratorSource, LazyState
@@ -162,9 +163,9 @@ class FusedPlan:
             # Unchanged since the last capture (the usual case: nothing in a
             # CPU build touches it but ``torch.manual_seed`` and friends), the
             # state built then is equal to a new one, and immutable: reused.
-            t = m._lazy_seed_tracker
+            t, now_queued = lazy_seed_queue(m)
             last, order, queued = recent[k]
-            now_queued, now_order = m._queued_calls, t.call_order
+            now_order = t.call_order
             # The same objects in the same order (identity: the state built
             # from them must be the one a new capture would build), compared
             # in C and inline: three devices, every block.  (torch.cuda queues
@@ -235,11 +236,11 @@ class FusedPlan:
             m, source = devices[k]
             state = states[3 + k]
             if m is not None and type(state) is LazyState:
-                t = m._lazy_seed_tracker
+                t, now_queued = lazy_seed_queue(m)
                 if (
                     t.manual_seed_all_cb is state.seed_all
                     and t.manual_seed_cb is state.seed_one
-                    and len(m._queued_calls) == len(state.queued)
+                    and len(now_queued) == len(state.queued)
                     and tuple(t.call_order) == state.call_order
                 ):
                     continue  # nothing queued since: the reference restore writes nothing
