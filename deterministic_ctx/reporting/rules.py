@@ -194,22 +194,19 @@ def _inductor(f: Facts) -> Problem | None:
     )
 
 
-_FALLBACK_RANDOM = "torch._inductor.config.fallback_random"
-_ALIGN_RANDOM_EAGER = "torch._inductor.config.align_random_eager"
-_NUMPY_RANDOM_STREAM = "torch._dynamo.config.use_numpy_random_stream"
-
-
 def _compiled_rng(f: Facts) -> Problem | None:
+    from ..internal import INDUCTOR_CONFIG
+
     # Absent when torch._inductor is not imported: nothing was compiled by inductor then.
     # A note, not a warning: compiled numbers are reproducible run to run; they are only
     # not eager's (as TF32 results are reproducible, only not another GPU's).
-    if f.torch_compile.get(_FALLBACK_RANDOM) is not False:
+    if f.torch_compile.get(f"{INDUCTOR_CONFIG}.fallback_random") is not False:
         return None
     # align_random_eager changes only torch.rand-based ops, and only on CUDA (inductor's
     # replace_random pass): the note stays, and says why.
     aligned = (
         " (align_random_eager, on here, aligns only some random ops with eager, and only on CUDA)"
-        if f.torch_compile.get(_ALIGN_RANDOM_EAGER) is True
+        if f.torch_compile.get(f"{INDUCTOR_CONFIG}.align_random_eager") is True
         else ""
     )
     return Problem(
@@ -227,9 +224,11 @@ def _compiled_rng(f: Facts) -> Problem | None:
 
 
 def _compiled_numpy_rng(f: Facts) -> Problem | None:
+    from ..internal import DYNAMO_CONFIG
+
     # Absent when torch._dynamo is not imported.  Dynamo traces np.random calls into
     # torch._numpy.random, which draws from torch's generator unless told otherwise.
-    if f.torch_compile.get(_NUMPY_RANDOM_STREAM) is not False:
+    if f.torch_compile.get(f"{DYNAMO_CONFIG}.use_numpy_random_stream") is not False:
         return None
     return Problem(
         "note",

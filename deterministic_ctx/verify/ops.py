@@ -66,8 +66,14 @@ from types import CodeType, FrameType, TracebackType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
+from ..internal import (
+    DYNAMO,
+    TorchDispatchMode,
+    current_autograd_node,
+    current_dispatch_mode,
+    dynamo_disable,
+)
 from .compare import tensor_leaves
 from .fingerprint import FingerprintStore, Slot
 
@@ -417,9 +423,7 @@ def _hand_over(mode: QuietDispatchMode, func: Any, args: tuple[Any, ...], kwargs
 @functools.cache
 def _hand_over_unseen_by_dynamo() -> Any:
     """:func:`_hand_over`, which Dynamo never traces (imported only once Dynamo is)."""
-    import torch._dynamo
-
-    return torch._dynamo.disable(_hand_over, recursive=True)  # type: ignore[no-untyped-call]
+    return dynamo_disable(_hand_over, recursive=True)
 
 
 class QuietDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -457,7 +461,7 @@ class QuietDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if "torch._dynamo" in sys.modules:
+        if DYNAMO in sys.modules:
             return _hand_over_unseen_by_dynamo()(self, func, args, kwargs)
         return _hand_over(self, func, args, kwargs)
 
@@ -616,11 +620,11 @@ class OpRecorder:
         if (
             self._mode_on
             and threading.get_ident() == self._owner
-            and torch._C._current_autograd_node() is None
-            and _get_current_dispatch_mode() is self._mode
+            and current_autograd_node() is None
+            and current_dispatch_mode() is self._mode
         ):
             self._mode_on = False
-            self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            self._mode.__exit__(None, None, None)
 
     @contextlib.contextmanager
     def pause(self) -> Iterator[None]:
@@ -647,7 +651,7 @@ class OpRecorder:
     def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._state != "recording" or self._paused.depth:
             return func(*args, **kwargs)
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         if (self.phase == "backward" and node is None) or (
             self.phase == "forward" and node is not None
         ):
