@@ -8,8 +8,9 @@ calls the names below.  Each says what it reads, the torch versions that
 have it (the supported range, torch 2.1 and later, unless said), and what
 happens without it.
 
-The readers that a block runs every time (:data:`lazy_seed_queue`) are C
-callables (``operator.attrgetter``): no Python frame of their own.  Nothing
+What a block reads every time is read once here and kept by the caller
+(:data:`lazy_seed_queue`, a C ``operator.attrgetter``), or is a C function
+of :mod:`deterministic_ctx._torch.flags`: no Python frame per block.  Nothing
 here imports a torch module that torch itself does not import, but where a
 name says so (:func:`inductor_config`, :func:`dynamo_disable`,
 :func:`device_context`).
@@ -64,10 +65,8 @@ __all__ = [
     "is_compiled_check",
     "is_config_unset",
     "lazy_seed_queue",
-    "lazy_seed_tracker",
     "mark_opaque_to_dynamo",
     "node_sequence_nr",
-    "queued_calls",
     "write_config_override",
 ]
 
@@ -161,20 +160,14 @@ def write_config_override(config: Any, entry: Any, var: bool, key: str, target: 
 
 # -- lazily seeded devices (sources/accelerators.py, sources/fused.py) --------------------
 
-lazy_seed_tracker: Callable[[Any], Any] = attrgetter("_lazy_seed_tracker")
-"""``module._lazy_seed_tracker`` of ``torch.cuda``, ``torch.xpu`` (torch >= 2.4) or
-``torch.mtia`` (torch >= 2.7): the seeds queued until the device initializes.  Only
-called on a module that :func:`deterministic_ctx._torch.lazy_device` accepted."""
-
-queued_calls: Callable[[Any], list[Any]] = attrgetter("_queued_calls")
-"""``module._queued_calls``: the calls a lazily initialized device module runs at its
-initialization (the versions of :data:`lazy_seed_tracker`)."""
-
 lazy_seed_queue: Callable[[Any], tuple[Any, list[Any]]] = attrgetter(
     "_lazy_seed_tracker", "_queued_calls"
 )
-"""``(module._lazy_seed_tracker, module._queued_calls)`` in one C call (the fast path of
-every block; the versions of :data:`lazy_seed_tracker`)."""
+"""``(module._lazy_seed_tracker, module._queued_calls)`` of ``torch.cuda``, ``torch.xpu``
+(torch >= 2.4) or ``torch.mtia`` (torch >= 2.7), in one C call: the seeds queued until the
+device initializes, and the calls it runs then.  torch makes both once, when it imports
+the module, and only mutates them after: a source reads them once.  Only called on a
+module that :func:`deterministic_ctx._torch.lazy_device` accepted."""
 
 
 def is_compiled_check(module: object) -> Callable[[], bool] | None:

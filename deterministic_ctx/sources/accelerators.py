@@ -70,8 +70,6 @@ from .._torch.internals import (
     bad_fork_check,
     is_compiled_check,
     lazy_seed_queue,
-    lazy_seed_tracker,
-    queued_calls,
 )
 from ..base.errors import GraphCaptureError
 from ..base.settings import Settings
@@ -158,6 +156,9 @@ class LazyAcceleratorSource:
         compiled = is_compiled_check(module)
         self._can_initialize = bool(compiled()) if compiled is not None else True
         self._bad_fork_check = bad_fork_check(module)
+        # torch's seed tracker and queue of calls for initialization: objects made
+        # once, when torch imports the device module, and only mutated since.
+        self._tracker, self._queued = lazy_seed_queue(module)
 
     @property
     def module(self) -> ModuleType | Any:
@@ -211,7 +212,7 @@ class LazyAcceleratorSource:
             # One C-level loop, and no NamedTuple ``__new__`` frame: this runs
             # in every block once CUDA is in use.
             return tuple.__new__(LiveState, (tuple(map(_get_state, m.default_generators)),))
-        t, queued = lazy_seed_queue(m)
+        t, queued = self._tracker, self._queued
         # LazyState(...) without the Python call of a NamedTuple's __new__ (0.1 µs).
         return tuple.__new__(
             LazyState,
@@ -233,7 +234,7 @@ class LazyAcceleratorSource:
         def seed_all() -> None:  # runs at initialization, when the generators exist
             _seed(m.default_generators, seed)
 
-        lazy_seed_tracker(m).queue_seed_all(seed_all, _NOTE)
+        self._tracker.queue_seed_all(seed_all, _NOTE)
 
     def restore(self, state: LiveState | LazyState | SavedState) -> None:
         if isinstance(state, SavedState):
@@ -259,7 +260,7 @@ class LazyAcceleratorSource:
         m = self._m
         if not m.is_initialized():
             self._restore_tracker(state)
-            if len(queued_calls(m)) != len(state.queued):
+            if len(self._queued) != len(state.queued):
                 self._drop_queued_rng_calls(state.queued)
             return
         # Initialized since ``state`` was captured (inside the block): refuse
@@ -270,7 +271,7 @@ class LazyAcceleratorSource:
             self._initialize_without_block(state)
 
     def _restore_tracker(self, state: LazyState) -> None:
-        t = lazy_seed_tracker(self._m)
+        t = self._tracker
         if t.manual_seed_all_cb is not state.seed_all:
             t.manual_seed_all_cb = state.seed_all
         if t.manual_seed_cb is not state.seed_one:
@@ -281,7 +282,7 @@ class LazyAcceleratorSource:
     def _drop_queued_rng_calls(self, queued: tuple[Any, ...]) -> None:
         """Drop the RNG calls queued since ``queued`` was captured; keep everything else."""
         kept = set(map(id, queued))
-        calls = queued_calls(self._m)
+        calls = self._queued
         calls[:] = [c for c in calls if id(c) in kept or not _is_rng_call(c)]
 
     def _initialize_without_block(self, state: LazyState) -> None:
@@ -368,10 +369,10 @@ class LazyAcceleratorSource:
         def set_rng_states() -> None:
             _set_states(m.default_generators, states)
 
-        tracker = lazy_seed_tracker(m)
+        tracker = self._tracker
         tracker.manual_seed_all_cb = tracker.manual_seed_cb = None
         tracker.call_order = []
-        queued_calls(m).append((set_rng_states, _RESTORE_NOTE))
+        self._queued.append((set_rng_states, _RESTORE_NOTE))
 
 
 def _capture_message(name: str, device_type: str, what: str) -> str:

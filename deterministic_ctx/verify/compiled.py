@@ -10,6 +10,7 @@ import torch
 
 from ..core.context import deterministic
 from ..internal import (
+    DYNAMO_CONFIG,
     INDUCTOR_CONFIG,
     CompiledRng,
     compiled_in_place,
@@ -171,7 +172,7 @@ def _mismatch_hint(backend: str | Callable[..., Any], eager_rng: bool) -> str:
         )
     if not eager_rng:
         return (
-            "Inductor draws its own random numbers (torch._inductor.config.fallback_random "
+            f"Inductor draws its own random numbers ({INDUCTOR_CONFIG}.fallback_random "
             "is off): pass compiled_rng='eager' to make compiled random ops use eager's "
             "kernels.  If fn draws no random numbers: " + arithmetic
         )
@@ -187,7 +188,7 @@ def _mismatch_hint(backend: str | Callable[..., Any], eager_rng: bool) -> str:
         "Random ops ran eager's kernels (fallback_random), so the likely causes are: "
         + reorder
         + "np.random calls in fn (compiled, they draw from torch's generator unless "
-        "torch._dynamo.config.use_numpy_random_stream is on); a model or optimizer fn reaches "
+        f"{DYNAMO_CONFIG}.use_numpy_random_stream is on); a model or optimizer fn reaches "
         "through a closure and that was not reset between the runs (pass it in reset=); "
         "or arithmetic: " + arithmetic
     )
