@@ -46,7 +46,7 @@ __all__ = [
     "INDUCTOR",
     "INDUCTOR_CONFIG",
     "TORCH_MACHINERY",
-    "TorchDispatchMode",
+    "UnwrappedDispatchMode",
     "bad_fork_check",
     "compiled_in_place",
     "compiled_original",
@@ -208,6 +208,22 @@ def device_context(device: torch.device) -> Any:
 current_dispatch_mode: Callable[[], Any] = _get_current_dispatch_mode
 """``torch.utils._python_dispatch._get_current_dispatch_mode``: the calling thread's top
 torch-dispatch mode, ``None`` for none (every supported torch)."""
+
+
+class UnwrappedDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """A ``TorchDispatchMode`` whose subclasses' ``__torch_dispatch__`` torch leaves as it is.
+
+    torch wraps a dispatch mode's ``__torch_dispatch__`` in ``torch._disable_dynamo``
+    where the class's ``_should_skip_dynamo()`` is true (the default of torch 2.13), and
+    that wrapper imports ``torch._dynamo`` at its first call: about 2 s, and a change of
+    process state.  Here the hook answers ``False``; a torch without the hook never wraps.
+    A subclass then keeps dynamo out of its own Python code itself, once dynamo is imported
+    (:func:`dynamo_disable`).
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
 
 
 def node_sequence_nr(node: Any) -> int | None:

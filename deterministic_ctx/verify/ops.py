@@ -69,7 +69,7 @@ import torch
 
 from ..internal import (
     DYNAMO,
-    TorchDispatchMode,
+    UnwrappedDispatchMode,
     current_autograd_node,
     current_dispatch_mode,
     dynamo_disable,
@@ -426,9 +426,18 @@ def _hand_over_unseen_by_dynamo() -> Any:
     return dynamo_disable(_hand_over, recursive=True)
 
 
-class QuietDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class QuietDispatchMode(UnwrappedDispatchMode):  # type: ignore[no-untyped-call]
     """A dispatch mode that never imports ``torch._dynamo`` itself: subclasses
     implement ``_dispatch(func, args, kwargs)``, called for every op call.
+
+    torch would wrap ``__torch_dispatch__`` in a dynamo guard that imports
+    ``torch._dynamo`` at its first call (about 2 s in the first recording of a
+    process, and a change of process state that traces report); its base,
+    :class:`~deterministic_ctx.internal.UnwrappedDispatchMode`, turns that off.
+    What the guard protects against is dynamo tracing into this Python code
+    while it compiles a function run under the mode; dynamo can do that only
+    once it is imported, so ``__torch_dispatch__`` goes through
+    ``torch._dynamo.disable`` exactly then, and never imports it itself.
 
     Example:
         >>> import torch
@@ -442,17 +451,6 @@ class QuietDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         >>> mode.calls > 0
         True
     """
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # When this is True (the default), TorchDispatchMode.__init_subclass__ wraps
-        # __torch_dispatch__ in torch._disable_dynamo, which imports torch._dynamo at its
-        # first call: about 2 s in the first recording of a process, and a change of
-        # process state that traces report.  What the wrapper protects against is
-        # Dynamo tracing into this Python code while it compiles a function run under
-        # the mode; Dynamo can do that only once it is imported, so __torch_dispatch__
-        # goes through torch._dynamo.disable exactly then, and never imports it itself.
-        return False
 
     def __torch_dispatch__(
         self,
