@@ -55,6 +55,7 @@ __all__ = [
     "config_unset",
     "current_dispatch_mode",
     "device_context",
+    "device_context_slot",
     "dynamo_disable",
     "dynamo_disable_message",
     "foreach_copy_",
@@ -67,6 +68,7 @@ __all__ = [
     "lazy_seed_queue",
     "mark_opaque_to_dynamo",
     "node_sequence_nr",
+    "set_device_context_slot",
     "write_config_override",
 ]
 
@@ -192,6 +194,20 @@ def function_mode_stack() -> list[Any]:
     ``torch.overrides._get_current_function_mode_stack()`` (every supported torch)."""
     stack: list[Any] = torch.overrides._get_current_function_mode_stack()  # type: ignore[no-untyped-call]
     return stack
+
+
+def device_context_slot(holder: Any = torch) -> Any:
+    """``holder._GLOBAL_DEVICE_CONTEXT``, where torch keeps the context of
+    ``torch.set_default_device`` (``holder`` is the torch module; tests pass a stand-in):
+    a ``threading.local`` whose ``device_context`` is the context in newer torch (2.13 is
+    one), the context itself or ``None`` in older ones; ``None`` where missing."""
+    return getattr(holder, "_GLOBAL_DEVICE_CONTEXT", None)
+
+
+def set_device_context_slot(holder: Any, context: Any) -> None:
+    """Write ``holder._GLOBAL_DEVICE_CONTEXT`` (the older torch's process-wide layout of
+    :func:`device_context_slot`)."""
+    holder._GLOBAL_DEVICE_CONTEXT = context
 
 
 def device_context(device: torch.device) -> Any:
