@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..internal import DYNAMO, current_autograd_node, node_sequence_nr
 from ..verify.ops import QuietDispatchMode
 from .findings import AuditFinding
 from .model import OpCall, OpEntry
@@ -25,7 +26,7 @@ __all__ = ["Auditor", "Functions", "watched_functions"]
 
 
 #: The current autograd node while autograd's backward runs (torch >= 2.1 has it).
-_current_node: Callable[[], Any] = getattr(torch._C, "_current_autograd_node", lambda: None)
+_current_node: Callable[[], Any] = current_autograd_node
 
 #: A node's ``_sequence_nr()`` when it has none (``AccumulateGrad``): UINT64_MAX.
 _NO_SEQUENCE_NR = 2**64 - 1
@@ -40,10 +41,9 @@ def _node_key(node: Any) -> tuple[str, int] | None:
     number is set when the node is made and is unique among the nodes its thread made;
     with the class name it names the node across Python objects.
     """
-    sequence_nr = getattr(node, "_sequence_nr", None)
-    if sequence_nr is None:
+    number = node_sequence_nr(node)
+    if number is None:
         return None
-    number = int(sequence_nr())
     return None if number == _NO_SEQUENCE_NR else (type(node).__name__, number)
 
 
@@ -307,7 +307,7 @@ def _caller(frame: FrameType | None) -> FrameType | None:
             frame.f_globals.get("__name__") in _DISPATCH_MODULES
             and frame.f_code.co_name in _DISPATCH_FRAMES
         )
-        or str(frame.f_globals.get("__name__", "")).startswith("torch._dynamo")
+        or str(frame.f_globals.get("__name__", "")).startswith(DYNAMO)
     ):
         frame = frame.f_back
     return frame

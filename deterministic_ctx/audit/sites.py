@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..internal import TORCH_MACHINERY
 from ..verify.ops import is_library_file
 
 __all__ = ["Frames", "Modules", "Site", "called_outside_torch"]
@@ -87,7 +88,7 @@ class Frames:
 
 
 #: Modules of the machinery between an op's caller and ``__torch_dispatch__``.
-_MACHINERY = ("torch._dynamo", "torch._compile", "torch._ops", "torch.utils._python_dispatch")
+_MACHINERY = TORCH_MACHINERY
 
 
 def called_outside_torch(frame: FrameType | None) -> bool:

@@ -84,6 +84,14 @@ def flags(torch: Any, snapshot: Any) -> dict[str, Any]:
     return flags
 
 
+def _in_bad_fork(cuda: Any) -> bool:
+    """Whether this is a child forked after CUDA initialized (it cannot use CUDA)."""
+    from ..internal import bad_fork_check
+
+    check = bad_fork_check(cuda)
+    return bool(check()) if check is not None else False
+
+
 def cuda_facts(torch: Any) -> dict[str, Any]:
     cuda = torch.cuda
     facts: dict[str, Any] = {
@@ -91,7 +99,7 @@ def cuda_facts(torch: Any) -> dict[str, Any]:
         "compiled_version": torch.version.cuda or getattr(torch.version, "hip", None),
         "cudnn_built": bool(torch.backends.cudnn.is_available()),
         "initialized": bool(cuda.is_initialized()),
-        "bad_fork": bool(getattr(cuda, "_is_in_bad_fork", lambda: False)()),
+        "bad_fork": _in_bad_fork(cuda),
     }
     if not facts["initialized"]:
         return facts  # querying devices would initialize CUDA: never here

@@ -120,10 +120,12 @@ def _rng_section(rngs: tuple[RngStatus, ...]) -> list[str]:
 
 
 def _compile_section(settings: Mapping[str, Any]) -> list[str]:
+    from ..internal import INDUCTOR, INDUCTOR_CONFIG
+
     lines = _section("torch.compile", settings)
-    if not any(name.startswith("torch._inductor.") for name in settings):
+    if not any(name.startswith(INDUCTOR_CONFIG) for name in settings):
         # The report never imports inductor to ask (that costs about a second).
-        lines.append("  not used in this process: torch._inductor is not imported")
+        lines.append(f"  not used in this process: {INDUCTOR} is not imported")
     return lines
 
 

@@ -186,55 +186,56 @@ def _inductor(f: Facts) -> Problem | None:
     # ``None`` when torch._inductor is not imported: the report never imports it to ask.
     if f.flags.get("inductor_deterministic") is not False:
         return None
+    from ..internal import INDUCTOR_CONFIG
+
     return Problem(
         "note",
         "inductor",
-        "torch._inductor.config.deterministic is off: torch.compile may autotune and pick "
+        f"{INDUCTOR_CONFIG}.deterministic is off: torch.compile may autotune and pick "
         "different kernels in each run",
     )
 
 
-_FALLBACK_RANDOM = "torch._inductor.config.fallback_random"
-_ALIGN_RANDOM_EAGER = "torch._inductor.config.align_random_eager"
-_NUMPY_RANDOM_STREAM = "torch._dynamo.config.use_numpy_random_stream"
-
-
 def _compiled_rng(f: Facts) -> Problem | None:
+    from ..internal import DYNAMO, INDUCTOR_CONFIG
+
     # Absent when torch._inductor is not imported: nothing was compiled by inductor then.
     # A note, not a warning: compiled numbers are reproducible run to run; they are only
     # not eager's (as TF32 results are reproducible, only not another GPU's).
-    if f.torch_compile.get(_FALLBACK_RANDOM) is not False:
+    if f.torch_compile.get(f"{INDUCTOR_CONFIG}.fallback_random") is not False:
         return None
     # align_random_eager changes only torch.rand-based ops, and only on CUDA (inductor's
     # replace_random pass): the note stays, and says why.
     aligned = (
         " (align_random_eager, on here, aligns only some random ops with eager, and only on CUDA)"
-        if f.torch_compile.get(_ALIGN_RANDOM_EAGER) is True
+        if f.torch_compile.get(f"{INDUCTOR_CONFIG}.align_random_eager") is True
         else ""
     )
     return Problem(
         "note",
         "compiled-rng",
-        "torch._inductor.config.fallback_random is off: code compiled by torch.compile's "
+        f"{INDUCTOR_CONFIG}.fallback_random is off: code compiled by torch.compile's "
         "inductor backend draws its random numbers (dropout, torch.rand, ...) with inductor's "
         "own generator, reproducible run to run but not equal to eager's under the same seed"
         + aligned
         + '; for eager\'s numbers use deterministic(seed, compiled_rng="eager") or '
-        "torch._inductor.config.fallback_random = True, in effect when the compiled code first "
-        "runs (code compiled before keeps its numbers until torch._dynamo.reset()); random ops "
+        f"{INDUCTOR_CONFIG}.fallback_random = True, in effect when the compiled code first "
+        f"runs (code compiled before keeps its numbers until {DYNAMO}.reset()); random ops "
         "then run eager's kernels, unfused: slower",
     )
 
 
 def _compiled_numpy_rng(f: Facts) -> Problem | None:
+    from ..internal import DYNAMO_CONFIG
+
     # Absent when torch._dynamo is not imported.  Dynamo traces np.random calls into
     # torch._numpy.random, which draws from torch's generator unless told otherwise.
-    if f.torch_compile.get(_NUMPY_RANDOM_STREAM) is not False:
+    if f.torch_compile.get(f"{DYNAMO_CONFIG}.use_numpy_random_stream") is not False:
         return None
     return Problem(
         "note",
         "compiled-numpy-rng",
-        "torch._dynamo.config.use_numpy_random_stream is off: np.random calls inside code "
+        f"{DYNAMO_CONFIG}.use_numpy_random_stream is off: np.random calls inside code "
         "compiled with torch.compile draw from torch's generator, not NumPy's (other numbers "
         "than eager, and NumPy's state does not advance); set it to True to keep NumPy's "
         "stream (each such call is then a graph break)",

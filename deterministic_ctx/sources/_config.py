@@ -30,6 +30,14 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+from .._torch.internals import (
+    config_entries,
+    config_layout,
+    config_unset,
+    is_config_unset,
+    write_config_override,
+)
+
 __all__ = ["AT_DEFAULT", "ConfigEntry", "is_unset", "unchanged_config"]
 
 
@@ -54,11 +62,9 @@ class _AtDefault:
 AT_DEFAULT = _AtDefault()
 
 
-def is_unset(override: object) -> bool:
-    """Whether ``override`` is torch's own "nobody set it" sentinel (what a
-    capture that reads the override directly holds for an entry at its default)."""
-    unset = getattr(sys.modules.get("torch.utils._config_module"), "_UNSET_SENTINEL", None)
-    return unset is not None and override is unset
+is_unset: Callable[[object], bool] = is_config_unset
+"""Whether an override is torch's own "nobody set it" sentinel (what a capture
+that reads the override directly holds for an entry at its default)."""
 
 
 class _Found(NamedTuple):
@@ -78,21 +84,6 @@ def _get(found: _Found) -> object:
     """The entry's user override (torch's sentinel where nobody set it)."""
     override = found.entry.user_override
     return override.get() if found.var else override
-
-
-def _put(found: _Found, key: str, target: object) -> None:
-    """Write the override as torch's patcher does, and mark the module's caches dirty."""
-    if found.var:
-        found.entry.user_override.set(target)
-        # The caches of the compile-cache key and of get_dict (torch's own patcher does this).
-        found.config._hash_dirty_var.set(True)
-        found.config._mark_get_dict_dirty(key)
-    else:
-        found.entry.user_override = target
-        # The compile-cache key is hashed again.  Written into the module's dict, as
-        # the module's own __setattr__ does for this bypass key, without running that
-        # Python method: a restore at the recursion limit must not need more frames.
-        vars(found.config)["_is_dirty"] = True
 
 
 class ConfigEntry:
@@ -179,43 +170,25 @@ class ConfigEntry:
 
     def _write(self, found: _Found, target: object) -> None:
         if _get(found) is not target:
-            _put(found, self.key, target)
+            write_config_override(found.config, found.entry, found.var, self.key, target)
 
     def default(self, found: _Found | None = None) -> Any:
         """The entry's default, where its module is imported (else ``None``)."""
         found = found or self.located()
         if found is None:
             return None
-        entries = getattr(found.config, "_config", {})
-        entry = entries.get(self.key) if isinstance(entries, dict) else None
+        entries = config_entries(found.config)
+        entry = entries.get(self.key) if entries is not None else None
         if entry is not None and hasattr(entry, "default"):
             return entry.default
         return None if self._unknown_default is None else self._unknown_default()
 
 
-def _layout(config: Any, entry: Any) -> bool | None:
-    """``True``: the override is a ``ContextVar`` (torch >= 2.12); ``False``: a plain
-    attribute (torch <= 2.11); ``None``: neither layout is recognised."""
-    if entry is None or not hasattr(entry, "user_override"):
-        return None
-    override = entry.user_override
-    if (
-        callable(getattr(override, "get", None))
-        and callable(getattr(override, "set", None))
-        and callable(getattr(config, "_mark_get_dict_dirty", None))
-        and hasattr(config, "_hash_dirty_var")
-    ):
-        return True
-    if hasattr(config, "_is_dirty") and not hasattr(config, "_hash_dirty_var"):
-        return False
-    return None
-
-
 def _inspect(config: Any, key: str) -> _Found:
-    entries = getattr(config, "_config", None)
-    entry = entries.get(key) if isinstance(entries, dict) else None
-    unset = getattr(sys.modules.get("torch.utils._config_module"), "_UNSET_SENTINEL", None)
-    var = _layout(config, entry)
+    entries = config_entries(config)
+    entry = entries.get(key) if entries is not None else None
+    unset = config_unset()
+    var = config_layout(config, entry)
     if unset is None or var is None:
         return _Found(config, None, None, False, False)
     plain = (
@@ -239,12 +212,12 @@ def unchanged_config(module: str) -> Iterator[None]:
     its layout is not the known one: a later import is left alone).
     """
     config = sys.modules.get(module)
-    entries = getattr(config, "_config", None)
-    unset = getattr(sys.modules.get("torch.utils._config_module"), "_UNSET_SENTINEL", None)
+    entries = config_entries(config)
+    unset = config_unset()
     found: dict[str, _Found] = {}
-    if isinstance(entries, dict):
+    if entries is not None:
         for key, entry in entries.items():
-            var = _layout(config, entry)
+            var = config_layout(config, entry)
             if var is None:
                 found = {}
                 break
@@ -258,4 +231,4 @@ def unchanged_config(module: str) -> Iterator[None]:
     finally:
         for key, f, override in saved:
             if _get(f) is not override:
-                _put(f, key, override)
+                write_config_override(f.config, f.entry, f.var, key, override)

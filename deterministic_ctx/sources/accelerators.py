@@ -65,6 +65,12 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import _torch
+from .._torch.flags import HAS_MPS
+from .._torch.internals import (
+    bad_fork_check,
+    is_compiled_check,
+    lazy_seed_queue,
+)
 from ..base.errors import GraphCaptureError
 from ..base.settings import Settings
 from . import _plain
@@ -147,8 +153,12 @@ class LazyAcceleratorSource:
         # queued for it would never be used: entering a block skips it.  Its
         # tracker is still captured and restored, because ``torch.manual_seed``
         # inside the block queues there anyway.
-        compiled = getattr(module, "_is_compiled", None)
+        compiled = is_compiled_check(module)
         self._can_initialize = bool(compiled()) if compiled is not None else True
+        self._bad_fork_check = bad_fork_check(module)
+        # torch's seed tracker and queue of calls for initialization: objects made
+        # once, when torch imports the device module, and only mutated since.
+        self._tracker, self._queued = lazy_seed_queue(module)
 
     @property
     def module(self) -> ModuleType | Any:
@@ -173,7 +183,7 @@ class LazyAcceleratorSource:
         return generator.get_state()
 
     def _bad_fork(self) -> bool:
-        check = getattr(self._m, "_is_in_bad_fork", None)
+        check = self._bad_fork_check
         return bool(check()) if check is not None else False
 
     def capturing(self) -> bool:
@@ -202,11 +212,11 @@ class LazyAcceleratorSource:
             # One C-level loop, and no NamedTuple ``__new__`` frame: this runs
             # in every block once CUDA is in use.
             return tuple.__new__(LiveState, (tuple(map(_get_state, m.default_generators)),))
-        t = m._lazy_seed_tracker
+        t, queued = self._tracker, self._queued
         # LazyState(...) without the Python call of a NamedTuple's __new__ (0.1 µs).
         return tuple.__new__(
             LazyState,
-            (t.manual_seed_all_cb, t.manual_seed_cb, tuple(t.call_order), tuple(m._queued_calls)),
+            (t.manual_seed_all_cb, t.manual_seed_cb, tuple(t.call_order), tuple(queued)),
         )
 
     def apply(self, settings: Settings) -> None:
@@ -224,7 +234,7 @@ class LazyAcceleratorSource:
         def seed_all() -> None:  # runs at initialization, when the generators exist
             _seed(m.default_generators, seed)
 
-        m._lazy_seed_tracker.queue_seed_all(seed_all, _NOTE)
+        self._tracker.queue_seed_all(seed_all, _NOTE)
 
     def restore(self, state: LiveState | LazyState | SavedState) -> None:
         if isinstance(state, SavedState):
@@ -250,7 +260,7 @@ class LazyAcceleratorSource:
         m = self._m
         if not m.is_initialized():
             self._restore_tracker(state)
-            if len(m._queued_calls) != len(state.queued):
+            if len(self._queued) != len(state.queued):
                 self._drop_queued_rng_calls(state.queued)
             return
         # Initialized since ``state`` was captured (inside the block): refuse
@@ -261,7 +271,7 @@ class LazyAcceleratorSource:
             self._initialize_without_block(state)
 
     def _restore_tracker(self, state: LazyState) -> None:
-        t = self._m._lazy_seed_tracker
+        t = self._tracker
         if t.manual_seed_all_cb is not state.seed_all:
             t.manual_seed_all_cb = state.seed_all
         if t.manual_seed_cb is not state.seed_one:
@@ -272,7 +282,7 @@ class LazyAcceleratorSource:
     def _drop_queued_rng_calls(self, queued: tuple[Any, ...]) -> None:
         """Drop the RNG calls queued since ``queued`` was captured; keep everything else."""
         kept = set(map(id, queued))
-        calls = self._m._queued_calls
+        calls = self._queued
         calls[:] = [c for c in calls if id(c) in kept or not _is_rng_call(c)]
 
     def _initialize_without_block(self, state: LazyState) -> None:
@@ -359,10 +369,10 @@ class LazyAcceleratorSource:
         def set_rng_states() -> None:
             _set_states(m.default_generators, states)
 
-        tracker = m._lazy_seed_tracker
+        tracker = self._tracker
         tracker.manual_seed_all_cb = tracker.manual_seed_cb = None
         tracker.call_order = []
-        m._queued_calls.append((set_rng_states, _RESTORE_NOTE))
+        self._queued.append((set_rng_states, _RESTORE_NOTE))
 
 
 def _capture_message(name: str, device_type: str, what: str) -> str:
@@ -469,7 +479,7 @@ def accelerator_sources() -> Sequence[LazyAcceleratorSource | MPSSource]:
         module = _torch.lazy_device(device_type)
         if module is not None:
             found.append(LazyAcceleratorSource(module, device_type))
-    if getattr(torch._C, "_has_mps", False) and torch.backends.mps.is_available():
+    if HAS_MPS and torch.backends.mps.is_available():
         found.append(MPSSource())
     return found
 

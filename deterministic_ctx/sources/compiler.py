@@ -56,9 +56,14 @@ from collections.abc import Callable
 from operator import is_
 from typing import Any, NamedTuple, TypeVar
 
-import torch
-
 from .. import _torch
+from .._torch.flags import set_eval_frame
+from .._torch.internals import (
+    DYNAMO_CONFIG,
+    FUNCTORCH_CONFIG,
+    INDUCTOR_CONFIG,
+    mark_opaque_to_dynamo,
+)
 from ..base.settings import Settings
 from . import _plain
 from ._config import AT_DEFAULT, ConfigEntry, is_unset
@@ -73,9 +78,9 @@ __all__ = [
     "resume_compiler",
 ]
 
-_INDUCTOR = "torch._inductor.config"
-_FUNCTORCH = "torch._functorch.config"
-_DYNAMO = "torch._dynamo.config"
+_INDUCTOR = INDUCTOR_CONFIG
+_FUNCTORCH = FUNCTORCH_CONFIG
+_DYNAMO = DYNAMO_CONFIG
 
 #: The entries captured and restored, in the state's order.
 ENTRIES: tuple[ConfigEntry, ...] = (
@@ -228,8 +233,7 @@ def compiled_settings() -> dict[str, Any]:
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 # dynamo's C frame hook, in every supported torch.
-_eval_frame: Any = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
-_set_eval_frame: Any = getattr(_eval_frame, "set_eval_frame", None)
+_set_eval_frame: Any = set_eval_frame
 _set_strategy: Any
 _Strategy: Any
 _Action: Any
@@ -295,18 +299,6 @@ def refuse_while_tracing() -> None:
         )
 
 
-#: Attributes through which dynamo or TorchScript reach another function than
-#: the one called.
-_REDIRECTS = (
-    "_torchdynamo_inline",
-    "_torchdynamo_orig_callable",
-    "_torchdynamo_wrapper_id",
-    "_torchdynamo_disable_recursive",
-    "__script_if_tracing_wrapper",
-    "__original_fn",
-)
-
-
 def opaque(func: _F, reason: str, *, recursive: bool) -> _F:
     """Make ``func`` opaque to dynamo, in place, and return it.
 
@@ -319,13 +311,7 @@ def opaque(func: _F, reason: str, *, recursive: bool) -> _F:
     calls are compiled as usual until :func:`pause_compiler`.  Where torch
     lacks these APIs (torch < 2.6) only the attributes are set.
     """
-    # functools.wraps copied the wrapped function's attributes: ones that send
-    # dynamo (or TorchScript) to the original would skip the wrapper, and its
-    # block, altogether (a compiled or script_if_tracing function decorated).
-    for name in _REDIRECTS:
-        func.__dict__.pop(name, None)
-    func._torchdynamo_disable = True  # type: ignore[attr-defined]
-    func._torchdynamo_disable_msg = reason  # type: ignore[attr-defined]
+    mark_opaque_to_dynamo(func, reason)
     code = getattr(func, "__code__", None)
     if isinstance(code, types.CodeType) and _set_strategy is not None:
         recursion = _Action.SKIP if recursive else _Action.DEFAULT

@@ -76,13 +76,26 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from .. import _torch
+from .._torch.flags import (
+    get_cublas_allow_tf32,
+    get_cudnn_allow_tf32,
+    get_cudnn_benchmark,
+    get_cudnn_deterministic,
+    get_deterministic_algorithms,
+    get_deterministic_algorithms_warn_only,
+    get_float32_matmul_precision,
+    set_cudnn_allow_tf32,
+    set_cudnn_benchmark,
+    set_cudnn_deterministic,
+    set_deterministic_algorithms,
+    set_float32_matmul_precision,
+)
+from .._torch.internals import INDUCTOR_CONFIG
 from ..base.settings import Settings
 from . import _plain
 from ._config import AT_DEFAULT, ConfigEntry
 
 __all__ = ["PRECISION_OPS", "UNSUPPORTED_FLAGS", "FlagState", "TorchFlagsSource"]
-
-_C: Any = torch._C
 
 _get_precision: Any
 _set_precision: Any
@@ -263,11 +276,11 @@ def _quick(eff: tuple[str, ...], find_default: bool) -> _Hidden | None:
     legacy: str | None
     cudnn: bool | None
     try:
-        legacy = _C._get_float32_matmul_precision()
+        legacy = get_float32_matmul_precision()
     except RuntimeError:
         legacy = _refused_matmul_precision(eff)
     try:
-        cudnn = _C._get_cudnn_allow_tf32()
+        cudnn = get_cudnn_allow_tf32()
     except RuntimeError:
         if not _EXACT:
             cudnn = None
@@ -356,11 +369,11 @@ def _legacy(eff: tuple[str, ...], own: tuple[str, ...]) -> tuple[str | None, boo
     legacy: str | None
     cudnn: bool | None
     try:
-        legacy = _C._get_float32_matmul_precision()
+        legacy = get_float32_matmul_precision()
     except RuntimeError:
         legacy = _refused_matmul_precision(eff)
     try:
-        cudnn = _C._get_cudnn_allow_tf32()
+        cudnn = get_cudnn_allow_tf32()
     except RuntimeError:
         cudnn = _refused_cudnn_allow_tf32(eff, own)
     return legacy, cudnn
@@ -387,7 +400,7 @@ def _refused_matmul_precision(eff: tuple[str, ...]) -> str | None:
         # The cuBLAS getter tells "highest" apart: it raises exactly when the
         # field's TF32 and cuda.matmul's disagree.
         try:
-            _C._get_cublas_allow_tf32()
+            get_cublas_allow_tf32()
             cublas_refused = False
         except RuntimeError:
             cublas_refused = True
@@ -410,7 +423,7 @@ def _refused_cudnn_allow_tf32(eff: tuple[str, ...], own: tuple[str, ...]) -> boo
     assert _set_precision is not None
     _set_precision("cuda", _PRECISION_OPNAMES[i], value)
     try:
-        _C._get_cudnn_allow_tf32()
+        get_cudnn_allow_tf32()
         agrees = True
     except RuntimeError:
         agrees = False
@@ -425,7 +438,7 @@ def _onednn_allow_tf32() -> bool | None:
 
 # -- inductor ------------------------------------------------------------------
 
-_INDUCTOR = "torch._inductor.config"
+_INDUCTOR = INDUCTOR_CONFIG
 #: ``torch._inductor.config.deterministic`` (inductor's random-number entries
 #: are the ``torch.compile`` source's: :mod:`.compiler`).
 _ENTRY = ConfigEntry(
@@ -489,15 +502,15 @@ class FlagState(NamedTuple):
 def _set_deterministic_algorithms(on: bool) -> None:
     # torch writes the mode and warn_only together: keep warn_only as it is
     # (left out, it is written False, and the call costs 0.1 µs less).
-    if _C._get_deterministic_algorithms_warn_only():
-        _C._set_deterministic_algorithms(on, warn_only=True)
+    if get_deterministic_algorithms_warn_only():
+        set_deterministic_algorithms(on, warn_only=True)
     else:
-        _C._set_deterministic_algorithms(on)
+        set_deterministic_algorithms(on)
 
 
 def _set_deterministic_warn_only(warn_only: bool) -> None:
     # Likewise, keep the mode as it is.
-    _C._set_deterministic_algorithms(_C._get_deterministic_algorithms(), warn_only=warn_only)
+    set_deterministic_algorithms(get_deterministic_algorithms(), warn_only=warn_only)
 
 
 class _Flag(NamedTuple):
@@ -533,17 +546,17 @@ def _optional_flag(field: str, capability: _torch.Capability, inside: bool) -> _
 
 #: The boolean flags, in :class:`FlagState`'s order (its first fields).
 _FLAGS = (
-    _Flag("cudnn_deterministic", _C._get_cudnn_deterministic, _C._set_cudnn_deterministic, True),
-    _Flag("cudnn_benchmark", _C._get_cudnn_benchmark, _C._set_cudnn_benchmark, False),
+    _Flag("cudnn_deterministic", get_cudnn_deterministic, set_cudnn_deterministic, True),
+    _Flag("cudnn_benchmark", get_cudnn_benchmark, set_cudnn_benchmark, False),
     _Flag(
         "deterministic_algorithms",
-        _C._get_deterministic_algorithms,
+        get_deterministic_algorithms,
         _set_deterministic_algorithms,
         True,
     ),
     _Flag(
         "deterministic_warn_only",
-        _C._get_deterministic_algorithms_warn_only,
+        get_deterministic_algorithms_warn_only,
         _set_deterministic_warn_only,
         None,
     ),
@@ -602,7 +615,7 @@ def _write_changed_flags(values: tuple[Any, ...], now: tuple[Any, ...]) -> None:
         if now[i] != values[i]:
             put(values[i])
     if now[_MODE] != values[_MODE] or now[_WARN_ONLY] != values[_WARN_ONLY]:
-        _C._set_deterministic_algorithms(values[_MODE], warn_only=values[_WARN_ONLY])
+        set_deterministic_algorithms(values[_MODE], warn_only=values[_WARN_ONLY])
 
 
 # -- the source ----------------------------------------------------------------
@@ -626,8 +639,8 @@ class TorchFlagsSource:
         eff = tuple(map(_get_any, _PRECISION_BACKENDS, _PRECISION_OPNAMES)) if _EXACT else ()
         if _EXACT and not seen & 1 and eff[_GENERIC] == eff[_CUDA] == eff[_MKLDNN] == "none":
             try:
-                legacy: str | None = _C._get_float32_matmul_precision()
-                cudnn: bool | None = _C._get_cudnn_allow_tf32()
+                legacy: str | None = get_float32_matmul_precision()
+                cudnn: bool | None = get_cudnn_allow_tf32()
             except RuntimeError:
                 eff, own, legacy, cudnn = _read()
             else:
@@ -670,7 +683,7 @@ class TorchFlagsSource:
         # are written together, by one call.
         for put, i in _SINGLE:
             put(state[i])
-        _C._set_deterministic_algorithms(state[_MODE], warn_only=state[_WARN_ONLY])
+        set_deterministic_algorithms(state[_MODE], warn_only=state[_WARN_ONLY])
         # The common case of _restore_precision inline: no parent set in the
         # target, so the entries read back as their own values; if they and
         # the legacy fields are as captured, there is nothing to write.
@@ -687,8 +700,8 @@ class TorchFlagsSource:
             try:
                 unchanged = state.float32_matmul_precision in (
                     None,
-                    _C._get_float32_matmul_precision(),
-                ) and state.cudnn_allow_tf32 in (None, _C._get_cudnn_allow_tf32())
+                    get_float32_matmul_precision(),
+                ) and state.cudnn_allow_tf32 in (None, get_cudnn_allow_tf32())
             except RuntimeError:
                 unchanged = False
             if unchanged and _writes == seen:
@@ -780,7 +793,7 @@ def _saved_override(override: object) -> bool:
     """Inductor's override as saved: only a bool can be."""
     if type(override) is not bool:
         raise ValueError(
-            f"torch._inductor.config.deterministic holds {override!r}, not True or "
+            f"{_INDUCTOR}.deterministic holds {override!r}, not True or "
             f"False, so these flags cannot be saved"
         )
     return override
@@ -877,11 +890,11 @@ def _write_legacy(
     oneDNN flag; the entries' own values after."""
     written: dict[int, str] = {}  # by position in PRECISION_OPS, what the setters wrote
     if state.float32_matmul_precision not in (None, legacy):
-        _C._set_float32_matmul_precision(state.float32_matmul_precision)
+        set_float32_matmul_precision(state.float32_matmul_precision)
         matmul = _MATMUL_ENTRIES[state.float32_matmul_precision]
         written[_CUDA_MATMUL], written[_MKLDNN_MATMUL] = matmul
     if state.cudnn_allow_tf32 not in (None, cudnn):
-        _C._set_cudnn_allow_tf32(state.cudnn_allow_tf32)
+        set_cudnn_allow_tf32(state.cudnn_allow_tf32)
         written[_CONV] = written[_RNN] = "tf32" if state.cudnn_allow_tf32 else "none"
     if _ONEDNN and state.onednn_allow_tf32 not in (None, _onednn_allow_tf32()):
         _set_onednn(state.onednn_allow_tf32)

@@ -41,6 +41,7 @@ import random
 from operator import is_
 from typing import Any, TypeVar
 
+from .._torch.internals import lazy_seed_queue
 from ..base.settings import Settings
 from ._base import Source
 from .accelerators import LazyAcceleratorSource, LazyState
@@ -109,12 +110,12 @@ class FusedPlan:
         # one bit generator with another's views.
         self._np: tuple[Any, ...] = (None, None, None, None, None)
         self._generator = cpu.generator
-        # The device sources, in order, each with its torch module where this
-        # build can never initialize the device (a CPU build's cuda, xpu,
-        # mtia): that state is only torch's queue, read here inline.  Every
-        # other device source (``None``) runs its own methods.
+        # The device sources, in order, each with its torch module's seed tracker
+        # and queued calls where this build can never initialize the device (a
+        # CPU build's cuda, xpu, mtia): that state is only torch's queue, read
+        # here inline.  Every other device source (``None``) runs its own methods.
         self._devices: tuple[tuple[Any, Source], ...] = tuple(
-            (s.module, s)
+            (lazy_seed_queue(s.module), s)
             if isinstance(s, LazyAcceleratorSource) and not s.can_initialize
             else (None, s)
             for s in middle
@@ -154,17 +155,17 @@ class FusedPlan:
             states.append(self._numpy.capture())
         states.append(self._generator.get_state())
         recent = self._recent
-        for k, (m, source) in enumerate(self._devices):
-            if m is None:
+        for k, (lazy, source) in enumerate(self._devices):
+            if lazy is None:
                 states.append(source.capture())
                 continue
             # The device's queue, as LazyAcceleratorSource.capture reads it.
             # Unchanged since the last capture (the usual case: nothing in a
             # CPU build touches it but ``torch.manual_seed`` and friends), the
             # state built then is equal to a new one, and immutable: reused.
-            t = m._lazy_seed_tracker
+            t, now_queued = lazy
             last, order, queued = recent[k]
-            now_queued, now_order = m._queued_calls, t.call_order
+            now_order = t.call_order
             # The same objects in the same order (identity: the state built
             # from them must be the one a new capture would build), compared
             # in C and inline: three devices, every block.  (torch.cuda queues
@@ -210,8 +211,8 @@ class FusedPlan:
         else:
             self._numpy.apply(settings)
         seed_generator(self._generator, settings.seed)
-        for m, source in self._devices:
-            if m is None:  # devices that cannot initialize get no seed (see their apply)
+        for lazy, source in self._devices:
+            if lazy is None:  # devices that cannot initialize get no seed (see their apply)
                 source.apply(settings)
         self._flags.apply_after_capture(states[-5], settings)
         if settings.compiled_rng is not None:
@@ -232,14 +233,14 @@ class FusedPlan:
         self._flags.restore(states[-5])
         devices = self._devices
         for k in range(len(devices) - 1, -1, -1):
-            m, source = devices[k]
+            lazy, source = devices[k]
             state = states[3 + k]
-            if m is not None and type(state) is LazyState:
-                t = m._lazy_seed_tracker
+            if lazy is not None and type(state) is LazyState:
+                t, now_queued = lazy
                 if (
                     t.manual_seed_all_cb is state.seed_all
                     and t.manual_seed_cb is state.seed_one
-                    and len(m._queued_calls) == len(state.queued)
+                    and len(now_queued) == len(state.queued)
                     and tuple(t.call_order) == state.call_order
                 ):
                     continue  # nothing queued since: the reference restore writes nothing

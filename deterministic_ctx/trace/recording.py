@@ -8,7 +8,6 @@ import dataclasses
 import datetime
 import functools
 import hashlib
-import importlib
 import os
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 
 from ..core.context import deterministic
+from ..internal import import_dynamo
 from ..verify.compare import short_repr, tensor_leaves
 from ..verify.fingerprint import fingerprint
 from ..verify.ops import OpCall
@@ -126,7 +126,7 @@ def record_in(
         # The first op recording of a process imports dynamo, which loads inductor's
         # config: imported before the block, the block sets inductor's determinism flag
         # in the first trace of a process as in the next ones (an environment fact).
-        importlib.import_module("torch._dynamo")
+        import_dynamo()
     try:
         run = record_run(block, observed, args, kwargs, roots, backward=backward, ops=window)
     finally:

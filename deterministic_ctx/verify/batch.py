@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..core.context import deterministic
+from ..internal import BATCH_NORM_BASE, DROPOUT_BASE
 from .compare import Difference, first_difference, tensor_leaves
 from .reproducible import NotReproducibleError, fn_name
 from .rerun import SavedState, call_and_consume, check_fn, objects_to_reset
@@ -58,20 +59,17 @@ class BatchInvarianceError(NotReproducibleError):
 
 def _modules_hint(objects: list[Any]) -> str:
     """Submodules in training mode that make rows depend on each other or on the batch's shape."""
-    from torch.nn.modules.batchnorm import _BatchNorm
-    from torch.nn.modules.dropout import _DropoutNd
-
     notes = []
     for obj in objects:
         if not isinstance(obj, torch.nn.Module):
             continue
         for name, module in obj.named_modules():
             where = type(module).__qualname__ + (f" (submodule {name!r})" if name else "")
-            if module.training and isinstance(module, _BatchNorm):
+            if module.training and isinstance(module, BATCH_NORM_BASE):
                 notes.append(
                     f"{where} is in training mode: it normalizes with the batch's statistics"
                 )
-            elif module.training and isinstance(module, _DropoutNd) and module.p > 0:
+            elif module.training and isinstance(module, DROPOUT_BASE) and module.p > 0:
                 notes.append(f"{where} is in training mode: it draws a mask for the batch's shape")
     if not notes:
         return ""

@@ -9,7 +9,17 @@ from typing import Any
 import torch
 
 from ..core.context import deterministic
-from ..internal import CompiledRng, unchanged_config
+from ..internal import (
+    DYNAMO_CONFIG,
+    INDUCTOR_CONFIG,
+    CompiledRng,
+    compiled_in_place,
+    compiled_original,
+    dynamo_disable_message,
+    inductor_config,
+    inductor_mode_options,
+    unchanged_config,
+)
 from .compare import first_difference, short_repr
 from .reproducible import NotReproducibleError, fn_name
 from .rerun import SavedState, call_and_consume, check_fn, objects_to_reset
@@ -51,22 +61,20 @@ class CompiledMismatchError(NotReproducibleError):
 
 def _check_not_compiled(fn: object) -> None:
     """``fn`` is the eager function: a compiled one would make the eager run compiled too."""
-    if isinstance(fn, torch.nn.Module) and getattr(fn, "_compiled_call_impl", None) is not None:
+    if isinstance(fn, torch.nn.Module) and compiled_in_place(fn):
         raise TypeError(
             f"fn must be an eager module, got {type(fn).__qualname__} compiled in place with "
             "Module.compile(); pass a module that is not compiled: the check compiles it itself"
         )
-    if str(getattr(fn, "_torchdynamo_disable_msg", "")).startswith("deterministic-ctx"):
+    if dynamo_disable_message(fn).startswith("deterministic-ctx"):
         raise TypeError(
             f"fn must not be decorated with @reproducible / @isolated / @deterministic: "
             f"{fn_name(fn)} runs eagerly in its own block even when compiled (blocks are opaque "
             "to torch.compile), so eager would be compared with eager; pass the undecorated "
             "function (the check runs each side in a block itself)"
         )
-    original = getattr(fn, "_torchdynamo_orig_callable", None)
-    # torch.compiler.disable() sets the same attribute on functions it keeps eager.
-    if original is not None and not getattr(fn, "_torchdynamo_disable", False):
-        original = getattr(fn, "_orig_mod", original)  # an OptimizedModule's module
+    original = compiled_original(fn)
+    if original is not None:
         raise TypeError(
             f"fn must be the eager function or module, got {fn_name(fn)} compiled with "
             f"torch.compile; pass the original ({fn_name(original)}) and the compile settings "
@@ -124,15 +132,13 @@ def _inductor_options(
     ``fn`` compiles nothing, and checks add at most two entries per frame
     towards dynamo's recompile limit.
     """
-    import torch._inductor.config as inductor_config
-
     merged: dict[str, Any] = {}
     if mode is not None and mode != "default":
         try:
-            merged.update(torch._inductor.list_mode_options(mode, dynamic))
+            merged.update(inductor_mode_options(mode, dynamic))
         except RuntimeError as exc:  # torch's message lists the modes
             raise ValueError(f"mode is not one of inductor's modes: {exc}") from None
-    known = inductor_config.get_config_copy()
+    known = inductor_config().get_config_copy()
     for key, value in (options or {}).items():
         name = key.replace("-", "_")
         if name in _COMPILE_OPTIONS:
@@ -166,7 +172,7 @@ def _mismatch_hint(backend: str | Callable[..., Any], eager_rng: bool) -> str:
         )
     if not eager_rng:
         return (
-            "Inductor draws its own random numbers (torch._inductor.config.fallback_random "
+            f"Inductor draws its own random numbers ({INDUCTOR_CONFIG}.fallback_random "
             "is off): pass compiled_rng='eager' to make compiled random ops use eager's "
             "kernels.  If fn draws no random numbers: " + arithmetic
         )
@@ -182,7 +188,7 @@ def _mismatch_hint(backend: str | Callable[..., Any], eager_rng: bool) -> str:
         "Random ops ran eager's kernels (fallback_random), so the likely causes are: "
         + reorder
         + "np.random calls in fn (compiled, they draw from torch's generator unless "
-        "torch._dynamo.config.use_numpy_random_stream is on); a model or optimizer fn reaches "
+        f"{DYNAMO_CONFIG}.use_numpy_random_stream is on); a model or optimizer fn reaches "
         "through a closure and that was not reset between the runs (pass it in reset=); "
         "or arithmetic: " + arithmetic
     )
@@ -256,9 +262,7 @@ def assert_compiled_matches_eager(
     _check_not_compiled(fn)
     _check_compile_args(backend, mode, options, fullgraph, dynamic)
     if backend == "inductor":
-        import torch._inductor.config as inductor_config
-
-        eager_rng = block.compiled_rng == "eager" or bool(inductor_config.fallback_random)
+        eager_rng = block.compiled_rng == "eager" or bool(inductor_config().fallback_random)
         options = _inductor_options(mode, options, dynamic, eager_rng)
         mode = None  # its options are in ``options``: torch takes one of the two
     else:
@@ -269,7 +273,7 @@ def assert_compiled_matches_eager(
     # torch's config patches (torch.compile's own, for the options) put values
     # back but leave them marked as set by the user, which changes inductor's
     # compile-cache keys: every entry's override is put back afterwards.
-    with unchanged_config("torch._inductor.config"):
+    with unchanged_config(INDUCTOR_CONFIG):
         compiled: Callable[..., Any] = torch.compile(
             fn,
             backend=backend,

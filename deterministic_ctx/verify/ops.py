@@ -66,8 +66,14 @@ from types import CodeType, FrameType, TracebackType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
+from ..internal import (
+    DYNAMO,
+    UnwrappedDispatchMode,
+    current_autograd_node,
+    current_dispatch_mode,
+    dynamo_disable,
+)
 from .compare import tensor_leaves
 from .fingerprint import FingerprintStore, Slot
 
@@ -417,14 +423,21 @@ def _hand_over(mode: QuietDispatchMode, func: Any, args: tuple[Any, ...], kwargs
 @functools.cache
 def _hand_over_unseen_by_dynamo() -> Any:
     """:func:`_hand_over`, which Dynamo never traces (imported only once Dynamo is)."""
-    import torch._dynamo
-
-    return torch._dynamo.disable(_hand_over, recursive=True)  # type: ignore[no-untyped-call]
+    return dynamo_disable(_hand_over, recursive=True)
 
 
-class QuietDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class QuietDispatchMode(UnwrappedDispatchMode):  # type: ignore[no-untyped-call]
     """A dispatch mode that never imports ``torch._dynamo`` itself: subclasses
     implement ``_dispatch(func, args, kwargs)``, called for every op call.
+
+    torch would wrap ``__torch_dispatch__`` in a dynamo guard that imports
+    ``torch._dynamo`` at its first call (about 2 s in the first recording of a
+    process, and a change of process state that traces report); its base,
+    :class:`~deterministic_ctx.internal.UnwrappedDispatchMode`, turns that off.
+    What the guard protects against is dynamo tracing into this Python code
+    while it compiles a function run under the mode; dynamo can do that only
+    once it is imported, so ``__torch_dispatch__`` goes through
+    ``torch._dynamo.disable`` exactly then, and never imports it itself.
 
     Example:
         >>> import torch
@@ -439,17 +452,6 @@ class QuietDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         True
     """
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # When this is True (the default), TorchDispatchMode.__init_subclass__ wraps
-        # __torch_dispatch__ in torch._disable_dynamo, which imports torch._dynamo at its
-        # first call: about 2 s in the first recording of a process, and a change of
-        # process state that traces report.  What the wrapper protects against is
-        # Dynamo tracing into this Python code while it compiles a function run under
-        # the mode; Dynamo can do that only once it is imported, so __torch_dispatch__
-        # goes through torch._dynamo.disable exactly then, and never imports it itself.
-        return False
-
     def __torch_dispatch__(
         self,
         func: Any,
@@ -457,7 +459,7 @@ class QuietDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if "torch._dynamo" in sys.modules:
+        if DYNAMO in sys.modules:
             return _hand_over_unseen_by_dynamo()(self, func, args, kwargs)
         return _hand_over(self, func, args, kwargs)
 
@@ -616,11 +618,11 @@ class OpRecorder:
         if (
             self._mode_on
             and threading.get_ident() == self._owner
-            and torch._C._current_autograd_node() is None
-            and _get_current_dispatch_mode() is self._mode
+            and current_autograd_node() is None
+            and current_dispatch_mode() is self._mode
         ):
             self._mode_on = False
-            self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            self._mode.__exit__(None, None, None)
 
     @contextlib.contextmanager
     def pause(self) -> Iterator[None]:
@@ -647,7 +649,7 @@ class OpRecorder:
     def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._state != "recording" or self._paused.depth:
             return func(*args, **kwargs)
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         if (self.phase == "backward" and node is None) or (
             self.phase == "forward" and node is not None
         ):

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..internal import foreach_copy_
 from .compare import short_repr
 
 __all__ = ["SavedState", "call_and_consume", "check_fn", "check_runs", "objects_to_reset"]
@@ -184,7 +185,7 @@ class _ModuleState:
             m.training = training
 
 
-_foreach_copy: Any = getattr(torch, "_foreach_copy_", None)
+_foreach_copy: Any = foreach_copy_
 
 
 def _copy_all(into: list[torch.Tensor], out_of: list[torch.Tensor]) -> None:

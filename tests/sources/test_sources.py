@@ -334,7 +334,7 @@ def test_flags_capture_survives_a_raising_matmul_precision_getter(monkeypatch):
     def raising():
         raise RuntimeError("mix of the legacy and new APIs")
 
-    monkeypatch.setattr(flags_module._C, "_get_float32_matmul_precision", raising)
+    monkeypatch.setattr(flags_module, "get_float32_matmul_precision", raising)
     source = TorchFlagsSource()
     state = source.capture()
     assert state.float32_matmul_precision is None
