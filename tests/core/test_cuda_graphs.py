@@ -25,9 +25,9 @@ import torch
 
 import deterministic_ctx.sources as _sources
 from deterministic_ctx import RestoreError, Snapshot, deterministic, reproducible
-from deterministic_ctx import engine as _engine
 from deterministic_ctx.base.lock import LOCK
 from deterministic_ctx.base.settings import Settings
+from deterministic_ctx.core import engine as _engine
 from deterministic_ctx.sources import fused as _fused
 from deterministic_ctx.sources.accelerators import (
     GraphCaptureError,

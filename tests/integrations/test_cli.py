@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import deterministic_ctx
-from deterministic_ctx import cli as cli_module
+from deterministic_ctx.integrations import cli as cli_module
 from deterministic_ctx.integrations.cli import _split_run, main
 from deterministic_ctx.internal import MAX_SEED
 from deterministic_ctx.reporting import report

@@ -20,10 +20,11 @@ from collections.abc import Iterator
 import pytest
 
 import deterministic_ctx
-from deterministic_ctx import InvalidSnapshotError, Snapshot, checkpoint, deterministic
+from deterministic_ctx import InvalidSnapshotError, Snapshot, deterministic
 from deterministic_ctx.base.settings import Settings
 from deterministic_ctx.sources import environ as environ_mod
 from deterministic_ctx.sources.environ import EnvironSource
+from deterministic_ctx.state import checkpoint
 from tests._oracle import ENV_NAMES
 
 #: Every name blocks must manage: the suite guard's own list, written out there

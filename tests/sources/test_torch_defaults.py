@@ -27,7 +27,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deterministic_ctx import InvalidSnapshotError, Snapshot, _torch, checkpoint, deterministic
+from deterministic_ctx import InvalidSnapshotError, Snapshot, _torch, deterministic
+from deterministic_ctx.state import checkpoint
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

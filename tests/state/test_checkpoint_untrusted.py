@@ -29,7 +29,8 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from deterministic_ctx import InvalidSnapshotError, Snapshot, checkpoint
+from deterministic_ctx import InvalidSnapshotError, Snapshot
+from deterministic_ctx.state import checkpoint
 from tests.state.checkpoint_helpers import (
     MAGIC,
     fresh_state,

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from deterministic_ctx import Snapshot, checkpoint
+from deterministic_ctx import Snapshot
+from deterministic_ctx.state import checkpoint
 from tests.helpers import run_python
 from tests.state.checkpoint_helpers import isolated
 

@@ -41,12 +41,12 @@ from deterministic_ctx import (
     InvalidSnapshotError,
     Snapshot,
     _torch,
-    checkpoint,
     deterministic,
     isolated,
 )
-from deterministic_ctx import cli as cli_module
+from deterministic_ctx.integrations import cli as cli_module
 from deterministic_ctx.integrations.cli import _split_trace_record, main
+from deterministic_ctx.state import checkpoint
 from deterministic_ctx.trace import (
     TRACE_FILE,
     EnvironmentDifference,
@@ -667,7 +667,7 @@ def _set(state: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, 
         (("version",), "1", "version: expected an int in 1 .. 1, got str '1'"),
         (
             ("format",),
-            "deterministic_ctx.state.snapshot",
+            "deterministic_ctx.snapshot",
             "format: expected 'deterministic_ctx.trace'",
         ),
         (("seed",), -1, "seed: expected an int in 0 .. "),
