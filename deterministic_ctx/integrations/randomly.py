@@ -15,7 +15,7 @@ suite that never uses torch never loads it.
 
 Example:
     >>> from deterministic_ctx import Snapshot
-    >>> from deterministic_ctx.randomly import reseed
+    >>> from deterministic_ctx.integrations.randomly import reseed
     >>> import torch
     >>> before = Snapshot.capture()
     >>> reseed(1234)

@@ -120,7 +120,7 @@ def sync_rng_state(src: int = 0, group: dist.ProcessGroup | None = None) -> None
 
     Example:
         >>> import random
-        >>> from deterministic_ctx.sync import sync_rng_state
+        >>> from deterministic_ctx.state.sync import sync_rng_state
         >>> before = random.getstate()
         >>> sync_rng_state()  # no process group here: one rank, nothing to send
         >>> random.getstate() == before
@@ -380,7 +380,7 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
 
     Example:
         >>> import torch.distributed as dist
-        >>> from deterministic_ctx.sync import collective_device
+        >>> from deterministic_ctx.state.sync import collective_device
         >>> store = dist.HashStore()
         >>> dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         >>> collective_device()

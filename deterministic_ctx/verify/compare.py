@@ -9,7 +9,7 @@ depth-first order is described by its path, e.g. ``result["logits"][3]``.
 
 Example:
     >>> import torch
-    >>> from deterministic_ctx.compare import first_difference
+    >>> from deterministic_ctx.verify.compare import first_difference
     >>> found = first_difference({"w": torch.zeros(3)}, {"w": torch.tensor([0.0, 1.0, 0.0])})
     >>> found.path, found.index, found.max_abs_diff
     ('result["w"]', (1,), 1.0)

@@ -21,7 +21,7 @@ operation per device rather than one per tensor.
 
 Example:
     >>> import torch
-    >>> from deterministic_ctx.fingerprint import fingerprint
+    >>> from deterministic_ctx.verify.fingerprint import fingerprint
     >>> a = torch.arange(1000.0)  # 500 words: 29 rows of 17, then 7 more
     >>> f = fingerprint(a)
     >>> f.dtype, f.shape

@@ -18,7 +18,7 @@ event by event (:meth:`Recording.run`; :func:`record_run` does both).
 Example:
     >>> import torch
     >>> from deterministic_ctx import deterministic
-    >>> from deterministic_ctx.record import record_run
+    >>> from deterministic_ctx.verify.record import record_run
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
     >>> run = record_run(deterministic(0), model, (torch.ones(1, 2),), {}, [model], backward=False)
     >>> [(e.phase, e.module, e.what) for e in run.events][:3]

@@ -9,7 +9,7 @@ otherwise differ from run to run for the wrong reason.
 
 Example:
     >>> import torch
-    >>> from deterministic_ctx.rerun import SavedState, objects_to_reset
+    >>> from deterministic_ctx.verify.rerun import SavedState, objects_to_reset
     >>> model = torch.nn.Linear(2, 1)
     >>> saved = SavedState(objects_to_reset(model, (), {}, ()))
     >>> before = model.weight.clone()

@@ -9,8 +9,8 @@ returns the first place where the other run differs, as a :class:`Finding`.
 Example:
     >>> import torch
     >>> from deterministic_ctx import deterministic
-    >>> from deterministic_ctx.record import record_run
-    >>> from deterministic_ctx.timeline import compare_runs
+    >>> from deterministic_ctx.verify.record import record_run
+    >>> from deterministic_ctx.verify.timeline import compare_runs
     >>> model = torch.nn.Linear(2, 2)
     >>> def step():
     ...     return model(torch.randn(1, 2))

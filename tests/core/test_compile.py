@@ -639,7 +639,7 @@ def test_an_interrupt_as_the_entry_returns_leaves_the_block(kind, monkeypatch):
     # __exit__ follows (seen in the suite's real-signal test after compiling).
     import asyncio
 
-    from deterministic_ctx import engine
+    from deterministic_ctx.core import engine
     from deterministic_ctx.core.context import _Blocks
 
     real_push = _Blocks._push

@@ -235,7 +235,7 @@ def test_an_exception_at_any_line_of_entry_or_exit_leaves_nothing_behind(scenari
 
 
 def _leave_open_blocks() -> None:
-    from deterministic_ctx import engine
+    from deterministic_ctx.core import engine
 
     while engine._active:
         engine._active[-1].stop()

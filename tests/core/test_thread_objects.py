@@ -32,7 +32,7 @@ BASE = 5
 #: Run first in the child to make the process lock count its levels in
 #: Python, as it does on CPython 3.10 (no ``RLock._recursion_count``).
 PY310_LOCK = """
-from deterministic_ctx import _lock
+from deterministic_ctx.base import lock as _lock
 _lock._new_rlock = _lock._CountingRLock
 _lock.LOCK._rlock = _lock._CountingRLock()
 _lock.LOCK.count = _lock._counter(_lock.LOCK._rlock)
@@ -56,8 +56,8 @@ def _seed_caller() -> None:
 
 def _caller_untouched() -> None:
     """The caller's world is the one ``_seed_caller`` made, and no block is open."""
-    from deterministic_ctx import engine
     from deterministic_ctx.base.lock import LOCK
+    from deterministic_ctx.core import engine
 
     assert draw() == solo(BASE, 1)[0], "the caller's streams moved"
     assert not engine._active and LOCK.depth == 0 and LOCK.owner is None
@@ -448,7 +448,8 @@ def scenario_random_schedules() -> None:
     from hypothesis import strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-    from deterministic_ctx import AbandonedBlockWarning, _lock, deterministic, isolated
+    from deterministic_ctx import AbandonedBlockWarning, deterministic, isolated
+    from deterministic_ctx.base import lock as _lock
 
     warnings.simplefilter("ignore", AbandonedBlockWarning)
     # Waiters notice a dead owner sooner: the schedules kill many threads.
@@ -559,7 +560,7 @@ def scenario_random_schedules() -> None:
 
         @invariant()
         def lock_matches_the_model(self) -> None:
-            from deterministic_ctx import engine
+            from deterministic_ctx.core import engine
 
             if self.owner is not None:
                 assert len(engine._active) == len(self.owner.open)
