@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from deterministic_ctx import _torch
+from tests.helpers import default_device
 
 #: Every environment variable a block must put back (docs/explanation/captures.md), written
 #: out here rather than read from the library, so the guard stays independent.
@@ -178,7 +179,7 @@ def _defaults() -> tuple[Any, ...]:
     )
     return (
         torch.get_default_dtype(),
-        _torch.default_device(),
+        default_device(),
         ctx if ctx in ("absent", None) else id(ctx),  # never set / None / which context object
         torch._C._get_default_device(),  # the legacy set_default_tensor_type device
         torch.get_num_threads(),
