@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 from ._torch import (
+    DCP_STATEFUL,
     TorchFeatureError,
     accelerator_type,
     default_device,
@@ -67,6 +68,7 @@ from .sources.flags import PRECISION_OPS, UNSUPPORTED_FLAGS
 __all__ = [
     "AUTO",
     "CUBLAS_VALID",
+    "DCP_STATEFUL",
     "MAX_SEED",
     "PRECISION_OPS",
     "SEED_ENV_VAR",
