@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 from ._torch import (
+    DCP_STATEFUL,
     TorchFeatureError,
     accelerator_type,
     default_device,
@@ -90,6 +91,7 @@ __all__ = [
     "AUTO",
     "BATCH_NORM_BASE",
     "CUBLAS_VALID",
+    "DCP_STATEFUL",
     "DROPOUT_BASE",
     "DYNAMO",
     "DYNAMO_CONFIG",

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from deterministic_ctx import _torch
+from tests.helpers import default_device
 
 #: Every environment variable a block must put back (docs/explanation/captures.md), written
 #: out here rather than read from the library, so the guard stays independent.
@@ -103,9 +104,10 @@ def _flags() -> tuple[Any, ...]:
         fill.fill_uninitialized_memory if fill else "absent",
         torch.backends.mkldnn.deterministic if _torch.MKLDNN_DETERMINISTIC.available else "absent",
         # An import cannot be undone: "not imported" counts as its default.
+        # On a torch without the flag (< 2.7) it reads the same imported or not.
         (os.getenv("TORCHINDUCTOR_DETERMINISTIC") == "1")
-        if inductor is None
-        else getattr(inductor, "deterministic", "absent"),
+        if inductor is None or not hasattr(inductor, "deterministic")
+        else inductor.deterministic,
         # Default-ness too: inductor's compile-cache keys depend on it.
         _is_default(inductor, "deterministic"),
         _read(torch.get_float32_matmul_precision),
@@ -131,10 +133,14 @@ def _precision() -> tuple[Any, ...]:
 
 def _is_default(config: Any, key: str) -> Any:
     """Whether a config entry is at its default; ``True`` where the module is not
-    imported, its value where torch's config cannot tell (``_is_default``: torch >= 2.2)."""
+    imported; on a torch without ``_is_default`` (< 2.2), whether it equals its default."""
     if config is None or not hasattr(config, key):
         return True
     if not hasattr(config, "_is_default"):
+        # torch 2.1's config modules: a table of defaults, and no user overrides.
+        defaults = getattr(config, "_default", None)
+        if isinstance(defaults, dict) and key in defaults:
+            return getattr(config, key) == defaults[key]
         return getattr(config, key)
     return config._is_default(key)
 
@@ -178,7 +184,7 @@ def _defaults() -> tuple[Any, ...]:
     )
     return (
         torch.get_default_dtype(),
-        _torch.default_device(),
+        default_device(),
         ctx if ctx in ("absent", None) else id(ctx),  # never set / None / which context object
         torch._C._get_default_device(),  # the legacy set_default_tensor_type device
         torch.get_num_threads(),

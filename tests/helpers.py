@@ -48,6 +48,18 @@ def needs_config_entries(module: str, *keys: str) -> pytest.MarkDecorator:
     )
 
 
+def default_device() -> torch.device:
+    """The device a factory call puts a new tensor on: ``_torch.default_device()``,
+    except where torch 2.6's ``get_default_device()`` itself raises
+    (``AttributeError`` after ``set_default_device(None)``: it reads ``.device``
+    of the ``None`` it stored); there, the device of a new empty tensor."""
+    try:
+        device: torch.device = _torch.default_device()
+    except AttributeError:
+        return torch.empty(0).device
+    return device
+
+
 needs_gloo = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
 )

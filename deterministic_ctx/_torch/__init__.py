@@ -389,3 +389,27 @@ DEVICE_MESH = Capability(
     quiet=True,  # nothing of a block is off without it
 )
 """The ``torch.distributed.device_mesh`` module (importing it is asked for by its user)."""
+
+
+def _dcp_stateful() -> type | None:
+    import importlib
+
+    if not _torch().distributed.is_available():
+        return None
+    dcp = importlib.import_module("torch.distributed.checkpoint")
+    if not (hasattr(dcp, "save") and hasattr(dcp, "load")):
+        return None
+    stateful: type = importlib.import_module("torch.distributed.checkpoint.stateful").Stateful
+    return stateful
+
+
+DCP_STATEFUL = Capability(
+    "dcp_stateful",
+    reads="torch.distributed.checkpoint.save/load and torch.distributed.checkpoint.stateful",
+    since="2.2",
+    fallback="RngState (deterministic_ctx.dcp) refuses to be made: this torch's "
+    "save_state_dict would pickle it instead of calling its state_dict()",
+    probe=_dcp_stateful,
+)
+"""``torch.distributed.checkpoint.stateful.Stateful``: DCP calls ``state_dict()`` and
+``load_state_dict()`` of the objects it saves and loads (``deterministic_ctx.dcp``)."""

@@ -200,8 +200,13 @@ class TorchDefaultsSource:
         # What ``torch.set_default_device`` does, with the saved object instead
         # of a new one.  Membership checks make a second run after an
         # interruption neither exit nor enter a context twice.
-        if _is_context(current) and any(mode is current for mode in _mode_stack()):
-            current.__exit__(None, None, None)
+        if _is_context(current):
+            stack = _mode_stack()
+            if any(mode is current for mode in stack):
+                if any(_is_device_mode(mode) and mode is not current for mode in stack):
+                    _remove_mode(current)
+                else:
+                    current.__exit__(None, None, None)
         if _is_context(saved) and not any(mode is saved for mode in _mode_stack()):
             saved.__enter__()
         local = self._local
@@ -281,6 +286,38 @@ class TorchDefaultsSource:
 
 def _is_context(value: Any) -> bool:
     return value is not None and value is not _ABSENT
+
+
+def _is_device_mode(mode: Any) -> bool:
+    from torch.utils._device import DeviceContext
+
+    return isinstance(mode, DeviceContext)
+
+
+def _remove_mode(context: Any) -> None:
+    """Take the default device's ``DeviceContext`` off the mode stack wherever it
+    is, the other modes kept in order, as its ``__exit__`` would.
+
+    Needed where another ``DeviceContext`` (``with torch.device(...)``) is on
+    the stack too: torch 2.2 to 2.6 push a default set inside such a context
+    beneath it, and then their ``DeviceContext.__exit__`` (which
+    ``set_default_device`` calls as well) fails its assertion that only the
+    bottom mode is a ``DeviceContext``.  Later torches never stack two.
+    """
+    import torch.utils._device as device_module
+
+    overrides: Any = torch.overrides
+    above: list[Any] = []
+    while _C._len_torch_function_stack() > 0:
+        mode = overrides._pop_mode()
+        if mode is context:
+            break
+        above.append(mode)
+    for mode in reversed(above):
+        overrides._push_mode(mode)
+    # The device factories now use: the topmost DeviceContext left (what dynamo guards on).
+    devices = [mode.device for mode in _mode_stack() if _is_device_mode(mode)]
+    device_module.CURRENT_DEVICE = devices[-1] if devices else None
 
 
 def _tensor_type(device: str, dtype: torch.dtype) -> Any:

@@ -57,6 +57,14 @@ anything.  Load with ``planner=DefaultLoadPlanner(allow_partial_load=True)``
 (which lets every missing key pass, the model's too) to have the policy
 apply, or leave ``"rng"`` out of the state dict.
 
+**torch 2.1.**  ``RngState`` needs DCP's ``Stateful`` protocol (``dcp.save``,
+``dcp.load`` and ``torch.distributed.checkpoint.stateful``, torch 2.2 and
+later): torch 2.1's ``save_state_dict`` would pickle the object instead of
+calling its ``state_dict()``, and its ``load_state_dict`` would never restore
+anything.  There ``RngState()`` raises ``TorchFeatureError`` (a
+``RuntimeError``) naming the torch version it needs; save
+``Snapshot.capture().state_dict()`` beside the model instead.
+
 **Collectives.**  With an initialized default process group of several
 ranks, ``state_dict()`` and ``load_state_dict()`` are collectives over it:
 the ranks agree that every rank could save (or restore) its state before any
@@ -76,6 +84,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..internal import DCP_STATEFUL
 from ..parallel.ranks import ranks
 from .checkpoint import MAX_FILE_BYTES, InvalidSnapshotError, decode, encode
 from .snapshot import Snapshot
@@ -120,6 +129,10 @@ class RngState:
             <deterministic_ctx.Snapshot.from_state_dict>`: whether device
             generators that do not match this machine raise (else they warn).
 
+    Raises:
+        TorchFeatureError: on a torch without DCP's ``Stateful`` protocol
+            (torch < 2.2), naming the version it needs.
+
     Example:
         >>> import random, tempfile, warnings
         >>> import torch.distributed.checkpoint as dcp
@@ -142,6 +155,7 @@ class RngState:
         capacity: int = CAPACITY,
         strict_devices: bool = False,
     ) -> None:
+        DCP_STATEFUL.require("deterministic_ctx.dcp.RngState")
         if not isinstance(on_world_size_change, str):
             raise TypeError(
                 f"on_world_size_change must be 'error' or 'keep', got "

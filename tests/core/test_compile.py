@@ -50,9 +50,20 @@ def _reset(config: Any, key: str) -> None:
     set_config_override(config, key, _UNSET_SENTINEL)
 
 
+#: torch's config modules with user overrides (``_is_default``, ``_config``, the
+#: "unset" sentinel): what the tests below read and reset.
+needs_config_overrides = needs(_torch.CONFIG_OVERRIDES)
+
+
 @pytest.fixture
 def fresh_config() -> Iterator[None]:
-    """Every entry back at its default after the test."""
+    """Every entry back at its default after the test (skips where torch's config
+    modules have no user overrides to reset: torch < 2.6)."""
+    if not _torch.CONFIG_OVERRIDES.available:
+        pytest.skip(
+            f"needs {_torch.CONFIG_OVERRIDES.reads} (torch >= {_torch.CONFIG_OVERRIDES.since}); "
+            f"torch {torch.__version__} lacks it"
+        )
     yield
     for entry in ENTRIES:
         config = importlib.import_module(entry.module)
@@ -99,6 +110,21 @@ def test_every_entry_exists_in_this_torch():
     # A renamed entry would silently stop being captured: fail here instead.
     found = {entry.name for entry in ENTRIES if entry.located() is not None}
     assert found == PRESENT, sorted(found ^ PRESENT)
+
+
+@pytest.mark.skipif(
+    _torch.CONFIG_OVERRIDES.available, reason="this torch's config keeps user overrides"
+)
+def test_without_config_overrides_a_block_restores_the_entries_by_value():
+    # torch < 2.6: an entry has no "set by the user" state, only its value.
+    before = inductor.fallback_random, functorch.functionalize_rng_ops
+    try:
+        with deterministic(seed=0, compiled_rng="eager"):
+            assert inductor.fallback_random is True
+            functorch.functionalize_rng_ops = not before[1]
+        assert (inductor.fallback_random, functorch.functionalize_rng_ops) == before
+    finally:
+        inductor.fallback_random, functorch.functionalize_rng_ops = before
 
 
 def test_a_block_restores_the_entries_and_their_default_ness(fresh_config):
@@ -262,6 +288,7 @@ assert not any(m.startswith(names) for m in sys.modules), "imported"
     )
 
 
+@needs_config_overrides
 def test_compiled_rng_eager_imports_inductor_and_a_first_import_inside_is_undone():
     run_python(
         [],

@@ -14,9 +14,10 @@ import re
 import subprocess
 
 import pytest
+import torch
 
 import deterministic_ctx
-from deterministic_ctx import Snapshot
+from deterministic_ctx import Snapshot, _torch
 from tests.helpers import ROOT, needs_gloo, run_python
 
 #: Examples with a test module of their own, which runs them and checks what they print:
@@ -107,6 +108,11 @@ def _modules():
 
 
 OPTIONAL = {"deterministic_ctx.integrations.ipython", "deterministic_ctx.pytest_plugin"}
+#: Modules whose examples need a torch capability (``deterministic_ctx._torch``).
+NEEDS = {
+    "deterministic_ctx.dcp": _torch.DCP_STATEFUL,
+    "deterministic_ctx.state.dcp": _torch.DCP_STATEFUL,
+}
 
 
 @pytest.mark.usefixtures("registry")  # an example registers an environment variable
@@ -118,6 +124,12 @@ def test_docstring_examples(name):
         if name in OPTIONAL:
             pytest.skip(f"optional dependency missing: {exc}")
         raise
+    capability = NEEDS.get(name)
+    if capability is not None and not capability.available:
+        pytest.skip(
+            f"its examples need {capability.reads} (torch >= {capability.since}); "
+            f"torch {torch.__version__} lacks it"
+        )
     snap = Snapshot.capture()  # docstring examples may draw from the global RNGs
     try:
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS, verbose=False)

@@ -186,11 +186,15 @@ def observe(known: Known) -> dict[str, Any]:
     """Everything a block must set on entry and put back on exit."""
     rs = np.random.mtrand._rand
     bg = rs._bit_generator
-    slot = torch._GLOBAL_DEVICE_CONTEXT
-    context = slot.__dict__.get("device_context", "absent")
+    slot = torch._GLOBAL_DEVICE_CONTEXT  # torch 2.1: a module global, later per thread
+    context = (
+        slot.__dict__.get("device_context", "absent") if isinstance(slot, threading.local) else slot
+    )
     devices = {}
     for name in ("cuda", "xpu", "mtia"):
-        m = getattr(torch, name)
+        m = _torch.lazy_device(name)  # None where this torch cannot capture it (2.1 has no xpu)
+        if m is None:
+            continue
         t = m._lazy_seed_tracker
         devices[name] = (
             m.is_initialized(),

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from deterministic_ctx import _torch
 from deterministic_ctx.base.settings import Settings
 from deterministic_ctx.sources import SOURCES
 from deterministic_ctx.sources.accelerators import LazyAcceleratorSource, LazyState, LiveState
@@ -132,8 +133,10 @@ def test_flags_applied_and_restored():
         assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
         assert torch.are_deterministic_algorithms_enabled()
         assert torch.is_deterministic_algorithms_warn_only_enabled()
-        assert torch.backends.mkldnn.deterministic
-        assert torch.utils.deterministic.fill_uninitialized_memory
+        if _torch.MKLDNN_DETERMINISTIC.available:  # torch >= 2.5
+            assert torch.backends.mkldnn.deterministic
+        if _torch.FILL_UNINITIALIZED_MEMORY.available:  # torch >= 2.2
+            assert torch.utils.deterministic.fill_uninitialized_memory
     finally:
         source.restore(state)
     assert source.capture() == state

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from deterministic_ctx import InvalidSnapshotError, Snapshot, _torch, deterministic
 from deterministic_ctx.state import checkpoint
+from tests.helpers import default_device
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -572,7 +573,7 @@ def _apply_ops(ops: list[tuple[str, Any]]) -> None:
 def _defaults() -> tuple[Any, ...]:
     return (
         torch.get_default_dtype(),
-        _torch.default_device(),
+        default_device(),
         torch.get_num_threads(),
         len(_mode_stack()),
     )

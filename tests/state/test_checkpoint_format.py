@@ -104,7 +104,7 @@ def test_future_state_dict_version(tmp_path):
         (b"\x93NUMPY\x01\x00", "NumPy .npy"),
         (b"hello world", "does not start with the snapshot signature"),
         (pickle.dumps({"a": 1}), "looks like a pickle"),
-        (json.dumps({"format": "deterministic_ctx.state.snapshot"}).encode(), "signature"),
+        (json.dumps({"format": "deterministic_ctx.snapshot"}).encode(), "signature"),
     ],
 )
 def test_wrong_kind_of_file(tmp_path, content, message):
@@ -234,7 +234,7 @@ _NP = ("sources", "numpy")
             [torch.zeros(16, dtype=torch.uint8)] * 5000,
             "at most 4096",
         ),
-        (("format",), "other.format", "format: expected one of deterministic_ctx.state.snapshot"),
+        (("format",), "other.format", "format: expected one of deterministic_ctx.snapshot"),
     ],
 )
 def test_crafted_fields_are_named(tmp_path, path, value, message):

@@ -58,7 +58,7 @@ def test_state_dict_holds_only_plain_data():
     }
     with registered(**user):
         state = Snapshot.capture().state_dict()
-    assert state["format"] == "deterministic_ctx.state.snapshot"
+    assert state["format"] == "deterministic_ctx.snapshot"
     assert state["version"] == 1
     for path, leaf in _leaves(state):
         if isinstance(leaf, torch.Tensor):

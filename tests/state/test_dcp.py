@@ -18,6 +18,17 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+
+from deterministic_ctx import _torch
+
+# torch 2.1 has no Stateful protocol: RngState refuses there (tests/sources/test_torch_compat.py).
+if not _torch.DCP_STATEFUL.available:
+    pytest.skip(
+        f"needs {_torch.DCP_STATEFUL.reads} (torch >= {_torch.DCP_STATEFUL.since}); "
+        f"torch {torch.__version__} lacks it",
+        allow_module_level=True,
+    )
+
 import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st

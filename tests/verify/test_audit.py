@@ -658,6 +658,7 @@ def _torch_release(monkeypatch, version: str) -> None:
 def test_cublas_note_before_torch_2_10(monkeypatch):
     # torch 2.10 dropped deterministic mode's CUBLAS_WORKSPACE_CONFIG check (pytorch#161749).
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    _torch_release(monkeypatch, "2.10.0")
     assert notes(audit_nondeterminism(nn.Linear(2, 2), torch.ones(1, 2))) == ()
 
     _torch_release(monkeypatch, "2.9.1")
