@@ -49,14 +49,9 @@ def needs_config_entries(module: str, *keys: str) -> pytest.MarkDecorator:
 
 
 def default_device() -> torch.device:
-    """The device a factory call puts a new tensor on: ``_torch.default_device()``,
-    except where torch 2.6's ``get_default_device()`` itself raises
-    (``AttributeError`` after ``set_default_device(None)``: it reads ``.device``
-    of the ``None`` it stored); there, the device of a new empty tensor."""
-    try:
-        device: torch.device = _torch.default_device()
-    except AttributeError:
-        return torch.empty(0).device
+    """The device a factory call puts a new tensor on (``_torch.default_device()``,
+    which also answers where torch 2.6's ``get_default_device()`` raises)."""
+    device: torch.device = _torch.default_device()
     return device
 
 

@@ -358,10 +358,18 @@ DEFAULT_DEVICE_GETTER = Capability(
 
 def default_device() -> Any:
     """``torch.get_default_device()``, or where it is missing, the device a
-    factory function puts a new tensor on (the same answer)."""
+    factory function puts a new tensor on (the same answer).
+
+    torch 2.6's ``get_default_device()`` raises ``AttributeError`` after
+    ``torch.set_default_device(None)`` (it reads ``.device`` of the ``None``
+    it stored); there too the answer is the device of a new empty tensor.
+    """
     get = DEFAULT_DEVICE_GETTER.value
     if get is not None:
-        return get()
+        try:
+            return get()
+        except AttributeError:
+            pass
     return _torch().empty(0).device
 
 

@@ -65,9 +65,11 @@ __all__ = [
     "inductor_mode_options",
     "is_compiled_check",
     "is_config_unset",
+    "is_device_context",
     "lazy_seed_queue",
     "mark_opaque_to_dynamo",
     "node_sequence_nr",
+    "remove_function_mode",
     "set_device_context_slot",
     "write_config_override",
 ]
@@ -217,6 +219,43 @@ def device_context(device: torch.device) -> Any:
     from torch.utils._device import DeviceContext
 
     return DeviceContext(device)
+
+
+def is_device_context(mode: Any) -> bool:
+    """Whether ``mode`` is a ``torch.utils._device.DeviceContext``: what
+    ``torch.set_default_device`` and ``with torch.device(...)`` push (every
+    supported torch; imports ``torch.utils._device``)."""
+    from torch.utils._device import DeviceContext
+
+    return isinstance(mode, DeviceContext)
+
+
+def remove_function_mode(mode: Any) -> None:
+    """Take ``mode`` off the calling thread's torch-function mode stack wherever
+    it is, the other modes kept in order, and point the device factories at the
+    topmost ``DeviceContext`` left (``torch.utils._device.CURRENT_DEVICE``, what
+    dynamo guards on), as the mode's ``__exit__`` would.
+
+    Uses ``torch._C._len_torch_function_stack`` and ``torch.overrides._pop_mode``
+    / ``_push_mode`` (every supported torch).  Needed where another
+    ``DeviceContext`` is on the stack too: torch 2.2 to 2.6 push a default device
+    set inside ``with torch.device(...)`` beneath it, and their
+    ``DeviceContext.__exit__`` then fails its assertion that only the bottom mode
+    is a ``DeviceContext``.
+    """
+    import torch.utils._device as device_module
+
+    overrides: Any = torch.overrides
+    above: list[Any] = []
+    while torch._C._len_torch_function_stack() > 0:
+        top = overrides._pop_mode()
+        if top is mode:
+            break
+        above.append(top)
+    for top in reversed(above):
+        overrides._push_mode(top)
+    devices = [m.device for m in function_mode_stack() if is_device_context(m)]
+    device_module.CURRENT_DEVICE = devices[-1] if devices else None
 
 
 # -- dispatch modes and autograd (verify/ops.py, audit/recorder.py) ----------------------

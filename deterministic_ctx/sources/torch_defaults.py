@@ -7,9 +7,9 @@ them, so the caller's defaults are in force inside it.
   for ``torch.rand`` in float32 and float64.
 * ``torch.set_default_tensor_type`` (deprecated): its dtype is the default
   dtype; its device (``torch.cuda.HalfTensor``) sends factories to CUDA and
-  their draws to the CUDA generator.  Read with ``torch._C._get_default_device``.
+  their draws to the CUDA generator.  Read with ``_torch.flags.get_default_device``.
 * ``torch.set_default_device``: a ``DeviceContext`` torch-function mode that
-  torch keeps in ``torch._GLOBAL_DEVICE_CONTEXT.device_context`` (a
+  torch keeps in the slot ``_torch.internals.device_context_slot`` reads (a
   ``threading.local`` in current torch, so it is the *calling thread's*
   default; a module global in torch 2.1) and pushes at the bottom of the
   mode stack.  The captured state is that object itself: restoring exits the
@@ -42,31 +42,34 @@ from typing import Any
 
 import torch
 
+from .._torch.flags import HAS_CUDA, get_default_device, set_default_dtype, set_default_tensor_type
+from .._torch.internals import (
+    device_context,
+    device_context_slot,
+    function_mode_stack,
+    is_device_context,
+    remove_function_mode,
+    set_device_context_slot,
+)
 from ..base.settings import Settings
 from . import _plain
 
 __all__ = ["DefaultsState", "TorchDefaultsSource"]
 
-_C: Any = torch._C
-
 # Module-level names, looked up per call, so that tests can stand in for torch.
 _get_dtype = torch.get_default_dtype
-_set_dtype = _C._set_default_dtype
-_get_tensor_type = getattr(_C, "_get_default_device", lambda: "cpu")
-_set_tensor_type = _C._set_default_tensor_type
+_set_dtype = set_default_dtype
+_get_tensor_type = get_default_device
+_set_tensor_type = set_default_tensor_type
 _get_threads = torch.get_num_threads
 _set_threads = torch.set_num_threads
 _set_flush = torch.set_flush_denormal
 #: Only a CUDA build has tensor types of a device other than the CPU
 #: (``torch.cuda.FloatTensor``); elsewhere the default tensor type's device is
 #: always "cpu", and reading it (0.1-0.2 µs) is skipped.
-_TENSOR_TYPE_DEVICES_VARY: bool = bool(getattr(_C, "_has_cuda", True))
-
-
-def _mode_stack() -> list[Any]:
-    # The calling thread's torch-function modes, bottom first (only on the slow path).
-    stack: list[Any] = torch.overrides._get_current_function_mode_stack()  # type: ignore[no-untyped-call]
-    return stack
+_TENSOR_TYPE_DEVICES_VARY: bool = HAS_CUDA
+#: The calling thread's torch-function modes, bottom first (only on the slow path).
+_mode_stack = function_mode_stack
 
 
 def _float(bits: int) -> float:
@@ -135,7 +138,7 @@ class TorchDefaultsSource:
     def __init__(self, holder: Any = torch) -> None:
         # ``holder`` is where torch keeps the default device context: the torch
         # module (tests pass a stand-in for older torch versions).
-        slot = getattr(holder, "_GLOBAL_DEVICE_CONTEXT", None)
+        slot = device_context_slot(holder)
         self._local: threading.local | None = slot if isinstance(slot, threading.local) else None
         self._holder = holder
 
@@ -144,7 +147,7 @@ class TorchDefaultsSource:
         if local is not None:
             # ``__dict__.get``: ``getattr`` with a default costs ~0.7 µs when absent.
             return local.__dict__.get(_KEY, _ABSENT)
-        return getattr(self._holder, "_GLOBAL_DEVICE_CONTEXT", None)
+        return device_context_slot(self._holder)
 
     def capture(self) -> DefaultsState:
         local = self._local
@@ -204,14 +207,14 @@ class TorchDefaultsSource:
             stack = _mode_stack()
             if any(mode is current for mode in stack):
                 if any(_is_device_mode(mode) and mode is not current for mode in stack):
-                    _remove_mode(current)
+                    remove_function_mode(current)
                 else:
                     current.__exit__(None, None, None)
         if _is_context(saved) and not any(mode is saved for mode in _mode_stack()):
             saved.__enter__()
         local = self._local
         if local is None:
-            self._holder._GLOBAL_DEVICE_CONTEXT = None if saved is _ABSENT else saved
+            set_device_context_slot(self._holder, None if saved is _ABSENT else saved)
         elif saved is _ABSENT:
             local.__dict__.pop(_KEY, None)
         else:
@@ -276,9 +279,7 @@ class TorchDefaultsSource:
                 parsed = torch.device(text)
             except Exception as exc:  # RuntimeError for every malformed string
                 raise ValueError(f"{path}.device: torch cannot parse {text!r} ({exc})") from exc
-            from torch.utils._device import DeviceContext
-
-            context = DeviceContext(parsed)  # entered only when restored
+            context = device_context(parsed)  # entered only when restored
         if flush:
             return (dtype, tensor_type, context, threads, 0.0, 0.0)
         return (dtype, tensor_type, context, threads, KEPT_DAZ_PROBE, KEPT_FTZ_PROBE)
@@ -288,36 +289,7 @@ def _is_context(value: Any) -> bool:
     return value is not None and value is not _ABSENT
 
 
-def _is_device_mode(mode: Any) -> bool:
-    from torch.utils._device import DeviceContext
-
-    return isinstance(mode, DeviceContext)
-
-
-def _remove_mode(context: Any) -> None:
-    """Take the default device's ``DeviceContext`` off the mode stack wherever it
-    is, the other modes kept in order, as its ``__exit__`` would.
-
-    Needed where another ``DeviceContext`` (``with torch.device(...)``) is on
-    the stack too: torch 2.2 to 2.6 push a default set inside such a context
-    beneath it, and then their ``DeviceContext.__exit__`` (which
-    ``set_default_device`` calls as well) fails its assertion that only the
-    bottom mode is a ``DeviceContext``.  Later torches never stack two.
-    """
-    import torch.utils._device as device_module
-
-    overrides: Any = torch.overrides
-    above: list[Any] = []
-    while _C._len_torch_function_stack() > 0:
-        mode = overrides._pop_mode()
-        if mode is context:
-            break
-        above.append(mode)
-    for mode in reversed(above):
-        overrides._push_mode(mode)
-    # The device factories now use: the topmost DeviceContext left (what dynamo guards on).
-    devices = [mode.device for mode in _mode_stack() if _is_device_mode(mode)]
-    device_module.CURRENT_DEVICE = devices[-1] if devices else None
+_is_device_mode = is_device_context
 
 
 def _tensor_type(device: str, dtype: torch.dtype) -> Any:
