@@ -7,8 +7,12 @@ tree must stay readable: no giant module, a short package root.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.metadata
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -169,3 +173,35 @@ def test_tests_mirror_the_package():
     assert not list(tests.glob("test_*.py")) or all(
         p.name == Path(__file__).name for p in tests.glob("test_*.py")
     ), "tests at the top of tests/ belong in the folder of what they test"
+
+
+#: A private torch name in code: ``torch._x``, ``torch.mod._x``, ``_C`` (torch's C module).
+_PRIVATE_TORCH = re.compile(r"torch\._[A-Za-z]|\b_C\b|torch\.[a-z_]+(\.[a-z_]+)*\._[a-z]")
+
+
+def _code_without_docs(source: str) -> str:
+    """``source``'s tokens without comments and docstrings (which may name anything)."""
+    docstrings = {
+        node.value.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+    }
+    kept = [
+        tok.string
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type != tokenize.COMMENT
+        and not (tok.type == tokenize.STRING and tok.start[0] in docstrings)
+    ]
+    return " ".join(kept)
+
+
+def test_private_torch_names_live_in_one_place():
+    naming = sorted(
+        str(p.relative_to(PACKAGE))
+        for p in _modules()
+        if _PRIVATE_TORCH.search(_code_without_docs(p.read_text()))
+    )
+    assert len(naming) <= 3, naming
+    assert all(name.startswith("_torch/") for name in naming), naming
