@@ -88,7 +88,6 @@ class _PerThread(threading.local):
 
 class ProcessLock:
     __slots__ = (
-        "_local",
         "_owner_ref",
         "_rlock",
         "_swap",
@@ -96,6 +95,7 @@ class ProcessLock:
         "on_dead_owner",
         "owner",
         "since",
+        "threads",
         "warn_after",
     )
 
@@ -107,7 +107,10 @@ class ProcessLock:
         self.owner: int | None = None
         self.since = 0.0
         self.warn_after: float | None = DEFAULT_WARN_AFTER
-        self._local = _PerThread()
+        #: Each thread's token (``threads.token``) and the weak reference to it
+        #: (``threads.ref``): the ref is the calling thread's identity, which,
+        #: unlike its ident, no later thread ever shares.
+        self.threads = _PerThread()
         #: The holder's token reference (``None`` while the lock is free).
         self._owner_ref: _OwnerRef | None = None
         #: Serializes take-overs of a dead owner's lock.
@@ -131,18 +134,18 @@ class ProcessLock:
 
     def mine(self) -> bool:
         """Whether the calling thread holds the lock (not a dead thread with its ident)."""
-        return self.count() > 0 and self._owner_ref is self._local.ref
+        return self.count() > 0 and self._owner_ref is self.threads.ref
 
     def acquire(self) -> None:
         rlock = self._rlock
         # The fast path: the lock is free, or this thread holds it (nested blocks).
         if rlock.acquire(False):
             if self.count() == 1:
-                self._owner_ref = self._local.ref
+                self._owner_ref = self.threads.ref
                 self.owner = _get_ident()
                 self.since = _monotonic()
                 return
-            if self._owner_ref is self._local.ref:
+            if self._owner_ref is self.threads.ref:
                 return
             # The RLock knows its owner by ident only, and idents are reused: a
             # thread that ended inside a block had this thread's ident.
@@ -159,7 +162,7 @@ class ProcessLock:
                 timeout = max(0.0, min(POLL, started + self.warn_after - _monotonic()))
             if rlock.acquire(True, timeout):
                 if self.count() == 1:
-                    self._owner_ref = self._local.ref
+                    self._owner_ref = self.threads.ref
                     self.owner = _get_ident()
                     self.since = _monotonic()
                     return
@@ -192,7 +195,7 @@ class ProcessLock:
             fresh.acquire()
             self.count = _counter(fresh)
             self._rlock = fresh
-            self._owner_ref = self._local.ref
+            self._owner_ref = self.threads.ref
             self.owner = _get_ident()
             self.since = _monotonic()
         # Outside the mutex: the engine's clean-up restores state, and other

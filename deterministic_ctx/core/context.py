@@ -9,12 +9,12 @@ leaves.  As a decorator, ``deterministic`` is :func:`~deterministic_ctx.core.dec
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import Callable
 from inspect import CO_ASYNC_GENERATOR, CO_COROUTINE, CO_GENERATOR, CO_ITERABLE_COROUTINE
 from types import FrameType, TracebackType
 from typing import Any, TypeVar, overload
 
+from ..base.lock import LOCK
 from ..base.settings import CompiledRng, Rank, Settings
 from .decorate import decorate
 from .engine import Block, drain_signals, opaque, pause_compiler, resume_compiler
@@ -28,6 +28,8 @@ _B = TypeVar("_B", bound="_Blocks")
 #: What a ``with`` entered inside compiled code paused: dynamo's callback, and
 #: the frame that entered, which alone may give it back (see ``__exit__``).
 _Paused = tuple[object, FrameType] | None
+#: Each thread's identity (see ``_Blocks._by_thread``).
+_THREADS = LOCK.threads
 #: An open block, and what its entry paused.
 _Open = tuple[Block, _Paused]
 #: Frames that can suspend with the block open and resume after the compiled
@@ -43,21 +45,6 @@ _IN_COMPILED_CODE = (
     "numbers). Under fullgraph=True, move the block around the compiled call instead: "
     "`with deterministic(0): compiled(x)`."
 )
-
-
-class _PerThread(threading.local):
-    """One object's open blocks in the calling thread, by the asyncio task of
-    an ``async with`` (``None`` for a ``with``), in the order they were entered.
-
-    Per thread, so one object (``DET = deterministic(seed=0)`` at module level)
-    can be entered by many threads at once, each leaving its own blocks in its
-    own order; a thread's record goes away with the thread.
-    """
-
-    blocks: dict[object, list[_Open]]
-
-    def __init__(self) -> None:
-        self.blocks = {}
 
 
 def _leave_anyway(blocks: dict[object, list[_Open]], task: object) -> _Paused:
@@ -107,25 +94,39 @@ class _Blocks:
     (or ``async with``) is one :class:`~deterministic_ctx.core.engine.Block` of
     these settings (``None``: capture and restore, apply nothing)."""
 
-    __slots__ = ("_per_thread", "_settings")
+    __slots__ = ("_by_thread", "_settings")
 
     _settings: Settings | None
-    #: ``{"local": _PerThread}``: the open blocks of this object, per thread
-    #: (see :class:`_PerThread`), made at its first entry, not in ``__init__``:
-    #: dynamo traces the construction of a block object in compiled code and
-    #: cannot trace a ``threading.local``.  A dict, so that two threads
-    #: entering a new object at once agree on one record (``setdefault`` is
-    #: atomic) without a lock an interrupt could leave held.
-    _per_thread: dict[str, _PerThread]
+    #: The open blocks of this object in each thread, by the asyncio task of an
+    #: ``async with`` (``None`` for a ``with``), in the order they were entered.
+    #: Keyed by the thread's identity (:attr:`ProcessLock.threads`' weak
+    #: reference, never shared with a later thread, unlike an ident), so one
+    #: object (``DET = deterministic(seed=0)`` at module level) can be entered
+    #: by many threads at once, each leaving its own blocks in its own order.
+    #: A plain dict made in ``__init__``: dynamo traces the construction of a
+    #: block object in compiled code, and a ``threading.local`` would cost a
+    #: fresh block 0.8 µs.
+    _by_thread: dict[object, dict[object, list[_Open]]]
 
-    def _first_entry(self) -> dict[object, list[_Open]]:
-        """This object's open blocks in the calling thread, made if it was never entered."""
-        return self._per_thread.setdefault("local", _PerThread()).blocks
+    def _first_entry(self, me: object) -> dict[object, list[_Open]]:
+        """The calling thread's (``me``) record of this object's open blocks, new.
+
+        The records of threads that have ended go (a weak reference is dead
+        once its thread's storage is freed); only threads that ended inside a
+        block leave one with blocks in it.
+        """
+        by_thread = self._by_thread
+        if by_thread:
+            for ref in list(by_thread):  # a copy: other threads add theirs meanwhile
+                if ref() is None:  # type: ignore[operator]
+                    by_thread.pop(ref, None)
+        blocks: dict[object, list[_Open]] = {}
+        by_thread[me] = blocks
+        return blocks
 
     def _blocks_if_entered(self) -> dict[object, list[_Open]]:
-        """This object's open blocks in the calling thread (``{}``: never entered)."""
-        local = self._per_thread.get("local")
-        return {} if local is None else local.blocks
+        """This object's open blocks in the calling thread (``{}``: never entered here)."""
+        return self._by_thread.get(_THREADS.ref, {})
 
     def __enter__(self: _B) -> _B:
         # Inside a compiled function (which dynamo then runs eagerly, see
@@ -134,10 +135,10 @@ class _Blocks:
         # paused first, before any Python frame is called, until the exit.
         # Outside compiled code this swaps None for None.
         # (``_paused_here`` only inside compiled code: no frame for it elsewhere.)
-        try:
-            blocks = self._per_thread["local"].blocks
-        except KeyError:
-            blocks = self._first_entry()
+        me = _THREADS.ref
+        blocks = self._by_thread.get(me)
+        if blocks is None:
+            blocks = self._first_entry(me)
         stack = blocks.setdefault(None, [])
         depth = len(stack)
         try:
@@ -157,7 +158,7 @@ class _Blocks:
         try:
             # Dynamo paused before any Python frame (see __enter__).
             now = pause_compiler()
-            stack = self._per_thread["local"].blocks[None]
+            stack = self._by_thread[_THREADS.ref][None]
             block, paused = stack[-1]
             block.stop()
             del stack[-1]  # last, and no call after it: an interrupt lands before it or never
@@ -192,7 +193,7 @@ class _Blocks:
     ) -> None:
         # Each task leaves its own block, whatever the order the tasks leave in.
         try:
-            stack = self._per_thread["local"].blocks[_current_task()]
+            stack = self._by_thread[_THREADS.ref][_current_task()]
             stack[-1][0].stop()
             del stack[-1]
         except BaseException:
@@ -201,10 +202,10 @@ class _Blocks:
 
     def _stack_of(self, task: object) -> list[_Open]:
         """The calling thread's open blocks of ``task`` (an asyncio task, or ``None``)."""
-        try:
-            blocks = self._per_thread["local"].blocks
-        except KeyError:
-            blocks = self._first_entry()
+        me = _THREADS.ref
+        blocks = self._by_thread.get(me)
+        if blocks is None:
+            blocks = self._first_entry(me)
         if len(blocks) > 1:  # drop the emptied stacks of finished tasks
             for done in [t for t, stack in blocks.items() if t is not None and not stack]:
                 del blocks[done]
@@ -335,7 +336,7 @@ class deterministic(
         self._settings = Settings.build(
             seed, warn_only, rank, flags, fill_uninitialized_memory, compiled_rng
         )
-        self._per_thread = {}
+        self._by_thread = {}
 
     @property
     def seed(self) -> int:
@@ -418,7 +419,7 @@ class isolated(_Blocks):  # lowercase, like ``deterministic``
             return decorate(func, None)
         self = super().__new__(cls)
         self._settings = None
-        self._per_thread = {}
+        self._by_thread = {}
         return self
 
     def __repr__(self) -> str:
