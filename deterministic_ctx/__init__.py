@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from .base.version import __version__ as __version__
 
 if TYPE_CHECKING:  # what the names below resolve to, for type checkers and readers
+    from ._torch import TorchFeatureError
     from .audit import AuditFinding, AuditReport, audit_nondeterminism
     from .base.errors import (
         AbandonedBlockWarning,
@@ -81,6 +82,7 @@ __all__ = [
     "RngStateError",
     "RngStreams",
     "Snapshot",
+    "TorchFeatureError",
     "Trace",
     "TraceComparison",
     "assert_batch_invariant",
@@ -134,6 +136,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "RngStreams": (".parallel.streams", "RngStreams"),
     "Snapshot": (".state.snapshot", "Snapshot"),
     "Trace": (".trace", "Trace"),
+    "TorchFeatureError": ("._torch", "TorchFeatureError"),
     "TraceComparison": (".trace", "TraceComparison"),
     "assert_batch_invariant": (".verify", "assert_batch_invariant"),
     "assert_compiled_matches_eager": (".verify", "assert_compiled_matches_eager"),
