@@ -50,6 +50,7 @@ __all__ = [
     "bad_fork_check",
     "compiled_in_place",
     "compiled_original",
+    "config_default",
     "config_entries",
     "config_layout",
     "config_unset",
@@ -122,6 +123,25 @@ def config_entries(config: object) -> dict[str, Any] | None:
     supported torch), or ``None`` where it is not a dict (an unknown layout, or no module)."""
     entries = getattr(config, "_config", None)
     return entries if isinstance(entries, dict) else None
+
+
+_NO_DEFAULT: tuple[bool, Any] = (False, None)
+
+
+def config_default(config: object, key: str) -> tuple[bool, Any]:
+    """``(True, default)``: an entry's default as torch made it when it imported the module,
+    or ``(False, None)`` where the module does not say.  ``config._config[key].default``
+    where the entries are torch's ``_ConfigEntry`` (torch >= 2.6); before, ``config._config``
+    holds the values themselves and ``config._default`` (``{key: value}``, written once at
+    import) the defaults (torch 2.1 to 2.5)."""
+    entries = config_entries(config)
+    entry = entries.get(key, _NO_DEFAULT) if entries is not None else _NO_DEFAULT
+    if entry is not _NO_DEFAULT and hasattr(entry, "default"):
+        return True, entry.default
+    defaults = getattr(config, "_default", None)
+    if isinstance(defaults, dict) and key in defaults:
+        return True, defaults[key]
+    return _NO_DEFAULT
 
 
 def config_layout(config: Any, entry: Any) -> bool | None:

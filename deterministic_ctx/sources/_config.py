@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from .._torch.internals import (
+    config_default,
     config_entries,
     config_layout,
     config_unset,
@@ -177,10 +178,9 @@ class ConfigEntry:
         found = found or self.located()
         if found is None:
             return None
-        entries = config_entries(found.config)
-        entry = entries.get(self.key) if entries is not None else None
-        if entry is not None and hasattr(entry, "default"):
-            return entry.default
+        known, value = config_default(found.config, self.key)
+        if known:
+            return value
         return None if self._unknown_default is None else self._unknown_default()
 
 
