@@ -20,7 +20,10 @@ A module that is not imported is never imported here: its entries read as
 not imported, and a restore leaves them alone.  An entry imported *after* a
 capture is put back to :data:`AT_DEFAULT`: as if nobody had touched it.
 Where torch's config layout is not the one this module knows, the value itself
-is read and written with ``getattr``/``setattr``.
+is read and written with ``getattr``/``setattr``, and "back to default" writes
+the default torch recorded when it imported the module (torch 2.1 to 2.5 keep
+it in the module's ``_default`` table; see ``config_default`` in
+:mod:`deterministic_ctx._torch.internals`).
 """
 
 from __future__ import annotations
