@@ -29,6 +29,7 @@ import importlib
 import sys
 from collections.abc import Callable
 from operator import attrgetter
+from types import CodeType
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 __all__ = [
+    "AUTOGRAD_ENGINE_ENTRIES",
     "BATCH_NORM_BASE",
     "CONFIG_MODULE",
     "DROPOUT_BASE",
@@ -267,6 +269,26 @@ def node_sequence_nr(node: Any) -> int | None:
     node has no such method."""
     sequence_nr = getattr(node, "_sequence_nr", None)
     return None if sequence_nr is None else int(sequence_nr())
+
+
+def _engine_entries() -> frozenset[CodeType]:
+    graph = getattr(torch.autograd, "graph", None)
+    run = getattr(graph, "_engine_run_backward", None)
+    # torch 2.1: backward and grad (and grad's nested vjp) call the engine themselves.
+    functions = [run] if run is not None else [torch.autograd.backward, torch.autograd.grad]
+    codes = {c for f in functions if isinstance(c := getattr(f, "__code__", None), CodeType)}
+    for code in list(codes):
+        codes.update(c for c in code.co_consts if isinstance(c, CodeType) and c.co_name == "vjp")
+    return frozenset(codes)
+
+
+AUTOGRAD_ENGINE_ENTRIES: frozenset[CodeType] = _engine_entries()
+"""The code of torch's Python functions that hand a backward pass to autograd's C++
+engine: ``torch.autograd.graph._engine_run_backward`` (torch 2.6 has it), else those of
+``torch.autograd.backward`` and ``torch.autograd.grad`` and ``grad``'s nested ``vjp``
+(torch 2.1, where they call ``Variable._execution_engine.run_backward`` themselves).  An op
+call with one of them below it on the stack was made by the engine, not by the Python
+code above."""
 
 
 BATCH_NORM_BASE: type[_BatchNorm] = _BatchNorm
