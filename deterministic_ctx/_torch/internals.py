@@ -328,9 +328,14 @@ def inductor_config() -> Any:
 
 def inductor_mode_options(mode: str, dynamic: bool | None) -> dict[str, Any]:
     """``torch._inductor.list_mode_options(mode, dynamic)``: the inductor options a
-    ``torch.compile`` mode stands for (every supported torch; raises ``RuntimeError``
-    for an unknown mode)."""
+    ``torch.compile`` mode stands for (every supported torch).  An unknown mode raises
+    ``RuntimeError`` listing the modes, on every torch: torch 2.1 to 2.6 would raise a bare
+    ``KeyError`` (and return the table of every mode for ``""``), later ones the
+    ``RuntimeError``."""
     inductor = importlib.import_module(INDUCTOR)
+    modes: dict[str, Any] = inductor.list_mode_options(None, dynamic)
+    if mode not in modes:
+        raise RuntimeError(f"Unrecognized mode={mode}, should be one of: {', '.join(modes)}")
     options: dict[str, Any] = inductor.list_mode_options(mode, dynamic)
     return options
 
