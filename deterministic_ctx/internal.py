@@ -35,6 +35,7 @@ from ._torch import (
 )
 from ._torch.flags import current_autograd_node
 from ._torch.internals import (
+    AUTOGRAD_ENGINE_ENTRIES,
     BATCH_NORM_BASE,
     DROPOUT_BASE,
     DYNAMO,
@@ -89,6 +90,7 @@ from .sources.flags import PRECISION_OPS, UNSUPPORTED_FLAGS
 
 __all__ = [
     "AUTO",
+    "AUTOGRAD_ENGINE_ENTRIES",
     "BATCH_NORM_BASE",
     "CUBLAS_VALID",
     "DCP_STATEFUL",

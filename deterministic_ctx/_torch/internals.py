@@ -29,6 +29,7 @@ import importlib
 import sys
 from collections.abc import Callable
 from operator import attrgetter
+from types import CodeType
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 __all__ = [
+    "AUTOGRAD_ENGINE_ENTRIES",
     "BATCH_NORM_BASE",
     "CONFIG_MODULE",
     "DROPOUT_BASE",
@@ -50,6 +52,7 @@ __all__ = [
     "bad_fork_check",
     "compiled_in_place",
     "compiled_original",
+    "config_default",
     "config_entries",
     "config_layout",
     "config_unset",
@@ -124,6 +127,25 @@ def config_entries(config: object) -> dict[str, Any] | None:
     supported torch), or ``None`` where it is not a dict (an unknown layout, or no module)."""
     entries = getattr(config, "_config", None)
     return entries if isinstance(entries, dict) else None
+
+
+_NO_DEFAULT: tuple[bool, Any] = (False, None)
+
+
+def config_default(config: object, key: str) -> tuple[bool, Any]:
+    """``(True, default)``: an entry's default as torch made it when it imported the module,
+    or ``(False, None)`` where the module does not say.  ``config._config[key].default``
+    where the entries are torch's ``_ConfigEntry`` (torch >= 2.6); before, ``config._config``
+    holds the values themselves and ``config._default`` (``{key: value}``, written once at
+    import) the defaults (torch 2.1 to 2.5)."""
+    entries = config_entries(config)
+    entry = entries.get(key, _NO_DEFAULT) if entries is not None else _NO_DEFAULT
+    if entry is not _NO_DEFAULT and hasattr(entry, "default"):
+        return True, entry.default
+    defaults = getattr(config, "_default", None)
+    if isinstance(defaults, dict) and key in defaults:
+        return True, defaults[key]
+    return _NO_DEFAULT
 
 
 def config_layout(config: Any, entry: Any) -> bool | None:
@@ -288,6 +310,26 @@ def node_sequence_nr(node: Any) -> int | None:
     return None if sequence_nr is None else int(sequence_nr())
 
 
+def _engine_entries() -> frozenset[CodeType]:
+    graph = getattr(torch.autograd, "graph", None)
+    run = getattr(graph, "_engine_run_backward", None)
+    # torch 2.1: backward and grad (and grad's nested vjp) call the engine themselves.
+    functions = [run] if run is not None else [torch.autograd.backward, torch.autograd.grad]
+    codes = {c for f in functions if isinstance(c := getattr(f, "__code__", None), CodeType)}
+    for code in list(codes):
+        codes.update(c for c in code.co_consts if isinstance(c, CodeType) and c.co_name == "vjp")
+    return frozenset(codes)
+
+
+AUTOGRAD_ENGINE_ENTRIES: frozenset[CodeType] = _engine_entries()
+"""The code of torch's Python functions that hand a backward pass to autograd's C++
+engine: ``torch.autograd.graph._engine_run_backward`` (torch 2.6 has it), else those of
+``torch.autograd.backward`` and ``torch.autograd.grad`` and ``grad``'s nested ``vjp``
+(torch 2.1, where they call ``Variable._execution_engine.run_backward`` themselves).  An op
+call with one of them below it on the stack was made by the engine, not by the Python
+code above."""
+
+
 BATCH_NORM_BASE: type[_BatchNorm] = _BatchNorm
 """``torch.nn.modules.batchnorm._BatchNorm``: the base of the BatchNorm modules that
 normalize with a batch's statistics in training (every supported torch)."""
@@ -325,9 +367,14 @@ def inductor_config() -> Any:
 
 def inductor_mode_options(mode: str, dynamic: bool | None) -> dict[str, Any]:
     """``torch._inductor.list_mode_options(mode, dynamic)``: the inductor options a
-    ``torch.compile`` mode stands for (every supported torch; raises ``RuntimeError``
-    for an unknown mode)."""
+    ``torch.compile`` mode stands for (every supported torch).  An unknown mode raises
+    ``RuntimeError`` listing the modes, on every torch: torch 2.1 to 2.6 would raise a bare
+    ``KeyError`` (and return the table of every mode for ``""``), later ones the
+    ``RuntimeError``."""
     inductor = importlib.import_module(INDUCTOR)
+    modes: dict[str, Any] = inductor.list_mode_options(None, dynamic)
+    if mode not in modes:
+        raise RuntimeError(f"Unrecognized mode={mode}, should be one of: {', '.join(modes)}")
     options: dict[str, Any] = inductor.list_mode_options(mode, dynamic)
     return options
 

@@ -20,7 +20,10 @@ A module that is not imported is never imported here: its entries read as
 not imported, and a restore leaves them alone.  An entry imported *after* a
 capture is put back to :data:`AT_DEFAULT`: as if nobody had touched it.
 Where torch's config layout is not the one this module knows, the value itself
-is read and written with ``getattr``/``setattr``.
+is read and written with ``getattr``/``setattr``, and "back to default" writes
+the default torch recorded when it imported the module (torch 2.1 to 2.5 keep
+it in the module's ``_default`` table; see ``config_default`` in
+:mod:`deterministic_ctx._torch.internals`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from .._torch.internals import (
+    config_default,
     config_entries,
     config_layout,
     config_unset,
@@ -177,10 +181,9 @@ class ConfigEntry:
         found = found or self.located()
         if found is None:
             return None
-        entries = config_entries(found.config)
-        entry = entries.get(self.key) if entries is not None else None
-        if entry is not None and hasattr(entry, "default"):
-            return entry.default
+        known, value = config_default(found.config, self.key)
+        if known:
+            return value
         return None if self._unknown_default is None else self._unknown_default()
 
 

@@ -136,7 +136,7 @@ def _inductor_options(
     if mode is not None and mode != "default":
         try:
             merged.update(inductor_mode_options(mode, dynamic))
-        except RuntimeError as exc:  # torch's message lists the modes
+        except RuntimeError as exc:  # the message lists the modes (on every torch)
             raise ValueError(f"mode is not one of inductor's modes: {exc}") from None
     known = inductor_config().get_config_copy()
     for key, value in (options or {}).items():

@@ -68,6 +68,7 @@ from typing import Any
 import torch
 
 from ..internal import (
+    AUTOGRAD_ENGINE_ENTRIES,
     DYNAMO,
     UnwrappedDispatchMode,
     current_autograd_node,
@@ -346,9 +347,11 @@ def _qualname(code: CodeType) -> str:
     return getattr(code, "co_qualname", code.co_name)  # co_qualname: Python 3.11+
 
 
-#: The function of torch that hands a backward pass to autograd's engine (C++): op calls
-#: below it on the stack were made by a built-in backward formula.
-_ENGINE_ENTRY = "_engine_run_backward"
+#: The code of torch's functions that hand a backward pass to autograd's engine (C++): op
+#: calls below one on the stack were made by a built-in backward formula.  Code objects, not
+#: a name: torch 2.1 has no ``_engine_run_backward``, its ``backward`` and ``grad`` call the
+#: engine themselves.
+_ENGINE_ENTRIES = AUTOGRAD_ENGINE_ENTRIES
 
 
 def _user_frame(frame: FrameType | None) -> tuple[FrameType | None, bool]:
@@ -359,7 +362,7 @@ def _user_frame(frame: FrameType | None) -> tuple[FrameType | None, bool]:
         code = frame.f_code
         if not _is_library(code):
             return frame, engine
-        if code.co_name == _ENGINE_ENTRY:
+        if code in _ENGINE_ENTRIES:
             engine = True
         frame = frame.f_back
     return None, engine

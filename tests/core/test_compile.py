@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -303,6 +304,46 @@ assert inductor._is_default("fallback_random")
 """,
         check=True,
     )
+
+
+#: The entries' values as a child sees them after importing the config modules,
+#: ``INSIDE`` a plain block or not; then a snapshot of them is saved.
+_IMPORTED_VALUES = """
+import json, os, sys, tempfile
+import torch
+from deterministic_ctx import Snapshot, deterministic
+from deterministic_ctx.sources.compiler import ENTRIES
+def imports():
+    import torch._inductor.config, torch._functorch.config, torch._dynamo.config
+if INSIDE:
+    with deterministic(seed=0, compiled_rng=COMPILED_RNG):
+        imports()
+else:
+    imports()
+values = {
+    e.name: getattr(sys.modules[e.module], e.key)
+    for e in ENTRIES
+    if hasattr(sys.modules[e.module], e.key)
+}
+with tempfile.TemporaryDirectory() as folder:
+    Snapshot.capture().save(os.path.join(folder, "snapshot"))
+print(json.dumps(values))
+"""
+
+
+@pytest.mark.parametrize("compiled_rng", [None, "eager"])
+def test_config_modules_first_imported_inside_a_block_keep_torchs_defaults(compiled_rng):
+    # On torch 2.1 to 2.5 the block used to put such entries back to None (those torches
+    # keep the defaults in the module's `_default` table, not in its entries), and the next
+    # snapshot could not be saved ("fallback_random holds None, not True or False").
+    def values(inside: bool) -> dict[str, object]:
+        code = f"INSIDE = {inside}\nCOMPILED_RNG = {compiled_rng!r}\n{_IMPORTED_VALUES}"
+        out = run_python([], code=code, check=True).stdout
+        return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+    plain = values(False)
+    assert plain and None not in plain.values(), plain
+    assert values(True) == plain
 
 
 # -- blocks around compiled code -------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import importlib
+import inspect
 import json
 import sys
 import textwrap
@@ -34,6 +35,31 @@ TABLE = table()
 
 #: Where torch changed a behaviour, the tests expect the running release's.
 _BEFORE_2_13 = release_of(torch.__version__) < (2, 13)
+
+#: The running torch is of a release the table was checked against: the tests hold the
+#: audit to the table exactly.  On another release they accept, besides, the older
+#: behaviours below, each found by probing the running torch, not by its version.
+_CHECKED = "{}.{}".format(*release_of(torch.__version__)) in CHECKED_TORCH
+
+#: ``F.pad`` is torch's C function (torch 2.1), without the Python route that runs
+#: ``mode="replicate"`` as an index decomposition in deterministic mode: through it,
+#: replication padding's backward is the native kernel, which raises on CUDA, as when
+#: ``replication_pad*d`` is called directly ("replication_pad", not "replication_pad-F.pad").
+_PAD_IN_C = not _CHECKED and not inspect.isfunction(F.pad)
+_PAD_REPLICATE = (
+    ("replication_pad", "raise") if _PAD_IN_C else ("replication_pad-F.pad", "deterministic")
+)
+
+#: ``_embedding_bag_backward`` is a composite (torch 2.1): backward runs, and the audit sees,
+#: the ``_embedding_bag_dense_backward`` it calls on the CPU (an op of the same table entry).
+_BAG_BACKWARD = (
+    "aten._embedding_bag_dense_backward.default"
+    if not _CHECKED
+    and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "aten::_embedding_bag_backward", "CompositeImplicitAutograd"
+    )
+    else "aten._embedding_bag_backward.default"
+)
 
 _SOURCE = Path(__file__).read_text().splitlines()
 
@@ -122,7 +148,7 @@ def test_small_model_lists_embedding_bag_index_add_and_interpolate():
     ]
     bag = by_entry(report, "embedding_bag-max")
     assert (bag.op, bag.phase, bag.behaviour) == (
-        "aten._embedding_bag_backward.default",
+        _BAG_BACKWARD,
         "backward",
         "raise",
     )
@@ -384,13 +410,9 @@ def _grad_through(forward, *shape):
         (
             lambda x: F.pad(x, (1, 1, 1, 1), mode="replicate"),
             (1, 1, 4, 4),
-            ("replication_pad-F.pad", "deterministic"),
+            _PAD_REPLICATE,
         ),
-        (
-            lambda x: nn.ReplicationPad1d(2)(x),
-            (1, 1, 4),
-            ("replication_pad-F.pad", "deterministic"),
-        ),
+        (lambda x: nn.ReplicationPad1d(2)(x), (1, 1, 4), _PAD_REPLICATE),
         (
             lambda x: torch._C._nn.replication_pad2d(x, (1, 1, 1, 1)),
             (1, 1, 4, 4),
@@ -886,16 +908,26 @@ def test_every_table_entry_is_well_formed():
         if entry.when is not None:
             assert entry.condition, f"{entry.key}: a condition needs its words"
         if entry.kind == "op":
-            for op in entry.ops:
-                assert hasattr(torch.ops.aten, op), f"{entry.key}: no aten op {op}"
+            # An older, unchecked torch may lack some of an entry's ops (torch 2.1 has no
+            # _scaled_dot_product_flash_attention_for_cpu_backward), not all of them.
+            missing = [op for op in entry.ops if not hasattr(torch.ops.aten, op)]
+            if _CHECKED:
+                assert not missing, f"{entry.key}: no aten op {missing}"
+            else:
+                assert len(missing) < len(entry.ops), f"{entry.key}: no aten op {missing}"
             assert not entry.parameters and not entry.unless_dispatched, entry.key
         elif entry.kind == "function":
             assert entry.when is not None, entry.key
             for qualname in entry.ops:
                 module, _, name = qualname.rpartition(".")
                 assert callable(getattr(__import__(module, fromlist=[name]), name)), qualname
-            for op in entry.unless_dispatched:
-                assert hasattr(torch.ops.aten, op), f"{entry.key}: no aten op {op}"
+            missing = [op for op in entry.unless_dispatched if not hasattr(torch.ops.aten, op)]
+            if _CHECKED:
+                assert not missing, f"{entry.key}: no aten op {missing}"
+            else:
+                assert not missing or len(missing) < len(entry.unless_dispatched), (
+                    f"{entry.key}: {missing}"
+                )
         else:
             assert entry is uninitialized_entry() and entry.when is None
     # Entries of one op are tried in order: a conditional one must come before a catch-all.
@@ -919,6 +951,9 @@ def test_entry_conditions():
 @pytest.mark.parametrize("entry", TABLE, ids=lambda entry: entry.key)
 def test_every_example_is_found_by_the_audit_on_the_cpu(entry):
     report = audit_nondeterminism(entry.example, torch.device("cpu"))
+    if entry.key == "replication_pad-F.pad" and _PAD_IN_C:
+        assert {(f.entry, f.behaviour) for f in report.findings} == {_PAD_REPLICATE}, str(report)
+        return
     assert keys(report) == [entry.key] * len(report.findings), str(report)
     assert report.findings, str(report)
     assert {f.behaviour for f in report.findings} == {entry.behaviour_on(torch.__version__)}

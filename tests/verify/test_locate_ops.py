@@ -338,6 +338,18 @@ def test_built_in_backward_ops_are_placed_at_their_forward_line():
     x.grad = None
 
 
+def test_ops_of_autograd_grad_are_placed_at_their_forward_line():
+    # torch 2.1 has no _engine_run_backward: torch.autograd.grad calls the engine itself.
+    x = torch.ones(4, requires_grad=True)
+    index = torch.tensor([0, 2, 2])
+    with OpRecorder(phase="backward", node_locations=True) as rec:
+        y = x[index]  # forward of grad: index
+        (grad,) = torch.autograd.grad(y.sum(), x)
+    placed = {c.location for c in rec.calls if c.node == "IndexBackward0"}
+    assert placed == {line("forward of grad: index")}
+    assert grad.tolist() == [1.0, 0.0, 2.0, 0.0]
+
+
 # --- other kinds of divergence ------------------------------------------------------------------
 
 
