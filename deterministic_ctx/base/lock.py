@@ -140,7 +140,7 @@ class ProcessLock:
         rlock = self._rlock
         # The fast path: the lock is free, or this thread holds it (nested blocks).
         if rlock.acquire(False):
-            if self.count() == 1:
+            if self.count() == 1:  # what ``_own`` does, inline: the hot path
                 self._owner_ref = self.threads.ref
                 self.owner = _get_ident()
                 self.since = _monotonic()
@@ -152,6 +152,12 @@ class ProcessLock:
             rlock.release()
         self._wait(rlock)
 
+    def _own(self) -> None:
+        """Record the calling thread, which has just taken the first level, as the owner."""
+        self._owner_ref = self.threads.ref
+        self.owner = _get_ident()
+        self.since = _monotonic()
+
     def _wait(self, rlock: Any) -> None:
         started = _monotonic()
         warned = self.warn_after is None
@@ -162,9 +168,7 @@ class ProcessLock:
                 timeout = max(0.0, min(POLL, started + self.warn_after - _monotonic()))
             if rlock.acquire(True, timeout):
                 if self.count() == 1:
-                    self._owner_ref = self.threads.ref
-                    self.owner = _get_ident()
-                    self.since = _monotonic()
+                    self._own()
                     return
                 rlock.release()  # taken by ident only (see acquire): the owner is dead
             if self._rlock is not rlock:  # another thread took over a dead owner's lock
@@ -195,9 +199,7 @@ class ProcessLock:
             fresh.acquire()
             self.count = _counter(fresh)
             self._rlock = fresh
-            self._owner_ref = self.threads.ref
-            self.owner = _get_ident()
-            self.since = _monotonic()
+            self._own()
         # Outside the mutex: the engine's clean-up restores state, and other
         # waiters now wait on ``fresh``, which this thread holds.
         callback = self.on_dead_owner

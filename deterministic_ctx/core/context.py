@@ -106,9 +106,9 @@ class _Blocks:
     #: A plain dict made in ``__init__``: dynamo traces the construction of a
     #: block object in compiled code, and a ``threading.local`` would cost a
     #: fresh block 0.8 µs.
-    _by_thread: dict[object, dict[object, list[_Open]]]
+    _by_thread: dict[Callable[[], object], dict[object, list[_Open]]]
 
-    def _first_entry(self, me: object) -> dict[object, list[_Open]]:
+    def _first_entry(self, me: Callable[[], object]) -> dict[object, list[_Open]]:
         """The calling thread's (``me``) record of this object's open blocks, new.
 
         The records of threads that have ended go (a weak reference is dead
@@ -118,7 +118,7 @@ class _Blocks:
         by_thread = self._by_thread
         if by_thread:
             for ref in list(by_thread):  # a copy: other threads add theirs meanwhile
-                if ref() is None:  # type: ignore[operator]
+                if ref() is None:
                     by_thread.pop(ref, None)
         blocks: dict[object, list[_Open]] = {}
         by_thread[me] = blocks
@@ -129,18 +129,19 @@ class _Blocks:
         return self._by_thread.get(_THREADS.ref, {})
 
     def __enter__(self: _B) -> _B:
-        # Inside a compiled function (which dynamo then runs eagerly, see
-        # _IN_COMPILED_CODE) the frames the body calls must run eagerly too,
-        # or they would be compiled and draw inductor's numbers: dynamo is
-        # paused first, before any Python frame is called, until the exit.
-        # Outside compiled code this swaps None for None.
-        # (``_paused_here`` only inside compiled code: no frame for it elsewhere.)
         me = _THREADS.ref
         blocks = self._by_thread.get(me)
         if blocks is None:
             blocks = self._first_entry(me)
         stack = blocks.setdefault(None, [])
         depth = len(stack)
+        # Inside a compiled function (which dynamo then runs eagerly, see
+        # _IN_COMPILED_CODE) the frames the body calls must run eagerly too,
+        # or they would be compiled and draw inductor's numbers: dynamo is
+        # paused first, until the exit (``_first_entry``, the one frame that
+        # may run before, is opaque to dynamo itself).
+        # Outside compiled code this swaps None for None.
+        # (``_paused_here`` only inside compiled code: no frame for it elsewhere.)
         try:
             return self._push(stack, None if (cb := pause_compiler()) is None else _paused_here(cb))
         except BaseException:
@@ -245,6 +246,7 @@ opaque(_Blocks.__enter__, _IN_COMPILED_CODE, recursive=False)
 opaque(_Blocks.__exit__, _IN_COMPILED_CODE, recursive=False)
 opaque(_Blocks.__aenter__, _IN_COMPILED_CODE, recursive=True)
 opaque(_Blocks.__aexit__, _IN_COMPILED_CODE, recursive=True)
+opaque(_Blocks._first_entry, _IN_COMPILED_CODE, recursive=True)
 
 
 class deterministic(

@@ -277,10 +277,7 @@ def _after_dead_owner(thread: threading.Thread) -> None:
     generator it was stepping) are not open and are not touched.
     """
     left = list(_active)
-    target = left[0]._outer if left else None
-    del _active[:]
-    for block in left:
-        block._outer = None
+    target = _drop_open_blocks()
     what = f"an open {_describe(left[0])} block" if left else "the lock, in no block"
     if len(left) > 1:
         what += f" and {len(left) - 1} more nested in it"
@@ -294,6 +291,18 @@ def _after_dead_owner(thread: threading.Thread) -> None:
     )
     if target is not None:
         target.restore()
+
+
+def _drop_open_blocks() -> World | None:
+    """Forget the open blocks of a thread that no longer exists (it ended, or
+    a fork left it behind); the state from before the first of them, which
+    ``_active[0]._outer`` holds from before the first change is applied until
+    after the last one is undone (``None``: no block was open)."""
+    target = _active[0]._outer if _active else None
+    for block in _active:
+        block._outer = None
+    del _active[:]
+    return target
 
 
 def _describe(block: Block) -> str:
@@ -359,10 +368,8 @@ def _after_fork_in_child() -> None:
         # Forked outside every block.  If another thread was inside (or
         # entering, or leaving) one, that thread does not exist here: the
         # child continues from the state outside its blocks, which is the
-        # forking thread's view.  ``_active[0]`` holds it from before the
-        # first change is applied until after the last one is undone.
-        target = _active[0]._outer if _active else None
-        del _active[:]
+        # forking thread's view.
+        target = _drop_open_blocks()
         LOCK.reset_after_fork()
     if target is not None:
         try:
