@@ -24,6 +24,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._errors import DeterministicCtxError as DeterministicCtxError
+from ._errors import DeterministicCtxWarning as DeterministicCtxWarning
 from .base.version import __version__ as __version__
 
 if TYPE_CHECKING:  # what the names below resolve to, for type checkers and readers
@@ -70,6 +72,8 @@ __all__ = [
     "BatchInvarianceError",
     "CompiledMismatchError",
     "DeterminismReport",
+    "DeterministicCtxError",
+    "DeterministicCtxWarning",
     "DivergenceReport",
     "GraphCaptureError",
     "InvalidSnapshotError",
@@ -184,7 +188,7 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-class _LoadError(ImportError):
+class _LoadError(DeterministicCtxError, ImportError):
     """A public name whose module failed to load with an ``AttributeError``:
     raised as an ``ImportError`` that names the real cause, which is chained."""
 

@@ -11,6 +11,7 @@ import ast
 import importlib
 import importlib.metadata
 import io
+import itertools
 import re
 import tokenize
 from pathlib import Path
@@ -205,3 +206,99 @@ def test_private_torch_names_live_in_one_place():
     )
     assert len(naming) <= 3, naming
     assert all(name.startswith("_torch/") for name in naming), naming
+
+
+# -- errors and warnings: one base, one public path --------------------------------------------
+
+
+def _package_modules() -> list[str]:
+    import pkgutil
+
+    names = ["deterministic_ctx"]
+    for info in pkgutil.walk_packages(deterministic_ctx.__path__, "deterministic_ctx."):
+        # __main__ runs the command line when imported.
+        if not info.name.endswith(".__main__"):
+            names.append(info.name)
+    return names
+
+
+def _exception_classes_defined_in_the_package() -> dict[str, type[BaseException]]:
+    found: dict[str, type[BaseException]] = {}
+    for name in _package_modules():
+        for value in vars(importlib.import_module(name)).values():
+            if (
+                isinstance(value, type)
+                and issubclass(value, BaseException)
+                and value.__module__.split(".")[0] == "deterministic_ctx"
+            ):
+                found[f"{value.__module__}.{value.__qualname__}"] = value
+    return found
+
+
+def _exported_exception_classes() -> list[type[BaseException]]:
+    return [
+        value
+        for name in deterministic_ctx.__all__
+        if isinstance(value := getattr(deterministic_ctx, name), type)
+        and issubclass(value, BaseException)
+    ]
+
+
+def test_the_walk_finds_every_kind_of_error():
+    # A walk that found nothing would pass the tests below: it must see the
+    # private and the deep ones too.
+    found = {cls.__name__ for cls in _exception_classes_defined_in_the_package().values()}
+    assert {"InvalidTraceError", "TableError", "DeterministicLeakWarning", "_LoadError"} <= found
+    assert len(found) >= 18, sorted(found)
+
+
+def test_every_error_and_warning_of_the_package_has_the_common_base():
+    Error, Warn = deterministic_ctx.DeterministicCtxError, deterministic_ctx.DeterministicCtxWarning
+    stray = sorted(
+        where
+        for where, cls in _exception_classes_defined_in_the_package().items()
+        if not issubclass(cls, Warn if issubclass(cls, Warning) else Error)
+    )
+    assert stray == []
+
+
+@pytest.mark.parametrize("cls", _exported_exception_classes(), ids=lambda cls: cls.__name__)
+def test_every_exported_error_derives_from_the_base_and_keeps_a_builtin_one(cls):
+    roots = (deterministic_ctx.DeterministicCtxError, deterministic_ctx.DeterministicCtxWarning)
+    if cls in roots:
+        return
+    base = roots[1] if issubclass(cls, Warning) else roots[0]
+    assert issubclass(cls, base)
+    # e.g. ValueError, RuntimeWarning: existing ``except`` clauses and filters keep working.
+    builtin = {c for c in cls.__mro__ if c.__module__ == "builtins"}
+    assert builtin - {Exception, Warning, BaseException, object}, cls.__mro__
+
+
+@pytest.mark.parametrize("cls", _exported_exception_classes(), ids=lambda cls: cls.__name__)
+def test_every_exported_error_prints_its_public_path(cls):
+    import pickle
+
+    assert cls.__module__ == "deterministic_ctx"
+    assert repr(cls) == f"<class 'deterministic_ctx.{cls.__name__}'>"
+    # Pickles (multiprocessing, xdist) find the class by that path.
+    assert getattr(deterministic_ctx, cls.__qualname__) is cls
+    assert pickle.loads(pickle.dumps(cls)) is cls
+
+
+def test_a_traceback_names_the_public_path(tmp_path):
+    import traceback
+
+    path = tmp_path / "not-a-snapshot.bin"
+    path.write_bytes(b"hello")
+    with pytest.raises(deterministic_ctx.InvalidSnapshotError) as info:
+        deterministic_ctx.Snapshot.load(path)
+    last = traceback.format_exception_only(info.type, info.value)[-1]
+    assert last.startswith("deterministic_ctx.InvalidSnapshotError: invalid snapshot"), last
+
+
+def test_the_base_classes_catch_what_the_library_raises():
+    with pytest.raises(deterministic_ctx.DeterministicCtxError):
+        deterministic_ctx.Snapshot.from_state_dict({})
+    with pytest.raises(deterministic_ctx.DeterministicCtxError):
+        # A counter answers 0, then 1: never the same twice.
+        deterministic_ctx.assert_reproducible(itertools.count().__next__)

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .._errors import PUBLIC_MODULE, DeterministicCtxError
+
 __all__ = [
     "Capability",
     "ProbeLater",
@@ -19,13 +21,13 @@ __all__ = [
 _UNPROBED: Any = object()
 
 
-class ProbeLater(Exception):
+class ProbeLater(DeterministicCtxError):
     """Raised by a probe that could only answer by importing a module that is not
     imported yet (``torch._inductor``): the capability reads as missing for now
     and is probed again at its next use."""
 
 
-class TorchFeatureError(RuntimeError):
+class TorchFeatureError(DeterministicCtxError, RuntimeError):
     """A block option, or another explicit request, needs an API this torch lacks.
 
     The message names what was asked for, what torch would need to have, and
@@ -35,8 +37,10 @@ class TorchFeatureError(RuntimeError):
         >>> raise TorchFeatureError("compiled_rng='eager' needs X (torch >= 2.2); ...")
         Traceback (most recent call last):
         ...
-        deterministic_ctx._torch._capability.TorchFeatureError: compiled_rng='eager' ...
+        deterministic_ctx.TorchFeatureError: compiled_rng='eager' ...
     """
+
+    __module__ = PUBLIC_MODULE
 
 
 class Capability:

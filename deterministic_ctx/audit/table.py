@@ -75,6 +75,7 @@ import json
 from importlib import resources
 from typing import Any, NoReturn, cast, get_args
 
+from .._errors import DeterministicCtxError
 from .conditions import CONDITIONS
 from .examples import EXAMPLES
 from .model import Behaviour, Kind, OpEntry, Phase
@@ -98,7 +99,7 @@ _OPTIONAL = (
 )
 
 
-class TableError(ValueError):
+class TableError(DeterministicCtxError, ValueError):
     """The table's data file is malformed: the message names the entry, the field and
     what is wrong with it."""
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from .._errors import PUBLIC_MODULE, DeterministicCtxError, DeterministicCtxWarning
+
 __all__ = [
     "AbandonedBlockWarning",
     "GraphCaptureError",
@@ -13,7 +15,7 @@ __all__ = [
 ]
 
 
-class RestoreError(RuntimeError):
+class RestoreError(DeterministicCtxError, RuntimeError):
     """One or more sources of random state could not be put back.
 
     Every other source *was* restored before this is raised: a failure in one
@@ -26,6 +28,8 @@ class RestoreError(RuntimeError):
         ['numpy']
     """
 
+    __module__ = PUBLIC_MODULE
+
     def __init__(self, failures: Mapping[str, BaseException]) -> None:
         self.failures: dict[str, BaseException] = dict(failures)
         detail = "; ".join(f"{name}: {exc!r}" for name, exc in self.failures.items())
@@ -35,7 +39,7 @@ class RestoreError(RuntimeError):
         )
 
 
-class LockWaitWarning(RuntimeWarning):
+class LockWaitWarning(DeterministicCtxWarning, RuntimeWarning):
     """A thread has waited a long time to enter a deterministic block.
 
     RNG state is process-global, so blocks in different threads run one after
@@ -48,8 +52,10 @@ class LockWaitWarning(RuntimeWarning):
         True
     """
 
+    __module__ = PUBLIC_MODULE
 
-class AbandonedBlockWarning(RuntimeWarning):
+
+class AbandonedBlockWarning(DeterministicCtxWarning, RuntimeWarning):
     """A thread ended inside a deterministic block, and another thread took over.
 
     A thread that returns (or is killed by its pool) without leaving its
@@ -65,8 +71,10 @@ class AbandonedBlockWarning(RuntimeWarning):
         True
     """
 
+    __module__ = PUBLIC_MODULE
 
-class InvalidSnapshotError(ValueError):
+
+class InvalidSnapshotError(DeterministicCtxError, ValueError):
     """A saved snapshot (a file or a ``state_dict``) cannot be loaded.
 
     Raised by :meth:`Snapshot.load <deterministic_ctx.Snapshot.load>` and
@@ -86,6 +94,8 @@ class InvalidSnapshotError(ValueError):
         True
     """
 
+    __module__ = PUBLIC_MODULE
+
     def __init__(self, origin: str, problem: str) -> None:
         self.origin = origin
         self.problem = problem
@@ -96,7 +106,7 @@ class InvalidSnapshotError(ValueError):
         return type(self), (self.origin, self.problem)
 
 
-class GraphCaptureError(RuntimeError):
+class GraphCaptureError(DeterministicCtxError, RuntimeError):
     """A device's generators were to be read or set while a graph is being captured.
 
     Raised by a block's entry, :meth:`Snapshot.capture <deterministic_ctx.Snapshot.capture>`
@@ -110,3 +120,5 @@ class GraphCaptureError(RuntimeError):
         >>> issubclass(GraphCaptureError, RuntimeError)
         True
     """
+
+    __module__ = PUBLIC_MODULE

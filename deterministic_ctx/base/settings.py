@@ -23,6 +23,7 @@ from typing import Any, Literal, TypeAlias
 
 import numpy as np
 
+from .._errors import DeterministicCtxError
 from .._torch import FILL_UNINITIALIZED_MEMORY
 from .seed import derive_seed, show_int, validate_seed
 
@@ -282,7 +283,7 @@ def launcher_variables(*, strict: bool = True) -> dict[str, int] | None:
         return None
 
 
-class _Partial(Exception):
+class _Partial(DeterministicCtxError):
     """Only one of ``RANK`` and ``WORLD_SIZE`` is set: (the one set, the one missing)."""
 
 

@@ -51,6 +51,7 @@ from types import TracebackType
 from typing import Any, NamedTuple
 
 # The version only: a leaf module, so ``--version`` and ``run``'s restart load no torch.
+from .._errors import DeterministicCtxError
 from ..base.version import __version__
 
 # Nothing from the engine here: ``deterministic_ctx.internal`` imports torch and
@@ -538,7 +539,7 @@ class _Target(NamedTuple):
         return runpy.run_path(self.name, run_name="__main__")
 
 
-class _UsageError(Exception):
+class _UsageError(DeterministicCtxError):
     """A usage error of ``run``: printed as ``deterministic-ctx run: error: ...``, status 2."""
 
     def __init__(self, message: str, *, show_usage: bool = False) -> None:

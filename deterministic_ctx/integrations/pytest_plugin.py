@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from .._errors import DeterministicCtxWarning
+
 if TYPE_CHECKING:
     from .. import Snapshot
 
@@ -48,7 +50,7 @@ _WORKER_KEY = "deterministic_ctx_seed"
 _LEAK_MODES = ("off", "warn", "error")
 
 
-class DeterministicLeakWarning(UserWarning):
+class DeterministicLeakWarning(DeterministicCtxWarning, UserWarning):
     """A test changed determinism flags or environment variables and did not restore them.
 
     Emitted by the leak guard in ``--deterministic-leaks=warn`` mode (the default); in ``error``

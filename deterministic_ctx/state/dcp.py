@@ -70,7 +70,7 @@ ranks, ``state_dict()`` and ``load_state_dict()`` are collectives over it:
 the ranks agree that every rank could save (or restore) its state before any
 rank goes on, so a failure on one rank (a state larger than ``capacity``, a
 corrupted entry, a registered RNG missing) raises
-:class:`~deterministic_ctx.state.sync.RngStateError` on every rank, instead of one
+:class:`~deterministic_ctx.RngStateError` on every rank, instead of one
 rank failing while the others wait in DCP's or the training's next
 collective.  Nothing is restored anywhere unless every rank can restore its
 own.  As ``dcp.save`` and ``dcp.load`` themselves, every rank must call them.
@@ -217,7 +217,7 @@ class RngState:
         into.  A collective where a process group of several ranks is
         initialized: if any rank cannot encode its state (larger than
         ``capacity``, two registered RNGs sharing a key), every rank raises
-        :class:`~deterministic_ctx.state.sync.RngStateError`; in one process the
+        :class:`~deterministic_ctx.RngStateError`; in one process the
         error itself is raised.
 
         Example:
@@ -241,7 +241,7 @@ class RngState:
 
         Every field is checked (:class:`~deterministic_ctx.InvalidSnapshotError`
         on bad input), then every rank restores its own state, or, if any rank
-        cannot, every rank raises :class:`~deterministic_ctx.state.sync.RngStateError`
+        cannot, every rank raises :class:`~deterministic_ctx.RngStateError`
         and none restores anything (in one process, the error itself is
         raised).  A different world size follows ``on_world_size_change``.
 

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._errors import PUBLIC_MODULE, DeterministicCtxError
 from ..internal import accelerator_type, registered_rngs
 from .checkpoint import InvalidSnapshotError, decode, encode
 from .snapshot import Snapshot
@@ -65,7 +66,7 @@ __all__ = [
 MESSAGE_BYTES = 1024
 
 
-class RngStateError(RuntimeError):
+class RngStateError(DeterministicCtxError, RuntimeError):
     """One or more ranks could not take a random state, so no rank took it.
 
     Raised on every rank of the group, by :func:`sync_rng_state` and by
@@ -81,6 +82,8 @@ class RngStateError(RuntimeError):
         >>> print(err)  # doctest: +ELLIPSIS
         sync_rng_state from rank 0: rank 1 failed, so no rank changed its random state: rank 1: ...
     """
+
+    __module__ = PUBLIC_MODULE
 
     def __init__(self, what: str, failures: Mapping[int, str]) -> None:
         self.what = what

@@ -14,6 +14,7 @@ from typing import Any, cast
 
 import torch
 
+from .._errors import PUBLIC_MODULE
 from ..internal import plain_fields, plain_flag, plain_integer, plain_mapping
 from ..state.checkpoint import (
     FileKind,
@@ -52,6 +53,8 @@ class InvalidTraceError(InvalidSnapshotError):
         >>> str(InvalidTraceError("file 'a.trace'", "truncated"))
         "invalid trace file 'a.trace': truncated"
     """
+
+    __module__ = PUBLIC_MODULE
 
     def __init__(self, origin: str, problem: str) -> None:
         super().__init__(origin, problem)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .._errors import PUBLIC_MODULE
 from ..core.context import deterministic
 from ..internal import BATCH_NORM_BASE, DROPOUT_BASE
 from .compare import Difference, first_difference, tensor_leaves
@@ -38,6 +39,8 @@ class BatchInvarianceError(NotReproducibleError):
         >>> isinstance(err, NotReproducibleError), err.path, err.row, err.dim, err.out_dim
         (True, 'result', 3, 0, 0)
     """
+
+    __module__ = PUBLIC_MODULE
 
     def __init__(
         self,

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .._errors import PUBLIC_MODULE
 from ..core.context import deterministic
 from ..internal import (
     DYNAMO_CONFIG,
@@ -42,6 +43,8 @@ class CompiledMismatchError(NotReproducibleError):
         >>> isinstance(err, NotReproducibleError), err.path, err.compiled_rng, err.backend
         (True, 'result[0]', None, 'inductor')
     """
+
+    __module__ = PUBLIC_MODULE
 
     def __init__(
         self,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from .._errors import PUBLIC_MODULE, DeterministicCtxError
 from ..core.context import deterministic
 from .compare import first_difference
 from .rerun import SavedState, call_and_consume, check_fn, check_runs, objects_to_reset
@@ -13,7 +14,7 @@ from .rerun import SavedState, call_and_consume, check_fn, check_runs, objects_t
 __all__ = ["NotReproducibleError", "assert_reproducible", "fn_name"]
 
 
-class NotReproducibleError(AssertionError):
+class NotReproducibleError(DeterministicCtxError, AssertionError):
     """Two runs of the same function under the same seed gave different results.
 
     A subclass of :class:`AssertionError`, so pytest reports it like a failed
@@ -31,6 +32,8 @@ class NotReproducibleError(AssertionError):
         >>> isinstance(err, AssertionError), err.path
         (True, 'result[0]')
     """
+
+    __module__ = PUBLIC_MODULE
 
     def __init__(
         self,

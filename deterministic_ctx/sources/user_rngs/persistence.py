@@ -16,6 +16,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from ..._errors import DeterministicCtxError
 from .. import _plain
 from ..numpy_global import BIT_GENERATORS, bit_generator_state_from_plain, numpy_state_to_plain
 from ..python_random import random_state_from_plain, random_state_to_plain
@@ -76,7 +77,7 @@ _TENSOR = "x"
 _CONTAINERS: dict[type, str] = {tuple: "t", list: "l", dict: "d"}
 
 
-class NotPlain(Exception):
+class NotPlain(DeterministicCtxError):
     """A random-like object's state that a checkpoint cannot hold (says why)."""
 
 

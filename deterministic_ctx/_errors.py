@@ -1,0 +1,55 @@
+"""The two base classes of everything deterministic-ctx raises or warns.
+
+They live in this leaf module, below every layer (``.importlinter``), because
+errors are defined in every layer, ``_torch`` included; users import them from
+the package itself.  Every public error and warning sets ``__module__`` to
+``"deterministic_ctx"``, so tracebacks, reprs and pickles name the path users
+import (``deterministic_ctx.InvalidSnapshotError``), not the file it is
+defined in.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PUBLIC_MODULE", "DeterministicCtxError", "DeterministicCtxWarning"]
+
+#: The ``__module__`` of every public error and warning: the path users import it from.
+PUBLIC_MODULE = "deterministic_ctx"
+
+
+class DeterministicCtxError(Exception):
+    """The base class of every error deterministic-ctx raises.
+
+    Each concrete error also keeps its built-in base (``ValueError``,
+    ``RuntimeError``, ``AssertionError``, ...), so existing handlers still catch
+    it; ``except DeterministicCtxError`` catches all of them, and only them.
+    Misused arguments (a seed of the wrong type, an unknown option) raise plain
+    ``TypeError`` / ``ValueError`` that name the argument.
+
+    Example:
+        >>> from deterministic_ctx import DeterministicCtxError, InvalidSnapshotError
+        >>> issubclass(InvalidSnapshotError, DeterministicCtxError)
+        True
+        >>> issubclass(InvalidSnapshotError, ValueError)
+        True
+    """
+
+    __module__ = PUBLIC_MODULE
+
+
+class DeterministicCtxWarning(Warning):
+    """The base class of every warning class deterministic-ctx defines.
+
+    Each also keeps its built-in category (``RuntimeWarning``,
+    ``UserWarning``), so one filter can silence or escalate them all:
+    ``warnings.simplefilter("error", DeterministicCtxWarning)``, or
+    ``-W error::deterministic_ctx.DeterministicCtxWarning`` on the command line.
+
+    Example:
+        >>> from deterministic_ctx import DeterministicCtxWarning, LockWaitWarning
+        >>> issubclass(LockWaitWarning, DeterministicCtxWarning)
+        True
+        >>> issubclass(LockWaitWarning, RuntimeWarning)
+        True
+    """
+
+    __module__ = PUBLIC_MODULE
