@@ -44,10 +44,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from deterministic_ctx import deterministic
-from deterministic_ctx.verify import assert_reproducible
+from deterministic_ctx import assert_reproducible, deterministic, locate_divergence
 from deterministic_ctx.verify.fingerprint import FingerprintStore, fingerprint_parts
-from deterministic_ctx.verify.locate import locate_divergence
 
 #: Issue #15: locate_divergence on the MLP at most this many times one run of the workload.
 TARGETS = {"locate": 3.0, "locate+bw": 5.0}

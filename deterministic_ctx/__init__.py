@@ -47,7 +47,6 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from .parallel.seeding import seed_everything
     from .parallel.streams import RngStreams
     from .reporting import DeterminismReport, report
-    from .reporting import report as determinism_report
     from .sources import register_rng, registered_rngs, unregister_rng
     from .sources.environ import DETERMINISTIC_COLLECTIVES, managed_env_vars, register_env_var
     from .state.dcp import RngState
@@ -97,7 +96,6 @@ __all__ = [
     "chain_worker_init",
     "compare_traces",
     "derive_seed",
-    "determinism_report",
     "deterministic",
     "isolated",
     "locate_divergence",
@@ -150,7 +148,6 @@ _WHERE: dict[str, tuple[str, str]] = {
     "chain_worker_init": (".parallel.data", "chain_worker_init"),
     "compare_traces": (".trace", "compare_traces"),
     "derive_seed": (".base.seed", "derive_seed"),
-    "determinism_report": (".reporting", "report"),
     "deterministic": (".core.context", "deterministic"),
     "isolated": (".core.context", "isolated"),
     "locate_divergence": (".verify.locate", "locate_divergence"),

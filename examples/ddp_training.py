@@ -39,9 +39,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from deterministic_ctx import deterministic
-from deterministic_ctx.data import seed_worker, seeded_generator
-from deterministic_ctx.distributed import broadcast_seed
+from deterministic_ctx import broadcast_seed, deterministic, seed_worker, seeded_generator
 
 WORLD_SIZE = 2
 EPOCHS = 2

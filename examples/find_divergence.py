@@ -16,9 +16,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deterministic_ctx import register_rng, unregister_rng
-from deterministic_ctx.locate import locate_divergence
-from deterministic_ctx.verify import NotReproducibleError, assert_reproducible
+from deterministic_ctx import (
+    NotReproducibleError,
+    assert_reproducible,
+    locate_divergence,
+    register_rng,
+    unregister_rng,
+)
 
 
 class NoisyGELU(nn.Module):

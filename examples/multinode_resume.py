@@ -62,9 +62,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import deterministic_ctx
-from deterministic_ctx import rank_seed, register_rng, seed_everything
-from deterministic_ctx.data import seed_worker, seeded_generator
-from deterministic_ctx.dcp import RngState
+from deterministic_ctx import (
+    RngState,
+    rank_seed,
+    register_rng,
+    seed_everything,
+    seed_worker,
+    seeded_generator,
+)
 
 NODES = 2
 PROCESSES_PER_NODE = 2

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from deterministic_ctx.trace import compare_traces, record_trace
+from deterministic_ctx import compare_traces, record_trace
 
 
 def train_step() -> float:

@@ -1,8 +1,9 @@
-"""The package's layout keeps its promises: old import paths, entry points, sizes.
+"""The package's layout keeps its promises: one import path per module, entry points, sizes,
+errors with one base and their public path.
 
-The modules moved into layer packages (docs/explanation/architecture.md); what users
-import, and what other tools find through entry points, must keep working, and the
-tree must stay readable: no giant module, a short package root.
+The modules live in layer packages (docs/explanation/architecture.md); users import the
+public names from ``deterministic_ctx`` itself, other tools find the plugins through entry
+points, and the tree must stay readable: no giant module, a short package root.
 """
 
 from __future__ import annotations
@@ -23,59 +24,71 @@ from tests.helpers import ROOT, run_python
 
 PACKAGE = ROOT / "deterministic_ctx"
 
-#: Old import path -> the module it *is* now.
-ALIASES = {
-    "deterministic_ctx.data": "deterministic_ctx.parallel.data",
-    "deterministic_ctx.distributed": "deterministic_ctx.parallel.ranks",
-    "deterministic_ctx.dcp": "deterministic_ctx.state.dcp",
-    "deterministic_ctx.snapshot": "deterministic_ctx.state.snapshot",
-    "deterministic_ctx.locate": "deterministic_ctx.verify.locate",
-    "deterministic_ctx.ops": "deterministic_ctx.verify.ops",
-    "deterministic_ctx.hypothesis": "deterministic_ctx.integrations.hypothesis",
-    "deterministic_ctx.streams": "deterministic_ctx.parallel.streams",
-}
+#: Paths that were a second name of a module (aliases replacing themselves in
+#: ``sys.modules``) before the first release: each module has one path now.
+REMOVED = [
+    "deterministic_ctx.data",
+    "deterministic_ctx.distributed",
+    "deterministic_ctx.dcp",
+    "deterministic_ctx.snapshot",
+    "deterministic_ctx.locate",
+    "deterministic_ctx.ops",
+    "deterministic_ctx.hypothesis",
+    "deterministic_ctx.streams",
+    "_deterministic_ctx_pytest",
+]
 #: Public paths that are packages (or modules) of their own.
 PACKAGES = [
     "deterministic_ctx.trace",
     "deterministic_ctx.audit",
     "deterministic_ctx.verify",
+    "deterministic_ctx.verify.ops",
     "deterministic_ctx.reporting",
     "deterministic_ctx.internal",
+    "deterministic_ctx.integrations.hypothesis",
+    "deterministic_ctx.integrations.pytest_plugin",
     "deterministic_ctx.sources",
     "deterministic_ctx.sources.user_rngs",
 ]
 
 
-@pytest.mark.parametrize(("old", "new"), sorted(ALIASES.items()))
-def test_an_old_path_is_the_moved_module(old, new):
-    assert importlib.import_module(old) is importlib.import_module(new)
-    parent, _, last = old.rpartition(".")
-    assert getattr(importlib.import_module(parent), last) is importlib.import_module(new)
+@pytest.mark.parametrize("old", REMOVED)
+def test_a_second_name_of_a_module_is_gone(old):
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)
 
 
-def test_patching_through_an_old_path_patches_the_module(monkeypatch):
-    from deterministic_ctx import data
-    from deterministic_ctx.parallel import data as real
+def test_no_module_replaces_itself_in_sys_modules():
+    # The way the aliases worked: a module assigning to sys.modules[__name__].
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in [*_modules(), *ROOT.glob("*.py")]
+        if re.search(r"sys\.modules\[__name__\]\s*=", p.read_text())
+    ]
+    assert offenders == []
 
-    monkeypatch.setattr(data, "seed_worker", "patched")
-    assert real.seed_worker == "patched"
 
-
-def test_names_users_import_from_old_paths():
-    from deterministic_ctx.data import seed_worker, seeded_generator
-    from deterministic_ctx.dcp import RngState
-    from deterministic_ctx.distributed import rank_seed
-    from deterministic_ctx.locate import locate_divergence
-    from deterministic_ctx.snapshot import Snapshot
-    from deterministic_ctx.streams import RngStreams
-
-    assert seed_worker is deterministic_ctx.seed_worker
-    assert seeded_generator is deterministic_ctx.seeded_generator
-    assert RngState is deterministic_ctx.RngState
-    assert rank_seed is deterministic_ctx.rank_seed
-    assert locate_divergence is deterministic_ctx.locate_divergence
-    assert Snapshot is deterministic_ctx.Snapshot
-    assert RngStreams is deterministic_ctx.RngStreams
+def test_the_docs_import_public_names_from_the_package():
+    # One path per name in what users read (the docs, the examples, and the docstring
+    # examples the API reference shows): a name exported by deterministic_ctx is imported
+    # from deterministic_ctx, never from the module that defines it.
+    public = set(deterministic_ctx.__all__)
+    texts = [
+        *(ROOT / "docs").rglob("*.md"),
+        ROOT / "README.md",
+        *(ROOT / "examples").glob("*.py"),
+        *(ROOT / "examples").glob("*.ipynb"),
+        *_modules(),
+    ]
+    found = []
+    for path in texts:
+        for line in path.read_text().splitlines():
+            if path.suffix == ".py" and path.is_relative_to(PACKAGE) and ">>>" not in line:
+                continue  # the package's own code imports from where names are defined
+            for names in re.findall(r"from deterministic_ctx\.[\w.]+ import ([\w, ]+)", line):
+                if public & {n.strip() for n in names.split(",")}:
+                    found.append(f"{path.relative_to(ROOT)}: {line.strip()}")
+    assert found == []
 
 
 @pytest.mark.parametrize("name", PACKAGES)
@@ -110,16 +123,6 @@ def test_the_rng_entry_point_group_keeps_its_name():
     assert ENTRY_POINT_GROUP == "deterministic_ctx.rngs"
 
 
-def test_the_plugins_old_name_is_the_plugin():
-    import _deterministic_ctx_pytest
-    from deterministic_ctx.integrations import pytest_plugin
-
-    assert _deterministic_ctx_pytest is pytest_plugin
-    assert _deterministic_ctx_pytest.DeterministicLeakWarning is (
-        pytest_plugin.DeterministicLeakWarning
-    )
-
-
 def test_the_ipython_extension_is_the_package():
     assert callable(deterministic_ctx.load_ipython_extension)
     assert callable(deterministic_ctx.unload_ipython_extension)
@@ -128,15 +131,6 @@ def test_the_ipython_extension_is_the_package():
 def test_python_dash_m_runs_the_cli():
     proc = run_python(["-m", "deterministic_ctx", "--version"], check=True, timeout=120)
     assert proc.stdout.strip().endswith(deterministic_ctx.__version__)
-
-
-def test_the_plugins_old_name_imports_no_torch():
-    # pytest imports the plugin in every project of the environment.
-    code = (
-        "import sys, _deterministic_ctx_pytest, deterministic_ctx.base.version\n"
-        "print(sorted({'torch', 'numpy'} & set(sys.modules)))"
-    )
-    assert run_python([], code=code, check=True).stdout.strip() == "[]"
 
 
 # -- the tree stays readable ---------------------------------------------------------------

@@ -415,9 +415,9 @@ DCP_STATEFUL = Capability(
     "dcp_stateful",
     reads="torch.distributed.checkpoint.save/load and torch.distributed.checkpoint.stateful",
     since="2.2",
-    fallback="RngState (deterministic_ctx.dcp) refuses to be made: this torch's "
+    fallback="deterministic_ctx.RngState refuses to be made: this torch's "
     "save_state_dict would pickle it instead of calling its state_dict()",
     probe=_dcp_stateful,
 )
 """``torch.distributed.checkpoint.stateful.Stateful``: DCP calls ``state_dict()`` and
-``load_state_dict()`` of the objects it saves and loads (``deterministic_ctx.dcp``)."""
+``load_state_dict()`` of the objects it saves and loads (``deterministic_ctx.RngState``)."""

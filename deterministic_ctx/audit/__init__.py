@@ -34,7 +34,7 @@ holds what it found, and :mod:`.run` runs ``fn`` and makes the report.
 
 Example:
     >>> import torch
-    >>> from deterministic_ctx.audit import audit_nondeterminism
+    >>> from deterministic_ctx import audit_nondeterminism
     >>> up = torch.nn.Upsample(scale_factor=2, mode="bicubic")
     >>> report = audit_nondeterminism(up, torch.randn(1, 1, 4, 4, requires_grad=True))
     >>> [(f.op, f.phase, f.behaviour) for f in report.findings]

@@ -83,7 +83,7 @@ class AuditReport:
 
     Example:
         >>> import torch
-        >>> from deterministic_ctx.audit import audit_nondeterminism
+        >>> from deterministic_ctx import audit_nondeterminism
         >>> report = audit_nondeterminism(torch.nn.Linear(2, 2), torch.ones(1, 2))
         >>> report.clean, bool(report), len(report)
         (True, False, 0)
@@ -118,7 +118,7 @@ class AuditReport:
 
         Example:
             >>> import json, torch
-            >>> from deterministic_ctx.audit import audit_nondeterminism
+            >>> from deterministic_ctx import audit_nondeterminism
             >>> report = audit_nondeterminism(torch.nn.Linear(2, 2), torch.ones(1, 2))
             >>> json.loads(json.dumps(report.to_dict()))["clean"]
             True

@@ -21,7 +21,7 @@ __all__ = ["Frames", "Modules", "Site", "called_outside_torch"]
 
 #: Top-level modules of this project: library frames wherever they are installed (the
 #: pytest plugin is a top-level module beside the package).
-_OWN = frozenset({"deterministic_ctx", "_deterministic_ctx_pytest"})
+_OWN = frozenset({"deterministic_ctx"})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,9 +9,9 @@ every accelerator's generators and the RNGs registered with
 :func:`~deterministic_ctx.register_rng`, through Hypothesis' own
 ``hypothesis.register_random``.  Call it once, for instance in ``conftest.py``::
 
-    import deterministic_ctx.hypothesis
+    import deterministic_ctx.integrations.hypothesis
 
-    deterministic_ctx.hypothesis.register()
+    deterministic_ctx.integrations.hypothesis.register()
 
 It is an explicit call, not Hypothesis' ``hypothesis`` entry point, on purpose:
 that entry point runs whenever Hypothesis is imported, in every project of the

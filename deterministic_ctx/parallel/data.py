@@ -77,7 +77,7 @@ def seeded_generator(
         >>> import torch
         >>> from torch.utils.data import DataLoader
         >>> from deterministic_ctx import deterministic
-        >>> from deterministic_ctx.parallel.data import seeded_generator
+        >>> from deterministic_ctx import seeded_generator
         >>> with deterministic(seed=0) as det:
         ...     a = list(DataLoader(range(6), shuffle=True, generator=seeded_generator(det)))
         ...     _ = torch.rand(100)  # more draws before the loader: same order
@@ -196,7 +196,7 @@ def chain_worker_init(
 
     Example:
         >>> from torch.utils.data import DataLoader
-        >>> from deterministic_ctx.parallel.data import chain_worker_init
+        >>> from deterministic_ctx import chain_worker_init
         >>> def open_shard(worker_id):
         ...     pass
         >>> loader = DataLoader(range(8), num_workers=2,

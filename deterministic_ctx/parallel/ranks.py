@@ -87,7 +87,7 @@ def ranks() -> Ranks:
     ``ValueError`` naming them.
 
     Example:
-        >>> from deterministic_ctx.parallel.ranks import ranks
+        >>> from deterministic_ctx import ranks
         >>> ranks()  # one process, no launcher
         Ranks(rank=0, world_size=1, local_rank=0, node_rank=0)
 
@@ -144,7 +144,7 @@ def rank_seed(seed: int, rank: Rank = "auto") -> int:
     NumPy and user RNGs: ``seed`` on rank 0, a well-mixed sub-seed elsewhere.
 
     Example:
-        >>> from deterministic_ctx.parallel.ranks import rank_seed
+        >>> from deterministic_ctx import rank_seed
         >>> rank_seed(7, 0)
         7
         >>> rank_seed(7, 1) != rank_seed(8, 0)  # unlike seed + rank
@@ -180,7 +180,7 @@ def broadcast_seed(seed: int | None = None) -> int:
 
     Example:
         >>> from deterministic_ctx import deterministic
-        >>> from deterministic_ctx.parallel.ranks import broadcast_seed
+        >>> from deterministic_ctx import broadcast_seed
         >>> with deterministic(seed=broadcast_seed(5), rank="auto") as det:
         ...     det.seed
         5

@@ -464,7 +464,7 @@ class RngStreams:
 
         >>> import torch
         >>> from deterministic_ctx import deterministic
-        >>> from deterministic_ctx.parallel.streams import RngStreams
+        >>> from deterministic_ctx import RngStreams
         >>> def step(dp_rank):
         ...     streams = RngStreams(0, {"dp": (dp_rank, 2), "tp": (0, 2)})
         ...     streams.add("tensor-parallel", varies=["tp"])
@@ -506,7 +506,7 @@ class RngStreams:
         it is a ``ValueError``.
 
         Example:
-            >>> from deterministic_ctx.parallel.streams import RngStreams
+            >>> from deterministic_ctx import RngStreams
             >>> streams = RngStreams(0, {"dp": (0, 2), "tp": (1, 2)})
             >>> streams.add("tp", varies=["tp"])
             >>> streams.add("tp", varies=["dp"])
@@ -542,7 +542,7 @@ class RngStreams:
         Example:
             >>> import torch
             >>> from deterministic_ctx import isolated
-            >>> from deterministic_ctx.parallel.streams import RngStreams
+            >>> from deterministic_ctx import RngStreams
             >>> streams = RngStreams(0)
             >>> streams.add("noise")
             >>> with isolated():
@@ -567,7 +567,7 @@ class RngStreams:
 
         Example:
             >>> from deterministic_ctx import derive_seed
-            >>> from deterministic_ctx.parallel.streams import RngStreams
+            >>> from deterministic_ctx import RngStreams
             >>> streams = RngStreams(0, {"tp": (1, 2)})
             >>> streams.add("tp", varies=["tp"])
             >>> base = derive_seed(0, "user", "streams")
@@ -584,7 +584,7 @@ class RngStreams:
         """The seed given to the constructor.
 
         Example:
-            >>> from deterministic_ctx.parallel.streams import RngStreams
+            >>> from deterministic_ctx import RngStreams
             >>> RngStreams(7).seed
             7
         """
@@ -595,7 +595,7 @@ class RngStreams:
         """The key the streams are registered (and saved) under.
 
         Example:
-            >>> from deterministic_ctx.parallel.streams import RngStreams
+            >>> from deterministic_ctx import RngStreams
             >>> RngStreams(7, key="model-parallel").key
             'model-parallel'
         """
@@ -606,7 +606,7 @@ class RngStreams:
         """This process's ``(rank, size)`` along each dimension.
 
         Example:
-            >>> from deterministic_ctx.parallel.streams import RngStreams
+            >>> from deterministic_ctx import RngStreams
             >>> RngStreams(7, {"tp": (1, 4)}).ranks
             {'tp': (1, 4)}
         """
@@ -617,7 +617,7 @@ class RngStreams:
         """Each declared stream and the dimensions it varies along.
 
         Example:
-            >>> from deterministic_ctx.parallel.streams import RngStreams
+            >>> from deterministic_ctx import RngStreams
             >>> streams = RngStreams(7, {"ep": (0, 2), "etp": (1, 2)})
             >>> streams.add("expert", varies=["etp", "ep"])
             >>> streams.streams

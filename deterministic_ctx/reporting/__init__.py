@@ -47,7 +47,7 @@ def report() -> DeterminismReport:
 
     Example:
         >>> from deterministic_ctx import deterministic
-        >>> from deterministic_ctx.reporting import report
+        >>> from deterministic_ctx import report
         >>> with deterministic(seed=0):
         ...     r = report()
         >>> r.in_block, r.flags["deterministic_algorithms"]

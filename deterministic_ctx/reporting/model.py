@@ -77,7 +77,7 @@ class DeterminismReport:
 
         Example:
             >>> import json
-            >>> from deterministic_ctx.reporting import report
+            >>> from deterministic_ctx import report
             >>> data = report().to_dict()
             >>> json.loads(json.dumps(data)) == data
             True

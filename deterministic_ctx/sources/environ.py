@@ -29,7 +29,7 @@ before ``init_process_group`` instead; see its comment.
 Example:
     >>> import os
     >>> from deterministic_ctx import deterministic
-    >>> from deterministic_ctx.sources.environ import DETERMINISTIC_COLLECTIVES
+    >>> from deterministic_ctx import DETERMINISTIC_COLLECTIVES
     >>> DETERMINISTIC_COLLECTIVES["NCCL_ALGO"]
     'Ring'
     >>> before = os.environ.get("NCCL_ALGO")

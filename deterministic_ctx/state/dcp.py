@@ -136,7 +136,7 @@ class RngState:
     Example:
         >>> import random, tempfile, warnings
         >>> import torch.distributed.checkpoint as dcp
-        >>> from deterministic_ctx.state.dcp import RngState
+        >>> from deterministic_ctx import RngState
         >>> with tempfile.TemporaryDirectory() as path, warnings.catch_warnings():
         ...     warnings.simplefilter("ignore")  # DCP: "no process group: one process"
         ...     _ = dcp.save({"rng": RngState()}, checkpoint_id=path)
@@ -155,7 +155,7 @@ class RngState:
         capacity: int = CAPACITY,
         strict_devices: bool = False,
     ) -> None:
-        DCP_STATEFUL.require("deterministic_ctx.dcp.RngState")
+        DCP_STATEFUL.require("deterministic_ctx.RngState")
         if not isinstance(on_world_size_change, str):
             raise TypeError(
                 f"on_world_size_change must be 'error' or 'keep', got "

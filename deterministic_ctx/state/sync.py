@@ -123,7 +123,7 @@ def sync_rng_state(src: int = 0, group: dist.ProcessGroup | None = None) -> None
 
     Example:
         >>> import random
-        >>> from deterministic_ctx.state.sync import sync_rng_state
+        >>> from deterministic_ctx import sync_rng_state
         >>> before = random.getstate()
         >>> sync_rng_state()  # no process group here: one rank, nothing to send
         >>> random.getstate() == before

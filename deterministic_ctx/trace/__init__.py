@@ -72,7 +72,7 @@ public names.
 
 Example:
     >>> import torch
-    >>> from deterministic_ctx.trace import compare_traces, record_trace
+    >>> from deterministic_ctx import compare_traces, record_trace
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     >>> a = record_trace(model, torch.ones(2, 4))
     >>> b = record_trace(model, torch.ones(2, 4))

@@ -63,7 +63,7 @@ class TraceComparison:
 
         Example:
             >>> import json, torch
-            >>> from deterministic_ctx.trace import record_trace
+            >>> from deterministic_ctx import record_trace
             >>> t = record_trace(torch.nn.Linear(2, 2), torch.ones(1, 2))
             >>> json.loads(json.dumps(compare_traces(t, t).to_dict()))["agree"]
             True
@@ -170,7 +170,7 @@ def compare_traces(
 
     Example:
         >>> import torch
-        >>> from deterministic_ctx.trace import record_trace
+        >>> from deterministic_ctx import record_trace
         >>> def step(scale):
         ...     model = torch.nn.Linear(4, 2)
         ...     return model(torch.ones(1, 4)) * scale

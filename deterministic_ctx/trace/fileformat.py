@@ -85,7 +85,7 @@ class Trace:
 
     Example:
         >>> import torch
-        >>> from deterministic_ctx.trace import record_trace
+        >>> from deterministic_ctx import record_trace
         >>> trace = record_trace(torch.nn.Linear(2, 2), torch.ones(1, 2))
         >>> [(e.phase, e.what) for e in trace.events][:2]
         [('forward', 'output'), ('result', 'result')]
@@ -120,7 +120,7 @@ class Trace:
 
         Example:
             >>> import tempfile, torch
-            >>> from deterministic_ctx.trace import record_trace
+            >>> from deterministic_ctx import record_trace
             >>> trace = record_trace(torch.nn.Linear(2, 2), torch.ones(1, 2))
             >>> with tempfile.TemporaryDirectory() as tmp:
             ...     trace.save(f"{tmp}/run.trace")
@@ -145,7 +145,7 @@ class Trace:
 
         Example:
             >>> import torch
-            >>> from deterministic_ctx.trace import record_trace
+            >>> from deterministic_ctx import record_trace
             >>> trace = record_trace(torch.nn.Linear(2, 2), torch.ones(1, 2))
             >>> Trace.from_bytes(trace.to_bytes()) == trace
             True

@@ -186,7 +186,7 @@ def assert_batch_invariant(
 
     Example:
         >>> import torch
-        >>> from deterministic_ctx.verify import assert_batch_invariant
+        >>> from deterministic_ctx import assert_batch_invariant
         >>> x = torch.arange(12.0).reshape(4, 3)
         >>> assert_batch_invariant(lambda b: {"y": b * 2, "n": 1}, x)["y"].shape
         torch.Size([4, 3])

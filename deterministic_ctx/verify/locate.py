@@ -262,7 +262,7 @@ def locate_divergence(
 
     Example:
         >>> import torch
-        >>> from deterministic_ctx.verify.locate import locate_divergence
+        >>> from deterministic_ctx import locate_divergence
         >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
         >>> report = locate_divergence(model, torch.ones(2, 4))

@@ -183,7 +183,18 @@ class OpDifference:
     first recording's op call (the second's for ``"extra"``), ``other`` the
     second's when both have one; ``index`` their position; ``what`` which
     tensor (``"output"``, ``"input 'index'"``, or ``""``); ``detail`` one
-    sentence.  See the module's example.
+    sentence.
+
+    Example:
+        >>> import torch
+        >>> from deterministic_ctx.verify.ops import OpRecorder, first_op_difference
+        >>> with OpRecorder() as one:
+        ...     _ = torch.ones(2).add(1)
+        >>> with OpRecorder() as other:
+        ...     _ = torch.ones(2).sub(1)
+        >>> diff = first_op_difference(one.calls, other.calls)
+        >>> diff.kind, diff.call.op, diff.other.op
+        ('op', 'aten.add.Tensor', 'aten.sub.Tensor')
     """
 
     kind: str
@@ -223,7 +234,21 @@ def first_op_difference(
 
     Per op call in order: the op's name, then its inputs from outside
     (shapes, then fingerprints), then its outputs.  ``left`` and ``right``
-    name the recordings in the detail sentence.  See the module's example.
+    name the recordings in the detail sentence.
+
+    Example:
+        >>> import torch
+        >>> from deterministic_ctx.verify.ops import OpRecorder, first_op_difference
+        >>> recordings = []
+        >>> for scale in (2.0, 3.0):
+        ...     with OpRecorder() as rec:
+        ...         _ = torch.ones(3).mul(scale)
+        ...     recordings.append(rec.calls)
+        >>> diff = first_op_difference(*recordings)
+        >>> diff.kind, diff.index, diff.call.op, diff.what
+        ('values', 1, 'aten.mul.Tensor', 'output')
+        >>> first_op_difference(recordings[0], recordings[0]) is None
+        True
     """
     for index, (x, y) in enumerate(zip(a, b, strict=False)):
         if x.op != y.op:

@@ -94,7 +94,7 @@ def assert_reproducible(
 
     Example:
         >>> import torch
-        >>> from deterministic_ctx.verify import assert_reproducible
+        >>> from deterministic_ctx import assert_reproducible
         >>> def init():
         ...     return {"w": torch.randn(3), "n": 1}
         >>> assert_reproducible(init, seed=3)["n"]

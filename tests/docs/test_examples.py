@@ -107,10 +107,9 @@ def _modules():
     return sorted(names)
 
 
-OPTIONAL = {"deterministic_ctx.integrations.ipython", "deterministic_ctx.pytest_plugin"}
+OPTIONAL = {"deterministic_ctx.integrations.ipython"}
 #: Modules whose examples need a torch capability (``deterministic_ctx._torch``).
 NEEDS = {
-    "deterministic_ctx.dcp": _torch.DCP_STATEFUL,
     "deterministic_ctx.state.dcp": _torch.DCP_STATEFUL,
 }
 

@@ -22,8 +22,8 @@ import pytest
 import torch._dynamo
 import torch._inductor.config  # noqa: F401
 
-import _deterministic_ctx_pytest as plugin
 from deterministic_ctx import _torch
+from deterministic_ctx.integrations import pytest_plugin as plugin
 from tests.helpers import needs, run_python
 
 #: A block's ``fill_uninitialized_memory=False`` needs the flag (torch >= 2.2).
@@ -390,11 +390,18 @@ def test_leak_guard(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, 
         assert f"{clean}_" not in out.replace(f"::{clean}", "")
 
 
+@pytest.mark.parametrize(
+    "category",
+    [
+        "deterministic_ctx.integrations.pytest_plugin.DeterministicLeakWarning",
+        "deterministic_ctx.DeterministicCtxWarning",
+    ],
+)
 def test_leak_warning_can_be_filtered_by_category(
-    pytester: pytest.Pytester, restore_world: None
+    pytester: pytest.Pytester, restore_world: None, category: str
 ) -> None:
     pytester.makepyfile(LEAKY)
-    result = run(pytester, "-W", "error::_deterministic_ctx_pytest.DeterministicLeakWarning")
+    result = run(pytester, "-W", f"error::{category}")
     result.assert_outcomes(passed=5, errors=2)
 
 
@@ -537,7 +544,10 @@ def test_plugin_can_be_disabled(pytester: pytest.Pytester) -> None:
 
 
 def test_importing_the_plugin_imports_neither_torch_nor_numpy() -> None:
-    code = "import sys, _deterministic_ctx_pytest; print(sorted({'torch', 'numpy'} & set(sys.modules)))"
+    code = (
+        "import sys, deterministic_ctx.integrations.pytest_plugin\n"
+        "print(sorted({'torch', 'numpy'} & set(sys.modules)))"
+    )
     out = run_python([], code=code, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -156,7 +156,7 @@ def test_a_missing_capability_asked_for_explicitly_names_the_torch_it_needs(monk
 
 def test_rng_state_on_a_torch_without_dcp_stateful_refuses_naming_the_version(monkeypatch):
     # torch 2.1's save_state_dict would pickle the object, never call its state_dict().
-    from deterministic_ctx.dcp import RngState
+    from deterministic_ctx import RngState
 
     monkeypatch.setattr(_torch.DCP_STATEFUL, "_value", None)
     with pytest.raises(_torch.TorchFeatureError, match=r"RngState needs .*stateful.*torch >= 2\.2"):
@@ -172,7 +172,7 @@ def test_the_dcp_capability_agrees_with_the_running_torch():
     )
     assert _torch.DCP_STATEFUL.available == has
     if not has:
-        from deterministic_ctx.dcp import RngState
+        from deterministic_ctx import RngState
 
         with pytest.raises(_torch.TorchFeatureError, match=r"torch >= 2\.2"):
             RngState()

@@ -637,7 +637,7 @@ def record():
 plain = record()
 print("torch._dynamo" in sys.modules)
 import torch._dynamo
-from deterministic_ctx import ops
+from deterministic_ctx.verify import ops
 print(record() == plain, ops._hand_over_unseen_by_dynamo.cache_info().currsize, plain[:2])
 """
     done = run_python([], code=code, timeout=120)
