@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
         InvalidSnapshotError,
         LockWaitWarning,
         RestoreError,
+        UnregisteredRngError,
     )
     from .base.lock import set_lock_warning
     from .base.seed import derive_seed
@@ -88,6 +89,7 @@ __all__ = [
     "TorchFeatureError",
     "Trace",
     "TraceComparison",
+    "UnregisteredRngError",
     "assert_batch_invariant",
     "assert_compiled_matches_eager",
     "assert_reproducible",
@@ -140,6 +142,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "Trace": (".trace", "Trace"),
     "TorchFeatureError": ("._torch", "TorchFeatureError"),
     "TraceComparison": (".trace", "TraceComparison"),
+    "UnregisteredRngError": (".base.errors", "UnregisteredRngError"),
     "assert_batch_invariant": (".verify", "assert_batch_invariant"),
     "assert_compiled_matches_eager": (".verify", "assert_compiled_matches_eager"),
     "assert_reproducible": (".verify", "assert_reproducible"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from .._errors import PUBLIC_MODULE, DeterministicCtxError, DeterministicCtxWarning
 
@@ -12,6 +13,7 @@ __all__ = [
     "InvalidSnapshotError",
     "LockWaitWarning",
     "RestoreError",
+    "UnregisteredRngError",
 ]
 
 
@@ -83,7 +85,9 @@ class InvalidSnapshotError(DeterministicCtxError, ValueError):
     another kind (a pickle, a ``torch.save`` archive), a format version newer
     than this library reads, a field of the wrong type or out of range, and,
     with ``strict_devices=True``, device generators that do not match this
-    machine.  Nothing from the input is ever executed.  ``origin`` names the
+    machine; a valid snapshot whose user RNG is not registered here raises
+    the subclass :class:`UnregisteredRngError`.  Nothing from the input is ever
+    executed.  ``origin`` names the
     file (or ``"state_dict"``) and ``problem`` says what is wrong.
 
     Example:
@@ -101,9 +105,49 @@ class InvalidSnapshotError(DeterministicCtxError, ValueError):
         self.problem = problem
         super().__init__(f"invalid snapshot {origin}: {problem}")
 
-    def __reduce__(self) -> tuple[type[InvalidSnapshotError], tuple[str, str]]:
+    def __reduce__(self) -> tuple[Any, ...]:
         # Crosses process boundaries (multiprocessing) with its two fields intact.
         return type(self), (self.origin, self.problem)
+
+
+class UnregisteredRngError(InvalidSnapshotError):
+    """A valid snapshot holds a user RNG that is not registered in this process.
+
+    Raised by :meth:`Snapshot.load <deterministic_ctx.Snapshot.load>` and
+    :meth:`Snapshot.from_state_dict <deterministic_ctx.Snapshot.from_state_dict>`
+    (and by the checkpoint helpers built on them) when the snapshot saved an
+    RNG registered with ``register_rng(rng, key=...)`` and nothing is
+    registered under that key here, so its state has nowhere to go.  The
+    snapshot is fine: register the RNG under the same key, then load it
+    again.  ``key`` is the key, ``origin`` names the file (or
+    ``"state_dict"``).  A subclass of :class:`InvalidSnapshotError`, so code
+    that handles every failed load keeps working.
+
+    Example:
+        >>> err = UnregisteredRngError("file 'rng.snap'", "augment", "random.Random")
+        >>> print(err)  # doctest: +NORMALIZE_WHITESPACE
+        cannot restore snapshot file 'rng.snap' here: it holds user RNG 'augment'
+        (random.Random), and no RNG is registered with that key in this process:
+        call register_rng(rng, key='augment') before loading it
+        >>> err.key, isinstance(err, InvalidSnapshotError)
+        ('augment', True)
+    """
+
+    __module__ = PUBLIC_MODULE
+
+    def __init__(self, origin: str, key: str, kind: str) -> None:
+        self.key = key
+        self.kind = kind
+        super().__init__(
+            origin,
+            f"it holds user RNG {key!r} ({kind}), and no RNG is registered with that key in "
+            f"this process: call register_rng(rng, key={key!r}) before loading it",
+        )
+        self.args = (f"cannot restore snapshot {origin} here: {self.problem}",)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Crosses process boundaries (multiprocessing) with its fields intact.
+        return type(self), (self.origin, self.key, self.kind)
 
 
 class GraphCaptureError(DeterministicCtxError, RuntimeError):

@@ -80,7 +80,7 @@ from typing import Any, NamedTuple, cast
 import torch
 
 from .. import sources as _sources
-from ..base.errors import InvalidSnapshotError
+from ..base.errors import InvalidSnapshotError, UnregisteredRngError
 from ..core.world import World
 from ..sources import DeviceSource, Source, _plain
 from ..sources.accelerators import check_foreign_devices
@@ -100,6 +100,7 @@ __all__ = [
     "origin_of",
     "read",
     "to_state_dict",
+    "with_origin",
     "write",
 ]
 
@@ -161,7 +162,7 @@ def from_state_dict(data: object, origin: str, *, strict_devices: bool) -> World
     """Check a state dict and rebuild, for every source of this process, the
     state to restore.  Raises :class:`InvalidSnapshotError` naming ``origin``."""
     try:
-        return _import(data, strict_devices)
+        return _import(data, origin, strict_devices)
     except InvalidSnapshotError:
         raise
     except ValueError as exc:
@@ -170,8 +171,68 @@ def from_state_dict(data: object, origin: str, *, strict_devices: bool) -> World
         raise InvalidSnapshotError(origin, f"{type(exc).__name__}: {exc}") from exc
 
 
-def _import(data: object, strict: bool) -> World:
-    top = _plain.fields(data, "state_dict", ["format", "version", "sources", "devices"])
+def with_origin(error: InvalidSnapshotError, origin: str) -> InvalidSnapshotError:
+    """``error`` naming ``origin`` instead (where the snapshot came from), of the same class."""
+    if isinstance(error, UnregisteredRngError):
+        return UnregisteredRngError(origin, error.key, error.kind)
+    return type(error)(origin, error.problem)
+
+
+def _not_a_snapshot(data: object) -> str | None:
+    """What to say when ``data`` is no snapshot's state dict at all (a model's
+    ``state_dict``, a whole checkpoint), or ``None`` when it may be one."""
+    if not isinstance(data, dict):
+        return (
+            f"expected the dict that Snapshot.state_dict() returns, got {type(data).__name__}"
+        )
+    if "format" in data:
+        return None  # a snapshot's, maybe damaged: its fields' checks say what is wrong
+    inside = _snapshot_inside(data)
+    if inside is not None:
+        return (
+            f"it holds a snapshot's state dict at {inside}, but is not one: "
+            f"pass state_dict{inside}"
+        )
+    keys = list(data)
+    shown = ", ".join(repr(k) for k in keys[:5]) + (", ..." if len(keys) > 5 else "")
+    return (
+        f"it is not what Snapshot.state_dict() returns: it has no 'format' field (its keys: "
+        f"{shown or 'none'}); pass the snapshot's own dict, e.g. checkpoint[key] where you "
+        f"saved Snapshot.capture().state_dict() under key"
+    )
+
+
+def _snapshot_inside(data: dict[Any, Any], depth: int = 2) -> str | None:
+    """The index path (``['rng']``) of a snapshot's state dict among ``data``'s
+    values, two levels down at most: a whole checkpoint passed instead of its entry."""
+    for key, value in data.items():
+        if isinstance(value, dict):
+            if value.get("format") == FORMAT:
+                return f"[{key!r}]"
+            if depth > 1 and (deeper := _snapshot_inside(value, depth - 1)) is not None:
+                return f"[{key!r}]{deeper}"
+    return None
+
+
+def _unregistered_rng(saved_user: object, origin: str) -> None:
+    """Raise :class:`UnregisteredRngError` if the snapshot holds a user RNG
+    registered under no key here: the snapshot is valid, the process is missing a
+    ``register_rng`` call, and the error must say that rather than "invalid".
+    A malformed list is left to the user source's checks."""
+    if type(saved_user) is not list:
+        return
+    here = {key for key, _ in _sources.registered_rngs()}
+    for item in saved_user:
+        if type(item) is dict and type(key := item.get("key")) is str and key not in here:
+            kind = item.get("kind")
+            raise UnregisteredRngError(origin, key, kind if type(kind) is str else "unknown kind")
+
+
+def _import(data: object, origin: str, strict: bool) -> World:
+    problem = _not_a_snapshot(data)
+    if problem is not None:
+        raise ValueError(problem)
+    top = _plain.fields(data, "top level", ["format", "version", "sources", "devices"])
     _plain.text(top["format"], "format", choices=(FORMAT,))
     version = top["version"]
     if type(version) is int and version > VERSION:
@@ -188,6 +249,7 @@ def _import(data: object, strict: bool) -> World:
         [n for n in names if n not in OPTIONAL_SOURCES],
         [n for n in names if n in OPTIONAL_SOURCES],
     )
+    _unregistered_rng(saved.get("user"), origin)
     devices = _plain.mapping(top["devices"], "devices")
     # Every entry is checked, known here or not.
     check_foreign_devices(devices, {t for s in here if (t := s.device_type)}, strict=strict)
@@ -242,10 +304,20 @@ def _looks_like(data: bytes, kind: FileKind) -> str:
     name = kind.name
     if not data:
         return "the file is empty"
+    # A snapshot saved inside a training checkpoint is the common mix-up: say how to load it.
+    inside = (
+        "; if it is a checkpoint that holds a Snapshot.state_dict() under some key, load "
+        "that with Snapshot.from_state_dict(torch.load(path, weights_only=True)[key])"
+        if kind.magic == MAGIC
+        else ""
+    )
     if data.startswith(b"PK\x03\x04"):
-        return f"it is a zip archive (what torch.save writes), not a {name} file"
+        return (
+            f"it is a zip archive (what torch.save writes), not a {name} file written by "
+            f"{name.capitalize()}.save(){inside}"
+        )
     if data[:1] == b"\x80" or data[:1] in (b"(", b"}", b"]", b"c"):
-        return "it looks like a pickle, which this loader never unpickles"
+        return f"it looks like a pickle, which this loader never unpickles{inside}"
     if data.startswith(b"\x93NUMPY"):
         return f"it is a NumPy .npy file, not a {name} file"
     if data.startswith(MAGIC):

@@ -86,7 +86,7 @@ import torch
 
 from ..internal import DCP_STATEFUL
 from ..parallel.ranks import ranks
-from .checkpoint import MAX_FILE_BYTES, InvalidSnapshotError, decode, encode
+from .checkpoint import MAX_FILE_BYTES, InvalidSnapshotError, decode, encode, with_origin
 from .snapshot import Snapshot
 from .sync import apply_everywhere, check_everywhere, random_state_only
 
@@ -290,7 +290,7 @@ class RngState:
             state = random_state_only(state, keep_rank_local=False)
             return Snapshot.from_state_dict(state, strict_devices=self._strict_devices)
         except InvalidSnapshotError as exc:  # it names "state_dict": say where it came from
-            raise InvalidSnapshotError(origin, exc.problem) from None
+            raise with_origin(exc, origin) from None
 
     def __repr__(self) -> str:
         return (

@@ -135,7 +135,11 @@ class Snapshot:
         """Rebuild a snapshot from :meth:`state_dict`'s output, checking every field.
 
         Every registered RNG in the snapshot must be registered here under the
-        same key (``register_rng(obj, key=...)``) before this is called.
+        same key (``register_rng(obj, key=...)``) before this is called, or
+        :class:`~deterministic_ctx.UnregisteredRngError` names the missing key.
+        A dict that is not a snapshot's (a model's ``state_dict``, a whole
+        checkpoint) raises :class:`InvalidSnapshotError` saying so, and naming
+        the key that holds the snapshot where there is one.
         Device generators are matched by type and index: where the snapshot
         holds N and this machine has M, the first min(N, M) are restored and a
         ``RuntimeWarning`` names the difference, or, with
@@ -182,7 +186,10 @@ class Snapshot:
 
         A file that is truncated, corrupted, of another kind, of a newer
         format version, or that holds a bad field raises
-        :class:`InvalidSnapshotError` naming the file and the problem.  Device
+        :class:`InvalidSnapshotError` naming the file and the problem; a
+        ``torch.save`` checkpoint that holds a snapshot's state dict is read with
+        ``Snapshot.from_state_dict(torch.load(path, weights_only=True)[key])``,
+        as the message says.  Device
         generators follow the same policy as :meth:`from_state_dict`.  A
         missing file raises ``FileNotFoundError``, as ``open`` does.
 

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from .._errors import PUBLIC_MODULE, DeterministicCtxError
 from ..internal import accelerator_type, registered_rngs
-from .checkpoint import InvalidSnapshotError, decode, encode
+from .checkpoint import InvalidSnapshotError, decode, encode, with_origin
 from .snapshot import Snapshot
 
 __all__ = [
@@ -234,7 +234,7 @@ def _snapshot(data: bytes, origin: str) -> Snapshot:
             random_state_only(state, keep_rank_local=True), strict_devices=True
         )
     except InvalidSnapshotError as exc:  # it names "state_dict": say where it came from
-        raise InvalidSnapshotError(origin, exc.problem) from None
+        raise with_origin(exc, origin) from None
 
 
 #: The sources of a snapshot that are this process's setup, not its random state:

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from deterministic_ctx import InvalidSnapshotError, Snapshot
+from deterministic_ctx import InvalidSnapshotError, Snapshot, isolated
 from deterministic_ctx.state import checkpoint
 from tests.state.checkpoint_helpers import MAGIC, fresh_state, load_bytes, seal, seal_state
 
@@ -117,6 +117,90 @@ def test_torch_save_of_a_state_dict_is_not_a_snapshot_file(tmp_path):
     torch.save(fresh_state(), path)
     with pytest.raises(InvalidSnapshotError, match=r"zip archive \(what torch.save writes\)"):
         Snapshot.load(path)
+
+
+_FROM_CHECKPOINT = (
+    "if it is a checkpoint that holds a Snapshot.state_dict() under some key, load that with "
+    "Snapshot.from_state_dict(torch.load(path, weights_only=True)[key])"
+)
+
+
+def test_a_torch_checkpoint_file_says_how_to_load_the_snapshot_inside(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    with isolated():  # a model's initialization draws from torch's generator
+        model = torch.nn.Linear(2, 2)
+    torch.save({"model": model.state_dict(), "rng": fresh_state()}, path)
+    with pytest.raises(InvalidSnapshotError) as info:
+        Snapshot.load(path)
+    assert str(info.value) == (
+        f"invalid snapshot file {str(path)!r}: it is a zip archive (what torch.save writes), "
+        f"not a snapshot file written by Snapshot.save(); {_FROM_CHECKPOINT}"
+    )
+    # What it says to do works.
+    Snapshot.from_state_dict(torch.load(path, weights_only=True)["rng"])
+
+
+def test_a_pickle_file_says_how_to_load_the_snapshot_inside(tmp_path):
+    with pytest.raises(InvalidSnapshotError) as info:
+        load_bytes(pickle.dumps({"a": 1}), tmp_path)
+    assert str(info.value).endswith(
+        f": it looks like a pickle, which this loader never unpickles; {_FROM_CHECKPOINT}"
+    )
+
+
+def test_a_zip_given_as_a_trace_gets_no_snapshot_advice(tmp_path):
+    from deterministic_ctx import InvalidTraceError, Trace
+
+    path = tmp_path / "ckpt.pt"
+    torch.save({"a": torch.zeros(1)}, path)
+    with pytest.raises(InvalidTraceError, match=r"not a trace file written by Trace\.save\(\)") as info:
+        Trace.load(path)
+    assert "Snapshot" not in str(info.value)
+
+
+def test_a_models_state_dict_is_named_for_what_it_is():
+    with isolated():
+        model = torch.nn.Linear(2, 2)
+    with pytest.raises(InvalidSnapshotError) as info:
+        Snapshot.from_state_dict(model.state_dict())
+    assert str(info.value) == (
+        "invalid snapshot state_dict: it is not what Snapshot.state_dict() returns: it has no "
+        "'format' field (its keys: 'weight', 'bias'); pass the snapshot's own dict, e.g. "
+        "checkpoint[key] where you saved Snapshot.capture().state_dict() under key"
+    )
+
+
+@pytest.mark.parametrize(
+    ("wrap", "where"),
+    [
+        (lambda s: {"model": {}, "rng": s}, "['rng']"),
+        (lambda s: {"state": {"epoch": 3, "rng": s}}, "['state']['rng']"),
+    ],
+)
+def test_a_whole_checkpoint_points_to_the_snapshot_inside(wrap, where):
+    with pytest.raises(InvalidSnapshotError) as info:
+        Snapshot.from_state_dict(wrap(fresh_state()))
+    assert str(info.value) == (
+        f"invalid snapshot state_dict: it holds a snapshot's state dict at {where}, "
+        f"but is not one: pass state_dict{where}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        ([1, 2], "expected the dict that Snapshot.state_dict() returns, got list"),
+        ({"format": "x"}, "top level: missing field(s) devices, sources, version"),
+        ({}, "it is not what Snapshot.state_dict() returns: it has no 'format' field (its keys: "
+         "none); pass the snapshot's own dict, e.g. checkpoint[key] where you saved "
+         "Snapshot.capture().state_dict() under key"),
+    ],
+)
+def test_a_bad_state_dict_is_named_once(data, problem):
+    # Not "invalid snapshot state_dict: state_dict: ...": the origin says it already.
+    with pytest.raises(InvalidSnapshotError) as info:
+        Snapshot.from_state_dict(data)
+    assert str(info.value) == f"invalid snapshot state_dict: {problem}"
 
 
 @pytest.mark.parametrize(

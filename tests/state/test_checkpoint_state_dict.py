@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import random
 import tempfile
 from collections.abc import Iterator
@@ -24,7 +25,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deterministic_ctx import InvalidSnapshotError, Snapshot, register_rng, unregister_rng
+from deterministic_ctx import (
+    InvalidSnapshotError,
+    Snapshot,
+    UnregisteredRngError,
+    register_rng,
+    unregister_rng,
+)
 from tests.state.checkpoint_helpers import (
     fresh_state,
     isolated,
@@ -192,13 +199,30 @@ def test_a_loaded_numpy_state_keeps_the_installed_bit_generator_object():
 # -- user RNGs -----------------------------------------------------------------
 
 
-def test_a_saved_user_rng_must_be_registered_before_loading():
+def test_a_saved_user_rng_must_be_registered_before_loading(tmp_path):
     with registered(aug=random.Random(1)):
         state = fresh_state()
-    with pytest.raises(
-        InvalidSnapshotError, match=r"register_rng\(rng, key='aug'\) before loading"
-    ):
+        Snapshot.capture().save(tmp_path / "rng.snap")
+    # The snapshot is valid: the error says what the process lacks, not "invalid".
+    with pytest.raises(UnregisteredRngError) as info:
         Snapshot.from_state_dict(state)
+    assert str(info.value) == (
+        "cannot restore snapshot state_dict here: it holds user RNG 'aug' (random.Random), and "
+        "no RNG is registered with that key in this process: call register_rng(rng, key='aug') "
+        "before loading it"
+    )
+    assert (info.value.key, info.value.kind) == ("aug", "random.Random")
+    with pytest.raises(UnregisteredRngError) as info:
+        Snapshot.load(tmp_path / "rng.snap")
+    assert str(info.value).startswith(f"cannot restore snapshot file {str(tmp_path / 'rng.snap')!r}")
+    assert "invalid" not in str(info.value)
+    # Still an InvalidSnapshotError: code that handles every failed load keeps working.
+    assert isinstance(info.value, InvalidSnapshotError)
+    back = pickle.loads(pickle.dumps(info.value))
+    assert (type(back), str(back), back.key) == (UnregisteredRngError, str(info.value), "aug")
+    # Registered as the message says, the same file loads.
+    with registered(aug=random.Random(5)):
+        Snapshot.load(tmp_path / "rng.snap")
     with (
         registered(aug=np.random.default_rng(1)),
         pytest.raises(
@@ -251,3 +275,14 @@ def test_an_rng_registered_after_the_snapshot_is_left_alone():
         before = rngs["late"].getstate()
         Snapshot.from_state_dict(state).restore()
         assert rngs["late"].getstate() == before
+
+
+def test_another_origin_keeps_the_class_and_the_key():
+    # sync_rng_state and RngState name where a snapshot came from (a rank, a DCP entry).
+    from deterministic_ctx.state.checkpoint import with_origin
+
+    moved = with_origin(UnregisteredRngError("state_dict", "aug", "random.Random"), "from rank 0")
+    assert type(moved) is UnregisteredRngError
+    assert str(moved).startswith("cannot restore snapshot from rank 0 here: it holds user RNG 'aug'")
+    plain = with_origin(InvalidSnapshotError("state_dict", "truncated"), "from rank 0")
+    assert (type(plain), str(plain)) == (InvalidSnapshotError, "invalid snapshot from rank 0: truncated")

@@ -36,7 +36,13 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from deterministic_ctx import InvalidSnapshotError, Snapshot, register_rng, unregister_rng
+from deterministic_ctx import (
+    InvalidSnapshotError,
+    Snapshot,
+    UnregisteredRngError,
+    register_rng,
+    unregister_rng,
+)
 from deterministic_ctx.state.dcp import CAPACITY, RngState
 from deterministic_ctx.state.sync import RngStateError
 from tests.helpers import needs_gloo
@@ -111,7 +117,7 @@ def test_a_registered_rng_missing_here_is_an_error_and_changes_nothing(tmp_path,
     unregister_rng(augment)
     try:
         before = fingerprint()
-        with pytest.raises(InvalidSnapshotError, match=r"RngState entry 'rank0'.*'augment'"):
+        with pytest.raises(UnregisteredRngError, match=r"RngState entry 'rank0'.*'augment'"):
             dcp.load({"rng": RngState()}, checkpoint_id=tmp_path)
         assert fingerprint() == before
     finally:
