@@ -45,8 +45,14 @@ def seed_everything(
     For the top of a script, where nothing needs to be put back: it applies
     exactly what a ``deterministic(seed, rank=rank)`` block applies on entry,
     and never restores.  If applying fails half-way, the previous state is
-    restored before the error propagates.  Returns the seed (the shared one,
-    not the per-rank one), and logs it on the ``deterministic_ctx`` logger.
+    restored before the error propagates.
+
+    It returns the seed it applied, and logs it at INFO level on the
+    ``deterministic_ctx`` logger.  Keep the returned value: with ``seed=None``
+    (or no argument and nothing inherited) it is a fresh seed, and the only way
+    to replay the run.  The log line is invisible unless logging is set up
+    (Python shows only WARNING and above by default): call
+    ``logging.basicConfig(level=logging.INFO)`` first to see it.
 
     The seed is exported in the environment variable ``DETERMINISTIC_CTX_SEED``
     (a block restores it like its other variables), so child processes
@@ -57,7 +63,7 @@ def seed_everything(
 
     Args:
         seed: an int in ``0 .. 2**32 - 1``, or ``None`` to draw a fresh one
-            from the operating system (logged at INFO level and returned, so
+            from the operating system (returned, and logged at INFO level, so
             the run can be replayed with that seed).  Left out, the seed a
             ``seed_everything`` of a parent process exported, else a fresh one.
         warn_only: as in :class:`deterministic`.
@@ -72,6 +78,10 @@ def seed_everything(
             a process group it changes nothing.  ``seed=None`` on more than
             one rank requires it, since each rank would draw its own seed.
 
+    Returns:
+        The seed applied: the shared one, not the per-rank one (which
+        ``rank_seed(seed, rank)`` gives); the drawn one for ``seed=None``.
+
     Example:
         >>> import random
         >>> from deterministic_ctx import Snapshot, seed_everything
@@ -81,6 +91,9 @@ def seed_everything(
         >>> a = random.random()
         >>> random.seed(0)
         >>> random.random() == a
+        True
+        >>> seed = seed_everything(None)  # a fresh seed: print or store it to replay the run
+        >>> 0 <= seed < 2**32
         True
         >>> before.restore()
     """
