@@ -4,13 +4,17 @@ Load it with ``%load_ext deterministic_ctx`` (or ``%load_ext
 deterministic_ctx.integrations.ipython``); add ``"deterministic_ctx"`` to
 ``c.InteractiveShellApp.extensions`` to load it in every session.
 
-* ``%%deterministic [SEED] [--warn-only]`` runs the cell inside
-  ``deterministic(SEED, warn_only=...)`` (``SEED`` defaults to 0): the cell
-  prints the same numbers every time it is run, and the cells after it draw as
-  if it never ran.  ``$name`` and ``{expr}`` in the arguments are expanded as
-  in any magic.
+* ``%%deterministic [SEED] [--warn-only] [--no-flags] [--no-fill]
+  [--compiled-rng=eager]`` runs the cell inside ``deterministic(SEED, ...)``
+  (``SEED`` defaults to 0): the cell prints the same numbers every time it is
+  run, and the cells after it draw as if it never ran.  The options are
+  :class:`~deterministic_ctx.deterministic`'s ``warn_only=True``,
+  ``flags=False``, ``fill_uninitialized_memory=False`` and
+  ``compiled_rng="eager"``.  ``$name`` and ``{expr}`` in the arguments are
+  expanded as in any magic.  A cell with top-level ``await`` is refused with a
+  ``UsageError``.
 * ``%deterministic_report [--json]`` prints the determinism report
-  (:func:`deterministic_ctx.reporting.report`).
+  (:func:`deterministic_ctx.report`).
 
 This module imports IPython; ``import deterministic_ctx`` never imports it.
 """
@@ -138,6 +142,36 @@ def _ends_with_semicolon(source: str) -> bool:
     return False
 
 
+def _top_level_await(tree: ast.Module) -> ast.AST | None:
+    """The first ``await``, ``async for``, ``async with`` or async comprehension of
+    ``tree`` outside any function, or ``None``.
+
+    IPython runs such a cell on its event loop, but a cell magic is a plain
+    call: the cell would be compiled as a coroutine that never runs (or fail
+    with "'await' outside function"), so ``%%deterministic`` refuses it up front.
+
+    Example:
+        >>> import ast
+        >>> _top_level_await(ast.parse("x = await f()")).lineno
+        1
+        >>> _top_level_await(ast.parse("async def g(): await f()")) is None
+        True
+    """
+    scopes = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+    pending: list[ast.AST] = list(tree.body)
+    while pending:
+        node = pending.pop(0)
+        if isinstance(node, (ast.Await, ast.AsyncFor, ast.AsyncWith)):
+            return node
+        if isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)) and any(
+            c.is_async for c in node.generators
+        ):
+            return node
+        if not isinstance(node, scopes):  # a function's awaits run when it is awaited
+            pending.extend(ast.iter_child_nodes(node))
+    return None
+
+
 def _compile_cell(shell: Any, line: str, cell: str) -> tuple[CodeType, CodeType | None]:
     """Compile a cell body as IPython would: the statements, and the last expression if any.
 
@@ -155,6 +189,15 @@ def _compile_cell(shell: Any, line: str, cell: str) -> tuple[CodeType, CodeType 
     transformed_tree = shell.transform_ast(tree)
     if transformed_tree is not None:
         tree = transformed_tree
+    awaiting = _top_level_await(tree)
+    if awaiting is not None:
+        _usage_error(
+            f"top-level await (line {getattr(awaiting, 'lineno', '?')} of the cell) cannot run "
+            f"inside the magic, which runs the cell as a plain call. Put the awaiting code in "
+            f"an async function decorated with @reproducible(seed=SEED) (it swaps the block's "
+            f"state in and out at every await) and await it in a cell without the magic",
+            CELL_USAGE,
+        )
     last: ast.Expression | None = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         last = ast.Expression(tree.body.pop().value)
@@ -185,7 +228,7 @@ class DeterministicMagics(Magics):
 
         Usage::
 
-          %%deterministic [SEED] [--warn-only]
+          %%deterministic [SEED] [--warn-only] [--no-flags] [--no-fill] [--compiled-rng=eager]
 
         Every RNG (Python ``random``, NumPy's global RNG, torch CPU and
         accelerators, generators registered with ``register_rng``) is seeded
@@ -196,7 +239,12 @@ class DeterministicMagics(Magics):
         time it is run, and the cells after it draw as if it never ran.
 
         ``--warn-only``: operations without a deterministic implementation
-        warn instead of raising.  The value of the cell's last expression is
+        warn instead of raising.  ``--no-flags``: seed and isolate only, the
+        determinism flags and variables stay as they are.  ``--no-fill``:
+        ``torch.utils.deterministic.fill_uninitialized_memory`` off in the cell.
+        ``--compiled-rng=eager``: code compiled with ``torch.compile`` draws
+        eager's random numbers in the cell.  Top-level ``await`` is refused
+        with a ``UsageError``.  The value of the cell's last expression is
         shown as usual (``;`` hides it).  Generators that live in the
         notebook's own variables (``rng = np.random.default_rng()``) are not
         global state: register them with ``register_rng`` to have them seeded
@@ -228,7 +276,7 @@ class DeterministicMagics(Magics):
 
         Library versions, determinism flags, the relevant environment
         variables, which RNGs are seeded, CUDA facts and warnings for known
-        problems (see ``deterministic_ctx.reporting.report``).  ``--json`` prints
+        problems (see ``deterministic_ctx.report``).  ``--json`` prints
         it as JSON.  Reading it changes nothing and never initializes CUDA.
         """
         words = line.split()

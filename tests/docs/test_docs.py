@@ -11,17 +11,24 @@ cannot run in a plain interpreter is listed in :data:`SKIPPED` with the test
 that runs it for real instead.  A block in neither list that uses an undefined
 name fails here.  Each test's id names the page the block is on.
 
+A notebook cell (a block with an IPython magic line, ``%...``, or a top-level
+``await``) runs instead in a fresh Jupyter kernel, one per page, with the page's
+other notebook cells before it, as a reader types them into a new notebook; a
+``%%deterministic`` cell is run twice there and must show the same output.
+
 The site itself is built here too (``mkdocs build --strict``) when the ``docs``
 extra is installed, and every public name must have its entry in the API reference.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import inspect
 import json
 import re
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -129,8 +136,6 @@ def train_step():
 SKIPPED: dict[str, str] = {
     "model = DDP(Net())": "needs a torch.distributed process group and a dataset: "
     "examples/ddp_training.py runs this pattern on real gloo ranks (tests/docs/test_examples.py)",
-    "%load_ext deterministic_ctx": "an IPython magic: tests/integrations/test_ipython.py runs it in a kernel",
-    "%%deterministic 3": "an IPython magic: tests/integrations/test_ipython.py runs it in a kernel",
 }
 
 #: A line of a block that needs a CUDA device -> what runs instead where there is none.
@@ -140,8 +145,24 @@ NEEDS_CUDA: dict[str, str] = {
 }
 
 
+def _is_notebook_cell(block: Block) -> bool:
+    """Whether ``block`` is a Jupyter cell: an IPython magic line, or a top-level ``await``
+    (which only IPython's event loop runs)."""
+    if any(line.startswith("%") for line in block.code.splitlines()):
+        return True
+    code = compile(block.code, "<block>", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    return bool(code.co_flags & inspect.CO_COROUTINE)
+
+
+#: The pages with notebook cells -> those cells, in page order.
+NOTEBOOK_CELLS: dict[str, list[str]] = {}
+for _block in BLOCKS:
+    if _is_notebook_cell(_block):
+        NOTEBOOK_CELLS.setdefault(_block.page, []).append(_block.code)
+
+
 def _runs_here(block: Block) -> bool:
-    if _pick(SKIPPED, block) is not None:
+    if _pick(SKIPPED, block) is not None or _is_notebook_cell(block):
         return False
     return _pick(NEEDS_CUDA, block) is None or torch.cuda.is_available()
 
@@ -220,6 +241,8 @@ def test_every_entry_of_the_tables_still_matches_a_block():
 def test_docs_block_runs(outcomes, index):
     block = BLOCKS[index]
     reason = _pick(SKIPPED, block)
+    if reason is None and _is_notebook_cell(block):
+        reason = "a notebook cell: test_notebook_cells_run_in_a_fresh_kernel runs it"
     if reason is None and not _runs_here(block):
         reason = _pick(NEEDS_CUDA, block)
     if reason is not None:
@@ -227,6 +250,39 @@ def test_docs_block_runs(outcomes, index):
     position = sum(1 for b in BLOCKS[:index] if _runs_here(b))
     error = outcomes[position]
     assert error is None, f"{block.page} block:\n{block.code}\nfailed:\n{error}"
+
+
+def _shown(cell: Any) -> list[tuple[str, str]]:
+    """What a cell showed: its streams and values, in order (errors fail the cell before)."""
+    return [
+        (o["output_type"], o.get("text") or str(o.get("data", {}).get("text/plain")))
+        for o in cell.outputs
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", sorted(NOTEBOOK_CELLS))
+def test_notebook_cells_run_in_a_fresh_kernel(page, tmp_path):
+    import nbformat
+    from nbclient import NotebookClient
+
+    cells = NOTEBOOK_CELLS[page]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    # A cold kernel imports torch: minutes on a busy machine, not hours.
+    client = NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
+    with client.setup_kernel():
+        for index, cell in enumerate(nb.cells):
+            client.execute_cell(cell, index)  # raises CellExecutionError with the traceback
+        # "Re-running the cell shows the same output": a %%deterministic cell, run again.
+        for index, cell in enumerate(list(nb.cells)):
+            if cell.source.startswith("%%deterministic"):
+                again = nbformat.v4.new_code_cell(cell.source)
+                nb.cells.append(again)
+                client.execute_cell(again, len(nb.cells) - 1)
+                assert _shown(again) == _shown(cell), f"{page}: cell {index} changed on a re-run"
+                assert _shown(cell), f"{page}: cell {index} showed nothing to compare"
 
 
 def test_the_pages_import_public_names_from_the_package_only():

@@ -274,6 +274,55 @@ def test_bad_arguments_show_usage_and_run_nothing(kernel, line, message):
     assert global_state(kernel) == before
 
 
+_AWAIT_ADVICE = (
+    "cannot run inside the magic, which runs the cell as a plain call. Put the awaiting code in "
+    "an async function decorated with @reproducible(seed=SEED)"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("body", "line"),
+    [
+        ("import asyncio\nran = True\nawait asyncio.sleep(0)", 4),
+        ("ran = True\nasync for x in aiter([]):\n    pass", 3),
+        ("async with contextlib.nullcontext():\n    ran = True", 2),
+        ("ran = [x async for x in aiter([])]", 2),
+        ("x = (await asyncio.sleep(0) for _ in range(1))", 2),
+    ],
+)
+def test_top_level_await_is_refused_with_a_usage_error(kernel, body, line):
+    kernel.run("import asyncio, contextlib\nran = False")
+    before = global_state(kernel)
+    bad = kernel.run(f"%%deterministic 3\n{body}", fails=True)
+    assert bad.stderr.startswith(
+        f"UsageError: %%deterministic: top-level await (line {line} of the cell) {_AWAIT_ADVICE}"
+    ), bad.stderr
+    assert bad.error is None  # a usage message, not a traceback
+    assert kernel.run("ran").value == "False"
+    assert global_state(kernel) == before
+
+
+@pytest.mark.slow
+def test_awaits_inside_functions_and_the_advised_decorator_work(kernel):
+    # An await inside a function is not top-level: the cell defines it and runs.
+    kernel.run(
+        "%%deterministic 3\nasync def draw():\n    await asyncio.sleep(0)\n    return 1"
+    )
+    # What the UsageError advises, awaited in a cell without the magic.
+    kernel.run(
+        "from deterministic_ctx import reproducible\n"
+        "@reproducible(seed=3)\n"
+        "async def sample():\n"
+        "    await asyncio.sleep(0)\n"
+        "    return random.random()"
+    )
+    before = global_state(kernel)
+    assert kernel.run("await sample()").value == repr(random.Random(3).random())
+    assert kernel.run("await sample()").value == repr(random.Random(3).random())
+    assert global_state(kernel) == before
+
+
 @pytest.mark.slow
 def test_help(kernel):
     result = kernel.run("%%deterministic --help\nran = True", fails=True)
