@@ -654,3 +654,45 @@ def test_marked_tests_keep_their_numbers_under_pytest_randomly(project: pytest.P
     found = [re.findall(r"UNMARKED=(\S+)", r.stdout.str()) for r in (result, alone)]
     assert len(found[0]) == 1
     assert found[0] == found[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("pytest_randomly") is None, reason="needs pytest-randomly"
+)
+def test_reproducible_on_a_test_covers_its_body_and_the_marker_its_fixtures_too(
+    project: pytest.Pytester,
+) -> None:
+    # What docs/how-to/pytest.md says: a decorated test's fixtures draw outside its block
+    # (pytest sets them up before it calls the test), a marked test's inside.
+    project.makepyfile(
+        """
+        import json
+
+        import pytest
+        from _recipe import draw, recipe
+        from deterministic_ctx import reproducible
+
+        @pytest.fixture
+        def drawn():
+            return draw()
+
+        @reproducible(seed=3)
+        def test_decorated(drawn):
+            body = draw()
+            print("FIXTURE=" + json.dumps(drawn))
+            assert body == recipe(3)[0]  # the body draws the block's numbers
+
+        @pytest.mark.deterministic(seed=3)
+        def test_marked(drawn):
+            assert [drawn, draw()] == recipe(3, n=2)  # the fixture draws them too
+        """
+    )
+    fixture = []
+    for seed in (1, 2):
+        result = project.runpytest_subprocess("-p", "randomly", f"--randomly-seed={seed}", "-s")
+        result.assert_outcomes(passed=2)
+        (found,) = re.findall(r"FIXTURE=(.+)", result.stdout.str())
+        fixture.append(json.loads(found))
+    # Under @reproducible the fixture drew pytest-randomly's numbers: they follow its seed.
+    assert fixture[0] != fixture[1]
