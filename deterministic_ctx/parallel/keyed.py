@@ -115,6 +115,11 @@ _RANDOM = source_named("random")
 _NUMPY = source_named("numpy")
 _USER = source_named("user")
 _MT19937 = np.random.MT19937
+# ``random.seed(k)`` for an int ``k`` is the C seeding plus ``gauss_next = None``;
+# calling them directly saves a Python frame per item.  The generator is the one
+# the random source manages (module functions are its bound methods).
+_PY_RNG: Any = getattr(random.random, "__self__")  # noqa: B009 - untyped attribute
+_PY_SEED: Any = random.Random.__mro__[1].seed  # type: ignore[attr-defined]
 
 
 def _keyed_call(dataset: Any, index: int, key: int) -> Any:
@@ -125,7 +130,8 @@ def _keyed_call(dataset: Any, index: int, key: int) -> Any:
     rs = np.random.mtrand._rand
     r, n, t, u = _RANDOM.capture(), _NUMPY.capture(), gen.get_state(), _USER.capture()
     try:
-        random.seed(key)
+        _PY_SEED(_PY_RNG, key)
+        _PY_RNG.gauss_next = None
         if type(rs._bit_generator) is _MT19937:
             rs.seed(key)  # legacy seeding, as np.random.seed; clears the gaussian cache
         else:  # np.random.seed refuses other bit generators: the block's way, MT19937
@@ -133,11 +139,13 @@ def _keyed_call(dataset: Any, index: int, key: int) -> Any:
         # Not torch.manual_seed: it also queues lazy seeds for every accelerator,
         # about 100 times the cost of seeding the CPU generator.
         gen.manual_seed(key)
-        seed_registered_rngs(key)
+        if u:  # none registered: nothing to seed or put back
+            seed_registered_rngs(key)
         return dataset[index]
     finally:
         try:
-            _USER.restore(u)
+            if u:
+                _USER.restore(u)
         finally:
             try:
                 gen.set_state(t)
