@@ -110,7 +110,7 @@ class SeededIndex(int):
 # The sources of the state an item seeds and restores: the same capture and
 # restore a block runs (with their probed fast paths, and the plain public API
 # under DETERMINISTIC_CTX_NO_FAST_PATHS=1).  NumPy's public get_state() +
-# set_state() alone would cost 2-3 times the classic recipe (benchmarks/README.md).
+# set_state() alone would cost 2-5 times a whole keyed item (benchmarks/README.md).
 _RANDOM = source_named("random")
 _NUMPY = source_named("numpy")
 _USER = source_named("user")
