@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
 import random
@@ -47,7 +46,11 @@ from deterministic_ctx import (
 )
 
 EPOCHS, BATCH, STOP_AT = 2, 4, 7
-HAS_TORCHDATA = importlib.util.find_spec("torchdata") is not None
+try:  # installed but built for another torch, it may fail to import
+    from torchdata.stateful_dataloader import StatefulDataLoader
+except Exception:
+    StatefulDataLoader = None
+HAS_TORCHDATA = StatefulDataLoader is not None
 
 
 class Points(Dataset):
@@ -72,10 +75,7 @@ def train(
     seed_everything(0)
     dataset = SeededDataset(Points(), seed=0)
     sampler = SeededSampler(dataset, seed=0)
-    if kind == "stateful":
-        from torchdata.stateful_dataloader import StatefulDataLoader as Loader
-    else:
-        Loader = DataLoader
+    Loader = StatefulDataLoader if kind == "stateful" else DataLoader
     # Its own generator: creating an iterator otherwise draws the workers' base seed from
     # torch's global stream, and a resumed run creates one iterator more than a whole one.
     loader = Loader(
@@ -149,7 +149,7 @@ RUNS = [
 def demo() -> int:
     runs = [run for run in RUNS if run[0] != "stateful" or HAS_TORCHDATA]
     if not HAS_TORCHDATA:
-        print("torchdata is not installed: the StatefulDataLoader part is left out")
+        print("torchdata's StatefulDataLoader does not import here: that part is left out")
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         before = {}

@@ -123,7 +123,6 @@ def test_items_do_not_depend_on_workers(reference, user_rng, loader_kwargs):
     assert items(dataset, (0, 1), multiprocessing_context="fork", **loader_kwargs) == reference
 
 
-@pytest.mark.slow
 def test_items_do_not_depend_on_workers_spawn(reference, user_rng):
     # A spawned worker is a fresh interpreter: the epoch comes with each index, and the
     # registered RNG travels with the dataset (the worker registers the copy it unpickled).

@@ -7,7 +7,6 @@ test_keyed.py.)
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing
 from collections.abc import Callable
 
@@ -18,10 +17,14 @@ from deterministic_ctx import SeededDataset, SeededSampler
 from tests.helpers import ROOT, run_python
 from tests.parallel.test_keyed import Augmenting
 
-HAS_TORCHDATA = importlib.util.find_spec("torchdata") is not None
-needs_torchdata = pytest.mark.skipif(
-    not HAS_TORCHDATA, reason='needs torchdata (StatefulDataLoader): pip install -e ".[test]"'
-)
+try:  # installed but built for another torch (the lowest corner), it may fail to import
+    from torchdata.stateful_dataloader import StatefulDataLoader
+except Exception as exc:  # any failure means: not usable here
+    StatefulDataLoader = None
+    WHY = f"needs torchdata's StatefulDataLoader (pip install -e '.[test]'): {exc!r:.200}"
+else:
+    WHY = ""
+needs_torchdata = pytest.mark.skipif(StatefulDataLoader is None, reason=WHY)
 needs_fork = pytest.mark.skipif(
     "fork" not in multiprocessing.get_all_start_methods(), reason="needs the fork start method"
 )
@@ -39,8 +42,6 @@ def _stateful_rows(
 ) -> tuple[list[tuple[float, ...]], dict | None]:
     """Rows of epochs 0 and 1 through a 2-worker StatefulDataLoader; with ``stop_at``, the rows
     up to that step and the loader's state there; with ``state``, the rows after it."""
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
     dataset = make_dataset()
     sampler = SeededSampler(dataset, seed=1)
     loader = StatefulDataLoader(
