@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset, IterableDataset, SequentialSampler
 
 from deterministic_ctx import (
@@ -480,3 +482,57 @@ def test_another_world_size_covers_the_rest_of_the_epoch_once(user_rng, before, 
         assert sorted(rest) == sorted(remaining[:kept])
     else:
         assert sorted(rest) == sorted(remaining + order[: len(rest) - len(remaining)])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    size=st.integers(0, 40),
+    before=st.integers(1, 5),
+    after=st.integers(1, 5),
+    drop_last=st.booleans(),
+    shuffle=st.booleans(),
+    data=st.data(),
+)
+def test_a_resume_on_any_world_takes_each_remaining_index_once(
+    size, before, after, drop_last, shuffle, data
+):
+    # The law behind the world-size policy, for any size, worlds and stop: what the old
+    # ranks took, then what the new ranks take, is the epoch's order (then the padding).
+    def ranks(world: int) -> list[SeededSampler]:
+        out = []
+        for rank in range(world):
+            s = SeededSampler(
+                range(size),
+                seed=9,
+                shuffle=shuffle,
+                num_replicas=world,
+                rank=rank,
+                drop_last=drop_last,
+            )
+            s.set_epoch(2)
+            out.append(s)
+        return out
+
+    order = [int(i) for i in ranks(1)[0]]
+    old = ranks(before)
+    iterators = [iter(s) for s in old]
+    steps = data.draw(st.integers(0, len(old[0])), label="indices each old rank took")
+    taken = [[int(next(it)) for _ in range(steps)] for it in iterators]
+    states = [s.state_dict() for s in old]
+    assert all(state == states[0] for state in states)
+    gone = min(before * steps, size)
+    assert sorted({i for t in taken for i in t}) == sorted(set(order[:gone]))
+
+    new = ranks(after)
+    for s in new:
+        s.load_state_dict(states[0])
+    rest = [[int(i) for i in s] for s in new]
+    assert len({len(r) for r in rest}) <= 1  # every new rank takes as many
+    merged = [r[j] for j in range(len(rest[0])) for r in rest]
+    remaining = order[gone:]
+    if drop_last:
+        assert merged == remaining[: len(remaining) // after * after]
+    else:
+        pad = len(merged) - len(remaining)
+        assert 0 <= pad < after
+        assert merged == remaining + (order * after)[:pad]

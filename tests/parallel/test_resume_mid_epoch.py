@@ -82,6 +82,26 @@ def test_stateful_dataloader_resumes_keyed_items_bit_for_bit(stop_at):
     assert len(whole) == 2 * len(keyed())
 
 
+@pytest.fixture(scope="module")
+def keyed_whole() -> list[tuple[float, ...]]:
+    rows, _ = _stateful_rows(_keyed)
+    return rows
+
+
+def _keyed() -> SeededDataset:
+    return SeededDataset(Augmenting(), seed=3)
+
+
+@needs_torchdata
+@needs_fork
+@pytest.mark.slow
+@pytest.mark.parametrize("stop_at", range(1, 12))  # 6 steps an epoch, 2 epochs
+def test_stateful_dataloader_resumes_at_any_step(keyed_whole, stop_at):
+    first, state = _stateful_rows(_keyed, stop_at=stop_at)
+    rest, _ = _stateful_rows(_keyed, state=state)
+    assert first + rest == keyed_whole
+
+
 @needs_torchdata
 @needs_fork
 def test_without_keys_the_same_resume_changes_the_augmentation():
