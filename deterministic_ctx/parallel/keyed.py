@@ -174,7 +174,10 @@ class SeededDataset(torch.utils.data.Dataset[T_co], Generic[T_co]):
     The epoch comes with the index: :class:`SeededSampler` yields
     :class:`SeededIndex` objects, which carry it into every worker, persistent
     or not, forked or spawned.  A plain ``int`` index (any other sampler) uses
-    the epoch of :meth:`set_epoch`, 0 until it is called.
+    the epoch of :meth:`set_epoch`, 0 until it is called.  Wrap the outermost
+    dataset (``SeededDataset(ConcatDataset(parts), seed)``): a ``Subset`` or a
+    ``ConcatDataset`` around a ``SeededDataset`` computes plain ints from the
+    indices it gets, and the epoch is lost on the way.
 
     Registered RNGs travel with the dataset to ``spawn`` workers (as with
     :data:`~deterministic_ctx.seed_worker`): the worker registers the very

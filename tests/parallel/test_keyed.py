@@ -536,3 +536,14 @@ def test_a_resume_on_any_world_takes_each_remaining_index_once(
         pad = len(merged) - len(remaining)
         assert 0 <= pad < after
         assert merged == remaining + (order * after)[:pad]
+
+
+def test_wrapping_the_outermost_dataset_keeps_the_epoch():
+    parts = torch.utils.data.ConcatDataset([Augmenting(), Augmenting()])
+    outer = SeededDataset(parts, seed=3)
+    a, b = outer[SeededIndex(N + 1, 0)], outer[SeededIndex(N + 1, 1)]
+    assert a[0] == b[0] == 1  # the second part's item 1
+    assert not torch.equal(a, b)  # each epoch its own draws
+    # The other way round, ConcatDataset's index arithmetic drops the epoch (documented).
+    inner = torch.utils.data.ConcatDataset([SeededDataset(Augmenting(), seed=3)] * 2)
+    assert torch.equal(inner[SeededIndex(N + 1, 0)], inner[SeededIndex(N + 1, 1)])
