@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from .core.context import deterministic, isolated
     from .core.decorate import reproducible
     from .parallel.data import chain_worker_init, seed_worker, seeded_generator
+    from .parallel.keyed import SeededDataset, SeededIndex, SeededSampler
     from .parallel.ranks import Ranks, broadcast_seed, rank_seed, ranks
     from .parallel.seeding import seed_everything
     from .parallel.streams import RngStreams
@@ -85,6 +86,9 @@ __all__ = [
     "RngState",
     "RngStateError",
     "RngStreams",
+    "SeededDataset",
+    "SeededIndex",
+    "SeededSampler",
     "Snapshot",
     "TorchFeatureError",
     "Trace",
@@ -138,6 +142,9 @@ _WHERE: dict[str, tuple[str, str]] = {
     "RngState": (".state.dcp", "RngState"),
     "RngStateError": (".state.sync", "RngStateError"),
     "RngStreams": (".parallel.streams", "RngStreams"),
+    "SeededDataset": (".parallel.keyed", "SeededDataset"),
+    "SeededIndex": (".parallel.keyed", "SeededIndex"),
+    "SeededSampler": (".parallel.keyed", "SeededSampler"),
     "Snapshot": (".state.snapshot", "Snapshot"),
     "Trace": (".trace", "Trace"),
     "TorchFeatureError": ("._torch", "TorchFeatureError"),

@@ -22,7 +22,10 @@ from tests.helpers import ROOT, needs_gloo, run_python
 
 #: Examples with a test module of their own, which runs them and checks what they print:
 #: run again here, they would only double the suite's time.
-OWN_TESTS = {"multinode_resume.py": "tests/parallel/test_multinode_example.py"}
+OWN_TESTS = {
+    "multinode_resume.py": "tests/parallel/test_multinode_example.py",
+    "resume_mid_epoch.py": "tests/parallel/test_resume_mid_epoch.py",
+}
 EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if p.name not in OWN_TESTS)
 #: Seconds per training run of the DDP example (its ranks, their workers, a gloo group).
 LAUNCH_TIMEOUT = 180.0

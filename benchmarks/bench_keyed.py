@@ -1,0 +1,216 @@
+"""Per-sample keyed randomness (issue 35): what a keyed item and a keyed epoch cost.
+
+    python benchmarks/bench_keyed.py [--rounds 15] [--items 2000] [--workers 0 2]
+
+Every row is measured in the same run as its baseline, interleaved round by round, and
+reported as a median (µs), with the ratio to the baseline's median:
+
+* **per item**, against the classic per-sample recipe ``random.seed(i); np.random.seed(i);
+  torch.manual_seed(i)`` (target: a keyed item <= 0.25 of it): ``SeededDataset`` over a
+  dataset that returns its index, with no registered RNG and with four; a
+  ``deterministic(seed=i)`` block (what the issue compares with); and the parts that
+  chose the design: NumPy's public ``get_state()`` + ``set_state()`` against the capture and
+  restore a block uses, ``torch.manual_seed`` against ``torch.default_generator.manual_seed``,
+  ``derive_seed`` against the SplitMix64 step from a per-epoch base.
+* **per epoch** of a ``DataLoader`` over a light augmentation (a random crop of a padded
+  3x32x32 image, a flip, noise and a brightness factor from NumPy), batch size 32, against
+  the same loop unkeyed (the plain dataset, a ``RandomSampler`` with its own generator;
+  target: keyed <= 1.15x), for each ``--workers`` count (persistent workers, started
+  before timing) and each image ``--sizes`` (32: CIFAR's; 128: a mid-size crop), with
+  ``--threads`` torch threads (1, as in a worker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, RandomSampler
+
+from deterministic_ctx import (
+    SeededDataset,
+    SeededIndex,
+    SeededSampler,
+    derive_seed,
+    deterministic,
+    register_rng,
+    unregister_rng,
+)
+from deterministic_ctx.internal import source_named
+
+
+class Index(Dataset):
+    def __len__(self) -> int:
+        return 1 << 30
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+class Light(Dataset):
+    """A light augmentation of a 3 x size x size image: pad-and-crop, flip, noise, brightness
+    (CIFAR's recipe at 32, with noise and brightness added)."""
+
+    def __init__(self, n: int = 2048, size: int = 32) -> None:
+        self.images = torch.rand(n, 3, size, size)
+        self.size = size
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        x = torch.nn.functional.pad(self.images[i], (4, 4, 4, 4))
+        top, left = torch.randint(0, 9, (2,)).tolist()
+        x = x[:, top : top + self.size, left : left + self.size]
+        if random.random() < 0.5:
+            x = x.flip(2)
+        x = x + 0.01 * torch.randn_like(x)
+        return x * float(np.random.uniform(0.8, 1.2))
+
+
+def per_call(fn: Callable[[int], object], n: int, offset: int) -> float:
+    start = time.perf_counter()
+    for i in range(offset, offset + n):
+        fn(i)
+    return (time.perf_counter() - start) / n * 1e6
+
+
+def bench_items(rounds: int, n: int) -> None:
+    keyed = SeededDataset(Index(), seed=0)
+    numpy_source = source_named("numpy")
+    gen = torch.default_generator
+    rs = np.random.mtrand._rand
+    base = derive_seed(0, "item", 1, bits=64)
+
+    def recipe(i: int) -> None:
+        random.seed(i)
+        np.random.seed(i)
+        torch.manual_seed(i)
+
+    def item(i: int) -> None:
+        keyed[SeededIndex(i, 1)]
+
+    def block(i: int) -> None:
+        with deterministic(seed=i & 0xFFFF_FFFF):
+            pass
+
+    def numpy_public(i: int) -> None:
+        rs.set_state(rs.get_state())
+
+    def numpy_source_path(i: int) -> None:
+        numpy_source.restore(numpy_source.capture())
+
+    def torch_manual_seed(i: int) -> None:
+        torch.manual_seed(i)
+
+    def generator_manual_seed(i: int) -> None:
+        gen.manual_seed(i)
+
+    def derive(i: int) -> None:
+        derive_seed(0, "item", 1, i)
+
+    def splitmix(i: int) -> None:
+        m = 2**64 - 1
+        z = (base + (i + 1) * 0x9E3779B97F4A7C15) & m
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+        _ = (z ^ (z >> 31)) >> 32
+
+    def register() -> list[object]:
+        made = [random.Random(), np.random.default_rng(), torch.Generator(), random.Random()]
+        return [register_rng(r, key=f"bench{k}") for k, r in enumerate(made)]
+
+    rows: dict[str, Callable[[int], None]] = {
+        "recipe: random.seed; np.random.seed; torch.manual_seed": recipe,
+        "keyed item (SeededDataset)": item,
+        "keyed item, 4 registered RNGs": item,  # registered around this row only
+        "deterministic(seed=i) block": block,
+        "NumPy get_state() + set_state()": numpy_public,
+        "NumPy source capture() + restore()": numpy_source_path,
+        "torch.manual_seed(i)": torch_manual_seed,
+        "torch.default_generator.manual_seed(i)": generator_manual_seed,
+        "derive_seed(0, 'item', 1, i)": derive,
+        "SplitMix64 step": splitmix,
+    }
+    times: dict[str, list[float]] = {name: [] for name in rows}
+    offset = 0
+    with deterministic(seed=0, flags=False):  # the recipe's seeds do not outlive the run
+        for _ in range(rounds):
+            for name, fn in rows.items():
+                registered = register() if "registered" in name else []
+                try:
+                    times[name].append(per_call(fn, n, offset))
+                finally:
+                    for rng in registered:
+                        unregister_rng(rng)
+                offset += n
+    baseline = statistics.median(times["recipe: random.seed; np.random.seed; torch.manual_seed"])
+    print(f"per item ({rounds} rounds of {n}, medians)")
+    for name, values in times.items():
+        m = statistics.median(values)
+        print(f"  {name:58s} {m:8.2f} µs  {m / baseline:6.3f} of the recipe")
+
+
+def bench_epochs(rounds: int, workers: int, size: int) -> None:
+    dataset = Light(n=2048 if size <= 32 else 256, size=size)
+    keyed = SeededDataset(dataset, seed=0)
+    sampler = SeededSampler(keyed, seed=0)
+    common = {"batch_size": 32, "num_workers": workers, "generator": torch.Generator()}
+    if workers:
+        common["persistent_workers"] = True
+    loaders = {
+        "unkeyed (RandomSampler)": DataLoader(
+            dataset, sampler=RandomSampler(dataset, generator=torch.Generator()), **common
+        ),
+        "keyed (SeededDataset + SeededSampler)": DataLoader(keyed, sampler=sampler, **common),
+    }
+    for loader in loaders.values():  # start the workers, warm the caches
+        for _ in loader:
+            pass
+    times: dict[str, list[float]] = {name: [] for name in loaders}
+    with deterministic(seed=0, flags=False):
+        for epoch in range(rounds):
+            sampler.set_epoch(epoch)
+            for name, loader in loaders.items():
+                start = time.perf_counter()
+                for _ in loader:
+                    pass
+                times[name].append((time.perf_counter() - start) * 1e3)
+    unkeyed = statistics.median(times["unkeyed (RandomSampler)"])
+    print(
+        f"DataLoader epoch of {len(dataset)} light items of 3x{size}x{size}, "
+        f"num_workers={workers} (medians)"
+    )
+    for name, values in times.items():
+        m = statistics.median(values)
+        print(f"  {name:58s} {m:8.1f} ms  {m / unkeyed:6.3f} of unkeyed")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--items", type=int, default=2000)
+    parser.add_argument("--workers", type=int, nargs="*", default=[0, 2])
+    parser.add_argument("--sizes", type=int, nargs="*", default=[32, 128])
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    # DataLoader workers run with one thread; the main process with more would time its
+    # threads' contention on a shared machine (11 ms an item at 128 px on 2 busy cores).
+    torch.set_num_threads(args.threads)
+    print(
+        f"Python {'.'.join(map(str, __import__('sys').version_info[:3]))}, torch "
+        f"{torch.__version__}, NumPy {np.__version__}"
+    )
+    bench_items(args.rounds, args.items)
+    for size in args.sizes:
+        for workers in args.workers:
+            bench_epochs(args.rounds, workers, size)
+
+
+if __name__ == "__main__":
+    main()

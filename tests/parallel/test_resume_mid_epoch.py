@@ -1,0 +1,140 @@
+"""Resuming mid-epoch, bit for bit: torchdata's StatefulDataLoader with real workers, and the
+example of docs/how-to/resume-mid-epoch.md, which resumes in a fresh process.
+
+(The plain DataLoader's resume through the sampler, and a changed world size, are in
+test_keyed.py.)
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from deterministic_ctx import SeededDataset, SeededSampler
+from tests.helpers import ROOT, run_python
+from tests.parallel.test_keyed import Augmenting
+
+try:  # installed but built for another torch (the lowest corner), it may fail to import
+    from torchdata.stateful_dataloader import StatefulDataLoader
+except Exception as exc:  # any failure means: not usable here
+    StatefulDataLoader = None
+    WHY = f"needs torchdata's StatefulDataLoader (pip install -e '.[test]'): {exc!r:.200}"
+else:
+    WHY = ""
+needs_torchdata = pytest.mark.skipif(StatefulDataLoader is None, reason=WHY)
+needs_fork = pytest.mark.skipif(
+    "fork" not in multiprocessing.get_all_start_methods(), reason="needs the fork start method"
+)
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+
+EXAMPLE = ROOT / "examples" / "resume_mid_epoch.py"
+BATCH = 2
+
+
+def _stateful_rows(
+    make_dataset: Callable[[], torch.utils.data.Dataset],
+    *,
+    stop_at: int | None = None,
+    state: dict | None = None,
+) -> tuple[list[tuple[float, ...]], dict | None]:
+    """Rows of epochs 0 and 1 through a 2-worker StatefulDataLoader; with ``stop_at``, the rows
+    up to that step and the loader's state there; with ``state``, the rows after it."""
+    dataset = make_dataset()
+    sampler = SeededSampler(dataset, seed=1)
+    loader = StatefulDataLoader(
+        dataset,
+        batch_size=BATCH,
+        sampler=sampler,
+        num_workers=2,
+        multiprocessing_context="fork",
+        generator=torch.Generator().manual_seed(0),
+    )
+    start = 0
+    if state is not None:
+        loader.load_state_dict(state["loader"])
+        start = state["epoch"]
+    rows, step = [], 0
+    for epoch in range(start, 2):
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            rows += [tuple(row.tolist()) for row in batch]
+            step += 1
+            if step == stop_at:
+                return rows, {"loader": loader.state_dict(), "epoch": epoch}
+    return rows, None
+
+
+@needs_torchdata
+@needs_fork
+@pytest.mark.parametrize("stop_at", [1, 8])  # in the first epoch, in the second
+def test_stateful_dataloader_resumes_keyed_items_bit_for_bit(stop_at):
+    def keyed():
+        return SeededDataset(Augmenting(), seed=3)
+
+    whole, _ = _stateful_rows(keyed)
+    first, state = _stateful_rows(keyed, stop_at=stop_at)
+    assert state is not None
+    rest, _ = _stateful_rows(keyed, state=state)
+    assert first + rest == whole
+    assert len(whole) == 2 * len(keyed())
+
+
+@pytest.fixture(scope="module")
+def keyed_whole() -> list[tuple[float, ...]]:
+    rows, _ = _stateful_rows(_keyed)
+    return rows
+
+
+def _keyed() -> SeededDataset:
+    return SeededDataset(Augmenting(), seed=3)
+
+
+@needs_torchdata
+@needs_fork
+@pytest.mark.slow
+@pytest.mark.parametrize("stop_at", range(1, 12))  # 6 steps an epoch, 2 epochs
+def test_stateful_dataloader_resumes_at_any_step(keyed_whole, stop_at):
+    first, state = _stateful_rows(_keyed, stop_at=stop_at)
+    rest, _ = _stateful_rows(_keyed, state=state)
+    assert first + rest == keyed_whole
+
+
+@needs_torchdata
+@needs_fork
+def test_without_keys_the_same_resume_changes_the_augmentation():
+    # The control: torchdata restores the position, not what the workers' streams were.
+    whole, _ = _stateful_rows(Augmenting)
+    first, state = _stateful_rows(Augmenting, stop_at=3)
+    rest, _ = _stateful_rows(Augmenting, state=state)
+    indices = [row[0] for row in first + rest]
+    assert indices == [row[0] for row in whole]  # the same samples, in the same order
+    assert first + rest != whole  # but other numbers
+
+
+@pytest.fixture(scope="module")
+def example_output() -> str:
+    proc = run_python([str(EXAMPLE)], own_session=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def _line(output: str, start: str) -> str:
+    (line,) = [line for line in output.splitlines() if line.startswith(start)]
+    return line
+
+
+def test_the_example_resumes_a_plain_dataloader_in_a_fresh_process_with_other_workers(
+    example_output,
+):
+    line = _line(example_output, "DataLoader + SeededSampler, 2 workers, then 1")
+    assert line.endswith("identical losses: True, identical weights: True"), line
+
+
+@needs_torchdata
+def test_the_example_resumes_a_stateful_dataloader_in_a_fresh_process(example_output):
+    line = _line(example_output, "StatefulDataLoader, 2 workers")
+    assert "stopped at step 7 of 10" in line
+    assert line.endswith("identical losses: True, identical weights: True"), line
