@@ -8,15 +8,18 @@ runs of the same code).  This script extracts ``REV``'s package (default
 ``HEAD``) with ``git archive`` under another name, imports it beside the
 working tree's, and times the same blocks of each in alternating repeats, so
 machine noise hits both sides alike.  It prints medians (µs per block) and
-the ratio new / base.  The package uses relative imports only, so a renamed
-copy is a complete second engine (both register fork hooks; nothing here
-forks).
+the ratio new / base.  With ``DETERMINISTIC_CTX_NO_FAST_PATHS=1`` the working
+tree runs with its fast paths off (the base revision may not read it).  The
+package uses relative imports only, so a renamed copy is a complete second
+engine (both register fork hooks; nothing here forks).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import random
 import statistics
 import subprocess
 import sys
@@ -71,6 +74,9 @@ def rows(mod: Any) -> dict[str, Callable[[], None]]:
         for _ in stepped():
             pass
 
+    def snapshot() -> None:
+        mod.Snapshot.capture().restore()
+
     return {
         "fresh block": fresh,
         "reused block": reused,
@@ -78,7 +84,20 @@ def rows(mod: Any) -> dict[str, Callable[[], None]]:
         "isolated block": isolated,
         "@reproducible call": mod.reproducible(seed=0)(lambda: None),
         "generator (3 steps)": generator,
+        "Snapshot capture+restore": snapshot,
     }
+
+
+def with_rngs(mod: Any, count: int) -> tuple[list[Any], Callable[[], None]]:
+    """``count`` registered ``random.Random`` and a block that seeds and restores them."""
+    rngs = [mod.register_rng(random.Random(i), key=f"bench{i}") for i in range(count)]
+    det = mod.deterministic(seed=0)
+
+    def block() -> None:
+        with det:
+            pass
+
+    return rngs, block
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +117,22 @@ def main(argv: list[str] | None = None) -> int:
             for side in ("base", "new") if i % 2 else ("new", "base"):
                 for row, fn in table[side].items():
                     times[side][row].append(timeit.timeit(fn, number=args.number) / args.number)
-    print(f"base {args.base} against the working tree; median of {args.repeats} repeats")
+        # Last, so that the rows above run with no registered RNG: each side's
+        # own registry holds 64 of them (a block of one side never sees the other's).
+        row = "block, 64 random.Random"
+        held = {}
+        for side, mod in sides.items():
+            held[side], table[side][row] = with_rngs(mod, 64)
+            times[side][row] = []
+        for i in range(args.repeats):
+            for side in ("base", "new") if i % 2 else ("new", "base"):
+                fn = table[side][row]
+                times[side][row].append(timeit.timeit(fn, number=args.number) / args.number)
+    fast = "off" if os.environ.get("DETERMINISTIC_CTX_NO_FAST_PATHS") == "1" else "on"
+    print(
+        f"base {args.base} against the working tree (its fast paths {fast}); "
+        f"median of {args.repeats} repeats"
+    )
     for row in table["base"]:
         b = statistics.median(times["base"][row]) * 1e6
         n = statistics.median(times["new"][row]) * 1e6

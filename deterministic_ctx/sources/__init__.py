@@ -12,8 +12,6 @@ from .accelerators import accelerator_sources
 from .compiler import TorchCompileSource
 from .environ import EnvironSource
 from .flags import TorchFlagsSource
-from .fused import FusedPlan
-from .fused import build as _build_plan
 from .numpy_global import NumpyGlobalSource
 from .python_random import PythonRandomSource
 from .torch_cpu import TorchCPUSource
@@ -27,13 +25,10 @@ from .user_rngs import (
 )
 
 __all__ = [
-    "PLAN",
     "SOURCES",
     "DeviceSource",
-    "FusedPlan",
     "Source",
     "apply_all",
-    "apply_captured",
     "generator_sources",
     "register_rng",
     "registered_rngs",
@@ -55,29 +50,11 @@ SOURCES: tuple[Source, ...] = (
 )
 
 
-#: The fused plan of :data:`SOURCES` (see :mod:`.fused`); ``None`` where it has
-#: none.  Callers check ``PLAN.sources is SOURCES``: where ``SOURCES`` was
-#: swapped (tests do), the per-source reference runs.
-PLAN: FusedPlan | None = _build_plan(SOURCES)
-
-
 def apply_all(settings: Settings, sources: tuple[Source, ...] | None = None) -> None:
     """Apply the block's settings to every source (the caller rolls back on error)."""
     settings = settings.resolved()
     for source in SOURCES if sources is None else sources:
         source.apply(settings)
-
-
-def apply_captured(
-    settings: Settings, sources: tuple[Source, ...], states: tuple[object, ...]
-) -> None:
-    """:func:`apply_all` to ``sources``, whose ``states`` were captured just now
-    (a block's entry): through the fused plan where ``sources`` has one."""
-    plan = PLAN
-    if plan is not None and plan.sources is sources:
-        plan.apply(settings, states)
-    else:
-        apply_all(settings, sources)
 
 
 def generator_sources() -> tuple[Source, ...]:

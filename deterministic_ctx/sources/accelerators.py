@@ -135,10 +135,6 @@ def _is_rng_call(entry: Any) -> bool:
 class LazyAcceleratorSource:
     """The default generators of a lazily initialized device type."""
 
-    #: The fused plan reads this device's queue inline where it can never be
-    #: initialized, and runs the other methods otherwise (sources/fused.py).
-    fused_slot = "device"
-
     def __init__(
         self,
         module: ModuleType | Any,

@@ -332,8 +332,6 @@ class EnvironSource:
     """
 
     name = "environ"
-    #: The slot of the fused plan (sources/fused.py) this exact class fills.
-    fused_slot = "environ"
     device_type: str | None = None  # not a device generator: saved under "sources"
 
     def __init__(self, environ: MutableMapping[str, str] | None = None) -> None:
@@ -360,17 +358,6 @@ class EnvironSource:
         get = self._access.get
         self._apply(get(self._cublas_key), get(self._hash_key), settings.seed)
 
-    def apply_after_capture(self, state: EnvState, settings: Settings) -> None:
-        """:meth:`apply`, for a state :meth:`capture` has just returned: the two
-        variables' values are taken from it instead of being read again."""
-        if not settings.flags:
-            return
-        names, raw = state
-        if names is _MANAGED:  # CUBLAS_WORKSPACE_CONFIG and PYTHONHASHSEED come first
-            self._apply(raw[0], raw[1], settings.seed)
-        else:
-            self.apply(settings)
-
     def _apply(self, cublas: Any, hashseed: Any, seed: int) -> None:
         access = self._access
         wanted = self._hash_values.get(seed)
@@ -393,16 +380,6 @@ class EnvironSource:
         now = tuple(map(access.get, keys))
         if now != saved:
             self._write(names, keys, saved, now)
-
-    def restore_over(self, state: EnvState, now: EnvState) -> None:
-        """:meth:`restore`, where :meth:`capture` has just returned ``now`` (a
-        swap of two worlds): the values are compared with it, not read again."""
-        names, saved = state
-        cached, keys = self._cache
-        if names is not cached or now[0] is not names:
-            self.restore(state)
-        elif now[1] != saved:
-            self._write(names, keys, saved, now[1])
 
     def _write(
         self,

@@ -92,8 +92,6 @@ class NumpyGlobalSource:
     """The ``RandomState`` singleton behind the ``np.random.*`` functions."""
 
     name = "numpy"
-    #: The slot of the fused plan (sources/fused.py) this exact class fills.
-    fused_slot = "numpy"
     device_type: str | None = None  # not a device generator: saved under "sources"
 
     def __init__(

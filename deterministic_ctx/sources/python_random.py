@@ -98,8 +98,6 @@ class PythonRandomSource:
     """The hidden ``random.Random`` instance behind ``random.random()`` & co."""
 
     name = "random"
-    #: The slot of the fused plan (sources/fused.py) this exact class fills.
-    fused_slot = "random"
     device_type: str | None = None  # not a device generator: saved under "sources"
 
     def __init__(

@@ -332,15 +332,12 @@ def test_real_cuda_module_is_never_initialized_by_sources():
 
 
 def test_flags_capture_survives_a_raising_matmul_precision_getter(monkeypatch):
-    import deterministic_ctx.sources.flags as flags_module
     import deterministic_ctx.sources.precision as precision_module
 
     def raising():
         raise RuntimeError("mix of the legacy and new APIs")
 
-    # Read in both: inline by the source's capture, and by precision's read().
-    for module in (flags_module, precision_module):
-        monkeypatch.setattr(module, "get_float32_matmul_precision", raising)
+    monkeypatch.setattr(precision_module, "get_float32_matmul_precision", raising)
     source = TorchFlagsSource()
     state = source.capture()
     assert state.float32_matmul_precision is None

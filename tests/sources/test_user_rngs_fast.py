@@ -433,7 +433,7 @@ def test_a_batch_made_before_one_of_its_rngs_died_skips_it():
         assert [k for step in layout for k in (step[2] if step[0] != "entry" else step[1:])] == keys
         before = [rng.getstate() for rng in rngs]
         out: list[Any] = []
-        batch.capture(out)
+        batch.capture_into(out)
         assert [record[0].key for record in out] == keys
         assert [record[0].public(record[2], record[3]) for record in out] == before
         for seed in (4, 4):  # a memo miss, then a hit
