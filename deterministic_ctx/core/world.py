@@ -8,6 +8,7 @@ nothing of seeds, blocks or files.
 from __future__ import annotations
 
 import sys
+from operator import methodcaller
 from typing import Any
 
 from .. import sources as _sources
@@ -15,6 +16,9 @@ from ..base.errors import RestoreError
 from ..sources import Source
 
 __all__ = ["World", "headroom"]
+
+#: ``_capture(source)`` is ``source.capture()``, called from C: no frame per source.
+_capture = methodcaller("capture")
 
 
 class World:
@@ -41,7 +45,7 @@ class World:
     def capture(cls) -> World:
         """The state of every source of :data:`~deterministic_ctx.sources.SOURCES` now."""
         sources = _sources.SOURCES
-        return cls(sources, tuple([s.capture() for s in sources]))
+        return cls(sources, tuple(map(_capture, sources)))
 
     def restore(self) -> None:
         """Put every captured source back; raise :class:`RestoreError` on failure.

@@ -7,6 +7,7 @@ a flag means adding or changing one module here, nothing above it.
 from __future__ import annotations
 
 from ..base.settings import Settings
+from . import _memory
 from ._base import DeviceSource, Source
 from .accelerators import accelerator_sources
 from .compiler import TorchCompileSource
@@ -29,6 +30,7 @@ __all__ = [
     "DeviceSource",
     "Source",
     "apply_all",
+    "fast_paths",
     "generator_sources",
     "register_rng",
     "registered_rngs",
@@ -75,3 +77,32 @@ def source_named(name: str) -> Source:
         if source.name == name:
             return source
     raise KeyError(f"no source named {name!r}; there are: {', '.join(s.name for s in SOURCES)}")
+
+
+def fast_paths() -> dict[str, bool]:
+    """Which fast paths this process uses, by what each one speeds up.
+
+    Each is chosen once, at import, by the source it speeds up, and only
+    where its layout was proven (see :mod:`._memory`);
+    ``DETERMINISTIC_CTX_NO_FAST_PATHS=1`` turns every one off.
+
+    Example:
+        >>> from deterministic_ctx.sources import fast_paths
+        >>> sorted(fast_paths())[0]
+        'NumPy Generators: state copied as memory (PCG64, PCG64DXSM)'
+    """
+    environ = source_named("environ")
+    records = {type_.__name__ for type_ in _memory.proven_records()}
+    return {
+        "random.Random: state copied as memory": _memory.RANDOM_LAYOUT is not None,
+        "NumPy legacy RNG: state copied as memory": _memory.NUMPY_LAYOUT is not None,
+        "NumPy Generators: state copied as memory (PCG64, PCG64DXSM)": {
+            "PCG64",
+            "PCG64DXSM",
+        }
+        <= records,
+        "seeding: seeded states remembered per seed": _memory.ENABLED,
+        "os.environ: read and written through its C-level dict": bool(
+            getattr(environ, "fast", False)
+        ),
+    }

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any, Generic, TypeVar
 
+from ._memory import ENABLED
+
 __all__ = ["SeededCache"]
 
 T = TypeVar("T")
@@ -45,12 +47,15 @@ class SeededCache(Generic[T]):
         self._size = size
         self._eager = eager
         #: ``lookup(seed)``: the remembered value or ``None``; a bound C method,
-        #: so a hit costs no Python frame.
+        #: so a hit costs no Python frame.  With the fast paths off
+        #: (:data:`._memory.ENABLED`) nothing is ever remembered: the dict stays empty.
         self.lookup = self._entries.get
 
     def wants(self, seed: int) -> bool:
         """Whether a miss for ``seed`` should be :meth:`put`: always when eager,
-        else only the second time the seed misses."""
+        else only the second time the seed misses; never with the fast paths off."""
+        if not ENABLED:
+            return False
         if self._eager:
             return True
         seen = self._seen
@@ -61,7 +66,10 @@ class SeededCache(Generic[T]):
         return False
 
     def put(self, seed: int, value: T) -> None:
-        """Remember ``value`` for ``seed``, evicting the oldest seed when full."""
+        """Remember ``value`` for ``seed``, evicting the oldest seed when full
+        (nothing with the fast paths off)."""
+        if not ENABLED:
+            return
         entries = self._entries
         _bounded(entries, self._size)
         entries[seed] = value

@@ -233,12 +233,12 @@ class LazyAcceleratorSource:
         self._tracker.queue_seed_all(seed_all, _NOTE)
 
     def restore(self, state: LiveState | LazyState | SavedState) -> None:
-        if isinstance(state, SavedState):
-            self._restore_saved(state)
+        if type(state) is LazyState:  # the usual case: the device is not in use
+            self._restore_lazy(state)
         elif isinstance(state, LiveState):
             self._restore_live(state)
         else:
-            self._restore_lazy(state)
+            self._restore_saved(state)  # type: ignore[arg-type]
 
     def _restore_live(self, state: LiveState) -> None:
         if self._bad_fork():

@@ -56,6 +56,7 @@ from typing import Any
 
 from ..base.settings import Settings
 from . import _plain
+from ._memory import ENABLED
 
 __all__ = [
     "CUBLAS_VALID",
@@ -240,10 +241,12 @@ class _Access:
     ``get`` and written through its own item assignment, values as they are.
     """
 
-    __slots__ = ("decode", "delete", "encode", "encodekey", "get", "put")
+    __slots__ = ("decode", "delete", "encode", "encodekey", "fast", "get", "put")
 
     def __init__(self, env: MutableMapping[str, str]) -> None:
         fast = _fast_access(env)
+        #: Whether the proven path (``_data`` and ``putenv``) is in use.
+        self.fast = fast is not None
         if fast is None:
             self.get: Callable[[Any], Any] = env.get
             self.encodekey: Callable[[str], Any] = str
@@ -290,7 +293,7 @@ _FastAccess = tuple[
 def _fast_access(env: object) -> _FastAccess | None:
     """``(data.get, encodekey, encodevalue, decodevalue)`` of a proven ``os._Environ``,
     else ``None``."""
-    if not isinstance(env, os._Environ) or type(env) is not os._Environ:
+    if not ENABLED or not isinstance(env, os._Environ) or type(env) is not os._Environ:
         return None
     data = getattr(env, "_data", None)
     encodekey = getattr(env, "encodekey", None)
@@ -343,6 +346,11 @@ class EnvironSource:
         self._hash_key = access.encodekey(HASHSEED)
         self._cublas_valid = tuple(map(access.encode, CUBLAS_VALID))
         self._hash_values: dict[int, Any] = {}  # seed -> PYTHONHASHSEED's raw value
+
+    @property
+    def fast(self) -> bool:
+        """Whether ``os.environ`` is read and written through its proven C-level dict."""
+        return self._access.fast
 
     def capture(self) -> EnvState:
         names, keys = self._cache

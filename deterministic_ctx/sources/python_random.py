@@ -64,17 +64,17 @@ def public_state(state: PythonRandomState) -> tuple[Any, ...]:
 def capture_rng(rng: random.Random, layout: MTLayout | None) -> PythonRandomState:
     """Capture ``rng``: the C record when ``layout`` is given, else ``getstate()``."""
     if layout is not None:
-        return PythonRandomState(layout.read(rng), rng.gauss_next)  # type: ignore[attr-defined]
+        return PythonRandomState(bytes(layout.view(rng)), rng.gauss_next)  # type: ignore[attr-defined]
     _version, internal, gauss_next = rng.getstate()
     return PythonRandomState(internal, gauss_next)
 
 
 def restore_rng(rng: random.Random, layout: MTLayout | None, state: PythonRandomState) -> None:
-    """Put ``state`` back: raw bytes by ``memmove``, ``getstate()`` form by ``setstate``."""
+    """Put ``state`` back: raw bytes through the view, ``getstate()`` form by ``setstate``."""
     if isinstance(state.raw, bytes):
         if layout is None:
             raise ValueError("random state was captured through the fast path, which is off")
-        layout.write(rng, state.raw)
+        layout.view(rng)[:] = state.raw
         rng.gauss_next = state.gauss_next  # type: ignore[attr-defined]
     else:
         rng.setstate((3, state.raw, state.gauss_next))

@@ -377,10 +377,12 @@ def test_torch_cpu_cached_seeding_equals_manual_seed(seed):
 
 
 def test_environ_fast_reader_agrees_with_os_environ(monkeypatch):
+    from deterministic_ctx.sources._memory import ENABLED
     from deterministic_ctx.sources.environ import _Access, _fast_access
 
     access = _Access(os.environ)
-    assert _fast_access(os.environ) is not None  # proven on this platform
+    # Proven on this platform, unless DETERMINISTIC_CTX_NO_FAST_PATHS=1 turned it off.
+    assert (_fast_access(os.environ) is not None) is ENABLED
     key = access.encodekey("PYTHONHASHSEED")
     for value in ("", ":16:8", "ünïcode"):
         monkeypatch.setenv("PYTHONHASHSEED", value)

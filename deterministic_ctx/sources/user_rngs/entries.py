@@ -3,7 +3,7 @@
 An :class:`Entry` is made at registration and holds everything its loops
 need, bound then: the object (by weak reference where it can be), its kind,
 its key, the path it takes (``mode``: the public API, or copies of its C
-records through views, see :mod:`.records`) and the state seeding left it in
+records through views, see :mod:`.._memory`) and the state seeding left it in
 for the last block seed (``memo``).  An entry is one step of the blocks'
 loops (:mod:`.registry`, :mod:`.source`), as a :class:`.batches.Batch` is:
 ``capture_into``, ``seed`` and ``restore``.
@@ -21,10 +21,9 @@ import numpy as np
 import torch
 
 from ...base.seed import derive_seed
-from .._memory import NUMPY_LAYOUT, mt19937_view
+from .._memory import ENABLED, NUMPY_LAYOUT, MtRecord, PcgRecord, mt19937_view, proven_records
 from ..python_random import PythonRandomState, fast_layout_for, public_state
 from .kinds import GENERATOR, RANDOM, RANDOM_STATE, TORCH, Kind
-from .records import MtRecord, PcgRecord, proven_records
 
 #: How an entry is captured, seeded and restored (chosen at registration).
 API = 0  # the kind's get / set / seed, every time
@@ -127,6 +126,8 @@ class Entry:
     def _choose_path(self, obj: Any) -> None:
         # Views are made here, while ``obj`` is alive; the loops use them only
         # after ``get()`` returned the object (see the package docstring).
+        if not ENABLED:  # DETERMINISTIC_CTX_NO_FAST_PATHS: the kind's API every time
+            return
         kind = self.kind
         if kind is RANDOM:
             if self.layout is not None:
