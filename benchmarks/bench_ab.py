@@ -9,7 +9,9 @@ runs of the same code).  This script extracts ``REV``'s package (default
 working tree's, and times the same blocks of each in alternating repeats, so
 machine noise hits both sides alike.  It prints medians (µs per block) and
 the ratio new / base.  With ``DETERMINISTIC_CTX_NO_FAST_PATHS=1`` the working
-tree runs with its fast paths off (the base revision may not read it).  The
+tree runs with its fast paths off (the base revision may not read it).  By
+default the thread's CPU time is measured: on a shared machine wall time
+swings by 1.5x between runs of the same code, CPU time much less.  The
 package uses relative imports only, so a renamed copy is a complete second
 engine (both register fork hooks; nothing here forks).
 """
@@ -24,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import timeit
 from collections.abc import Callable
 from pathlib import Path
@@ -105,7 +108,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", default="HEAD", help="the git revision to compare with")
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--number", type=int, default=500)
+    parser.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="cpu: the thread's CPU time (time.thread_time), which a loaded machine's "
+        "scheduler does not inflate; wall: time.perf_counter",
+    )
     args = parser.parse_args(argv)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+
+    def timed(fn: Callable[[], None]) -> float:
+        return timeit.Timer(fn, timer=clock).timeit(number=args.number) / args.number
+
     with tempfile.TemporaryDirectory() as tmp:
         base_name = extract(args.base, Path(tmp))
         sys.path[:0] = [tmp, str(ROOT)]
@@ -116,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.repeats):
             for side in ("base", "new") if i % 2 else ("new", "base"):
                 for row, fn in table[side].items():
-                    times[side][row].append(timeit.timeit(fn, number=args.number) / args.number)
+                    times[side][row].append(timed(fn))
         # Last, so that the rows above run with no registered RNG: each side's
         # own registry holds 64 of them (a block of one side never sees the other's).
         row = "block, 64 random.Random"
@@ -127,11 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.repeats):
             for side in ("base", "new") if i % 2 else ("new", "base"):
                 fn = table[side][row]
-                times[side][row].append(timeit.timeit(fn, number=args.number) / args.number)
+                times[side][row].append(timed(fn))
     fast = "off" if os.environ.get("DETERMINISTIC_CTX_NO_FAST_PATHS") == "1" else "on"
     print(
         f"base {args.base} against the working tree (its fast paths {fast}); "
-        f"median of {args.repeats} repeats"
+        f"median of {args.repeats} repeats, {args.clock} time"
     )
     for row in table["base"]:
         b = statistics.median(times["base"][row]) * 1e6

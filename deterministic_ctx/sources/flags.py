@@ -213,6 +213,7 @@ _FLAGS = (
     _optional_flag("mkldnn_deterministic", _torch.MKLDNN_DETERMINISTIC, _on),
 )
 _BOOLS = tuple(flag.field for flag in _FLAGS)
+
 #: The flags this torch lacks: held ``False`` in every state, never written.
 UNSUPPORTED_FLAGS: frozenset[str] = frozenset(
     flag.field for flag in _FLAGS if flag.set is _absent_set
@@ -252,12 +253,10 @@ class TorchFlagsSource:
     def restore(self, state: FlagState) -> None:
         if _INDUCTOR in sys.modules:
             _restore_inductor(state.inductor_override)
-        # Every flag written, none read: each setter only stores its value, so
-        # writing an unchanged one is a no-op, and a C call costs less than a
-        # read and a comparison.  The mode goes first: warn_only's setter
-        # keeps the mode it reads.
-        for flag in _FLAGS:
-            flag.set(getattr(state, flag.field))
+        for flag in _FLAGS:  # as in apply: read, and written only where it differs
+            value = getattr(state, flag.field)
+            if flag.get() != value:
+                flag.set(value)
         restore_precision(state)
 
     def export_state(self, state: FlagState) -> dict[str, Any]:
