@@ -107,11 +107,6 @@ class NumpyGlobalSource:
         #: generator installed last, replaced whole (another thread may read it).
         self._cache: tuple[Any, tuple[memoryview, memoryview] | None] = (None, None)
 
-    @property
-    def random_state(self) -> np.random.RandomState:
-        """The ``RandomState`` this source manages."""
-        return self._rs
-
     def _views(self, bit_generator: Any) -> tuple[memoryview, memoryview] | None:
         """Views over ``bit_generator``'s MT19937 record and the gaussian cache
         (see :mod:`._memory`), or ``None`` where the fast path is off for it.
