@@ -144,32 +144,23 @@ def _set_deterministic_warn_only(warn_only: bool) -> None:
 
 class _Flag(NamedTuple):
     """A boolean flag: its field of :class:`FlagState` (and key in a checkpoint),
-    its getter and setter, and its value inside a block of the given settings."""
+    its getter and setter, and its value inside a block: ``True`` or
+    ``False``, or the name of the block's :class:`Settings` field that holds it."""
 
     field: str
     get: Callable[[], bool]
     set: Callable[[bool], None]
-    inside: Callable[[Settings], bool]
+    inside: bool | str
 
 
-def _on(settings: Settings) -> bool:
-    return True
-
-
-def _off(settings: Settings) -> bool:
-    return False
-
-
-def _optional_flag(
-    field: str, capability: _torch.Capability, inside: Callable[[Settings], bool]
-) -> _Flag:
+def _optional_flag(field: str, capability: _torch.Capability, inside: bool | str) -> _Flag:
     """A flag that not every torch has: where this one lacks it (see ``capability``),
     it reads ``False`` (an older torch behaves as if it were off: it never fills
     memory, oneDNN has no switch of its own), is never written, and a block
     leaves it ``False`` too."""
     found = capability.value
     if found is None:
-        return _Flag(field, _absent_get, _absent_set, _off)
+        return _Flag(field, _absent_get, _absent_set, False)
     get, put = found
     return _Flag(field, get, put, inside)
 
@@ -186,31 +177,31 @@ def _absent_set(value: bool) -> None:
 #: one's whole story is its row.
 _FLAGS = (
     # torch.backends.cudnn.deterministic: on in a block.
-    _Flag("cudnn_deterministic", get_cudnn_deterministic, set_cudnn_deterministic, _on),
+    _Flag("cudnn_deterministic", get_cudnn_deterministic, set_cudnn_deterministic, True),
     # torch.backends.cudnn.benchmark: off in a block (autotuning picks kernels by timing them).
-    _Flag("cudnn_benchmark", get_cudnn_benchmark, set_cudnn_benchmark, _off),
+    _Flag("cudnn_benchmark", get_cudnn_benchmark, set_cudnn_benchmark, False),
     # torch.use_deterministic_algorithms(mode): on in a block.
     _Flag(
         "deterministic_algorithms",
         get_deterministic_algorithms,
         _set_deterministic_algorithms,
-        _on,
+        True,
     ),
     # torch.use_deterministic_algorithms(..., warn_only=): the block's ``warn_only``.
     _Flag(
         "deterministic_warn_only",
         get_deterministic_algorithms_warn_only,
         _set_deterministic_warn_only,
-        lambda settings: settings.warn_only,
+        "warn_only",
     ),
     # torch.utils.deterministic.fill_uninitialized_memory: the block's own (default on).
     _optional_flag(
         "fill_uninitialized_memory",
         _torch.FILL_UNINITIALIZED_MEMORY,
-        lambda settings: settings.fill_uninitialized_memory,
+        "fill_uninitialized_memory",
     ),
     # torch.backends.mkldnn.deterministic: on in a block.
-    _optional_flag("mkldnn_deterministic", _torch.MKLDNN_DETERMINISTIC, _on),
+    _optional_flag("mkldnn_deterministic", _torch.MKLDNN_DETERMINISTIC, True),
 )
 _BOOLS = tuple(flag.field for flag in _FLAGS)
 
@@ -244,7 +235,8 @@ class TorchFlagsSource:
         for flag in _FLAGS:
             # Read just before writing: the mode's setter and warn_only's
             # write each other too, keeping the value they read.
-            value = flag.inside(settings)
+            inside = flag.inside
+            value = inside if type(inside) is bool else getattr(settings, inside)
             if flag.get() != value:
                 flag.set(value)
         if _INDUCTOR in sys.modules:
