@@ -31,6 +31,7 @@ and would turn cuDNN off.
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
 from collections.abc import Callable
@@ -210,6 +211,10 @@ UNSUPPORTED_FLAGS: frozenset[str] = frozenset(
     flag.field for flag in _FLAGS if flag.set is _absent_set
 )
 assert FlagState._fields[: len(_BOOLS)] == _BOOLS
+assert len(FlagState._fields) == len(_BOOLS) + 7
+_GETTERS = tuple(flag.get for flag in _FLAGS)
+#: ``_call(f)`` is ``f()`` (``operator.call``, Python 3.11+).
+_call: Callable[[Callable[[], bool]], bool] = getattr(operator, "call", lambda f: f())
 
 
 # -- the source ----------------------------------------------------------------
@@ -226,8 +231,11 @@ class TorchFlagsSource:
         inductor, override = _read_inductor() if _INDUCTOR in sys.modules else _NOT_IMPORTED
         eff, own, legacy, cudnn = read()
         onednn = onednn_allow_tf32() if ONEDNN else None
-        values = [flag.get() for flag in _FLAGS]
-        return FlagState._make((*values, inductor, legacy, eff, own, cudnn, onednn, override))
+        values: list[object] = list(map(_call, _GETTERS))  # called from C, no frame each
+        values += (inductor, legacy, eff, own, cudnn, onednn, override)
+        # FlagState._make without its Python frame and length check: the flags'
+        # fields, then these seven (asserted below the table).
+        return tuple.__new__(FlagState, values)
 
     def apply(self, settings: Settings) -> None:
         if not settings.flags:  # the caller's flags, captured and restored all the same
