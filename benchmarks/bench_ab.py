@@ -8,19 +8,25 @@ runs of the same code).  This script extracts ``REV``'s package (default
 ``HEAD``) with ``git archive`` under another name, imports it beside the
 working tree's, and times the same blocks of each in alternating repeats, so
 machine noise hits both sides alike.  It prints medians (µs per block) and
-the ratio new / base.  The package uses relative imports only, so a renamed
-copy is a complete second engine (both register fork hooks; nothing here
-forks).
+the ratio new / base.  With ``DETERMINISTIC_CTX_NO_FAST_PATHS=1`` the working
+tree runs with its fast paths off (the base revision may not read it).  By
+default the thread's CPU time is measured: on a shared machine wall time
+swings by 1.5x between runs of the same code, CPU time much less.  The
+package uses relative imports only, so a renamed copy is a complete second
+engine (both register fork hooks; nothing here forks).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import timeit
 from collections.abc import Callable
 from pathlib import Path
@@ -71,6 +77,9 @@ def rows(mod: Any) -> dict[str, Callable[[], None]]:
         for _ in stepped():
             pass
 
+    def snapshot() -> None:
+        mod.Snapshot.capture().restore()
+
     return {
         "fresh block": fresh,
         "reused block": reused,
@@ -78,7 +87,20 @@ def rows(mod: Any) -> dict[str, Callable[[], None]]:
         "isolated block": isolated,
         "@reproducible call": mod.reproducible(seed=0)(lambda: None),
         "generator (3 steps)": generator,
+        "Snapshot capture+restore": snapshot,
     }
+
+
+def with_rngs(mod: Any, count: int) -> tuple[list[Any], Callable[[], None]]:
+    """``count`` registered ``random.Random`` and a block that seeds and restores them."""
+    rngs = [mod.register_rng(random.Random(i), key=f"bench{i}") for i in range(count)]
+    det = mod.deterministic(seed=0)
+
+    def block() -> None:
+        with det:
+            pass
+
+    return rngs, block
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,7 +108,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", default="HEAD", help="the git revision to compare with")
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--number", type=int, default=500)
+    parser.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="cpu: the thread's CPU time (time.thread_time), which a loaded machine's "
+        "scheduler does not inflate; wall: time.perf_counter",
+    )
     args = parser.parse_args(argv)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+
+    def timed(fn: Callable[[], None]) -> float:
+        return timeit.Timer(fn, timer=clock).timeit(number=args.number) / args.number
+
     with tempfile.TemporaryDirectory() as tmp:
         base_name = extract(args.base, Path(tmp))
         sys.path[:0] = [tmp, str(ROOT)]
@@ -97,8 +131,23 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.repeats):
             for side in ("base", "new") if i % 2 else ("new", "base"):
                 for row, fn in table[side].items():
-                    times[side][row].append(timeit.timeit(fn, number=args.number) / args.number)
-    print(f"base {args.base} against the working tree; median of {args.repeats} repeats")
+                    times[side][row].append(timed(fn))
+        # Last, so that the rows above run with no registered RNG: each side's
+        # own registry holds 64 of them (a block of one side never sees the other's).
+        row = "block, 64 random.Random"
+        held = {}
+        for side, mod in sides.items():
+            held[side], table[side][row] = with_rngs(mod, 64)
+            times[side][row] = []
+        for i in range(args.repeats):
+            for side in ("base", "new") if i % 2 else ("new", "base"):
+                fn = table[side][row]
+                times[side][row].append(timed(fn))
+    fast = "off" if os.environ.get("DETERMINISTIC_CTX_NO_FAST_PATHS") == "1" else "on"
+    print(
+        f"base {args.base} against the working tree (its fast paths {fast}); "
+        f"median of {args.repeats} repeats, {args.clock} time"
+    )
     for row in table["base"]:
         b = statistics.median(times["base"][row]) * 1e6
         n = statistics.median(times["new"][row]) * 1e6

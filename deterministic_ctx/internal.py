@@ -72,6 +72,7 @@ from .base.settings import (
 from .base.version import __version__ as VERSION
 from .core.engine import Block, inside_block, opaque
 from .sources import (
+    fast_paths,
     generator_sources,
     register_rng,
     registered_rngs,
@@ -122,6 +123,7 @@ __all__ = [
     "derive_seed",
     "dynamo_disable",
     "dynamo_disable_message",
+    "fast_paths",
     "foreach_copy_",
     "generator_sources",
     "import_dynamo",

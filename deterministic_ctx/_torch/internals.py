@@ -184,7 +184,7 @@ def write_config_override(config: Any, entry: Any, var: bool, key: str, target: 
         vars(config)["_is_dirty"] = True
 
 
-# -- lazily seeded devices (sources/accelerators.py, sources/fused.py) --------------------
+# -- lazily seeded devices (sources/accelerators.py) -----------------------------------------
 
 lazy_seed_queue: Callable[[Any], tuple[Any, list[Any]]] = attrgetter(
     "_lazy_seed_tracker", "_queued_calls"

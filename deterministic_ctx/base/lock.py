@@ -140,10 +140,8 @@ class ProcessLock:
         rlock = self._rlock
         # The fast path: the lock is free, or this thread holds it (nested blocks).
         if rlock.acquire(False):
-            if self.count() == 1:  # what ``_own`` does, inline: the hot path
-                self._owner_ref = self.threads.ref
-                self.owner = _get_ident()
-                self.since = _monotonic()
+            if self.count() == 1:
+                self._own()
                 return
             if self._owner_ref is self.threads.ref:
                 return

@@ -101,12 +101,12 @@ class Block:
             _active.append(self)  # from here on, fork and out-of-order exits see the caller's state
             if self._started:
                 assert self._inner is not None
-                self._inner.restore_over(outer)  # nothing has changed since ``outer`` was captured
+                self._inner.restore()
                 self._uncarry()
                 self._inner = None  # last: until here a retry can still restore it
             else:
                 if self._settings is not None:  # None: isolation only, nothing applied
-                    _sources.apply_captured(self._settings, outer.sources, outer.states)
+                    _sources.apply_all(self._settings, outer.sources)
                 self._started = True
         except BaseException:
             with _headroom():
@@ -154,13 +154,10 @@ class Block:
         _run_to_completion(self._suspend)
 
     def _suspend(self) -> None:
-        # The common case first: this block is the top one (a step that left
-        # no block of its own open), found without a loop over ``_active``.
-        i = len(_active) - 1 if _active and _active[-1] is self else _position(self)
+        i = _position(self)
         if i is not None:
-            fresh: World | None = None
             if self._inner is None:  # not captured yet in this suspension
-                self._inner = fresh = World.capture()
+                self._inner = World.capture()
             if i + 1 < len(_active):  # blocks opened in this step stay in its world
                 carried = tuple(_active[i + 1 :])
                 self._carried = carried
@@ -168,13 +165,7 @@ class Block:
                     block._carrier = self
                 del _active[i + 1 :]
             assert self._outer is not None
-            if fresh is not None:
-                # Captured just now, nothing changed since: the restore reads
-                # nothing again.  A retry after an interrupt (``_inner`` set,
-                # the world maybe half-restored) takes the full restore.
-                self._outer.restore_over(fresh)
-            else:
-                self._outer.restore()
+            self._outer.restore()
             del _active[i]
             self._outer = None
         LOCK.release_to(len(_active))
@@ -185,25 +176,7 @@ class Block:
         Idempotent, and completed even if interrupted; the interrupt (or a
         :class:`RestoreError`) propagates afterwards.
         """
-        # The common exit inline (the top block leaves); any other case, or an
-        # interrupt, takes the idempotent general path.
-        error: RestoreError | None = None
-        try:
-            if _active and _active[-1] is self and self._outer is not None:
-                try:
-                    self._outer.restore()
-                except RestoreError as exc:  # every other source was restored: leave anyway
-                    error = exc
-                del _active[-1]
-                self._outer = None
-                LOCK.release_to(len(_active))
-            else:
-                _run_to_completion(self._finish)
-        except BaseException:
-            _run_to_completion(self._finish)
-            raise
-        if error is not None:
-            raise error
+        _run_to_completion(self._finish)
 
     def _finish(self) -> None:
         error: RestoreError | None = None
@@ -260,8 +233,9 @@ def inside_block() -> bool:
 
 
 def _position(block: Block) -> int | None:
-    for i, other in enumerate(_active):
-        if other is block:
+    # From the top: the block that leaves or suspends is nearly always the last one.
+    for i in range(len(_active) - 1, -1, -1):
+        if _active[i] is block:
             return i
     return None
 

@@ -8,6 +8,7 @@ nothing of seeds, blocks or files.
 from __future__ import annotations
 
 import sys
+from operator import methodcaller
 from typing import Any
 
 from .. import sources as _sources
@@ -15,6 +16,9 @@ from ..base.errors import RestoreError
 from ..sources import Source
 
 __all__ = ["World", "headroom"]
+
+#: ``_capture(source)`` is ``source.capture()``, called from C: no frame per source.
+_capture = methodcaller("capture")
 
 
 class World:
@@ -41,50 +45,10 @@ class World:
     def capture(cls) -> World:
         """The state of every source of :data:`~deterministic_ctx.sources.SOURCES` now."""
         sources = _sources.SOURCES
-        plan = _sources.PLAN
-        if plan is not None and plan.sources is sources:
-            return cls(sources, plan.capture())
-        return cls(sources, tuple([s.capture() for s in sources]))
+        return cls(sources, tuple(map(_capture, sources)))
 
     def restore(self) -> None:
         """Put every captured source back; raise :class:`RestoreError` on failure.
-
-        Through the fused plan (:mod:`~deterministic_ctx.sources.fused`) where
-        the sources have one.  If anything interrupts it or fails in it, the
-        reference restore below runs from the start (every restore is
-        idempotent) and decides the outcome: its own exception if it fails,
-        else the first one, re-raised once everything is back.
-        """
-        plan = _sources.PLAN
-        if plan is None or plan.sources is not self.sources:
-            self.restore_each()
-            return
-        try:
-            plan.restore(self.states)
-        except BaseException:
-            with headroom():  # the plan may have failed at the recursion limit
-                self.restore_each()
-            raise
-
-    def restore_over(self, now: World) -> None:
-        """:meth:`restore`, where ``now`` was captured just before and nothing
-        has changed since (a block swapping its world and its caller's): what
-        a restore reads to find what changed is taken from ``now``.  Same
-        outcome and failure rules as :meth:`restore`."""
-        plan = _sources.PLAN
-        if plan is None or plan.sources is not self.sources or now.sources is not self.sources:
-            self.restore()
-            return
-        try:
-            plan.restore_over(self.states, now.states)
-        except BaseException:
-            with headroom():  # the plan may have failed at the recursion limit
-                self.restore_each()
-            raise
-
-    def restore_each(self) -> None:
-        """Put every captured source back, one by one (the reference restore);
-        raise :class:`RestoreError` on failure.
 
         Sources are restored in reverse capture order.  A ``KeyboardInterrupt``
         (or any exception a signal handler raises) while restoring does not
@@ -126,8 +90,7 @@ class headroom:
     with ``RecursionError``, and the blocks it leaves on the way back up are
     left near the limit; putting the caller's state back needs a few frames
     more.  The limit is raised by a little for as long as that takes (only on
-    failure paths: the engine's retries and the reference restore that runs
-    after the fused plan failed).
+    failure paths: the engine's retries and roll-backs).
     """
 
     __slots__ = ("_limit",)

@@ -44,6 +44,8 @@ def report() -> DeterminismReport:
 
     Safe anywhere, including inside a deterministic block (it then shows the
     block's settings) and before CUDA starts (it never initializes CUDA).
+    ``fast_paths`` says which fast paths blocks use (all off where the process
+    started with ``DETERMINISTIC_CTX_NO_FAST_PATHS=1``).
 
     Example:
         >>> from deterministic_ctx import deterministic
@@ -54,13 +56,21 @@ def report() -> DeterminismReport:
         (True, True)
         >>> "nondeterministic-algorithms" in [p.code for p in r.problems]
         False
+        >>> r.fast_paths["seeding: seeded states remembered per seed"] in (True, False)
+        True
     """
     import platform
 
     import numpy as np
     import torch
 
-    from ..internal import VERSION, compiled_settings, inside_block, missing_capabilities
+    from ..internal import (
+        VERSION,
+        compiled_settings,
+        fast_paths,
+        inside_block,
+        missing_capabilities,
+    )
     from ..state.snapshot import Snapshot
 
     snapshot = Snapshot.capture()
@@ -102,5 +112,15 @@ def report() -> DeterminismReport:
         for c in missing_capabilities()
     )
     return DeterminismReport(
-        versions, in_block, flags, env, rngs, cuda, process, problems, torch_compile, collectives
+        versions,
+        in_block,
+        flags,
+        env,
+        rngs,
+        cuda,
+        process,
+        problems,
+        torch_compile,
+        collectives,
+        fast_paths(),
     )

@@ -66,6 +66,9 @@ class DeterminismReport:
     #: The process group and NCCL's variables (see :mod:`.collectives`); empty in reports
     #: built before it existed.
     collectives: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Which fast paths blocks use (``DETERMINISTIC_CTX_NO_FAST_PATHS=1`` turns them
+    #: off); empty in reports built before it existed.
+    fast_paths: dict[str, bool] = dataclasses.field(default_factory=dict)
 
     @property
     def warnings(self) -> tuple[Problem, ...]:
@@ -100,6 +103,11 @@ class DeterminismReport:
         lines += _section("CUDA", self.cuda)
         lines += _collectives_section(self.collectives)
         lines += _section("Process", self.process)
+        if self.fast_paths:
+            lines += _section(
+                "Fast paths (DETERMINISTIC_CTX_NO_FAST_PATHS=1 turns them off)",
+                {k: "on" if v else "off" for k, v in self.fast_paths.items()},
+            )
         lines += _problem_section(self.problems)
         return "\n".join(lines)
 

@@ -7,13 +7,12 @@ a flag means adding or changing one module here, nothing above it.
 from __future__ import annotations
 
 from ..base.settings import Settings
+from . import _memory
 from ._base import DeviceSource, Source
 from .accelerators import accelerator_sources
 from .compiler import TorchCompileSource
 from .environ import EnvironSource
 from .flags import TorchFlagsSource
-from .fused import FusedPlan
-from .fused import build as _build_plan
 from .numpy_global import NumpyGlobalSource
 from .python_random import PythonRandomSource
 from .torch_cpu import TorchCPUSource
@@ -27,13 +26,11 @@ from .user_rngs import (
 )
 
 __all__ = [
-    "PLAN",
     "SOURCES",
     "DeviceSource",
-    "FusedPlan",
     "Source",
     "apply_all",
-    "apply_captured",
+    "fast_paths",
     "generator_sources",
     "register_rng",
     "registered_rngs",
@@ -55,29 +52,11 @@ SOURCES: tuple[Source, ...] = (
 )
 
 
-#: The fused plan of :data:`SOURCES` (see :mod:`.fused`); ``None`` where it has
-#: none.  Callers check ``PLAN.sources is SOURCES``: where ``SOURCES`` was
-#: swapped (tests do), the per-source reference runs.
-PLAN: FusedPlan | None = _build_plan(SOURCES)
-
-
 def apply_all(settings: Settings, sources: tuple[Source, ...] | None = None) -> None:
     """Apply the block's settings to every source (the caller rolls back on error)."""
     settings = settings.resolved()
     for source in SOURCES if sources is None else sources:
         source.apply(settings)
-
-
-def apply_captured(
-    settings: Settings, sources: tuple[Source, ...], states: tuple[object, ...]
-) -> None:
-    """:func:`apply_all` to ``sources``, whose ``states`` were captured just now
-    (a block's entry): through the fused plan where ``sources`` has one."""
-    plan = PLAN
-    if plan is not None and plan.sources is sources:
-        plan.apply(settings, states)
-    else:
-        apply_all(settings, sources)
 
 
 def generator_sources() -> tuple[Source, ...]:
@@ -98,3 +77,32 @@ def source_named(name: str) -> Source:
         if source.name == name:
             return source
     raise KeyError(f"no source named {name!r}; there are: {', '.join(s.name for s in SOURCES)}")
+
+
+def fast_paths() -> dict[str, bool]:
+    """Which fast paths this process uses, by what each one speeds up.
+
+    Each is chosen once, at import, by the source it speeds up, and only
+    where its layout was proven (see :mod:`._memory`);
+    ``DETERMINISTIC_CTX_NO_FAST_PATHS=1`` turns every one off.
+
+    Example:
+        >>> from deterministic_ctx.sources import fast_paths
+        >>> sorted(fast_paths())[0]
+        'NumPy Generators: state copied as memory (PCG64, PCG64DXSM)'
+    """
+    environ = source_named("environ")
+    records = {type_.__name__ for type_ in _memory.proven_records()}
+    return {
+        "random.Random: state copied as memory": _memory.RANDOM_LAYOUT is not None,
+        "NumPy legacy RNG: state copied as memory": _memory.NUMPY_LAYOUT is not None,
+        "NumPy Generators: state copied as memory (PCG64, PCG64DXSM)": {
+            "PCG64",
+            "PCG64DXSM",
+        }
+        <= records,
+        "seeding: seeded states remembered per seed": _memory.ENABLED,
+        "os.environ: read and written through its C-level dict": bool(
+            getattr(environ, "fast", False)
+        ),
+    }

@@ -1,22 +1,41 @@
-"""Validated direct-memory copies of RNG state: the fast paths.
+"""The fast paths' switch, and the only module that touches RNG memory directly.
 
-Copying the 2.5 KB of a Mersenne Twister with ``memmove`` costs ~0.3 µs;
-``random.getstate()`` costs ~8 µs and NumPy's ``get_state()`` + ``set_state()``
-~50 µs, most of it building and checking dicts and tuples.  Blocks are entered
-per sample or per test, so that difference is most of a block's cost.
+**The switch.**  ``DETERMINISTIC_CTX_NO_FAST_PATHS=1`` in the environment when
+this module is first imported turns every fast path off (:data:`ENABLED` is
+then ``False``): no layout below is probed or used, seeding caches never hit,
+``os.environ`` is read and written through its public API, registered RNGs
+take their public API one by one.  Each source chooses its path once, at
+import (or at registration, for a user RNG), so the same suite proves both
+paths: CI runs it once with the variable set.  :func:`fast_paths` says which
+are on (``report()`` shows it).
 
-Touching an object's memory is only safe if we know its layout.  We never
-assume it: each layout below is *probed* once, on throw-away objects, by
+**Raw memory.**  Copying the 2.5 KB of a Mersenne Twister through a view
+costs ~0.3 µs.  Through the public APIs, measured here (torch 2.13 CPU, NumPy
+2, on a loaded 2-core machine, so absolute figures are high):
+``random.Random.getstate()`` + ``setstate()`` 15 µs against 0.3 µs for the
+two copies; NumPy's ``RandomState.get_state()`` + ``set_state()`` 144 µs
+(``bit_generator.state`` get + set: 132 µs) against 1.8 µs for the two
+locked copies of the MT19937 record and the gaussian cache.  A block is a
+few tens of µs, so without these copies NumPy alone would cost several
+blocks.
+
+We never assume a layout: each is *probed* once, on throw-away objects, by
 comparing the raw bytes with what the public API reports and by writing bytes
 and reading them back through the API.  Any mismatch, a non-CPython
-interpreter, or an unexpected type disables the fast path for good and the
-sources fall back to the exact public API.  Reads and writes stay inside the
-object's ``__basicsize__`` (or NumPy's documented ``state_address``).
+interpreter or an unexpected type disables that path for good, and the
+sources take the exact public API.  Addresses come from NumPy's documented
+``BitGenerator.ctypes.state_address`` where NumPy has one (every bit
+generator's record); only two layouts are found from ``id()``, because their
+owners document none: CPython's ``random.Random`` record
+(:data:`RANDOM_LAYOUT`) and NumPy's legacy gaussian cache in a
+``RandomState`` (:data:`NUMPY_LAYOUT`).  Reads and writes stay inside the
+object's ``__basicsize__`` (or the bit generator's state struct).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import random
 import struct
 import sys
@@ -25,32 +44,39 @@ from typing import Any, NamedTuple
 import numpy as np
 
 __all__ = [
+    "ENABLED",
     "NUMPY_LAYOUT",
     "RANDOM_LAYOUT",
     "MTLayout",
+    "MtRecord",
     "NumpyGaussLayout",
-    "is_cpython",
+    "PcgRecord",
     "mt19937_view",
-    "read_mt19937",
-    "view",
-    "write_mt19937",
+    "proven_records",
 ]
+
+#: The environment variable that turns every fast path off (read once, at import).
+SWITCH = "DETERMINISTIC_CTX_NO_FAST_PATHS"
+#: Whether fast paths may be used: ``False`` where :data:`SWITCH` is set to
+#: anything but ``""`` or ``"0"``.
+ENABLED: bool = os.environ.get(SWITCH, "") in ("", "0")
 
 _MT_WORDS = 624
 #: ``int index; uint32_t state[624]`` (CPython) and ``uint32_t key[624]; int pos``
 #: (NumPy) are both 2500 bytes.
 MT_BYTES = 4 + 4 * _MT_WORDS
 _HEAD = object.__basicsize__  # PyObject_HEAD
+_POINTER = struct.calcsize("@P")
 
 
-def is_cpython() -> bool:
+def _is_cpython() -> bool:
     # id() is an address only on CPython; the free-threaded build has another header.
     gil_check = getattr(sys, "_is_gil_enabled", None)
     free_threaded = gil_check is not None and not gil_check()
     return sys.implementation.name == "cpython" and not free_threaded
 
 
-def view(address: int, size: int) -> memoryview:
+def _view(address: int, size: int) -> memoryview:
     """A writable byte view of ``size`` bytes at ``address``.
 
     Reading (``bytes(view)``) and writing (``view[:] = raw``) are single C
@@ -63,36 +89,34 @@ def view(address: int, size: int) -> memoryview:
     return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
 
 
+# -- CPython's random.Random -------------------------------------------------------
+
+
 class MTLayout(NamedTuple):
-    """Where a CPython ``random.Random`` keeps its Mersenne Twister state."""
+    """Where a CPython ``random.Random`` keeps its Mersenne Twister state
+    (``id(rng) + offset``: CPython documents no address for it)."""
 
     offset: int
 
     def view(self, rng: random.Random) -> memoryview:
-        """The 2500-byte record of ``rng`` (see :func:`view`)."""
-        return view(id(rng) + self.offset, MT_BYTES)
-
-    def read(self, rng: random.Random) -> bytes:
-        return bytes(self.view(rng))
-
-    def write(self, rng: random.Random, raw: bytes) -> None:
-        self.view(rng)[:] = raw
+        """The 2500-byte record of ``rng`` (see :func:`_view`)."""
+        return _view(id(rng) + self.offset, MT_BYTES)
 
 
 def _probe_random() -> MTLayout | None:
     base = random.Random.__mro__[1]  # _random.Random, the C type holding the state
-    if not is_cpython() or base.__basicsize__ < _HEAD + MT_BYTES:
+    if not _is_cpython() or base.__basicsize__ < _HEAD + MT_BYTES:
         return None
     layout = MTLayout(_HEAD)
     try:
         a = random.Random(20_240_521)
         a.random()  # move the index away from its seeded value
-        raw = layout.read(a)
+        raw = bytes(layout.view(a))
         index, *words = struct.unpack(f"=i{_MT_WORDS}I", raw)
         if (*words, index) != a.getstate()[1]:
             return None
         b = random.Random(7)
-        layout.write(b, raw)
+        layout.view(b)[:] = raw
         if b.getstate()[1] != a.getstate()[1] or b.random() != a.random():
             return None
     except Exception:
@@ -100,52 +124,40 @@ def _probe_random() -> MTLayout | None:
     return layout
 
 
+# -- NumPy ---------------------------------------------------------------------------
+
+
+def mt19937_view(bit_generator: Any) -> memoryview:
+    """The ``key[624], pos`` record of an MT19937 bit generator, at NumPy's
+    documented ``ctypes.state_address`` (see :func:`_view`)."""
+    return _view(bit_generator.ctypes.state_address, MT_BYTES)
+
+
 class NumpyGaussLayout(NamedTuple):
     """Where NumPy's ``RandomState`` keeps its legacy gaussian cache.
 
     ``has_gauss`` (C int) and ``gauss`` (double) sit together in the object's
-    ``aug_bitgen_t``; they are read and written as one 16-byte record.
+    ``aug_bitgen_t``, read and written as one 16-byte record at
+    ``id(rs) + offset``: NumPy has no public accessor but ``get_state()``,
+    which builds the whole 624-word state (see the module docstring).
     """
 
     offset: int
 
     def view(self, rs: np.random.RandomState) -> memoryview:
-        """The 16-byte record of ``rs`` (see :func:`view`)."""
-        return view(id(rs) + self.offset, 16)
-
-    def read(self, rs: np.random.RandomState) -> bytes:
-        return bytes(self.view(rs))
-
-    def write(self, rs: np.random.RandomState, raw: bytes) -> None:
-        self.view(rs)[:] = raw
-
-
-def mt19937_view(bit_generator: Any) -> memoryview:
-    """The ``key[624], pos`` record of an MT19937 bit generator (see :func:`view`)."""
-    return view(bit_generator.ctypes.state_address, MT_BYTES)
-
-
-def read_mt19937(bit_generator: Any) -> bytes:
-    return bytes(mt19937_view(bit_generator))
-
-
-def write_mt19937(bit_generator: Any, raw: bytes) -> None:
-    mt19937_view(bit_generator)[:] = raw
-
-
-def _gauss_record(has_gauss: int, gauss: float) -> tuple[bytes, bytes]:
-    return struct.pack("=i", has_gauss), struct.pack("=d", gauss)
+        """The 16-byte record of ``rs`` (see :func:`_view`)."""
+        return _view(id(rs) + self.offset, 16)
 
 
 def _probe_numpy() -> NumpyGaussLayout | None:
-    if not is_cpython() or type(np.random.mtrand._rand) is not np.random.RandomState:
+    if not _is_cpython() or type(np.random.mtrand._rand) is not np.random.RandomState:
         return None
     try:
         size = np.random.RandomState.__basicsize__
         rs = np.random.RandomState(np.random.MT19937(5))
         # 1. the MT19937 record matches the public state
         bg = rs._bit_generator
-        raw = read_mt19937(bg)
+        raw = bytes(mt19937_view(bg))
         *key, pos = struct.unpack(f"={_MT_WORDS}Ii", raw)
         public = bg.state["state"]
         if list(key) != public["key"].tolist() or pos != public["pos"]:
@@ -161,13 +173,12 @@ def _probe_numpy() -> NumpyGaussLayout | None:
         if len(hits) != 1 or hits[0] - 8 < _HEAD:
             return None
         layout = NumpyGaussLayout(hits[0] - 8)
-        if layout.read(rs)[:4] != struct.pack("=i", 1):
+        if bytes(layout.view(rs))[:4] != struct.pack("=i", 1):
             return None
         # 3. writing through the layout is what the public API then reports
         other = np.random.RandomState(np.random.MT19937(9))
-        has, value = _gauss_record(1, -0.25)
-        layout.write(other, has + b"\0\0\0\0" + value)
-        write_mt19937(other._bit_generator, raw)
+        layout.view(other)[:] = struct.pack("=i4xd", 1, -0.25)
+        mt19937_view(other._bit_generator)[:] = raw
         check = other.get_state(legacy=False)
         if check["has_gauss"] != 1 or check["gauss"] != -0.25:
             return None
@@ -175,7 +186,7 @@ def _probe_numpy() -> NumpyGaussLayout | None:
             return None
         if other.standard_normal() != -0.25:  # the cache is consumed first
             return None
-        layout.write(other, b"\0" * 16)
+        layout.view(other)[:] = bytes(16)
         if other.get_state(legacy=False)["has_gauss"] != 0:
             return None
     except Exception:
@@ -183,6 +194,125 @@ def _probe_numpy() -> NumpyGaussLayout | None:
     return layout
 
 
-#: ``None`` when the interpreter or library layout could not be proven.
-RANDOM_LAYOUT: MTLayout | None = _probe_random()
-NUMPY_LAYOUT: NumpyGaussLayout | None = _probe_numpy()
+class PcgRecord(NamedTuple):
+    """The state of a PCG64 / PCG64DXSM bit generator as one C record.
+
+    At ``state_address`` NumPy keeps ``{pcg64_random_t *pcg_state; int
+    has_uint32; uint32_t uinteger}``; the pointer leads to ``{state, inc}``,
+    two native 128-bit integers inside the same object, ``gap`` bytes after
+    ``state_address``.  The record is everything from ``has_uint32`` to the
+    end of ``inc`` (padding included), and *not* the pointer: it is the same
+    for every object of the type, so a record can be written to any of them.
+    """
+
+    name: str
+    gap: int
+
+    def view(self, bg: Any) -> memoryview | None:
+        """The record of ``bg``, or ``None`` if this object is laid out otherwise."""
+        address = int(bg.ctypes.state_address)
+        (pointer,) = struct.unpack("@P", ctypes.string_at(address, _POINTER))
+        start, end = address + _POINTER, address + self.gap + 32
+        if pointer != address + self.gap or address <= id(bg):
+            return None
+        if end > id(bg) + type(bg).__basicsize__:
+            return None
+        return _view(start, end - start)
+
+    def decode(self, raw: bytes) -> dict[str, Any]:
+        """The record as ``bit_generator.state``."""
+        has_uint32, uinteger = struct.unpack_from("=iI", raw)
+        at = self.gap - _POINTER
+        return {
+            "bit_generator": self.name,
+            "state": {
+                "state": int.from_bytes(raw[at : at + 16], "little"),
+                "inc": int.from_bytes(raw[at + 16 : at + 32], "little"),
+            },
+            "has_uint32": has_uint32,
+            "uinteger": uinteger,
+        }
+
+
+class MtRecord(NamedTuple):
+    """An MT19937 bit generator's ``key[624], pos`` record (:func:`mt19937_view`)."""
+
+    name: str = "MT19937"
+
+    def view(self, bg: Any) -> memoryview | None:
+        return mt19937_view(bg)
+
+    def decode(self, raw: bytes) -> dict[str, Any]:
+        *key, pos = struct.unpack("=624Ii", raw)
+        return {
+            "bit_generator": "MT19937",
+            "state": {"key": np.array(key, dtype=np.uint32), "pos": pos},
+        }
+
+
+def probe_pcg(cls: type) -> PcgRecord | None:
+    """The record layout of ``cls``, proven on throw-away objects, or ``None``."""
+    if not _is_cpython():
+        return None
+    try:
+        a = cls(20_240_521)
+        state = a.state
+        state["has_uint32"], state["uinteger"] = 1, 0x9E37_79B9  # a buffered half-draw
+        a.state = state
+        address = int(a.ctypes.state_address)
+        (pointer,) = struct.unpack("@P", ctypes.string_at(address, _POINTER))
+        layout = PcgRecord(cls.__name__, pointer - address)
+        if layout.gap < _POINTER + 8:
+            return None
+        view_a = layout.view(a)
+        # 1. the record reads as the public state says
+        if view_a is None or layout.decode(bytes(view_a)) != a.state:
+            return None
+        # 2. another object given the record has that state and draws the same
+        b = cls(7)
+        view_b = layout.view(b)
+        if view_b is None:
+            return None
+        view_b[:] = bytes(view_a)
+        if b.state != a.state:
+            return None
+        ga, gb = np.random.Generator(a), np.random.Generator(b)
+        for _ in range(2):  # the buffered half first, then a fresh draw
+            if ga.integers(0, 2**32, dtype=np.uint32) != gb.integers(0, 2**32, dtype=np.uint32):
+                return None
+        if ga.random(3).tolist() != gb.random(3).tolist():
+            return None
+        # 3. the record follows the state through draws
+        if layout.decode(bytes(view_b)) != b.state:
+            return None
+    except Exception:
+        return None
+    return layout
+
+
+#: Exact bit-generator type -> its proven record; absent: the public ``state`` API.
+#: Probed by :func:`proven_records` when the first NumPy Generator is registered, not
+#: at import (the probes build throw-away generators: a few ms).
+_RECORDS: dict[type, PcgRecord | MtRecord] | None = None
+
+
+def proven_records() -> dict[type, PcgRecord | MtRecord]:
+    """The bit-generator types whose record registered Generators copy (empty
+    with the fast paths off)."""
+    global _RECORDS
+    if _RECORDS is None:
+        _RECORDS = {
+            cls: record
+            for cls, record in (
+                (np.random.PCG64, probe_pcg(np.random.PCG64) if ENABLED else None),
+                (np.random.PCG64DXSM, probe_pcg(np.random.PCG64DXSM) if ENABLED else None),
+                (np.random.MT19937, MtRecord() if NUMPY_LAYOUT is not None else None),
+            )
+            if record is not None
+        }
+    return _RECORDS
+
+
+#: ``None`` where the fast paths are off, or the layout could not be proven.
+RANDOM_LAYOUT: MTLayout | None = _probe_random() if ENABLED else None
+NUMPY_LAYOUT: NumpyGaussLayout | None = _probe_numpy() if ENABLED else None

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any, Generic, TypeVar
 
+from ._memory import ENABLED
+
 __all__ = ["SeededCache"]
 
 T = TypeVar("T")
@@ -26,8 +28,11 @@ T = TypeVar("T")
 class SeededCache(Generic[T]):
     """Seed -> what seeding produced, for at most ``size`` seeds.
 
+    ``enabled`` defaults to :data:`._memory.ENABLED`: with the fast paths
+    off, nothing is remembered (:meth:`wants` is always false).
+
     Example:
-        >>> cache: SeededCache[bytes] = SeededCache(size=2)
+        >>> cache: SeededCache[bytes] = SeededCache(size=2, enabled=True)
         >>> cache.lookup(7) is None
         True
         >>> cache.wants(7)
@@ -37,20 +42,24 @@ class SeededCache(Generic[T]):
         b'state'
     """
 
-    __slots__ = ("_eager", "_entries", "_seen", "_size", "lookup")
+    __slots__ = ("_eager", "_enabled", "_entries", "_seen", "_size", "lookup")
 
-    def __init__(self, size: int = 64, *, eager: bool = True) -> None:
+    def __init__(self, size: int = 64, *, eager: bool = True, enabled: bool = ENABLED) -> None:
+        self._enabled = enabled
         self._entries: dict[int, T] = {}
         self._seen: dict[int, None] = {}  # misses not stored yet (eager=False), oldest first
         self._size = size
         self._eager = eager
         #: ``lookup(seed)``: the remembered value or ``None``; a bound C method,
-        #: so a hit costs no Python frame.
+        #: so a hit costs no Python frame.  Disabled, nothing is ever
+        #: remembered: the dict stays empty.
         self.lookup = self._entries.get
 
     def wants(self, seed: int) -> bool:
         """Whether a miss for ``seed`` should be :meth:`put`: always when eager,
-        else only the second time the seed misses."""
+        else only the second time the seed misses; never with the fast paths off."""
+        if not self._enabled:
+            return False
         if self._eager:
             return True
         seen = self._seen
@@ -61,7 +70,10 @@ class SeededCache(Generic[T]):
         return False
 
     def put(self, seed: int, value: T) -> None:
-        """Remember ``value`` for ``seed``, evicting the oldest seed when full."""
+        """Remember ``value`` for ``seed``, evicting the oldest seed when full
+        (nothing with the fast paths off)."""
+        if not self._enabled:
+            return
         entries = self._entries
         _bounded(entries, self._size)
         entries[seed] = value

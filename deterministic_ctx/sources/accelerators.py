@@ -135,10 +135,6 @@ def _is_rng_call(entry: Any) -> bool:
 class LazyAcceleratorSource:
     """The default generators of a lazily initialized device type."""
 
-    #: The fused plan reads this device's queue inline where it can never be
-    #: initialized, and runs the other methods otherwise (sources/fused.py).
-    fused_slot = "device"
-
     def __init__(
         self,
         module: ModuleType | Any,
@@ -207,7 +203,8 @@ class LazyAcceleratorSource:
 
     def capture(self) -> LiveState | LazyState:
         m = self._m
-        if m.is_initialized():
+        # A device this build cannot initialize is never asked (a Python call of torch's).
+        if self._can_initialize and m.is_initialized():
             self._refuse_inside_capture("read the generator states")
             # One C-level loop, and no NamedTuple ``__new__`` frame: this runs
             # in every block once CUDA is in use.
@@ -237,12 +234,18 @@ class LazyAcceleratorSource:
         self._tracker.queue_seed_all(seed_all, _NOTE)
 
     def restore(self, state: LiveState | LazyState | SavedState) -> None:
-        if isinstance(state, SavedState):
-            self._restore_saved(state)
+        if type(state) is LazyState:
+            if self._can_initialize and self._m.is_initialized():
+                self._restore_initialized_since(state)
+                return
+            # The usual case: the device was not in use then and is not now.
+            self._restore_tracker(state)
+            if len(self._queued) != len(state.queued):
+                self._drop_queued_rng_calls(state.queued)
         elif isinstance(state, LiveState):
             self._restore_live(state)
         else:
-            self._restore_lazy(state)
+            self._restore_saved(state)  # type: ignore[arg-type]
 
     def _restore_live(self, state: LiveState) -> None:
         if self._bad_fork():
@@ -256,13 +259,7 @@ class LazyAcceleratorSource:
             )
         _set_states(generators, state.states)
 
-    def _restore_lazy(self, state: LazyState) -> None:
-        m = self._m
-        if not m.is_initialized():
-            self._restore_tracker(state)
-            if len(self._queued) != len(state.queued):
-                self._drop_queued_rng_calls(state.queued)
-            return
+    def _restore_initialized_since(self, state: LazyState) -> None:
         # Initialized since ``state`` was captured (inside the block): refuse
         # before the tracker is touched too, so that a refusal changes nothing.
         self._refuse_inside_capture("put the generator states back")

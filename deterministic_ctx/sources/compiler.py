@@ -138,8 +138,6 @@ class TorchCompileSource:
     tuple of overrides, one per entry of :data:`ENTRIES`."""
 
     name = "torch.compile"
-    #: The slot of the fused plan (sources/fused.py) this exact class fills.
-    fused_slot = "compiler"
     device_type: str | None = None  # not a device generator: saved under "sources"
 
     def capture(self) -> tuple[object, ...]:

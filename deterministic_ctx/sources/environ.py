@@ -56,6 +56,7 @@ from typing import Any
 
 from ..base.settings import Settings
 from . import _plain
+from ._memory import ENABLED
 
 __all__ = [
     "CUBLAS_VALID",
@@ -240,10 +241,12 @@ class _Access:
     ``get`` and written through its own item assignment, values as they are.
     """
 
-    __slots__ = ("decode", "delete", "encode", "encodekey", "get", "put")
+    __slots__ = ("decode", "delete", "encode", "encodekey", "fast", "get", "put")
 
     def __init__(self, env: MutableMapping[str, str]) -> None:
         fast = _fast_access(env)
+        #: Whether the proven path (``_data`` and ``putenv``) is in use.
+        self.fast = fast is not None
         if fast is None:
             self.get: Callable[[Any], Any] = env.get
             self.encodekey: Callable[[str], Any] = str
@@ -290,7 +293,7 @@ _FastAccess = tuple[
 def _fast_access(env: object) -> _FastAccess | None:
     """``(data.get, encodekey, encodevalue, decodevalue)`` of a proven ``os._Environ``,
     else ``None``."""
-    if not isinstance(env, os._Environ) or type(env) is not os._Environ:
+    if not ENABLED or not isinstance(env, os._Environ) or type(env) is not os._Environ:
         return None
     data = getattr(env, "_data", None)
     encodekey = getattr(env, "encodekey", None)
@@ -332,8 +335,6 @@ class EnvironSource:
     """
 
     name = "environ"
-    #: The slot of the fused plan (sources/fused.py) this exact class fills.
-    fused_slot = "environ"
     device_type: str | None = None  # not a device generator: saved under "sources"
 
     def __init__(self, environ: MutableMapping[str, str] | None = None) -> None:
@@ -345,6 +346,11 @@ class EnvironSource:
         self._hash_key = access.encodekey(HASHSEED)
         self._cublas_valid = tuple(map(access.encode, CUBLAS_VALID))
         self._hash_values: dict[int, Any] = {}  # seed -> PYTHONHASHSEED's raw value
+
+    @property
+    def fast(self) -> bool:
+        """Whether ``os.environ`` is read and written through its proven C-level dict."""
+        return self._access.fast
 
     def capture(self) -> EnvState:
         names, keys = self._cache
@@ -359,17 +365,6 @@ class EnvironSource:
             return
         get = self._access.get
         self._apply(get(self._cublas_key), get(self._hash_key), settings.seed)
-
-    def apply_after_capture(self, state: EnvState, settings: Settings) -> None:
-        """:meth:`apply`, for a state :meth:`capture` has just returned: the two
-        variables' values are taken from it instead of being read again."""
-        if not settings.flags:
-            return
-        names, raw = state
-        if names is _MANAGED:  # CUBLAS_WORKSPACE_CONFIG and PYTHONHASHSEED come first
-            self._apply(raw[0], raw[1], settings.seed)
-        else:
-            self.apply(settings)
 
     def _apply(self, cublas: Any, hashseed: Any, seed: int) -> None:
         access = self._access
@@ -393,16 +388,6 @@ class EnvironSource:
         now = tuple(map(access.get, keys))
         if now != saved:
             self._write(names, keys, saved, now)
-
-    def restore_over(self, state: EnvState, now: EnvState) -> None:
-        """:meth:`restore`, where :meth:`capture` has just returned ``now`` (a
-        swap of two worlds): the values are compared with it, not read again."""
-        names, saved = state
-        cached, keys = self._cache
-        if names is not cached or now[0] is not names:
-            self.restore(state)
-        elif now[1] != saved:
-            self._write(names, keys, saved, now[1])
 
     def _write(
         self,

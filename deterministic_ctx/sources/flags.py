@@ -23,8 +23,7 @@ as if the block had never touched it, the flag is at its default, which
 
 **Precision** (the ``fp32_precision`` entries, the legacy float32 matmul
 precision and ``allow_tf32`` fields) is part of :class:`FlagState`, captured
-and restored but never changed; :mod:`.precision` holds its machinery, whose
-common case the hot paths here inline.
+and restored but never changed; :mod:`.precision` holds its machinery.
 
 ``torch.backends.cudnn.flags()`` is not used: it defaults to ``enabled=False``
 and would turn cuDNN off.
@@ -40,12 +39,10 @@ from typing import Any, NamedTuple
 
 from .. import _torch
 from .._torch.flags import (
-    get_cudnn_allow_tf32,
     get_cudnn_benchmark,
     get_cudnn_deterministic,
     get_deterministic_algorithms,
     get_deterministic_algorithms_warn_only,
-    get_float32_matmul_precision,
     set_cudnn_benchmark,
     set_cudnn_deterministic,
     set_deterministic_algorithms,
@@ -53,23 +50,13 @@ from .._torch.flags import (
 from .._torch.internals import INDUCTOR_CONFIG
 from ..base.settings import Settings
 from . import _plain
-from . import precision as _precision
 from ._config import AT_DEFAULT, ConfigEntry
 from .precision import (
-    CONV,
-    CUDA,
-    DEFAULT,
     EXACT,
-    GENERIC,
-    MKLDNN,
     ONEDNN,
-    PRECISION_BACKENDS,
     PRECISION_KEYS,
-    PRECISION_OPNAMES,
     PRECISION_OPS,
-    RNN,
     check_matmul_precision,
-    get_any,
     loaded_entries,
     onednn_allow_tf32,
     read,
@@ -99,12 +86,9 @@ def _read_inductor() -> tuple[bool | None, object]:
     return (None if value is None else bool(value)), override
 
 
-def _apply_inductor(override: object | None = None) -> None:
-    """Set inductor's flag, unless ``override`` (just read, or ``None``: read
-    now) says it is set already (nested blocks)."""
-    if override is None:
-        override = _ENTRY.override()
-    if override is not True:
+def _apply_inductor() -> None:
+    """Set inductor's flag, unless it is set already (nested blocks)."""
+    if _ENTRY.override() is not True:
         _ENTRY.set(True)
 
 
@@ -161,24 +145,16 @@ def _set_deterministic_warn_only(warn_only: bool) -> None:
 
 class _Flag(NamedTuple):
     """A boolean flag: its field of :class:`FlagState` (and key in a checkpoint),
-    its getter and setter, and its value inside a block (``None``: the block's
-    ``warn_only``)."""
+    its getter and setter, and its value inside a block: ``True`` or
+    ``False``, or the name of the block's :class:`Settings` field that holds it."""
 
     field: str
     get: Callable[[], bool]
     set: Callable[[bool], None]
-    inside: bool | None
+    inside: bool | str
 
 
-def _absent_get() -> bool:
-    return False
-
-
-def _absent_set(value: bool) -> None:
-    return None
-
-
-def _optional_flag(field: str, capability: _torch.Capability, inside: bool) -> _Flag:
+def _optional_flag(field: str, capability: _torch.Capability, inside: bool | str) -> _Flag:
     """A flag that not every torch has: where this one lacks it (see ``capability``),
     it reads ``False`` (an older torch behaves as if it were off: it never fills
     memory, oneDNN has no switch of its own), is never written, and a block
@@ -190,78 +166,55 @@ def _optional_flag(field: str, capability: _torch.Capability, inside: bool) -> _
     return _Flag(field, get, put, inside)
 
 
-#: The boolean flags, in :class:`FlagState`'s order (its first fields).
+def _absent_get() -> bool:
+    return False
+
+
+def _absent_set(value: bool) -> None:
+    return None
+
+
+#: The boolean flags, in :class:`FlagState`'s order (its first fields): each
+#: one's whole story is its row.
 _FLAGS = (
+    # torch.backends.cudnn.deterministic: on in a block.
     _Flag("cudnn_deterministic", get_cudnn_deterministic, set_cudnn_deterministic, True),
+    # torch.backends.cudnn.benchmark: off in a block (autotuning picks kernels by timing them).
     _Flag("cudnn_benchmark", get_cudnn_benchmark, set_cudnn_benchmark, False),
+    # torch.use_deterministic_algorithms(mode): on in a block.
     _Flag(
         "deterministic_algorithms",
         get_deterministic_algorithms,
         _set_deterministic_algorithms,
         True,
     ),
+    # torch.use_deterministic_algorithms(..., warn_only=): the block's ``warn_only``.
     _Flag(
         "deterministic_warn_only",
         get_deterministic_algorithms_warn_only,
         _set_deterministic_warn_only,
-        None,
+        "warn_only",
     ),
-    _optional_flag("fill_uninitialized_memory", _torch.FILL_UNINITIALIZED_MEMORY, True),
+    # torch.utils.deterministic.fill_uninitialized_memory: the block's own (default on).
+    _optional_flag(
+        "fill_uninitialized_memory",
+        _torch.FILL_UNINITIALIZED_MEMORY,
+        "fill_uninitialized_memory",
+    ),
+    # torch.backends.mkldnn.deterministic: on in a block.
     _optional_flag("mkldnn_deterministic", _torch.MKLDNN_DETERMINISTIC, True),
 )
 _BOOLS = tuple(flag.field for flag in _FLAGS)
+
 #: The flags this torch lacks: held ``False`` in every state, never written.
 UNSUPPORTED_FLAGS: frozenset[str] = frozenset(
-    flag.field for flag in _FLAGS if flag.get is _absent_get
-)
-_MODE, _WARN_ONLY = (
-    _BOOLS.index("deterministic_algorithms"),
-    _BOOLS.index("deterministic_warn_only"),
+    flag.field for flag in _FLAGS if flag.set is _absent_set
 )
 assert FlagState._fields[: len(_BOOLS)] == _BOOLS
-# Plain tuples for the hot loops: a row's attribute, or zip(), costs more.
+assert len(FlagState._fields) == len(_BOOLS) + 7
 _GETTERS = tuple(flag.get for flag in _FLAGS)
-#: ``_call(f)`` is ``f()``: with ``map``, the getters run without a Python frame each.
-_call: Callable[[Callable[[], Any]], Any] = getattr(operator, "call", lambda f: f())
-_ACCESS = tuple((flag.get, flag.set, i) for i, flag in enumerate(_FLAGS))
-_FILL = _BOOLS.index("fill_uninitialized_memory")
-#: The flags' values inside a block, by its ``(warn_only, fill_uninitialized_memory)``.
-_INSIDE = {
-    (warn_only, fill): tuple(
-        warn_only
-        if flag.inside is None
-        else fill
-        if i == _FILL and flag.get is not _absent_get
-        else flag.inside
-        for i, flag in enumerate(_FLAGS)
-    )
-    for warn_only in (False, True)
-    for fill in (False, True)
-}
-
-
-def _write_flags(values: tuple[Any, ...]) -> None:
-    """Write each flag that differs from its value in ``values`` (one of
-    :data:`_INSIDE`), reading it just before: a write of the mode or of
-    warn_only writes the other too."""
-    for get, put, i in _ACCESS:
-        if get() != values[i]:
-            put(values[i])
-
-
-#: The flags each written by a setter of its own (all but the mode and warn_only pair).
-_SINGLE: tuple[tuple[Callable[[Any], None], int], ...] = tuple(
-    (flag.set, i) for i, flag in enumerate(_FLAGS) if i not in (_MODE, _WARN_ONLY)
-)
-
-
-def _write_changed_flags(values: tuple[Any, ...], now: tuple[Any, ...]) -> None:
-    """Write each flag whose value in ``values`` differs from ``now`` (just read)."""
-    for put, i in _SINGLE:
-        if now[i] != values[i]:
-            put(values[i])
-    if now[_MODE] != values[_MODE] or now[_WARN_ONLY] != values[_WARN_ONLY]:
-        set_deterministic_algorithms(values[_MODE], warn_only=values[_WARN_ONLY])
+#: ``_call(f)`` is ``f()`` (``operator.call``, Python 3.11+).
+_call: Callable[[Callable[[], bool]], bool] = getattr(operator, "call", lambda f: f())
 
 
 # -- the source ----------------------------------------------------------------
@@ -272,102 +225,39 @@ class TorchFlagsSource:
     TF32/precision flags, restored exactly."""
 
     name = "torch.flags"
-    #: The slot of the fused plan (sources/fused.py) this exact class fills.
-    fused_slot = "flags"
     device_type: str | None = None  # not a device generator: saved under "sources"
 
     def capture(self) -> FlagState:
         inductor, override = _read_inductor() if _INDUCTOR in sys.modules else _NOT_IMPORTED
-        # The common case inline (no parent entry set, the legacy getters
-        # answer, no write in another thread meanwhile): what read() returns
-        # there, without its three calls; anything else takes read().
-        seen = _precision.writes
-        eff = tuple(map(get_any, PRECISION_BACKENDS, PRECISION_OPNAMES)) if EXACT else ()
-        if EXACT and not seen & 1 and eff[GENERIC] == eff[CUDA] == eff[MKLDNN] == "none":
-            try:
-                legacy: str | None = get_float32_matmul_precision()
-                cudnn: bool | None = get_cudnn_allow_tf32()
-            except RuntimeError:
-                eff, own, legacy, cudnn = read()
-            else:
-                own = eff
-                if _precision.writes != seen:
-                    eff, own, legacy, cudnn = read()
-        else:
-            eff, own, legacy, cudnn = read()
-        values = list(map(_call, _GETTERS))  # C-level calls, no Python frame each
+        eff, own, legacy, cudnn = read()
         onednn = onednn_allow_tf32() if ONEDNN else None
+        values: list[object] = list(map(_call, _GETTERS))  # called from C, no frame each
         values += (inductor, legacy, eff, own, cudnn, onednn, override)
-        # FlagState._make without its length check, a Python call (0.1-0.2 µs):
-        # the flags' fields, then these seven.
+        # FlagState._make without its Python frame and length check: the flags'
+        # fields, then these seven (asserted below the table).
         return tuple.__new__(FlagState, values)
 
     def apply(self, settings: Settings) -> None:
         if not settings.flags:  # the caller's flags, captured and restored all the same
             return
-        _write_flags(_INSIDE[settings.warn_only, settings.fill_uninitialized_memory])
+        for flag in _FLAGS:
+            # Read just before writing: the mode's setter and warn_only's
+            # write each other too, keeping the value they read.
+            inside = flag.inside
+            value = inside if type(inside) is bool else getattr(settings, inside)
+            if flag.get() != value:
+                flag.set(value)
         if _INDUCTOR in sys.modules:
             _apply_inductor()
-
-    def apply_after_capture(self, state: FlagState, settings: Settings) -> None:
-        """:meth:`apply`, for a state :meth:`capture` has just returned: the
-        flags are compared with it instead of being read again."""
-        if not settings.flags:
-            return
-        _write_changed_flags(_INSIDE[settings.warn_only, settings.fill_uninitialized_memory], state)
-        if _INDUCTOR in sys.modules:
-            # Captured just now, and imported then too: its override is known.
-            known = state.inductor_deterministic is not None
-            _apply_inductor(state.inductor_override if known else None)
 
     def restore(self, state: FlagState) -> None:
         if _INDUCTOR in sys.modules:
             _restore_inductor(state.inductor_override)
-        # Every flag written, none read: each setter only stores its value, so
-        # writing an unchanged one is a no-op, and five C calls cost less than
-        # six reads and the writes they find needed.  The mode and warn_only
-        # are written together, by one call.
-        for put, i in _SINGLE:
-            put(state[i])
-        set_deterministic_algorithms(state[_MODE], warn_only=state[_WARN_ONLY])
-        # The common case of restore_precision inline: no parent set in the
-        # target, so the entries read back as their own values; if they and
-        # the legacy fields are as captured, there is nothing to write.
-        want = state.fp32_precision_own
-        seen = _precision.writes
-        if (
-            EXACT
-            and not ONEDNN
-            and not seen & 1
-            and want[GENERIC] == want[CUDA] == want[MKLDNN] == "none"
-            and DEFAULT not in (want[CONV], want[RNN])
-            and tuple(map(get_any, PRECISION_BACKENDS, PRECISION_OPNAMES)) == want
-        ):
-            try:
-                unchanged = state.float32_matmul_precision in (
-                    None,
-                    get_float32_matmul_precision(),
-                ) and state.cudnn_allow_tf32 in (None, get_cudnn_allow_tf32())
-            except RuntimeError:
-                unchanged = False
-            if unchanged and _precision.writes == seen:
-                return
+        for flag in _FLAGS:  # as in apply: read, and written only where it differs
+            value = getattr(state, flag.field)
+            if flag.get() != value:
+                flag.set(value)
         restore_precision(state)
-
-    def restore_over(self, state: FlagState, now: FlagState) -> None:
-        """:meth:`restore`, where :meth:`capture` has just returned ``now``
-        (a swap of two worlds): the flags that differ are written, none is
-        read again, and the precision state is written only if it differs."""
-        if _INDUCTOR in sys.modules:
-            _restore_inductor(state.inductor_override)
-        _write_changed_flags(state, now)
-        if (
-            state.fp32_precision_own != now.fp32_precision_own
-            or state.float32_matmul_precision not in (None, now.float32_matmul_precision)
-            or state.cudnn_allow_tf32 not in (None, now.cudnn_allow_tf32)
-            or ONEDNN
-        ):
-            restore_precision(state)
 
     def export_state(self, state: FlagState) -> dict[str, Any]:
         """The state as plain data: one entry per field, ``fp32_precision`` as

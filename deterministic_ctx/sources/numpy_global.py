@@ -92,8 +92,6 @@ class NumpyGlobalSource:
     """The ``RandomState`` singleton behind the ``np.random.*`` functions."""
 
     name = "numpy"
-    #: The slot of the fused plan (sources/fused.py) this exact class fills.
-    fused_slot = "numpy"
     device_type: str | None = None  # not a device generator: saved under "sources"
 
     def __init__(
@@ -105,36 +103,30 @@ class NumpyGlobalSource:
         self._layout = layout if type(self._rs) is np.random.RandomState else None
         # The RandomState lives as long as this source: one view for good.
         self._gauss = self._layout.view(self._rs) if self._layout is not None else None
-        self._cache: tuple[Any, memoryview, memoryview] | None = None
+        #: ``(bit generator, its views or None)``: the path chosen for the bit
+        #: generator installed last, replaced whole (another thread may read it).
+        self._cache: tuple[Any, tuple[memoryview, memoryview] | None] = (None, None)
 
-    def _fast(self, bit_generator: Any) -> NumpyGaussLayout | None:
-        return self._layout if type(bit_generator) is np.random.MT19937 else None
-
-    @property
-    def random_state(self) -> np.random.RandomState:
-        """The ``RandomState`` this source manages."""
-        return self._rs
-
-    def views(self, bit_generator: Any) -> tuple[memoryview, memoryview] | None:
+    def _views(self, bit_generator: Any) -> tuple[memoryview, memoryview] | None:
         """Views over ``bit_generator``'s MT19937 record and the gaussian cache
-        (see :func:`~._memory.view`), or ``None`` where the fast path is off for it."""
-        return self._views(bit_generator) if self._fast(bit_generator) is not None else None
-
-    def _views(self, bit_generator: Any) -> tuple[memoryview, memoryview]:
-        # Views over the bit generator's and the RandomState's records, made
-        # once per bit generator; the cache holds the bit generator, so the
-        # memory under the view stays alive.
+        (see :mod:`._memory`), or ``None`` where the fast path is off for it.
+        Chosen once per bit generator; the cache holds it, so the memory under
+        the views stays alive."""
         cached = self._cache
-        if cached is None or cached[0] is not bit_generator:
-            assert self._gauss is not None
-            cached = self._cache = (bit_generator, mt19937_view(bit_generator), self._gauss)
-        return cached[1], cached[2]
+        if cached[0] is not bit_generator:
+            gauss = self._gauss
+            views = None
+            if gauss is not None and type(bit_generator) is np.random.MT19937:
+                views = (mt19937_view(bit_generator), gauss)
+            self._cache = cached = (bit_generator, views)
+        return cached[1]
 
     def capture(self) -> NumpyState:
         rs = self._rs
         bg = rs._bit_generator
-        if self._fast(bg) is not None:
-            mt, gauss = self._views(bg)
+        views = self._views(bg)
+        if views is not None:
+            mt, gauss = views
             # The bit generator's lock keeps a draw in another thread (NumPy
             # releases the GIL for large fills) from tearing the copy.  Each
             # locked copy is a one-line ``with``: CPython gives the exit of a
@@ -146,13 +138,14 @@ class NumpyGlobalSource:
 
     def restore(self, state: NumpyState) -> None:
         rs = self._rs
-        if rs._bit_generator is not state.bit_generator:
-            _set_bit_generator(state.bit_generator)
         bg = state.bit_generator
+        if rs._bit_generator is not bg:
+            _set_bit_generator(bg)
         if isinstance(state.raw, tuple):
-            if self._fast(bg) is None:
+            views = self._views(bg)
+            if views is None:
                 raise ValueError("NumPy state was captured through the fast path, which is off")
-            mt, gauss = self._views(bg)
+            mt, gauss = views
             raw_mt, raw_gauss = state.raw
             with bg.lock: mt[:], gauss[:] = raw_mt, raw_gauss  # noqa: E701  # fmt: skip
         else:
@@ -166,11 +159,11 @@ class NumpyGlobalSource:
             # the user's bit generator.
             _set_bit_generator(np.random.MT19937(0))
         bg = rs._bit_generator
-        if self._fast(bg) is None:
+        views = self._views(bg)
+        if views is None:
             rs.seed(settings.rank_seed)  # legacy seeding; also clears the gaussian cache
             return
-        mt, gauss = self._views(bg)
-        seed_views(rs, bg, mt, gauss, settings.rank_seed)
+        seed_views(rs, bg, *views, settings.rank_seed)
 
     def to_public(self, state: NumpyState) -> dict[str, Any]:
         """The state in ``RandomState.get_state(legacy=False)`` form."""

@@ -15,13 +15,10 @@ from ._seeded import SeededCache
 __all__ = [
     "PythonRandomSource",
     "PythonRandomState",
-    "capture_rng",
     "fast_layout_for",
     "public_state",
     "random_state_from_plain",
     "random_state_to_plain",
-    "restore_rng",
-    "seed_rng",
     "seed_view",
 ]
 
@@ -61,33 +58,6 @@ def public_state(state: PythonRandomState) -> tuple[Any, ...]:
     return (3, state.raw, state.gauss_next)
 
 
-def capture_rng(rng: random.Random, layout: MTLayout | None) -> PythonRandomState:
-    """Capture ``rng``: the C record when ``layout`` is given, else ``getstate()``."""
-    if layout is not None:
-        return PythonRandomState(layout.read(rng), rng.gauss_next)  # type: ignore[attr-defined]
-    _version, internal, gauss_next = rng.getstate()
-    return PythonRandomState(internal, gauss_next)
-
-
-def restore_rng(rng: random.Random, layout: MTLayout | None, state: PythonRandomState) -> None:
-    """Put ``state`` back: raw bytes by ``memmove``, ``getstate()`` form by ``setstate``."""
-    if isinstance(state.raw, bytes):
-        if layout is None:
-            raise ValueError("random state was captured through the fast path, which is off")
-        layout.write(rng, state.raw)
-        rng.gauss_next = state.gauss_next  # type: ignore[attr-defined]
-    else:
-        rng.setstate((3, state.raw, state.gauss_next))
-
-
-def seed_rng(rng: random.Random, layout: MTLayout | None, seed: int) -> None:
-    """Exactly ``rng.seed(seed)`` for an int seed."""
-    if layout is not None and type(rng) is random.Random:
-        seed_view(rng, layout.view(rng), seed)
-    else:
-        rng.seed(seed)  # a subclass's own seed(), which may differ
-
-
 def fast_layout_for(rng: object) -> MTLayout | None:
     """The proven layout, for exact ``random.Random`` instances only: a subclass
     may override ``random()`` or ``seed()`` and must go through its own methods."""
@@ -98,8 +68,6 @@ class PythonRandomSource:
     """The hidden ``random.Random`` instance behind ``random.random()`` & co."""
 
     name = "random"
-    #: The slot of the fused plan (sources/fused.py) this exact class fills.
-    fused_slot = "random"
     device_type: str | None = None  # not a device generator: saved under "sources"
 
     def __init__(
@@ -109,14 +77,15 @@ class PythonRandomSource:
         # one to manage even if someone rebinds ``random._inst``.
         bound: random.Random = getattr(random.random, "__self__")  # noqa: B009 - untyped attribute
         self._rng = rng if rng is not None else bound
-        self._layout = layout if isinstance(self._rng, random.Random) else None
-        # Exact instances only (like ``fast_layout_for``); the instance lives
-        # as long as this source, so its view stays valid.
+        # The record's layout is the C type's, subclasses included (their
+        # state is copied as memory too, but seeded by their own ``seed()``);
+        # the instance lives as long as this source, so the view stays valid.
         self._view = (
-            self._layout.view(self._rng)
-            if self._layout is not None and type(self._rng) is random.Random
-            else None
+            layout.view(self._rng) if layout and isinstance(self._rng, random.Random) else None
         )
+        # ``seed()`` through the record only for an exact ``random.Random``: a
+        # subclass's may differ, and its result must not enter the shared cache.
+        self._exact = self._view is not None and type(self._rng) is random.Random
         # Only the module's own generator is checked for being rebound.
         self._warned: object = self._rng if rng is None else None
 
@@ -124,33 +93,31 @@ class PythonRandomSource:
         view = self._view
         if view is not None:
             return PythonRandomState(bytes(view), self._rng.gauss_next)  # type: ignore[attr-defined]
-        return capture_rng(self._rng, self._layout)
+        _version, internal, gauss_next = self._rng.getstate()
+        return PythonRandomState(internal, gauss_next)
 
     def restore(self, state: PythonRandomState) -> None:
-        view = self._view
-        if view is not None and isinstance(state.raw, bytes):
+        if type(state.raw) is bytes:
+            view = self._view
+            if view is None:
+                raise ValueError("random state was captured through the fast path, which is off")
             view[:] = state.raw
             self._rng.gauss_next = state.gauss_next  # type: ignore[attr-defined]
         else:
-            restore_rng(self._rng, self._layout, state)
+            self._rng.setstate((3, state.raw, state.gauss_next))
 
     @property
     def rng(self) -> random.Random:
         """The generator this source manages."""
         return self._rng
 
-    @property
-    def view(self) -> memoryview | None:
-        """The fast path's view of the generator's record, ``None`` where it is off."""
-        return self._view
-
     def apply(self, settings: Settings) -> None:
         self.check_binding()
-        view = self._view
-        if view is not None:
-            seed_view(self._rng, view, settings.rank_seed)
+        if self._exact:
+            assert self._view is not None
+            seed_view(self._rng, self._view, settings.rank_seed)
         else:
-            seed_rng(self._rng, self._layout, settings.rank_seed)
+            self._rng.seed(settings.rank_seed)
 
     def bound(self) -> bool:
         """Whether ``random.random`` still draws from this source's generator

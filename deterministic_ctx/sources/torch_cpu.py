@@ -35,8 +35,6 @@ class TorchCPUSource:
     """``torch.default_generator``, used by every CPU op without ``generator=``."""
 
     name = "torch.cpu"
-    #: The slot of the fused plan (sources/fused.py) this exact class fills.
-    fused_slot = "torch.cpu"
     device_type: str | None = None  # not a device generator: saved under "sources"
 
     def __init__(self, generator: torch.Generator | None = None) -> None:

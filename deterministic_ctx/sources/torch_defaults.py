@@ -131,8 +131,6 @@ class TorchDefaultsSource:
     """Default dtype, tensor type and device, thread count and denormal mode."""
 
     name = "torch.defaults"
-    #: The slot of the fused plan (sources/fused.py) this exact class fills.
-    fused_slot = "defaults"
     device_type: str | None = None  # not a device generator: saved under "sources"
 
     def __init__(self, holder: Any = torch) -> None:
@@ -192,12 +190,6 @@ class TorchDefaultsSource:
             _restore_flush(_flush_mode(daz, ftz))
         if now[DEVICE_CONTEXT] is not context:
             self._restore_context(now[DEVICE_CONTEXT], context)
-
-    def restore_over(self, state: DefaultsState, now: DefaultsState) -> None:
-        """:meth:`restore`, where :meth:`capture` has just returned ``now`` (a
-        swap of two worlds): nothing is read again when the two agree."""
-        if state != now:
-            self.restore(state)
 
     def _restore_context(self, current: Any, saved: Any) -> None:
         # What ``torch.set_default_device`` does, with the saved object instead

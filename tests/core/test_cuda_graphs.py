@@ -7,8 +7,7 @@ before the capture and left after it works as it is.
 
 The first part runs anywhere: a fake ``torch.cuda`` module whose generators
 (with torch's Philox state rules) raise, as torch's do, when touched during a
-capture, stands in for the real one in ``SOURCES``, through the reference path
-and through a fused plan.  The ``gpu`` part runs the same scenarios on a real CUDA device,
+capture, stands in for the real one in ``SOURCES``.  The ``gpu`` part runs the same scenarios on a real CUDA device,
 each in a fresh interpreter (CUDA initialization cannot be undone).
 """
 
@@ -28,7 +27,6 @@ from deterministic_ctx import RestoreError, Snapshot, deterministic, reproducibl
 from deterministic_ctx.base.lock import LOCK
 from deterministic_ctx.base.settings import Settings
 from deterministic_ctx.core import engine as _engine
-from deterministic_ctx.sources import fused as _fused
 from deterministic_ctx.sources.accelerators import (
     GraphCaptureError,
     LazyAcceleratorSource,
@@ -140,19 +138,14 @@ def _seeded(seed: int, n: int = 2) -> list[float]:
     return [torch.rand(1, generator=torch.Generator().manual_seed(seed)).item()] * n
 
 
-@pytest.fixture(params=["reference", "fused"])
-def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> _GraphDevice:
-    """A fake initialized CUDA device in place of ``torch.cuda`` in ``SOURCES``,
-    through the per-source reference path or through a fused plan."""
+@pytest.fixture
+def device(monkeypatch: pytest.MonkeyPatch) -> _GraphDevice:
+    """A fake initialized CUDA device in place of ``torch.cuda`` in ``SOURCES``."""
     dev = _GraphDevice()
     dev.draw()  # the caller's stream is somewhere past its start
     sources = tuple(_source(dev) if s.name == "torch.cuda" else s for s in _sources.SOURCES)
     assert sum(s.name == "torch.cuda" for s in sources) == 1
     monkeypatch.setattr(_sources, "SOURCES", sources)
-    if request.param == "fused":
-        plan = _fused.build(sources)
-        assert plan is not None
-        monkeypatch.setattr(_sources, "PLAN", plan)
     return dev
 
 

@@ -48,6 +48,7 @@ def test_structure_json_and_text():
         "problems",
         "torch_compile",
         "collectives",
+        "fast_paths",
     }
     assert data["versions"]["torch"] == torch.__version__
     assert data["flags"]["deterministic_algorithms"] == torch.are_deterministic_algorithms_enabled()

@@ -83,7 +83,6 @@ what its loops need, bound once at registration.
 module has one job, and each imports only those listed before it:
 
 * :mod:`.kinds`: the kinds of RNG accepted, and which one an object is;
-* :mod:`.records`: the proven C records of NumPy bit generators;
 * :mod:`.persistence`: states as checkpoint data and back, checked;
 * :mod:`.entries`: one registered RNG, captured, seeded and restored;
 * :mod:`.batches`: runs of entries handled by C-level loops;

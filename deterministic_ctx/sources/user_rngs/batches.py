@@ -82,10 +82,28 @@ class Batch:
         #: ``(block seed, the seeded records joined in order)``.
         self.memo = _NO_BATCH_MEMO
 
-    def capture(self, out: list[Any]) -> None:
+    def capture_into(self, out: list[Any]) -> None:
         """Append this batch's record ``(batch, objects, joined records,
         extra)`` to ``out``, or its entries' own records."""
         raise NotImplementedError
+
+    def restore(self, objs: tuple[Any, ...], raw: bytes, extra: Any) -> None:
+        """Put back a record of this batch: at once, or RNG by RNG where it
+        cannot (:meth:`put`) or was interrupted half-way.  One RNG that fails
+        does not stop the others; the first failure is raised once all were tried."""
+        error: BaseException | None = None
+        try:
+            if self.put(objs, raw, extra):
+                return
+        except BaseException as exc:  # an interrupt too: RNG by RNG, past it
+            error = exc
+        for entry, obj, saved, gauss in self.records(objs, raw, extra):
+            try:
+                entry.restore(obj, saved, gauss)
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
 
     def seed(self, seed: int) -> None:
         """:func:`.registry.seed_registered_rngs` for the entries of this batch."""
@@ -150,15 +168,13 @@ class _MtBatch(Batch):
         # __len__), ``None`` never; a false object would only take the slow path.
         return objs if all(objs) else None
 
-    def capture(self, out: list[Any]) -> None:
+    def capture_into(self, out: list[Any]) -> None:
         objs = self.objects()
         if objs is not None:
             out.append((self, objs, b"".join(self.views), tuple(map(_gauss_next, objs))))
             return
         for entry in self.entries:
-            obj = entry.get()
-            if obj is not None:
-                out.append((entry, obj, entry.mt.tobytes(), obj.gauss_next))
+            entry.capture_into(out)
 
     def seed(self, seed: int) -> None:
         objs = self.objects()
@@ -226,14 +242,14 @@ class _RecordBatch(Batch):
         finally:
             _drain(map(_release, compress(self.locks, taken)))
 
-    def capture(self, out: list[Any]) -> None:
+    def capture_into(self, out: list[Any]) -> None:
         objs = self.objs
         raw = self.locked(partial(b"".join, self.views))
         if raw is not None:
             out.append((self, objs, raw, None))
             return
-        for entry, obj in zip(self.entries, objs, strict=True):
-            out.append((entry, obj, entry.capture(obj), None))
+        for entry in self.entries:
+            entry.capture_into(out)
 
     def seed(self, seed: int) -> None:
         objs = self.objs

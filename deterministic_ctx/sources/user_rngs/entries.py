@@ -3,11 +3,10 @@
 An :class:`Entry` is made at registration and holds everything its loops
 need, bound then: the object (by weak reference where it can be), its kind,
 its key, the path it takes (``mode``: the public API, or copies of its C
-records through views, see :mod:`.records`) and the state seeding left it in
-for the last block seed (``memo``).  The loops over all entries
-(:mod:`.batches`, :mod:`.registry`, :mod:`.source`) inline the common cases
-of :meth:`Entry.capture`, :meth:`Entry.put` and :meth:`Entry.seed_again`;
-these methods are the reference they follow.
+records through views, see :mod:`.._memory`) and the state seeding left it in
+for the last block seed (``memo``).  An entry is one step of the blocks'
+loops (:mod:`.registry`, :mod:`.source`), as a :class:`.batches.Batch` is:
+``capture_into``, ``seed`` and ``restore``.
 """
 
 from __future__ import annotations
@@ -22,10 +21,9 @@ import numpy as np
 import torch
 
 from ...base.seed import derive_seed
-from .._memory import NUMPY_LAYOUT, mt19937_view
+from .._memory import ENABLED, NUMPY_LAYOUT, MtRecord, PcgRecord, mt19937_view, proven_records
 from ..python_random import PythonRandomState, fast_layout_for, public_state
 from .kinds import GENERATOR, RANDOM, RANDOM_STATE, TORCH, Kind
-from .records import MtRecord, PcgRecord, proven_records
 
 #: How an entry is captured, seeded and restored (chosen at registration).
 API = 0  # the kind's get / set / seed, every time
@@ -128,6 +126,8 @@ class Entry:
     def _choose_path(self, obj: Any) -> None:
         # Views are made here, while ``obj`` is alive; the loops use them only
         # after ``get()`` returned the object (see the package docstring).
+        if not ENABLED:  # DETERMINISTIC_CTX_NO_FAST_PATHS: the kind's API every time
+            return
         kind = self.kind
         if kind is RANDOM:
             if self.layout is not None:
@@ -198,7 +198,7 @@ class Entry:
 
     def seed_again(self, obj: Any, seed: int) -> None:
         """:meth:`seed_slow` where ``memo`` holds ``seed`` already: its state is
-        written (not for ``MT`` entries, which the loops handle inline)."""
+        written (not for ``MT`` entries: see :func:`seed_entry`)."""
         # The records and the memo are those of the bit generator the entry
         # holds; one that was replaced since takes the public API (for both
         # record modes ``_bit_generator`` is the one, and a lock is set).
@@ -216,9 +216,31 @@ class Entry:
             return
         self.kind.seed(obj, self.derived_seed(seed))
 
+    def capture_into(self, out: list[Any]) -> None:
+        """Append this RNG's :data:`Record` to ``out`` (nothing once it was collected)."""
+        obj = self.get()
+        if obj is not None:
+            gauss = obj.gauss_next if self.mt is not None else None
+            out.append((self, obj, self.capture(obj), gauss))
+
+    def seed(self, seed: int) -> None:
+        """Seed this RNG for the block seed ``seed`` (nothing once it was collected)."""
+        obj = self.get()
+        if obj is not None:
+            seed_entry(self, obj, seed)
+
+    def restore(self, obj: Any, state: Any, gauss: Any) -> None:
+        """Put back a record's state (and an ``MT`` entry's ``gauss_next``)."""
+        mt = self.mt
+        if mt is not None:
+            mt[:] = state
+            obj.gauss_next = gauss
+        else:
+            self.put(obj, state)
+
     def capture(self, obj: Any) -> Any:
         """The state of ``obj`` (this entry's object) now, in this entry's form
-        (an ``MT`` entry's record only: the loops handle ``gauss_next``;
+        (an ``MT`` entry's record only: :meth:`capture_into` adds ``gauss_next``;
         the public form where the bit generator was replaced)."""
         lock = self.lock
         if lock is None:  # MT, SET, API
@@ -231,8 +253,8 @@ class Entry:
         return self.kind.get(obj)
 
     def put(self, obj: Any, state: Any) -> None:
-        """Put back a state :meth:`capture` returned (not for ``MT`` entries,
-        which the loops handle inline)."""
+        """Put back a state :meth:`capture` returned (not for ``MT`` entries:
+        see :meth:`restore`)."""
         lock = self.lock
         if lock is None:  # SET, API
             assert self.mt is None

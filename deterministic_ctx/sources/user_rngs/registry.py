@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from .batches import Batch, batched
-from .entries import RECORD, Entry, Ref
+from .entries import Entry, Ref
 from .kinds import KINDS, kind_of, random_like, short_repr
 
 T = TypeVar("T")
@@ -265,26 +265,8 @@ def seed_registered_rngs(seed: int, *, shared_seed: int | None = None) -> None:
         True
         >>> unregister_rng(rng)
     """
-    steps: tuple[Any, ...] = block_steps()  # entries and batches
-    for entry in steps:
-        s = shared_seed if entry.shared and shared_seed is not None else seed
-        mt = entry.mt
-        if mt is None and type(entry) is not Entry:  # a batch
-            entry.seed(s)
-            continue
-        obj = entry.get()
-        if obj is None:
-            continue
-        memo = entry.memo
-        if memo[0] != s:
-            entry.seed_slow(obj, s)
-        elif mt is not None:  # inline: one copy and an attribute
-            mt[:] = memo[1]
-            obj.gauss_next = None
-        elif entry.mode == RECORD and obj._bit_generator is entry.bg:  # Entry.seed_again's
-            with entry.lock: entry.view[:] = memo[1]  # noqa: E701  # fmt: skip
-        else:
-            entry.seed_again(obj, s)
+    for step in block_steps():  # entries and batches
+        step.seed(shared_seed if step.shared and shared_seed is not None else seed)
 
 
 # -- entry points ------------------------------------------------------------------------

@@ -1,21 +1,20 @@
 """The source of all registered RNGs: what a block captures, applies and
 restores for them, and what a snapshot saves of them.
 
-:class:`UserRngSource` runs the blocks' loops over :func:`.registry.block_steps`,
-with the common cases of :class:`.entries.Entry` inlined (no call per RNG
-where a copy does) and batches left to :mod:`.batches`; its checkpoint
+:class:`UserRngSource` runs the blocks' loops over :func:`.registry.block_steps`
+(entries and batches, each a step that captures, seeds and restores itself); its checkpoint
 methods turn states into plain data and back through :mod:`.persistence`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any, cast
 
 from ...base.settings import Settings
 from .. import _plain
 from .batches import Batch, BatchRecord
-from .entries import RECORD, Entry, Record
+from .entries import Entry, Record
 from .persistence import CODECS, NotPlain, class_path
 from .registry import block_steps, live_entries, seed_registered_rngs
 
@@ -24,8 +23,6 @@ class UserRngSource:
     """All registered RNGs: captured, seeded and restored together."""
 
     name = "user"
-    #: The slot of the fused plan (sources/fused.py) this exact class fills.
-    fused_slot = "user"
     device_type: str | None = None  # not a device generator: saved under "sources"
 
     def capture(self) -> tuple[Record | BatchRecord, ...]:
@@ -34,27 +31,9 @@ class UserRngSource:
         A record is ``(entry, object, state, gauss_next)``, or ``(batch,
         objects, joined records, extra)`` for a :class:`Batch`.
         """
-        steps = block_steps()
-        if not steps:
-            return ()
         out: list[Any] = []
-        append = out.append
-        entries: tuple[Any, ...] = steps  # entries and batches
-        for entry in entries:
-            mt = entry.mt
-            if mt is None and type(entry) is not Entry:  # a batch
-                entry.capture(out)
-                continue
-            obj = entry.get()
-            if obj is None:  # collected after the tuple was made: its callback has run
-                continue
-            if mt is not None:  # inline: one copy and an attribute
-                append((entry, obj, mt.tobytes(), obj.gauss_next))
-            elif entry.mode == RECORD and obj._bit_generator is entry.bg:  # Entry.capture's
-                with entry.lock: raw = entry.view.tobytes()  # noqa: E701  # fmt: skip
-                append((entry, obj, raw, None))
-            else:
-                append((entry, obj, entry.capture(obj), None))
+        for step in block_steps():  # entries and batches
+            step.capture_into(out)
         return tuple(out)
 
     def apply(self, settings: Settings) -> None:
@@ -67,26 +46,11 @@ class UserRngSource:
         # The object is kept alive by the snapshot only while the snapshot lives;
         # an RNG collected meanwhile has no state left to restore.
         error: BaseException | None = None
-        records: tuple[tuple[Any, Any, Any, Any], ...] = state
-        for first, obj, saved, extra in records:
+        for first, obj, saved, extra in state:
             try:
-                mt = first.mt
-                if mt is not None:
-                    mt[:] = saved
-                    obj.gauss_next = extra
-                elif type(first) is not Entry:  # a batch
-                    if not first.put(obj, saved, extra):
-                        error = _put_each(first.records(obj, saved, extra), error)
-                elif (  # Entry.put's common case, inline
-                    first.mode == RECORD and type(saved) is bytes and obj._bit_generator is first.bg
-                ):
-                    with first.lock: first.view[:] = saved  # noqa: E701  # fmt: skip
-                else:
-                    first.put(obj, saved)
+                first.restore(obj, saved, extra)
             except BaseException as exc:  # an interrupt too: the rest are restored first
                 error = error or exc
-                if type(first) is not Entry:  # a batch: RNG by RNG, past the failure
-                    error = _put_each(first.records(obj, saved, extra), error)
         if error is not None:
             raise error
 
@@ -179,18 +143,3 @@ def _per_rng(state: tuple[Record | BatchRecord, ...]) -> Iterator[Record]:
             yield from first.records(record[1], record[2], record[3])
         else:
             yield cast(Record, record)
-
-
-def _put_each(records: Iterable[Record], error: BaseException | None) -> BaseException | None:
-    """Restore each RNG's record (the restore loop's body, for a batch's slow
-    path); the first error, ``error`` if given, is returned once all were tried."""
-    for entry, obj, saved, gauss in records:
-        try:
-            if entry.mt is not None:
-                entry.mt[:] = saved
-                obj.gauss_next = gauss
-            else:
-                entry.put(obj, saved)
-        except BaseException as exc:  # an interrupt too, as in the restore loop
-            error = error or exc
-    return error
