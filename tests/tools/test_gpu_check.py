@@ -52,7 +52,7 @@ def summary(out: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_it_runs_every_step_it_can_and_says_what_it_skipped():
+def test_it_runs_every_step_it_can_and_says_what_it_skipped() -> None:
     proc = gpu_check("--suite-args", ONE_TEST)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = summary(proc.stdout)
@@ -75,7 +75,7 @@ def test_it_runs_every_step_it_can_and_says_what_it_skipped():
 
 
 @pytest.mark.slow
-def test_a_failing_step_fails_the_command_and_the_others_still_run():
+def test_a_failing_step_fails_the_command_and_the_others_still_run() -> None:
     proc = gpu_check("--suite-args", "tests/no_such_test_file.py -n 0")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = summary(proc.stdout)
