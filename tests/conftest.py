@@ -2,19 +2,25 @@
 
 A test that draws from a global RNG, changes a flag or an environment
 variable, or leaves a lazy CUDA seed queued fails here, naming what leaked.
-Tests that need to change global state on purpose do it inside a block or
-restore it themselves; the ``registry`` fixture unregisters the environment
-variables a test registers.
+So does a test that leaves a user RNG registered (``register_rng`` without
+``unregister_rng``, for an object that is still alive after a collection) or
+unregisters one it did not register, or registers an environment variable:
+registrations are process-wide, and one left behind makes every later test
+on the worker capture, seed and save it (two under one key make every save
+fail).  Tests that need to change global state on purpose do it inside a
+block or restore it themselves; the ``registry`` fixture unregisters the
+environment variables a test registers.
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
 
-from deterministic_ctx import Snapshot
+from deterministic_ctx import Snapshot, managed_env_vars, registered_rngs
 from tests._oracle import World
 
 pytest_plugins = ["pytester"]
@@ -26,10 +32,54 @@ def _no_global_state_leak(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
         return
     before = World.now()
+    registered = Registrations.now()
     yield
     leaked = before.diff(World.now())
+    leaked += registered.diff(Registrations.now())
     if leaked:
         pytest.fail(f"test leaked global state: {', '.join(leaked)}", pytrace=False)
+
+
+class Registrations:
+    """What the process-wide registries hold, through the public API: each live
+    user RNG as ``(key, id)`` (never the object: holding it would keep alive an
+    RNG that the test expects to be collected), and the managed environment variables."""
+
+    def __init__(self, rngs: frozenset[tuple[str, int]], env: tuple[str, ...]) -> None:
+        self.rngs = rngs
+        self.env = env
+
+    @classmethod
+    def now(cls) -> Registrations:
+        # The first call also registers what installed packages contribute through the
+        # registry's entry points: that happens here, before the test, never inside it.
+        return cls(frozenset((key, id(obj)) for key, obj in registered_rngs()), managed_env_vars())
+
+    def diff(self, after: Registrations) -> list[str]:
+        """What changed from ``self`` to ``after``, in words; ``[]`` if nothing did.
+
+        A weakly held RNG that the test dropped leaves the registry when it is
+        collected, which a reference cycle can put off until the next collection:
+        only a difference that survives ``gc.collect()`` counts (and the collection
+        runs only then, so passing tests pay nothing for it).
+        """
+        if (after.rngs, after.env) != (self.rngs, self.env):
+            gc.collect()
+            after = Registrations.now()
+        out = []
+        added = sorted(key for key, oid in after.rngs - self.rngs)
+        if added:
+            out.append(f"user RNGs left registered under the keys {added} (unregister_rng)")
+        removed = sorted(key for key, oid in self.rngs - after.rngs)
+        if removed:
+            out.append(f"user RNGs registered before the test unregistered: {removed}")
+        env = [name for name in after.env if name not in self.env]
+        if env:
+            out.append(f"environment variables registered: {env} (the registry fixture)")
+        lost = [name for name in self.env if name not in after.env]
+        if lost:
+            out.append(f"environment variables no longer managed: {lost}")
+        return out
 
 
 @pytest.fixture

@@ -10,6 +10,8 @@ corner    Python  torch    NumPy
 ========  ======  =======  =======================================
 lowest    3.10    2.1.2    1.26.4 (the last 1.x with 3.10 wheels)
 middle    3.12    2.6.0    1.26.4
+torch211  3.12    2.11.x   2.x (GPU machines' torch; no weakly
+                           referenceable ``torch.Generator``)
 newest    3.13    2.15.0   2.x (the newest pip finds)
 ========  ======  =======  =======================================
 
@@ -20,6 +22,17 @@ Usage::
     python tools/compat.py --corner middle -- tests/sources/test_flags.py -x -n 0
     python tools/compat.py --build-only         # make (or check) the environments, run nothing
     python tools/compat.py --rebuild --corner newest
+    python tools/compat.py --all                # every minor torch release, 2.1 to the newest
+    python tools/compat.py --all --releases 2.3,2.5 --jobs 2 -- -m "not slow" -n 2 -x
+
+**Every release** (``--all``): each minor torch release from the lowest
+corner's to the newest corner's, once.  A release that a corner pins runs in
+that corner's environment; the others get an environment named
+``torch2.N`` (Python 3.11, the newest patch of 2.N, NumPy 1.26.4 up to torch
+2.3, whose wheels were built against NumPy 1, else the newest 2.x), which is
+removed after its run unless ``--keep`` is given (a few GB each).  ``--jobs
+N`` builds N environments at a time while the tests run one release at a
+time.  The closing table (Markdown) is what ``docs/how-to/support.md`` shows.
 
 Whatever follows ``--`` replaces the default pytest arguments (``-m "not slow"
 -n 2``).  The exit status is non-zero when any corner's environment could not
@@ -59,6 +72,7 @@ Only the standard library is used: the runner needs no environment of its own.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import glob
 import json
@@ -95,9 +109,30 @@ CORNERS = {
         # numpy 1.26.4 is the last 1.x release and has wheels for 3.10 to 3.12.
         Corner("lowest", "3.10", "==2.1.2", "==1.26.4"),
         Corner("middle", "3.12", "==2.6.0", "==1.26.4"),
+        # The torch that GPU machines here carry, and the one release in our range
+        # whose torch.Generator cannot be weakly referenced (the registry then holds
+        # generators strongly until unregister_rng): a behaviour no other corner has.
+        Corner("torch211", "3.12", "==2.11.*", ">=2,<3"),
         Corner("newest", "3.13", "==2.15.0", ">=2,<3"),
     )
 }
+
+
+#: The lowest and the newest minor release of torch 2 that ``--all`` runs.
+ALL_MINORS = range(1, 16)
+#: The interpreter of the environments ``--all`` makes for releases without a corner:
+#: one that every torch from 2.1 to the newest has wheels for.
+ALL_PYTHON = "3.11"
+
+
+def release_corner(minor: int) -> tuple[Corner, bool]:
+    """The environment that runs torch ``2.minor`` for ``--all``: a corner that pins
+    that release (``True``: kept), else one of its own (``False``: removed after its run)."""
+    for corner in CORNERS.values():
+        if re.fullmatch(rf"==2\.{minor}(\.[0-9*]+)?", corner.torch):
+            return corner, True
+    numpy = "==1.26.4" if minor <= 3 else ">=2,<3"
+    return Corner(f"torch2.{minor}", ALL_PYTHON, f"==2.{minor}.*", numpy), False
 
 
 def cache_dir() -> Path:
@@ -115,10 +150,10 @@ def log(message: str) -> None:
 def project_requirements() -> tuple[list[str], list[str]]:
     """``(dependencies, test extra)`` from pyproject.toml."""
     text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10: a small reader for the two lists we need
+    if sys.version_info < (3, 11):  # no tomllib: a small reader for the two lists we need
         return _list_after(text, "dependencies"), _list_after(text, "test")
+    import tomllib  # type: ignore[import-not-found,unused-ignore]  # mypy reads as 3.10
+
     data = tomllib.loads(text)
     project = data["project"]
     return list(project["dependencies"]), list(project["optional-dependencies"]["test"])
@@ -140,13 +175,13 @@ def find_python(version: str) -> str:
     override = os.environ.get(f"DETERMINISTIC_CTX_COMPAT_PYTHON_{version.replace('.', '_')}")
     if override:
         return override
-    candidates = [shutil.which(f"python{version}")]
     pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
-    candidates += sorted(
+    installed = sorted(
         glob.glob(str(pyenv / "versions" / f"{version}.*" / "bin" / "python")),
         key=lambda p: [int(x) for x in re.findall(r"\d+", Path(p).parent.parent.name)],
         reverse=True,
     )
+    candidates = [shutil.which(f"python{version}"), *installed]
     for path in candidates:
         if path and _python_version(path) == version:
             return path
@@ -232,7 +267,8 @@ def build(corner: Corner, *, rebuild: bool) -> Env:
             record = {}
     built = record.get("built") or {}
     if not rebuild and built == wanted and (path / "bin" / "python").exists():
-        env = Env(corner, path, list(record.get("missing") or []))
+        missing = record.get("missing") or []
+        env = Env(corner, path, [str(m) for m in missing] if isinstance(missing, list) else [])
         log(f"{corner.name}: reusing {path}")
     else:
         env = _build_fresh(corner, path, record_file, logfile, interpreter, wanted, record, rebuild)
@@ -376,32 +412,106 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Arguments after -- go to pytest instead of the default -m 'not slow' -n 2.",
     )
     parser.add_argument("--corner", choices=[*CORNERS, "all"], default="all")
+    parser.add_argument(
+        "--all",
+        action="store_true",
+        help="every minor torch release from the lowest corner's to the newest's, once",
+    )
+    parser.add_argument(
+        "--releases", metavar="2.N,...", help="with --all: only these minor releases"
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="with --all: keep the environments made for it"
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="with --all: environments built at a time"
+    )
     parser.add_argument("--rebuild", action="store_true", help="build the environments anew")
     parser.add_argument(
         "--build-only", action="store_true", help="build or check the environments, run no test"
     )
     options = parser.parse_args(argv)
+    if options.all:
+        return run_all(options, pytest_args)
     names = list(CORNERS) if options.corner == "all" else [options.corner]
     results: list[tuple[str, int, str]] = []
     for name in names:
         corner = CORNERS[name]
-        try:
-            env = build(corner, rebuild=options.rebuild)
-        except (SystemExit, subprocess.CalledProcessError, OSError) as exc:
-            message = str(exc) if not isinstance(exc, SystemExit) else str(exc.code)
-            log(f"{name}: environment not built: {message}")
-            results.append((name, 2, "environment not built"))
-            continue
-        if options.build_only:
-            results.append((name, 0, f"ready: {versions(env)}"))
-            continue
-        status, summary = run_tests(env, pytest_args)
-        results.append((name, status, f"{versions(env)}: {summary}"))
+        status, summary, _ = build_and_run(corner, options, pytest_args)
+        results.append((name, status, summary))
     print()
     for name, status, summary in results:
         verdict = "ok" if status == 0 else f"FAILED (exit {status})"
         log(f"{name}: {verdict}: {summary}")
     return 0 if all(status == 0 for _, status, _ in results) else 1
+
+
+def build_and_run(
+    corner: Corner, options: argparse.Namespace, pytest_args: list[str], env: Env | None = None
+) -> tuple[int, str, float]:
+    """Build (unless ``env`` is given) and test one environment: (status, summary, test seconds)."""
+    if env is None:
+        try:
+            env = build(corner, rebuild=options.rebuild)
+        except (SystemExit, subprocess.CalledProcessError, OSError) as exc:
+            return _not_built(corner, exc), "environment not built", 0.0
+    if options.build_only:
+        return 0, f"ready: {versions(env)}", 0.0
+    started = time.monotonic()
+    status, summary = run_tests(env, pytest_args)
+    return status, f"{versions(env)}: {summary}", time.monotonic() - started
+
+
+def _not_built(corner: Corner, exc: BaseException) -> int:
+    message = str(exc.code) if isinstance(exc, SystemExit) else str(exc)
+    log(f"{corner.name}: environment not built: {message}")
+    return 2
+
+
+def run_all(options: argparse.Namespace, pytest_args: list[str]) -> int:
+    """``--all``: every minor release once; a Markdown table of the results at the end."""
+    minors = list(ALL_MINORS)
+    if options.releases:
+        wanted = {int(r.strip().split(".")[1]) for r in options.releases.split(",") if r.strip()}
+        minors = [m for m in minors if m in wanted]
+    plan = [(minor, *release_corner(minor)) for minor in minors]
+    rows: list[tuple[str, str, int, str, float]] = []
+
+    def make(corner: Corner) -> Env:
+        return build(corner, rebuild=options.rebuild)
+
+    # Builds (downloads, mostly) overlap with each other and with the tests; the tests
+    # run one release at a time, in order, so their output does not interleave.
+    # At most ``jobs`` environments wait built and untested (each is a few GB): the next
+    # build is submitted when a release's tests begin.
+    jobs = max(1, options.jobs)
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        futures = [pool.submit(make, corner) for _, corner, _ in plan[:jobs]]
+        for i, (minor, corner, kept) in enumerate(plan):
+            future = futures[i]
+            if i + jobs < len(plan):
+                futures.append(pool.submit(make, plan[i + jobs][1]))
+            try:
+                env = future.result()
+            except (SystemExit, subprocess.CalledProcessError, OSError) as exc:
+                status = _not_built(corner, exc)
+                rows.append((f"2.{minor}", corner.name, status, "environment not built", 0.0))
+                continue
+            status, summary, seconds = build_and_run(corner, options, pytest_args, env)
+            rows.append((f"2.{minor}", corner.name, status, summary, seconds))
+            if not kept and not options.keep:
+                log(f"{corner.name}: removing {env.path} (--keep keeps it)")
+                shutil.rmtree(env.path, ignore_errors=True)
+                (cache_dir() / f"{corner.name}.json").unlink(missing_ok=True)
+    print()
+    print(f"pytest {' '.join(pytest_args)}")
+    print()
+    print("| torch | environment | result | Python, torch, NumPy: pytest's summary | tests |")
+    print("|---|---|---|---|---|")
+    for release, name, status, summary, seconds in rows:
+        verdict = "ok" if status == 0 else f"FAILED (exit {status})"
+        print(f"| {release} | {name} | {verdict} | {summary} | {seconds:.0f} s |")
+    return 0 if all(row[2] == 0 for row in rows) else 1
 
 
 if __name__ == "__main__":

@@ -328,6 +328,7 @@ def test_philox_state_rules_match_a_real_cuda_generator():
             except ValueError:
                 return "refused"
 
+        torch.cuda.init()  # default_generators is an empty tuple until CUDA is initialized
         gen = torch.cuda.default_generators[0]
         gen.manual_seed(11)
         torch.rand(1000, device="cuda")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,9 +32,39 @@ from deterministic_ctx.internal import MAX_SEED
 from deterministic_ctx.reporting import report
 from tests.helpers import run_python
 
-CONSOLE_SCRIPT = Path(sys.executable).with_name(
-    "deterministic-ctx.exe" if os.name == "nt" else "deterministic-ctx"
-)
+SCRIPT_NAME = "deterministic-ctx.exe" if os.name == "nt" else "deterministic-ctx"
+
+
+def _find_console_script() -> tuple[Path | None, str]:
+    """The console script as a shell finds it, else beside this interpreter; or why not.
+
+    On ``PATH`` first (an activated environment, ``pip install --user``, a system
+    interpreter's ``/usr/local/bin``), then in the interpreter's own folder (a virtual
+    environment run by path, not activated).  An install without scripts (``pip install
+    --target``, the checkout on ``PYTHONPATH``) has neither: the tests that need the script
+    skip, saying where it was looked for.
+    """
+    on_path = shutil.which(SCRIPT_NAME)
+    if on_path:
+        return Path(on_path), ""
+    beside = Path(sys.executable).with_name(SCRIPT_NAME)
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return beside, ""
+    return None, (
+        f"no {SCRIPT_NAME} console script on PATH nor beside {sys.executable} "
+        "(installed without scripts: pip install -e . makes one)"
+    )
+
+
+CONSOLE_SCRIPT, NO_CONSOLE_SCRIPT = _find_console_script()
+
+
+def console_script_path() -> Path:
+    """The console script's path; the test skips, saying why, where there is none."""
+    if CONSOLE_SCRIPT is None:
+        pytest.skip(NO_CONSOLE_SCRIPT)
+    return CONSOLE_SCRIPT
+
 
 PROBE = """\
 import json, os, random, sys
@@ -92,7 +123,9 @@ def cli(
     stdin: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
     command = (
-        [str(CONSOLE_SCRIPT)] if console_script else [sys.executable, "-m", "deterministic_ctx"]
+        [str(console_script_path())]
+        if console_script
+        else [sys.executable, "-m", "deterministic_ctx"]
     )
     return subprocess.run(
         [*command, *args],
@@ -170,7 +203,6 @@ def test_help_reads_well(capsys):
 
 
 def test_console_script_is_installed_and_matches_python_m():
-    assert CONSOLE_SCRIPT.exists(), f"{CONSOLE_SCRIPT} is missing: pip install -e ."
     proc = cli("--version", console_script=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"deterministic-ctx {deterministic_ctx.__version__}"
@@ -391,7 +423,7 @@ def test_run_restarts_before_importing_torch_or_numpy(tmp_path, console_script):
     """The interpreter that is replaced by the restart never loaded torch or NumPy."""
     script = tmp_path / "script.py"
     script.write_text("print('ran')\n")
-    entry = [str(CONSOLE_SCRIPT)] if console_script else ["-m", "deterministic_ctx"]
+    entry = [str(console_script_path())] if console_script else ["-m", "deterministic_ctx"]
     # PYTHONHASHSEED differs from the seed, so run restarts; the restarted
     # interpreter inherits PYTHONPROFILEIMPORTTIME and reports its imports too.
     proc = run_python(
@@ -542,6 +574,11 @@ def test_ctrl_c_reaches_the_script_after_the_restart(tmp_path):
     script then waits until it is interrupted, in short sleeps (if the kernel hands the signal
     to another of its threads, the main thread's sleep still ends and it raises).  The limits
     only bound a hang: a slow start on a loaded machine waits for the line.
+
+    The command starts with SIGINT at its default, as a terminal starts it.  A test run
+    launched in the background (``pytest ... &`` from a script, ``nohup``) inherits SIGINT
+    *ignored*, as does every process it starts; Python then installs no handler, ``python
+    script.py`` itself would never see the Ctrl-C, and this test waited out its limit.
     """
     script = tmp_path / "wait.py"
     script.write_text(
@@ -553,6 +590,7 @@ def test_ctrl_c_reaches_the_script_after_the_restart(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         env=base_env(None),
+        preexec_fn=_sigint_as_a_terminal_gives_it,
     )
     try:
         assert proc.stdout is not None
@@ -566,6 +604,12 @@ def test_ctrl_c_reaches_the_script_after_the_restart(tmp_path):
     assert err.rstrip().endswith("KeyboardInterrupt")
     assert f'File "{script}", line ' in err  # the script's frame (line 2, 3 or 4: a race)
     assert "cli.py" not in err
+
+
+def _sigint_as_a_terminal_gives_it() -> None:
+    """In the child, before it runs the command: SIGINT at its default disposition, which
+    Python replaces with its KeyboardInterrupt handler (an ignored SIGINT it leaves ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _first_line(stream: IO[str], *, timeout: float) -> str:
