@@ -3,7 +3,8 @@
 Each ``with`` is one :class:`~deterministic_ctx.core.engine.Block`; this module
 only validates the arguments, finds the block an ``__exit__`` means (the
 latest one its thread and asyncio task entered) and makes sure an interrupted
-``__exit__`` still leaves.  As a decorator, ``deterministic`` is :func:`~deterministic_ctx.core.decorate.reproducible`.
+``__exit__`` still leaves.  As a decorator, ``deterministic`` is
+:func:`~deterministic_ctx.core.decorate.reproducible`.
 """
 
 from __future__ import annotations
@@ -198,6 +199,7 @@ class _Blocks:
         # until the compiled call returns, never a restore.
         paused = block.paused
         resume_compiler(paused[0] if paused is not None and paused[1] is sys._getframe(1) else now)
+        block.paused = None  # the left block stays listed until the next entry: not its frame
 
     async def __aenter__(self: _B) -> _B:
         block = _With(self._settings, _current_task(), None)
