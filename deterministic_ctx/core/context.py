@@ -1,9 +1,10 @@
 """``deterministic``: the ``with`` / ``async with`` block, and the decorator.
 
 Each ``with`` is one :class:`~deterministic_ctx.core.engine.Block`; this module
-only validates the arguments, keeps each object's open blocks (per asyncio
-task for ``async with``) and makes sure an interrupted ``__exit__`` still
-leaves.  As a decorator, ``deterministic`` is :func:`~deterministic_ctx.core.decorate.reproducible`.
+only validates the arguments, finds the block an ``__exit__`` means (the
+latest one its thread and asyncio task entered) and makes sure an interrupted
+``__exit__`` still leaves.  As a decorator, ``deterministic`` is
+:func:`~deterministic_ctx.core.decorate.reproducible`.
 """
 
 from __future__ import annotations
@@ -28,10 +29,9 @@ _B = TypeVar("_B", bound="_Blocks")
 #: What a ``with`` entered inside compiled code paused: dynamo's callback, and
 #: the frame that entered, which alone may give it back (see ``__exit__``).
 _Paused = tuple[object, FrameType] | None
-#: Each thread's identity (see ``_Blocks._by_thread``).
+#: Each thread's identity: a weak reference that, unlike an ident, no later
+#: thread ever shares (:attr:`ProcessLock.threads`).
 _THREADS = LOCK.threads
-#: An open block, and what its entry paused.
-_Open = tuple[Block, _Paused]
 #: Frames that can suspend with the block open and resume after the compiled
 #: call that paused dynamo has returned: their exit never gives its callback back.
 _SUSPENDABLE = CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR | CO_ITERABLE_COROUTINE
@@ -47,28 +47,32 @@ _IN_COMPILED_CODE = (
 )
 
 
-def _leave_anyway(blocks: dict[object, list[_Open]], task: object) -> _Paused:
-    """Complete an interrupted ``__exit__``: its block's ``stop()`` is idempotent.
-    Returns what its entry paused."""
-    stack = blocks.get(task)
-    if not stack:
-        raise RuntimeError("deterministic block exited without being entered") from None
-    block, paused = stack[-1]
-    block.stop()
-    del stack[-1]
-    return paused
+class _With(Block):
+    """One ``with`` (or ``async with``) of a block object: a
+    :class:`~deterministic_ctx.core.engine.Block` that also knows who may
+    leave it, the thread (``thread``, its identity) and asyncio task
+    (``task``, ``None`` for a ``with``) that entered it, what its entry paused
+    (``paused``), and whether its ``__exit__`` has completed (``exited``)."""
+
+    __slots__ = ("exited", "paused", "task", "thread")
+
+    def __init__(self, settings: Settings | None, task: object, paused: _Paused) -> None:
+        Block.__init__(self, settings)
+        self.thread = _THREADS.ref
+        self.task = task
+        self.paused = paused
+        self.exited = False
 
 
-def _leave_if_entered(blocks: dict[object, list[_Open]], task: object, depth: int) -> None:
-    """After an exception in ``__enter__``: if the block was entered (the
-    interrupt came as ``_push`` returned: where a PEP 523 frame evaluator,
-    dynamo's, is installed, Python handles pending signals after every call
-    returns), nobody will call ``__exit__``: leave it here."""
-    stack = blocks.get(task)
-    if stack is not None and len(stack) > depth:
-        paused = _leave_anyway(blocks, task)
-        if paused is not None:
-            resume_compiler(paused[0])
+def _abandon(block: _With) -> None:
+    """``__enter__`` failed: ``with`` calls ``__exit__`` only if ``__enter__``
+    returned, so leave ``block`` now (nothing to do if it was never entered)."""
+    try:
+        block.stop()
+    finally:
+        block.exited = True
+        if block.paused is not None:
+            resume_compiler(block.paused[0])
 
 
 def _paused_here(callback: object) -> _Paused:
@@ -94,58 +98,78 @@ class _Blocks:
     (or ``async with``) is one :class:`~deterministic_ctx.core.engine.Block` of
     these settings (``None``: capture and restore, apply nothing)."""
 
-    __slots__ = ("_by_thread", "_settings")
+    __slots__ = ("_open", "_settings")
 
     _settings: Settings | None
-    #: The open blocks of this object in each thread, by the asyncio task of an
-    #: ``async with`` (``None`` for a ``with``), in the order they were entered.
-    #: Keyed by the thread's identity (:attr:`ProcessLock.threads`' weak
-    #: reference, never shared with a later thread, unlike an ident), so one
-    #: object (``DET = deterministic(seed=0)`` at module level) can be entered
-    #: by many threads at once, each leaving its own blocks in its own order.
-    #: A plain dict made in ``__init__``: dynamo traces the construction of a
-    #: block object in compiled code, and a ``threading.local`` would cost a
-    #: fresh block 0.8 µs.
-    _by_thread: dict[Callable[[], object], dict[object, list[_Open]]]
+    #: This object's blocks, in every thread and task, in the order they were
+    #: entered: each ``__exit__`` leaves the latest block that its own thread
+    #: and task entered and has not left (:meth:`_latest`), so one object
+    #: (``DET = deterministic(seed=0)`` at module level) can be entered by many
+    #: threads and tasks at once, each leaving its blocks in its own order.
+    #: Which blocks are open and in what order the process leaves them is the
+    #: engine's business; this list only says which block a ``__exit__`` means.
+    #: Left blocks, and those of threads that ended, are dropped by the next
+    #: entry (:meth:`_tidy`).  A plain list made in ``__init__``: dynamo traces
+    #: the construction of a block object in compiled code.
+    _open: list[_With]
 
-    def _first_entry(self, me: Callable[[], object]) -> dict[object, list[_Open]]:
-        """The calling thread's (``me``) record of this object's open blocks, new.
+    def _latest(self, task: object) -> _With:
+        """The calling thread's latest block of this object for ``task`` (an
+        asyncio task, or ``None``) that has not left."""
+        me = _THREADS.ref
+        for block in self._open[::-1]:  # a copy: other threads add theirs meanwhile
+            if block.thread is me and block.task is task and not block.exited:
+                return block
+        raise RuntimeError("deterministic block exited without being entered") from None
 
-        The records of threads that have ended go (a weak reference is dead
-        once its thread's storage is freed); only threads that ended inside a
-        block leave one with blocks in it.
+    def _leave(self, task: object) -> _Paused:
+        """Complete an interrupted ``__exit__`` (``stop()`` is idempotent) and
+        return what its entry paused."""
+        block = self._latest(task)
+        block.stop()
+        block.exited = True
+        return block.paused
+
+    def _blocks_if_entered(self) -> dict[object, list[_With]]:
+        """This object's open blocks in the calling thread, by task: a view for
+        tests and debugging (``{}``: none)."""
+        me = _THREADS.ref
+        by_task: dict[object, list[_With]] = {}
+        for block in self._open[::-1]:
+            if block.thread is me and not block.exited:
+                by_task.setdefault(block.task, []).insert(0, block)
+        return by_task
+
+    def _tidy(self) -> None:
+        """Drop the blocks that have left, or whose thread ended inside them.
+
+        Called holding the lock, so no other thread removes any meanwhile
+        (others only add theirs, and mark theirs left).
         """
-        by_thread = self._by_thread
-        if by_thread:
-            for ref in list(by_thread):  # a copy: other threads add theirs meanwhile
-                if ref() is None:
-                    by_thread.pop(ref, None)
-        blocks: dict[object, list[_Open]] = {}
-        by_thread[me] = blocks
-        return blocks
-
-    def _blocks_if_entered(self) -> dict[object, list[_Open]]:
-        """This object's open blocks in the calling thread (``{}``: never entered here)."""
-        return self._by_thread.get(_THREADS.ref, {})
+        blocks = self._open
+        for block in [b for b in blocks if b.exited or b.thread() is None]:
+            blocks.remove(block)
 
     def __enter__(self: _B) -> _B:
-        me = _THREADS.ref
-        blocks = self._by_thread.get(me)
-        if blocks is None:
-            blocks = self._first_entry(me)
-        stack = blocks.setdefault(None, [])
-        depth = len(stack)
         # Inside a compiled function (which dynamo then runs eagerly, see
         # _IN_COMPILED_CODE) the frames the body calls must run eagerly too,
         # or they would be compiled and draw inductor's numbers: dynamo is
-        # paused first, until the exit (``_first_entry``, the one frame that
-        # may run before, is opaque to dynamo itself).
-        # Outside compiled code this swaps None for None.
-        # (``_paused_here`` only inside compiled code: no frame for it elsewhere.)
+        # paused first, until the exit.  Outside compiled code this swaps None
+        # for None (``_paused_here`` only inside compiled code: no frame for it
+        # elsewhere).
+        callback = pause_compiler()
+        block = _With(self._settings, None, None if callback is None else _paused_here(callback))
+        # Written out, not shared with ``__aenter__``: an interrupt as a helper
+        # returned would find no ``block`` to leave.
         try:
-            return self._push(stack, None if (cb := pause_compiler()) is None else _paused_here(cb))
+            self._open.append(block)  # recorded first: an interrupt below still finds it
+            block.start()
+            if len(self._open) > 1:
+                self._tidy()
+            drain_signals()
+            return self
         except BaseException:
-            _leave_if_entered(blocks, None, depth)
+            _abandon(block)
             raise
 
     def __exit__(
@@ -159,12 +183,11 @@ class _Blocks:
         try:
             # Dynamo paused before any Python frame (see __enter__).
             now = pause_compiler()
-            stack = self._by_thread[_THREADS.ref][None]
-            block, paused = stack[-1]
+            block = self._latest(None)
             block.stop()
-            del stack[-1]  # last, and no call after it: an interrupt lands before it or never
+            block.exited = True  # last, and no call after it: an interrupt lands before it or never
         except BaseException:
-            paused = _leave_anyway(self._blocks_if_entered(), None)
+            paused = self._leave(None)
             if paused is not None and paused[1] is sys._getframe(1):
                 resume_compiler(paused[0])
             raise
@@ -174,16 +197,21 @@ class _Blocks:
         # callback at all: a compiled call's callback must not outlive it.
         # After the block is left, an interrupt here costs dynamo its callback
         # until the compiled call returns, never a restore.
+        paused = block.paused
         resume_compiler(paused[0] if paused is not None and paused[1] is sys._getframe(1) else now)
+        block.paused = None  # the left block stays listed until the next entry: not its frame
 
     async def __aenter__(self: _B) -> _B:
-        task = _current_task()
-        stack = self._stack_of(task)
-        depth = len(stack)
+        block = _With(self._settings, _current_task(), None)
         try:
-            return self._push(stack, None)
+            self._open.append(block)
+            block.start()
+            if len(self._open) > 1:
+                self._tidy()
+            drain_signals()
+            return self
         except BaseException:
-            _leave_if_entered(self._blocks_if_entered(), task, depth)
+            _abandon(block)
             raise
 
     async def __aexit__(
@@ -194,43 +222,11 @@ class _Blocks:
     ) -> None:
         # Each task leaves its own block, whatever the order the tasks leave in.
         try:
-            stack = self._by_thread[_THREADS.ref][_current_task()]
-            stack[-1][0].stop()
-            del stack[-1]
+            block = self._latest(_current_task())
+            block.stop()
+            block.exited = True
         except BaseException:
-            _leave_anyway(self._blocks_if_entered(), _current_task())
-            raise
-
-    def _stack_of(self, task: object) -> list[_Open]:
-        """The calling thread's open blocks of ``task`` (an asyncio task, or ``None``)."""
-        me = _THREADS.ref
-        blocks = self._by_thread.get(me)
-        if blocks is None:
-            blocks = self._first_entry(me)
-        if len(blocks) > 1:  # drop the emptied stacks of finished tasks
-            for done in [t for t, stack in blocks.items() if t is not None and not stack]:
-                del blocks[done]
-        return blocks.setdefault(task, [])
-
-    def _push(self: _B, stack: list[_Open], paused: _Paused) -> _B:
-        """Enter a new block, recorded on ``stack`` (this object's blocks of
-        one task) with ``paused``, what its exit may give back to dynamo."""
-        block = Block(self._settings)
-        entry = (block, paused)
-        try:
-            stack.append(entry)  # recorded first: an interrupt below still finds it
-            block.start()
-            drain_signals()
-            return self
-        except BaseException:
-            # ``with`` calls ``__exit__`` only if ``__enter__`` returned: leave now.
-            try:
-                if stack and stack[-1] is entry:
-                    del stack[-1]
-                block.stop()
-            finally:
-                if paused is not None:
-                    resume_compiler(paused[0])
+            self._leave(_current_task())
             raise
 
     def __call__(self, func: F) -> F:
@@ -246,7 +242,6 @@ opaque(_Blocks.__enter__, _IN_COMPILED_CODE, recursive=False)
 opaque(_Blocks.__exit__, _IN_COMPILED_CODE, recursive=False)
 opaque(_Blocks.__aenter__, _IN_COMPILED_CODE, recursive=True)
 opaque(_Blocks.__aexit__, _IN_COMPILED_CODE, recursive=True)
-opaque(_Blocks._first_entry, _IN_COMPILED_CODE, recursive=True)
 
 
 class deterministic(
@@ -338,7 +333,7 @@ class deterministic(
         self._settings = Settings.build(
             seed, warn_only, rank, flags, fill_uninitialized_memory, compiled_rng
         )
-        self._by_thread = {}
+        self._open = []
 
     @property
     def seed(self) -> int:
@@ -420,7 +415,7 @@ class isolated(_Blocks):  # lowercase, like ``deterministic``
             return decorate(func, None)
         self = super().__new__(cls)
         self._settings = None
-        self._by_thread = {}
+        self._open = []
         return self
 
     def __repr__(self) -> str:

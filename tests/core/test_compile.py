@@ -707,16 +707,12 @@ def test_an_interrupt_as_the_entry_returns_leaves_the_block(kind, monkeypatch):
     # __exit__ follows (seen in the suite's real-signal test after compiling).
     import asyncio
 
-    from deterministic_ctx.core import engine
-    from deterministic_ctx.core.context import _Blocks
+    from deterministic_ctx.core import context, engine
 
-    real_push = _Blocks._push
-
-    def push_then_interrupt(self: Any, *args: Any) -> Any:
-        real_push(self, *args)
+    def drain_then_interrupt() -> None:  # the last call of the entry, after the block is in
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_Blocks, "_push", push_then_interrupt)
+    monkeypatch.setattr(context, "drain_signals", drain_then_interrupt)
     before = Snapshot.capture().state_dict()["sources"]["torch.cpu"]["state"]
     block = deterministic(seed=5)
 
@@ -731,6 +727,6 @@ def test_an_interrupt_as_the_entry_returns_leaves_the_block(kind, monkeypatch):
         else:
             asyncio.run(enter_async())
     assert not engine._active
-    assert all(not stack for stack in block._blocks_if_entered().values())
+    assert all(entered.exited for entered in block._open)
     after = Snapshot.capture().state_dict()["sources"]["torch.cpu"]["state"]
     assert torch.equal(after, before)
