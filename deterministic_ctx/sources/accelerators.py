@@ -239,7 +239,15 @@ class LazyAcceleratorSource:
                 self._restore_initialized_since(state)
                 return
             # The usual case: the device was not in use then and is not now.
-            self._restore_tracker(state)
+            # (_restore_tracker inline: three devices, every block.)
+            t = self._tracker
+            if (
+                t.manual_seed_all_cb is not state.seed_all
+                or t.manual_seed_cb is not state.seed_one
+                or len(t.call_order) != len(state.call_order)
+                or tuple(t.call_order) != state.call_order
+            ):
+                self._restore_tracker(state)
             if len(self._queued) != len(state.queued):
                 self._drop_queued_rng_calls(state.queued)
         elif isinstance(state, LiveState):
