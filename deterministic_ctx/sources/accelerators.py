@@ -162,6 +162,12 @@ class LazyAcceleratorSource:
         return self._m
 
     @property
+    def applies_nothing(self) -> bool:
+        """Whether :meth:`apply` always returns at once (this build can never
+        initialize the device): ``apply_all`` may skip it."""
+        return not self._can_initialize
+
+    @property
     def can_initialize(self) -> bool:
         """Whether this build can ever initialize the device: without it
         (a CPU build's ``torch.cuda``) the device is never initialized, and

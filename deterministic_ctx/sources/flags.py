@@ -216,7 +216,13 @@ _GETTERS = tuple(flag.get for flag in _FLAGS)
 _SETTERS = tuple(flag.set for flag in _FLAGS)
 _MODE = _BOOLS.index("deterministic_algorithms")
 _WARN_ONLY = _BOOLS.index("deterministic_warn_only")
-_COUNT = len(_FLAGS)
+#: The flags each written by a setter of its own (all but the mode and warn_only).
+#: (A flag this torch lacks is never written: see :func:`_optional_flag`.)
+_SINGLES = tuple(
+    i
+    for i, flag in enumerate(_FLAGS)
+    if i not in (_MODE, _WARN_ONLY) and flag.set is not _absent_set
+)
 #: ``_call(f)`` is ``f()`` (``operator.call``, Python 3.11+).
 _call: Callable[[Callable[[], bool]], bool] = getattr(operator, "call", lambda f: f())
 
@@ -238,9 +244,9 @@ def _write_flags(want: tuple[Any, ...], now: tuple[Any, ...]) -> None:
 
     The mode and warn_only are written together, by the one call that sets
     both (each of their setters writes the other too)."""
-    for i, put in enumerate(_SETTERS):
-        if i != _MODE and i != _WARN_ONLY and now[i] != want[i]:
-            put(want[i])
+    for i in _SINGLES:
+        if now[i] != want[i]:
+            _SETTERS[i](want[i])
     if now[_MODE] != want[_MODE] or now[_WARN_ONLY] != want[_WARN_ONLY]:
         set_deterministic_algorithms(want[_MODE], warn_only=want[_WARN_ONLY])
 
@@ -280,10 +286,15 @@ class TorchFlagsSource:
     def restore(self, state: FlagState) -> None:
         if _INDUCTOR in sys.modules:
             _restore_inductor(state.inductor_override)
-        want = state[:_COUNT]  # the flags' fields come first
-        now = tuple(map(_call, _GETTERS))  # as in apply: read, written only where it differs
-        if now != want:
-            _write_flags(want, now)
+        # Every flag written, none read: each setter only stores its value, so
+        # writing an unchanged one changes nothing, and five C calls cost less
+        # than six reads and the writes they find needed (a swap of a
+        # decorated generator's world writes most of them anyway).  The mode
+        # and warn_only are written together, by the one call that sets both.
+        values: tuple[Any, ...] = state
+        for i in _SINGLES:
+            _SETTERS[i](values[i])
+        set_deterministic_algorithms(values[_MODE], warn_only=values[_WARN_ONLY])
         restore_precision(state)
 
     def export_state(self, state: FlagState) -> dict[str, Any]:
