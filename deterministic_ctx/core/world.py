@@ -19,6 +19,7 @@ __all__ = ["World", "headroom"]
 
 #: ``_capture(source)`` is ``source.capture()``, called from C: no frame per source.
 _capture = methodcaller("capture")
+_new = object.__new__
 
 
 class World:
@@ -45,7 +46,10 @@ class World:
     def capture(cls) -> World:
         """The state of every source of :data:`~deterministic_ctx.sources.SOURCES` now."""
         sources = _sources.SOURCES
-        return cls(sources, tuple(map(_capture, sources)))
+        world = _new(cls)  # without ``__init__``'s Python frame: a swap captures twice
+        world.sources = sources
+        world.states = tuple(map(_capture, sources))
+        return world
 
     def restore(self) -> None:
         """Put every captured source back; raise :class:`RestoreError` on failure.

@@ -53,10 +53,37 @@ SOURCES: tuple[Source, ...] = (
 
 
 def apply_all(settings: Settings, sources: tuple[Source, ...] | None = None) -> None:
-    """Apply the block's settings to every source (the caller rolls back on error)."""
+    """Apply the block's settings to every source (the caller rolls back on error).
+
+    Sources that say they apply nothing (``applies_nothing``: torch's defaults,
+    a device this build can never initialize) are skipped, a frame each per
+    block; with the fast paths off every source's ``apply`` runs.
+    """
     settings = settings.resolved()
-    for source in SOURCES if sources is None else sources:
+    if sources is None:
+        sources = SOURCES
+    found = _appliers
+    if found[0] is not sources:
+        found = _find_appliers(sources)
+    for source in found[1]:
         source.apply(settings)
+
+
+#: ``(sources, those of them whose apply may do something)``, for the tuple seen last.
+_appliers: tuple[tuple[Source, ...], tuple[Source, ...]] = ((), ())
+
+
+def _find_appliers(
+    sources: tuple[Source, ...],
+) -> tuple[tuple[Source, ...], tuple[Source, ...]]:
+    global _appliers
+    appliers = (
+        tuple(s for s in sources if not getattr(s, "applies_nothing", False))
+        if _memory.ENABLED
+        else sources
+    )
+    _appliers = found = (sources, appliers)
+    return found
 
 
 def generator_sources() -> tuple[Source, ...]:

@@ -162,6 +162,12 @@ class LazyAcceleratorSource:
         return self._m
 
     @property
+    def applies_nothing(self) -> bool:
+        """Whether :meth:`apply` always returns at once (this build can never
+        initialize the device): ``apply_all`` may skip it."""
+        return not self._can_initialize
+
+    @property
     def can_initialize(self) -> bool:
         """Whether this build can ever initialize the device: without it
         (a CPU build's ``torch.cuda``) the device is never initialized, and
@@ -239,7 +245,15 @@ class LazyAcceleratorSource:
                 self._restore_initialized_since(state)
                 return
             # The usual case: the device was not in use then and is not now.
-            self._restore_tracker(state)
+            # (_restore_tracker inline: three devices, every block.)
+            t = self._tracker
+            if (
+                t.manual_seed_all_cb is not state.seed_all
+                or t.manual_seed_cb is not state.seed_one
+                or len(t.call_order) != len(state.call_order)
+                or tuple(t.call_order) != state.call_order
+            ):
+                self._restore_tracker(state)
             if len(self._queued) != len(state.queued):
                 self._drop_queued_rng_calls(state.queued)
         elif isinstance(state, LiveState):

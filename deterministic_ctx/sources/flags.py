@@ -213,8 +213,42 @@ UNSUPPORTED_FLAGS: frozenset[str] = frozenset(
 assert FlagState._fields[: len(_BOOLS)] == _BOOLS
 assert len(FlagState._fields) == len(_BOOLS) + 7
 _GETTERS = tuple(flag.get for flag in _FLAGS)
+_SETTERS = tuple(flag.set for flag in _FLAGS)
+_MODE = _BOOLS.index("deterministic_algorithms")
+_WARN_ONLY = _BOOLS.index("deterministic_warn_only")
+#: The flags each written by a setter of its own (all but the mode and warn_only).
+#: (A flag this torch lacks is never written: see :func:`_optional_flag`.)
+_SINGLES = tuple(
+    i
+    for i, flag in enumerate(_FLAGS)
+    if i not in (_MODE, _WARN_ONLY) and flag.set is not _absent_set
+)
 #: ``_call(f)`` is ``f()`` (``operator.call``, Python 3.11+).
 _call: Callable[[Callable[[], bool]], bool] = getattr(operator, "call", lambda f: f())
+
+
+def _inside(warn_only: bool, fill: bool) -> tuple[bool, ...]:
+    """Each flag's value inside a block with these settings, in :data:`_FLAGS` order."""
+    by_field = {"warn_only": warn_only, "fill_uninitialized_memory": fill}
+    return tuple(
+        flag.inside if type(flag.inside) is bool else by_field[flag.inside] for flag in _FLAGS
+    )
+
+
+#: :func:`_inside` for every pair of settings, computed once.
+_INSIDE = {(w, f): _inside(w, f) for w in (False, True) for f in (False, True)}
+
+
+def _write_flags(want: tuple[Any, ...], now: tuple[Any, ...]) -> None:
+    """Write each flag whose value in ``want`` differs from ``now`` (just read).
+
+    The mode and warn_only are written together, by the one call that sets
+    both (each of their setters writes the other too)."""
+    for i in _SINGLES:
+        if now[i] != want[i]:
+            _SETTERS[i](want[i])
+    if now[_MODE] != want[_MODE] or now[_WARN_ONLY] != want[_WARN_ONLY]:
+        set_deterministic_algorithms(want[_MODE], warn_only=want[_WARN_ONLY])
 
 
 # -- the source ----------------------------------------------------------------
@@ -240,23 +274,27 @@ class TorchFlagsSource:
     def apply(self, settings: Settings) -> None:
         if not settings.flags:  # the caller's flags, captured and restored all the same
             return
-        for flag in _FLAGS:
-            # Read just before writing: the mode's setter and warn_only's
-            # write each other too, keeping the value they read.
-            inside = flag.inside
-            value = inside if type(inside) is bool else getattr(settings, inside)
-            if flag.get() != value:
-                flag.set(value)
+        want = _INSIDE.get((settings.warn_only, settings.fill_uninitialized_memory))
+        if want is None:  # not plain bools (Settings validates them): the long way
+            want = _inside(bool(settings.warn_only), bool(settings.fill_uninitialized_memory))
+        now = tuple(map(_call, _GETTERS))  # C-level calls, no Python frame each
+        if now != want:
+            _write_flags(want, now)
         if _INDUCTOR in sys.modules:
             _apply_inductor()
 
     def restore(self, state: FlagState) -> None:
         if _INDUCTOR in sys.modules:
             _restore_inductor(state.inductor_override)
-        for flag in _FLAGS:  # as in apply: read, and written only where it differs
-            value = getattr(state, flag.field)
-            if flag.get() != value:
-                flag.set(value)
+        # Every flag written, none read: each setter only stores its value, so
+        # writing an unchanged one changes nothing, and five C calls cost less
+        # than six reads and the writes they find needed (a swap of a
+        # decorated generator's world writes most of them anyway).  The mode
+        # and warn_only are written together, by the one call that sets both.
+        values: tuple[Any, ...] = state
+        for i in _SINGLES:
+            _SETTERS[i](values[i])
+        set_deterministic_algorithms(values[_MODE], warn_only=values[_WARN_ONLY])
         restore_precision(state)
 
     def export_state(self, state: FlagState) -> dict[str, Any]:

@@ -32,6 +32,9 @@ __all__ = [
 _set_bit_generator: Any = np.random.set_bit_generator  # type: ignore[attr-defined]
 
 
+#: Builds a NamedTuple from a tuple without the class's Python ``__new__``.
+_new = tuple.__new__
+
 _NO_GAUSS = bytes(16)  # has_gauss = 0, padding, gauss = 0.0
 
 
@@ -124,7 +127,8 @@ class NumpyGlobalSource:
     def capture(self) -> NumpyState:
         rs = self._rs
         bg = rs._bit_generator
-        views = self._views(bg)
+        cached = self._cache  # _views' cache hit inline (every block)
+        views = cached[1] if cached[0] is bg else self._views(bg)
         if views is not None:
             mt, gauss = views
             # The bit generator's lock keeps a draw in another thread (NumPy
@@ -133,7 +137,8 @@ class NumpyGlobalSource:
             # ``with`` the statement's line, so with the body on another line
             # a tracer (or debugger) raising at that line event would skip the
             # release and leave NumPy's lock held for good.
-            with bg.lock: return NumpyState(bg, (bytes(mt), bytes(gauss)))  # noqa: E701  # fmt: skip
+            # (``tuple.__new__``: NumpyState(...) without its Python ``__new__``.)
+            with bg.lock: return _new(NumpyState, (bg, (bytes(mt), bytes(gauss))))  # noqa: E701  # fmt: skip
         return NumpyState(bg, rs.get_state(legacy=False))
 
     def restore(self, state: NumpyState) -> None:
@@ -142,7 +147,8 @@ class NumpyGlobalSource:
         if rs._bit_generator is not bg:
             _set_bit_generator(bg)
         if isinstance(state.raw, tuple):
-            views = self._views(bg)
+            cached = self._cache
+            views = cached[1] if cached[0] is bg else self._views(bg)
             if views is None:
                 raise ValueError("NumPy state was captured through the fast path, which is off")
             mt, gauss = views
@@ -159,11 +165,18 @@ class NumpyGlobalSource:
             # the user's bit generator.
             _set_bit_generator(np.random.MT19937(0))
         bg = rs._bit_generator
-        views = self._views(bg)
+        cached = self._cache
+        views = cached[1] if cached[0] is bg else self._views(bg)
         if views is None:
             rs.seed(settings.rank_seed)  # legacy seeding; also clears the gaussian cache
             return
-        seed_views(rs, bg, *views, settings.rank_seed)
+        seed = settings.rank_seed
+        raw = _SEEDED.lookup(seed)
+        if raw is None:
+            seed_views(rs, bg, *views, seed)
+            return
+        mt, gauss = views  # seed_views' hit inline: every block with a seed seen before
+        with bg.lock: mt[:], gauss[:] = raw, _NO_GAUSS  # noqa: E701  # fmt: skip
 
     def to_public(self, state: NumpyState) -> dict[str, Any]:
         """The state in ``RandomState.get_state(legacy=False)`` form."""

@@ -65,6 +65,7 @@ from .._torch.flags import (
     set_float32_matmul_precision,
 )
 from . import _plain
+from ._memory import ENABLED
 
 __all__ = ["PRECISION_OPS", "PrecisionFields"]
 
@@ -197,6 +198,10 @@ def _closest(own: tuple[str, ...]) -> str:
 
 _Hidden = tuple[tuple[str, ...], tuple[str, ...], str | None, bool | None]
 
+#: :func:`read`'s common case inline (a fast path: off with the others, see
+#: :data:`._memory.ENABLED`); only where :func:`_quick` reads the exact rules.
+_INLINE = ENABLED and EXACT and _get_precision is not None
+
 
 def read(find_default: bool = False) -> _Hidden:
     """The resolved values torch reports, each entry's own value, the legacy
@@ -210,7 +215,22 @@ def read(find_default: bool = False) -> _Hidden:
     """
     seen = writes
     if not seen & 1:
-        found = _quick(_precisions(), find_default)
+        if _INLINE:
+            # _quick's common case without its two frames (read twice per
+            # block): no parent set, and the legacy getters answer.
+            eff = tuple(map(get_any, PRECISION_BACKENDS, PRECISION_OPNAMES))
+            found: _Hidden | None = None
+            if eff[GENERIC] == eff[CUDA] == eff[MKLDNN] == "none" and not (
+                find_default and "tf32" in (eff[CONV], eff[RNN])
+            ):
+                try:
+                    found = (eff, eff, get_float32_matmul_precision(), get_cudnn_allow_tf32())
+                except RuntimeError:
+                    found = _quick(eff, find_default)
+            else:
+                found = _quick(eff, find_default)
+        else:
+            found = _quick(_precisions(), find_default)
         if found is not None and writes == seen:
             return found
     return _exclusively(lambda: _probe(_precisions(), find_default))

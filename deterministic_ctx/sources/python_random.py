@@ -92,7 +92,8 @@ class PythonRandomSource:
     def capture(self) -> PythonRandomState:
         view = self._view
         if view is not None:
-            return PythonRandomState(bytes(view), self._rng.gauss_next)  # type: ignore[attr-defined]
+            # PythonRandomState(...) without its Python ``__new__``.
+            return tuple.__new__(PythonRandomState, (bytes(view), self._rng.gauss_next))  # type: ignore[attr-defined]
         _version, internal, gauss_next = self._rng.getstate()
         return PythonRandomState(internal, gauss_next)
 
@@ -112,10 +113,18 @@ class PythonRandomSource:
         return self._rng
 
     def apply(self, settings: Settings) -> None:
-        self.check_binding()
+        if getattr(random.random, "__self__", None) is not self._rng:
+            self.check_binding()  # rebound: say so (once)
         if self._exact:
-            assert self._view is not None
-            seed_view(self._rng, self._view, settings.rank_seed)
+            view = self._view
+            assert view is not None
+            seed = settings.rank_seed
+            raw = _SEEDED.lookup(seed)
+            if raw is not None:  # seed_view's hit inline: every block with a seed seen before
+                view[:] = raw
+                self._rng.gauss_next = None  # type: ignore[attr-defined]
+                return
+            seed_view(self._rng, view, seed)
         else:
             self._rng.seed(settings.rank_seed)
 

@@ -54,7 +54,12 @@ class TorchCPUSource:
     def apply(self, settings: Settings) -> None:
         # What ``torch.manual_seed`` does for the CPU; accelerators are their
         # own sources so that no lazy seed with a formatted stack is queued.
-        seed_generator(self._gen, settings.seed)
+        seed = settings.seed
+        state = _SEEDED.lookup(seed)
+        if state is None:
+            seed_generator(self._gen, seed)
+        else:  # seed_generator's hit inline
+            self._gen.set_state(state)
 
     def export_state(self, state: torch.Tensor) -> dict[str, Any]:
         """The state as plain data for a checkpoint: ``{"state": uint8 tensor}``."""

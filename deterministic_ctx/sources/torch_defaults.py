@@ -158,6 +158,9 @@ class TorchDefaultsSource:
             _SMALLEST_NORMAL * _FTZ_FACTOR * _FTZ_RESCALE,
         )
 
+    #: :meth:`apply` does nothing: ``apply_all`` may skip it.
+    applies_nothing = True
+
     def apply(self, settings: Settings) -> None:
         """Nothing: a block keeps the caller's defaults."""
 

@@ -31,14 +31,18 @@ class UserRngSource:
         A record is ``(entry, object, state, gauss_next)``, or ``(batch,
         objects, joined records, extra)`` for a :class:`Batch`.
         """
+        steps = block_steps()  # entries and batches
+        if not steps:
+            return ()
         out: list[Any] = []
-        for step in block_steps():  # entries and batches
+        for step in steps:
             step.capture_into(out)
         return tuple(out)
 
     def apply(self, settings: Settings) -> None:
         # Per rank, like ``random`` and NumPy; ``shared=True`` ones like torch.
-        seed_registered_rngs(settings.rank_seed, shared_seed=settings.seed)
+        if block_steps():  # nothing registered (the usual case): nothing to seed
+            seed_registered_rngs(settings.rank_seed, shared_seed=settings.seed)
 
     def restore(self, state: tuple[Record | BatchRecord, ...]) -> None:
         """Put every RNG of ``state`` back.  One that fails does not stop the
