@@ -67,7 +67,7 @@ from .._torch.flags import (
 from . import _plain
 from ._memory import ENABLED
 
-__all__ = ["PRECISION_OPS", "PrecisionFields"]
+__all__ = ["INLINE", "PRECISION_OPS", "PrecisionFields"]
 
 _get_precision: Any
 _set_precision: Any
@@ -200,7 +200,7 @@ _Hidden = tuple[tuple[str, ...], tuple[str, ...], str | None, bool | None]
 
 #: :func:`read`'s common case inline (a fast path: off with the others, see
 #: :data:`._memory.ENABLED`); only where :func:`_quick` reads the exact rules.
-_INLINE = ENABLED and EXACT and _get_precision is not None
+INLINE = ENABLED and EXACT and _get_precision is not None
 
 
 def read(find_default: bool = False) -> _Hidden:
@@ -215,7 +215,7 @@ def read(find_default: bool = False) -> _Hidden:
     """
     seen = writes
     if not seen & 1:
-        if _INLINE:
+        if INLINE:
             # _quick's common case without its two frames (read twice per
             # block): no parent set, and the legacy getters answer.
             eff = tuple(map(get_any, PRECISION_BACKENDS, PRECISION_OPNAMES))
