@@ -46,7 +46,7 @@ from ..internal import (
 )
 from .ranks import rank_seed, resolve_rank
 
-__all__ = ["chain_worker_init", "seed_worker", "seeded_generator"]
+__all__ = ["chain_worker_init", "portable_rngs", "seed_worker", "seeded_generator"]
 
 
 def seeded_generator(
@@ -118,7 +118,10 @@ def _seed_this_worker(rank: int) -> None:
     seed_registered_rngs(int(words[3]) & MAX_SEED)
 
 
-def _portable_rngs() -> tuple[tuple[str, object], ...]:
+def portable_rngs() -> tuple[tuple[str, object], ...]:
+    """The registered RNGs that can travel to a ``spawn`` worker with a pickled
+    ``worker_init_fn`` or dataset, as ``(key, rng)`` pairs (used by
+    :class:`~deterministic_ctx.parallel.keyed.SeededDataset` too)."""
     # A device generator would initialize the device in the worker.
     return tuple(
         (key, obj)
@@ -156,7 +159,7 @@ class _WorkerSeeder:
         # so resolve the rank here, and send the registered RNGs along: they
         # are pickled together with the dataset, so the worker's copies are
         # the very objects its dataset holds.  Fork needs none of it.
-        return (_WorkerSeeder, (self._fn, resolve_rank(self._rank), _portable_rngs()))
+        return (_WorkerSeeder, (self._fn, resolve_rank(self._rank), portable_rngs()))
 
     def __repr__(self) -> str:
         if self._fn is None and self._rank == "auto":

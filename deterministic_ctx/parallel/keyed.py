@@ -39,7 +39,7 @@ from ..internal import (
     source_named,
     validate_seed,
 )
-from .data import _portable_rngs
+from .data import portable_rngs
 
 __all__ = ["SeededDataset", "SeededIndex", "SeededSampler"]
 
@@ -342,7 +342,7 @@ class SeededDataset(torch.utils.data.Dataset[T_co], Generic[T_co]):
         state = self.__dict__.copy()
         # Sent to a spawn/forkserver worker (or copied): take the registered RNGs
         # along, for a worker to register; a fork worker never pickles them.
-        state["_pending"] = _portable_rngs()
+        state["_pending"] = portable_rngs()
         return state
 
     def __repr__(self) -> str:

@@ -183,7 +183,7 @@ def test_device_generators_stay_behind(monkeypatch, user_rng):
         "registered_rngs",
         lambda: [("augment", user_rng), ("gpu", _FakeCudaGenerator())],
     )
-    assert data_module._portable_rngs() == (("augment", user_rng),)
+    assert data_module.portable_rngs() == (("augment", user_rng),)
 
 
 def test_seed_worker_outside_a_worker_says_where_it_belongs():
