@@ -72,6 +72,12 @@ class World:
                 # (``KeyboardInterrupt``, a timeout): restores are idempotent,
                 # so try once more.  If that works, the first one was an
                 # interruption, re-raised once everything is back.
+                # The first may have failed at the recursion limit (a block left
+                # by deep recursion): the retry gets a few frames more.  Inline,
+                # not ``headroom``: its ``__exit__`` is one frame deeper, where
+                # lowering the limit again can itself fail.
+                limit = sys.getrecursionlimit()
+                sys.setrecursionlimit(limit + 100)
                 try:
                     source.restore(state)
                 except Exception as again:
@@ -81,6 +87,8 @@ class World:
                     interrupt = interrupt or again
                 else:
                     interrupt = interrupt or exc
+                finally:
+                    sys.setrecursionlimit(limit)
         if interrupt is not None:
             raise interrupt
         if failures:
@@ -94,7 +102,8 @@ class headroom:
     with ``RecursionError``, and the blocks it leaves on the way back up are
     left near the limit; putting the caller's state back needs a few frames
     more.  The limit is raised by a little for as long as that takes (only on
-    failure paths: the engine's retries and roll-backs).
+    failure paths: the engine's retries and roll-backs; a source's second
+    restore in :meth:`World.restore` does the same inline).
     """
 
     __slots__ = ("_limit",)
