@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
         InvalidSnapshotError,
         LockWaitWarning,
         RestoreError,
+        StateWarning,
         UnregisteredRngError,
     )
     from .base.lock import set_lock_warning
@@ -90,6 +91,7 @@ __all__ = [
     "SeededIndex",
     "SeededSampler",
     "Snapshot",
+    "StateWarning",
     "TorchFeatureError",
     "Trace",
     "TraceComparison",
@@ -146,6 +148,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "SeededIndex": (".parallel.keyed", "SeededIndex"),
     "SeededSampler": (".parallel.keyed", "SeededSampler"),
     "Snapshot": (".state.snapshot", "Snapshot"),
+    "StateWarning": (".base.errors", "StateWarning"),
     "Trace": (".trace", "Trace"),
     "TorchFeatureError": ("._torch", "TorchFeatureError"),
     "TraceComparison": (".trace", "TraceComparison"),

@@ -13,6 +13,7 @@ __all__ = [
     "InvalidSnapshotError",
     "LockWaitWarning",
     "RestoreError",
+    "StateWarning",
     "UnregisteredRngError",
 ]
 
@@ -70,6 +71,23 @@ class AbandonedBlockWarning(DeterministicCtxWarning, RuntimeWarning):
 
     Example:
         >>> issubclass(AbandonedBlockWarning, RuntimeWarning)
+        True
+    """
+
+    __module__ = PUBLIC_MODULE
+
+
+class StateWarning(DeterministicCtxWarning, RuntimeWarning):
+    """Random state or its inputs are not what they should be, and the library went on.
+
+    Issued where raising would break a program that worked before: a forked
+    child whose random state could not be put back, launcher variables that
+    contradict the process group (``rank="auto"`` then follows the group), or
+    only one of ``RANK`` and ``WORLD_SIZE`` set.  The message says what was
+    done instead.
+
+    Example:
+        >>> issubclass(StateWarning, RuntimeWarning)
         True
     """
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from .._errors import DeterministicCtxError
 from .._torch import FILL_UNINITIALIZED_MEMORY
+from .errors import StateWarning
 from .seed import derive_seed, show_int, validate_seed
 
 __all__ = [
@@ -152,10 +153,10 @@ def process_rank() -> int:
     ``GROUP_RANK``, where set, must fit them.  Only one of ``RANK`` and
     ``WORLD_SIZE`` set (Lightning's launcher exports ``WORLD_SIZE`` without
     ``RANK`` and passes the rank to ``init_process_group``): the rank cannot
-    be known yet, so it is 0, with a ``RuntimeWarning`` once.  Once a process
+    be known yet, so it is 0, with a :class:`StateWarning` once.  Once a process
     group exists it is the truth: the variables are not checked any more,
     and where ``RANK`` and ``WORLD_SIZE`` are both set and differ from the
-    group's, a ``RuntimeWarning`` (once per pair) says that ``"auto"`` meant
+    group's, a :class:`StateWarning` (once per pair) says that ``"auto"`` meant
     another rank before ``init_process_group`` (the process inherited them,
     say from a torchrun worker that spawned it).
 
@@ -207,7 +208,7 @@ def _process_rank(dist: Any, world: object) -> int:
                 f"used, so rank='auto' before init_process_group meant rank {launcher[0]}. "
                 f"Remove RANK and WORLD_SIZE from the environment of processes you start "
                 f"yourself, or pass rank= explicitly",
-                RuntimeWarning,
+                StateWarning,
                 stacklevel=2,
             )
         return group[0]
@@ -253,7 +254,7 @@ def launcher_variables(*, strict: bool = True) -> dict[str, int] | None:
     """The launcher's ``RANK``, ``WORLD_SIZE`` and, where set, ``LOCAL_RANK``,
     ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK``, as ints; ``None`` where neither
     ``RANK`` nor ``WORLD_SIZE`` is set, or only one of them is (then, if
-    ``strict``, with a ``RuntimeWarning`` once: the rank cannot be known).
+    ``strict``, with a :class:`StateWarning` once: the rank cannot be known).
 
     ``strict``: malformed or contradictory values raise ``ValueError`` naming
     the variable; otherwise they give ``None`` (a process group is the truth
@@ -273,7 +274,7 @@ def launcher_variables(*, strict: bool = True) -> dict[str, int] | None:
                 f"and passes the rank to init_process_group), so this process's global rank "
                 f"cannot be known before init_process_group: 0 is used until a process group "
                 f"exists.  Seed after init_process_group, or pass rank= explicitly",
-                RuntimeWarning,
+                StateWarning,
                 stacklevel=3,
             )
         return None

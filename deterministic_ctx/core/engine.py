@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Callable
 
 from .. import sources as _sources
-from ..base.errors import AbandonedBlockWarning, RestoreError
+from ..base.errors import AbandonedBlockWarning, RestoreError, StateWarning
 from ..base.lock import LOCK
 from ..base.settings import Settings
 from ..sources.compiler import opaque, pause_compiler, refuse_while_tracing, resume_compiler
@@ -351,7 +351,7 @@ def _after_fork_in_child() -> None:
         except Exception as exc:
             warnings.warn(
                 f"deterministic_ctx: could not restore the random state in a forked child: {exc!r}",
-                RuntimeWarning,
+                StateWarning,
                 stacklevel=1,
             )
 
