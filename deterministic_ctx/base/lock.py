@@ -1,9 +1,22 @@
-"""The process-wide lock that serializes deterministic blocks across threads.
+"""The process-wide lock, and the one record of which blocks are open, where.
 
 RNG state is process-global, so two threads inside blocks at once would draw
 from each other's streams.  Blocks (and each step of a decorated generator or
-coroutine) hold this lock.  It is re-entrant for the owning thread, so blocks
-nest.
+coroutine) run holding :data:`LOCK`.  Everything the library knows about open
+blocks lives on it, in three places a reader can follow:
+
+* ``LOCK.blocks``: the open blocks of the thread that holds the lock, in the
+  order they were entered (the engine's ``_active``).  A thread holds the C
+  ``RLock`` *once*, while it has blocks open (and while it enters its first
+  one or leaves its last one); nesting is the length of this list, not a
+  count in the lock.  Blocks of a suspended generator or coroutine are not in
+  it: the suspended block carries them (see the engine).
+* ``LOCK.threads``: each thread's record (a ``threading.local``): its liveness
+  token, and the ``with`` blocks it entered and has not left (``withs``), so
+  that an ``__exit__`` finds the block it means.  The record is freed when its
+  thread ends, whatever started the thread: nothing to tidy.
+* the holder's token reference (``owner`` and ``since`` describe it in
+  warnings and reports).
 
 Waiting policy: a thread waits as long as the holder lives — giving up would
 break the isolation the caller asked for — but after ``warn_after`` seconds it
@@ -12,30 +25,28 @@ for how long it has held it, which is what one needs to debug a stall or a
 deadlock (a block that joins a thread which itself waits to enter a block).
 
 Dead owners: a thread that ends inside a block (``__enter__`` without
-``__exit__``) can never release a lock, and a C ``RLock`` cannot be released
-by another thread.  Waiters therefore wake every :data:`POLL` seconds and
-check that the owner still lives; when it has ended, one of them *takes
-over*: under a small mutex it installs a fresh ``RLock`` that it already
-holds, then calls :attr:`ProcessLock.on_dead_owner` (the engine puts back
-the state from before the dead thread's blocks).  Threads waiting on the old
-lock see it replaced at their next wake-up and wait on the new one.  Whether
-a thread lives is told by a per-thread token in a ``threading.local``: its
-storage is freed when the thread ends, whatever started the thread, so a weak
-reference to the token dies with it.  Thread idents are not used for this:
-they are reused, and a new thread with a dead owner's ident would be taken
-by the ``RLock`` for its owner (checked on every re-entry).
+``__exit__``) can never release the lock, and a C ``RLock`` cannot be
+released by another thread.  Waiters therefore wake every :data:`POLL`
+seconds and check that the owner's token still lives: a weak reference to
+it dies with the thread's local storage.  When it has died, one waiter
+*takes over*: under a small mutex it installs a fresh ``RLock`` that it
+already holds, then calls :attr:`ProcessLock.on_dead_owner` (the engine
+puts back the state from before the dead thread's blocks).  Threads waiting
+on the old lock see it replaced at their next wake-up.  Thread idents are
+not used for identity: they are reused, and the ``RLock`` takes a new thread
+with a dead owner's ident for its owner, so "mine" is the ``RLock``'s C
+ownership *and* the calling thread's token.
 
-Interrupts: the C ``RLock`` is the only record of how many levels a thread
-holds (:meth:`ProcessLock.depth` reads its count).  Acquiring or releasing is
-one C call, so an exception raised by a signal handler (``KeyboardInterrupt``)
-can arrive before or after it, never half-way, and a caller that is
-interrupted finds out what happened by reading the count: nothing is kept in
-Python variables that an interrupt could leave out of step.  ``owner``,
-``since`` and the owner's token only describe the holder (in warnings,
-reports and the dead-owner check).
+Interrupts: acquiring and releasing are single C calls, and the ``RLock``'s
+own ownership (``_is_owned``) is the truth of whether this thread holds it;
+``blocks`` changes by single list operations.  An exception raised by a
+signal handler (``KeyboardInterrupt``) lands before or after each, never
+half-way, so :meth:`ProcessLock.release` (give the lock back if this thread
+holds it with no block open) can simply be called again by a caller that was
+interrupted.
 
 Fork: in the child only the forking thread survives.  If it held the lock, it
-still holds it at the same depth; otherwise the lock is made free.
+still holds it; otherwise the lock is made free.
 """
 
 from __future__ import annotations
@@ -55,8 +66,8 @@ DEFAULT_WARN_AFTER = 10.0
 #: How often (seconds) a waiting thread checks that the lock's owner still
 #: lives: a thread that ended inside a block is noticed within about this long.
 POLL = 0.25
-_get_ident = threading.get_ident
 _monotonic = time.monotonic
+_new_rlock = threading.RLock
 
 
 class _Alive:
@@ -73,10 +84,13 @@ class _OwnerRef(weakref.ref):  # type: ignore[type-arg]
 
 
 class _PerThread(threading.local):
-    """Each thread's token and the weak reference to it, made at its first use."""
+    """Each thread's record, made at its first use: its token, the weak
+    reference to it (its identity, which unlike its ident no later thread
+    ever shares) and the ``with`` blocks it entered and has not left."""
 
     token: _Alive
     ref: _OwnerRef
+    withs: list[Any]
 
     def __init__(self) -> None:
         self.token = token = _Alive()
@@ -84,6 +98,7 @@ class _PerThread(threading.local):
         # The Thread object outlives its thread, so a dead owner is named too.
         ref.thread = threading.current_thread()
         self.ref = ref
+        self.withs = []
 
 
 class ProcessLock:
@@ -91,9 +106,8 @@ class ProcessLock:
         "_owner_ref",
         "_rlock",
         "_swap",
-        "count",
+        "blocks",
         "on_dead_owner",
-        "owner",
         "since",
         "threads",
         "warn_after",
@@ -101,59 +115,59 @@ class ProcessLock:
 
     def __init__(self) -> None:
         self._rlock: Any = _new_rlock()
-        #: ``count()``: how many levels the *calling* thread holds (0: none);
-        #: a C method on CPython 3.11+, read without a Python frame.
-        self.count: Callable[[], int] = _counter(self._rlock)
-        self.owner: int | None = None
+        #: The open blocks of the thread that holds the lock, in entry order.
+        self.blocks: list[Any] = []
         self.since = 0.0
         self.warn_after: float | None = DEFAULT_WARN_AFTER
-        #: Each thread's token (``threads.token``) and the weak reference to it
-        #: (``threads.ref``): the ref is the calling thread's identity, which,
-        #: unlike its ident, no later thread ever shares.
         self.threads = _PerThread()
-        #: The holder's token reference (``None`` while the lock is free).
+        #: The holder's token reference (``None`` while the lock is free, or
+        #: for an instant after the C acquire: see :meth:`mine`).
         self._owner_ref: _OwnerRef | None = None
         #: Serializes take-overs of a dead owner's lock.
         self._swap = threading.Lock()
-        #: Called by the thread that took over a dead owner's lock, holding it
-        #: at depth 1, with the dead thread; set by the engine.
+        #: Called by the thread that took over a dead owner's lock, holding it,
+        #: with the dead thread; set by the engine.
         self.on_dead_owner: Callable[[threading.Thread], None] | None = None
 
     @property
     def depth(self) -> int:
-        """How many levels the *calling* thread holds (0: none)."""
-        return self.count()
+        """How many blocks the *calling* thread has open (0: none; 1 while it
+        holds the lock entering its first block or leaving its last)."""
+        return (len(self.blocks) or 1) if self.mine() else 0
 
     @property
-    def owner_name(self) -> str:
-        """The name of the thread holding the lock, for messages ("" if none)."""
+    def owner(self) -> int | None:
+        """The ident of the thread holding the lock (``None``: free)."""
         ref = self._owner_ref
-        if ref is not None:
-            return ref.thread.name
-        return "" if self.owner is None else f"<thread {self.owner}>"
+        return None if ref is None else ref.thread.ident
 
     def mine(self) -> bool:
-        """Whether the calling thread holds the lock (not a dead thread with its ident)."""
-        return self.count() > 0 and self._owner_ref is self.threads.ref
+        """Whether the calling thread holds the lock (not a dead thread with its ident).
+
+        The C ownership decides; a token other than the caller's means a dead
+        owner with the same ident, and no token yet means the caller was
+        interrupted between the C acquire and recording itself.
+        """
+        if not self._rlock._is_owned():
+            return False
+        ref = self._owner_ref
+        return ref is None or ref is self.threads.ref
 
     def acquire(self) -> None:
+        """Take the lock for the calling thread (nothing if it holds it already)."""
         rlock = self._rlock
-        # The fast path: the lock is free, or this thread holds it (nested blocks).
-        if rlock.acquire(False):
-            if self.count() == 1:
-                self._own()
+        if rlock._is_owned():
+            ref = self._owner_ref
+            if ref is None or ref is self.threads.ref:  # nested (see mine)
                 return
-            if self._owner_ref is self.threads.ref:
-                return
-            # The RLock knows its owner by ident only, and idents are reused: a
-            # thread that ended inside a block had this thread's ident.
-            rlock.release()
+        elif rlock.acquire(False):
+            self._own()
+            return
         self._wait(rlock)
 
     def _own(self) -> None:
-        """Record the calling thread, which has just taken the first level, as the owner."""
+        """Record the calling thread, which has just taken the lock, as the owner."""
         self._owner_ref = self.threads.ref
-        self.owner = _get_ident()
         self.since = _monotonic()
 
     def _wait(self, rlock: Any) -> None:
@@ -164,11 +178,11 @@ class ProcessLock:
             if not warned:
                 assert self.warn_after is not None
                 timeout = max(0.0, min(POLL, started + self.warn_after - _monotonic()))
-            if rlock.acquire(True, timeout):
-                if self.count() == 1:
-                    self._own()
-                    return
-                rlock.release()  # taken by ident only (see acquire): the owner is dead
+            if rlock._is_owned():  # by ident only: its owner, a dead thread, had this ident
+                time.sleep(timeout)
+            elif rlock.acquire(True, timeout):
+                self._own()
+                return
             if self._rlock is not rlock:  # another thread took over a dead owner's lock
                 rlock = self._rlock
                 continue
@@ -178,10 +192,11 @@ class ProcessLock:
             if not warned and _monotonic() - started >= (self.warn_after or 0.0):
                 warned = True
                 held = _monotonic() - self.since
+                holder = "" if ref is None else ref.thread.name
                 warnings.warn(
                     f"thread {threading.current_thread().name!r} has waited "
                     f"{self.warn_after:g} s to enter a deterministic block held by thread "
-                    f"{self.owner_name!r} for {held:.1f} s; RNG state is process-global, "
+                    f"{holder!r} for {held:.1f} s; RNG state is process-global, "
                     "so blocks in different threads run one at a time",
                     LockWaitWarning,
                     stacklevel=5,
@@ -195,7 +210,6 @@ class ProcessLock:
                 return False
             fresh = _new_rlock()
             fresh.acquire()
-            self.count = _counter(fresh)
             self._rlock = fresh
             self._own()
         # Outside the mutex: the engine's clean-up restores state, and other
@@ -205,28 +219,25 @@ class ProcessLock:
             try:
                 callback(ref.thread)
             except BaseException:
-                self.release_to(0)
+                del self.blocks[:]  # the dead thread's: nobody can leave them
+                self.release()
                 raise
         return True
 
-    def release_to(self, depth: int) -> None:
-        """Release the calling thread's levels above ``depth``.
+    def release(self) -> None:
+        """Give the lock back if the calling thread holds it with no block open.
 
-        Idempotent, so a caller interrupted half-way through a release can
-        simply call it again.
+        Idempotent, so a caller interrupted half-way through can simply call
+        it again.
         """
-        count, release = self.count, self._rlock.release
-        while count() > depth:
-            if count() == 1:
-                # Before the last release: a waiter that still sees this
-                # thread's token after it has ended knows the lock was never
-                # given back.
-                self._owner_ref = None
-                self.owner = None
-            release()
+        if not self.blocks and self.mine():
+            # Before the release: a waiter that still sees this thread's token
+            # after it has ended knows the lock was never given back.
+            self._owner_ref = None
+            self._rlock.release()
 
     def held_by_other_thread(self) -> bool:
-        if self.count():
+        if self.mine():
             return False
         if self._rlock.acquire(False):
             self._rlock.release()
@@ -236,52 +247,10 @@ class ProcessLock:
     def reset_after_fork(self) -> None:
         """In a forked child: free the lock unless the forking thread holds it."""
         self._swap = threading.Lock()  # another thread may have held it at the fork
-        if not self.count():
+        if not self.mine():
             self._rlock._at_fork_reinit()
             self._owner_ref = None
-            self.owner = None
-
-
-def _counter(rlock: Any) -> Callable[[], int]:
-    """``rlock``'s recursion count for the calling thread (0 if it does not own it)."""
-    count: Callable[[], int] | None = getattr(rlock, "_recursion_count", None)
-    if count is None:  # only CPython 3.11+ exposes it; see _CountingRLock
-        count = rlock.count
-    return count
-
-
-class _CountingRLock:
-    """An ``RLock`` that counts its owner's levels in Python, for interpreters
-    without ``RLock._recursion_count`` (CPython 3.10).  An interrupt that lands
-    between the C call and the count update is not recovered there."""
-
-    __slots__ = ("_depth", "_rlock")
-
-    def __init__(self) -> None:
-        self._rlock = threading.RLock()
-        self._depth = 0
-
-    def count(self) -> int:
-        return self._depth if self._rlock._is_owned() else 0  # type: ignore[attr-defined]
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        got = self._rlock.acquire(blocking, timeout)
-        if got:
-            self._depth += 1
-        return got
-
-    def release(self) -> None:
-        self._depth -= 1
-        self._rlock.release()
-
-    def _at_fork_reinit(self) -> None:
-        self._rlock._at_fork_reinit()  # type: ignore[attr-defined]
-        self._depth = 0
-
-
-def _new_rlock() -> Any:
-    rlock = threading.RLock()
-    return rlock if hasattr(rlock, "_recursion_count") else _CountingRLock()
+            del self.blocks[:]
 
 
 LOCK = ProcessLock()

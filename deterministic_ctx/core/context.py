@@ -2,7 +2,8 @@
 
 Each ``with`` is one :class:`~deterministic_ctx.core.engine.Block`; this module
 only validates the arguments, finds the block an ``__exit__`` means (the
-latest one its thread and asyncio task entered) and makes sure an interrupted
+latest one of the object that its thread and asyncio task entered, from the
+thread's record, ``LOCK.threads.withs``) and makes sure an interrupted
 ``__exit__`` still leaves.  As a decorator, ``deterministic`` is
 :func:`~deterministic_ctx.core.decorate.reproducible`.
 """
@@ -24,14 +25,14 @@ __all__ = ["deterministic", "isolated"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _B = TypeVar("_B", bound="_Blocks")
+#: Each thread's record (:mod:`deterministic_ctx.base.lock`): ``.withs`` lists
+#: the ``with`` blocks it entered and has not left, of every object.
+_THREADS = LOCK.threads
 
 
 #: What a ``with`` entered inside compiled code paused: dynamo's callback, and
 #: the frame that entered, which alone may give it back (see ``__exit__``).
 _Paused = tuple[object, FrameType] | None
-#: Each thread's identity: a weak reference that, unlike an ident, no later
-#: thread ever shares (:attr:`ProcessLock.threads`).
-_THREADS = LOCK.threads
 #: Frames that can suspend with the block open and resume after the compiled
 #: call that paused dynamo has returned: their exit never gives its callback back.
 _SUSPENDABLE = CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR | CO_ITERABLE_COROUTINE
@@ -48,20 +49,35 @@ _IN_COMPILED_CODE = (
 
 
 class _With(Block):
-    """One ``with`` (or ``async with``) of a block object: a
-    :class:`~deterministic_ctx.core.engine.Block` that also knows who may
-    leave it, the thread (``thread``, its identity) and asyncio task
-    (``task``, ``None`` for a ``with``) that entered it, what its entry paused
-    (``paused``), and whether its ``__exit__`` has completed (``exited``)."""
+    """One ``with`` (or ``async with``) of a block object ``of``: a
+    :class:`~deterministic_ctx.core.engine.Block` that also knows the asyncio
+    task (``task``, ``None`` for a ``with``) that entered it, what its entry
+    paused (``paused``), and whether its ``__exit__`` has completed
+    (``exited``).  Its thread is the one whose record lists it."""
 
-    __slots__ = ("exited", "paused", "task", "thread")
+    __slots__ = ("exited", "of", "paused", "task")
 
-    def __init__(self, settings: Settings | None, task: object, paused: _Paused) -> None:
-        Block.__init__(self, settings)
-        self.thread = _THREADS.ref
+    def __init__(self, of: _Blocks, task: object, paused: _Paused) -> None:
+        Block.__init__(self, of._settings)
+        self.of = of
         self.task = task
         self.paused = paused
         self.exited = False
+
+
+def _enter(block: _With) -> None:
+    """Record ``block`` in its thread's list and start it.
+
+    The list first loses the blocks that have left from its end (an
+    ``__exit__`` only marks its block: removing it there, an interrupt just
+    after would make the exit's retry leave the block below).  A block left
+    while a later one is open is removed once the later one has left.
+    """
+    withs = _THREADS.withs
+    while withs and (last := withs[-1]).exited:
+        withs.remove(last)  # not pop(): a finalizer may have added a block meanwhile
+    withs.append(block)  # recorded first: an interrupt below still finds it
+    block.start()
 
 
 def _abandon(block: _With) -> None:
@@ -98,27 +114,18 @@ class _Blocks:
     (or ``async with``) is one :class:`~deterministic_ctx.core.engine.Block` of
     these settings (``None``: capture and restore, apply nothing)."""
 
-    __slots__ = ("_open", "_settings")
+    __slots__ = ("_settings",)
 
     _settings: Settings | None
-    #: This object's blocks, in every thread and task, in the order they were
-    #: entered: each ``__exit__`` leaves the latest block that its own thread
-    #: and task entered and has not left (:meth:`_latest`), so one object
-    #: (``DET = deterministic(seed=0)`` at module level) can be entered by many
-    #: threads and tasks at once, each leaving its blocks in its own order.
-    #: Which blocks are open and in what order the process leaves them is the
-    #: engine's business; this list only says which block a ``__exit__`` means.
-    #: Left blocks, and those of threads that ended, are dropped by the next
-    #: entry (:meth:`_tidy`).  A plain list made in ``__init__``: dynamo traces
-    #: the construction of a block object in compiled code.
-    _open: list[_With]
 
     def _latest(self, task: object) -> _With:
         """The calling thread's latest block of this object for ``task`` (an
-        asyncio task, or ``None``) that has not left."""
-        me = _THREADS.ref
-        for block in self._open[::-1]:  # a copy: other threads add theirs meanwhile
-            if block.thread is me and block.task is task and not block.exited:
+        asyncio task, or ``None``) that has not left: so one object (``DET =
+        deterministic(seed=0)`` at module level) can be entered by many
+        threads and tasks at once, each leaving its blocks in its own order."""
+        block: _With
+        for block in _THREADS.withs[::-1]:  # a copy: a finalizer may add blocks meanwhile
+            if block.of is self and block.task is task and not block.exited:
                 return block
         raise RuntimeError("deterministic block exited without being entered") from None
 
@@ -133,22 +140,11 @@ class _Blocks:
     def _blocks_if_entered(self) -> dict[object, list[_With]]:
         """This object's open blocks in the calling thread, by task: a view for
         tests and debugging (``{}``: none)."""
-        me = _THREADS.ref
         by_task: dict[object, list[_With]] = {}
-        for block in self._open[::-1]:
-            if block.thread is me and not block.exited:
-                by_task.setdefault(block.task, []).insert(0, block)
+        for block in _THREADS.withs:
+            if block.of is self and not block.exited:
+                by_task.setdefault(block.task, []).append(block)
         return by_task
-
-    def _tidy(self) -> None:
-        """Drop the blocks that have left, or whose thread ended inside them.
-
-        Called holding the lock, so no other thread removes any meanwhile
-        (others only add theirs, and mark theirs left).
-        """
-        blocks = self._open
-        for block in [b for b in blocks if b.exited or b.thread() is None]:
-            blocks.remove(block)
 
     def __enter__(self: _B) -> _B:
         # Inside a compiled function (which dynamo then runs eagerly, see
@@ -158,14 +154,11 @@ class _Blocks:
         # for None (``_paused_here`` only inside compiled code: no frame for it
         # elsewhere).
         callback = pause_compiler()
-        block = _With(self._settings, None, None if callback is None else _paused_here(callback))
+        block = _With(self, None, None if callback is None else _paused_here(callback))
         # Written out, not shared with ``__aenter__``: an interrupt as a helper
         # returned would find no ``block`` to leave.
         try:
-            self._open.append(block)  # recorded first: an interrupt below still finds it
-            block.start()
-            if len(self._open) > 1:
-                self._tidy()
+            _enter(block)
             drain_signals()
             return self
         except BaseException:
@@ -202,12 +195,9 @@ class _Blocks:
         block.paused = None  # the left block stays listed until the next entry: not its frame
 
     async def __aenter__(self: _B) -> _B:
-        block = _With(self._settings, _current_task(), None)
+        block = _With(self, _current_task(), None)
         try:
-            self._open.append(block)
-            block.start()
-            if len(self._open) > 1:
-                self._tidy()
+            _enter(block)
             drain_signals()
             return self
         except BaseException:
@@ -333,7 +323,6 @@ class deterministic(
         self._settings = Settings.build(
             seed, warn_only, rank, flags, fill_uninitialized_memory, compiled_rng
         )
-        self._open = []
 
     @property
     def seed(self) -> int:
@@ -415,7 +404,6 @@ class isolated(_Blocks):  # lowercase, like ``deterministic``
             return decorate(func, None)
         self = super().__new__(cls)
         self._settings = None
-        self._open = []
         return self
 
     def __repr__(self) -> str:

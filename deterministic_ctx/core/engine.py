@@ -12,6 +12,12 @@ of them:
 * ``stop()``: restore the caller's state (or hand it on), drop the lock;
 * ``commit()``: keep the block's state as the process's own, drop the lock.
 
+Which blocks are open, where, is kept in one place, the process lock
+(:mod:`deterministic_ctx.base.lock`): ``_active`` here *is* ``LOCK.blocks``,
+the lock holder's open blocks in entry order; a suspended block carries the
+blocks opened in its step; each thread's record holds its ``with`` blocks.
+A thread holds the lock once while it has any block open.
+
 This module knows nothing of torch: sources do the work.  It also keeps the
 process's random state right across ``os.fork``.
 """
@@ -23,6 +29,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import suppress
 
 from .. import sources as _sources
 from ..base.errors import AbandonedBlockWarning, RestoreError, StateWarning
@@ -66,9 +73,11 @@ class Block:
     **Interrupts.**  Each operation is either rolled back (entry) or completed
     (exit) when an exception — ``KeyboardInterrupt`` from a signal handler,
     say — interrupts it at any line: entry registers the block in ``_active``
-    before it applies anything, exits are idempotent steps that are simply
-    run again, and the lock's depth is read back from the lock itself
-    (:meth:`~deterministic_ctx.base.lock.ProcessLock.release_to`).
+    before it applies anything, and each exit step reads where the block is
+    (``_active``, its carrier) before it acts, so running it again completes
+    it; the lock is given back by
+    :meth:`~deterministic_ctx.base.lock.ProcessLock.release`, which gives it
+    back once the thread has no block open, however often it is called.
     """
 
     __slots__ = ("_carried", "_carrier", "_inner", "_outer", "_settings", "_started")
@@ -92,13 +101,14 @@ class Block:
         :func:`~deterministic_ctx.sources.compiler.refuse_while_tracing`).
         """
         refuse_while_tracing()
-        depth = LOCK.count()
-        if depth and not LOCK.mine():  # a dead thread with this thread's ident holds it
-            depth = 0
         try:
             LOCK.acquire()
-            self._outer = outer = World.capture()
-            _active.append(self)  # from here on, fork and out-of-order exits see the caller's state
+            # Listed first: the thread keeps the lock while it has a block
+            # listed, even if a finalizer runs a whole block during the capture.
+            _active.append(self)
+            outer = World.capture()
+            if self._outer is None:  # else handed on by a block below that left meanwhile
+                self._outer = outer
             if self._started:
                 assert self._inner is not None
                 self._inner.restore()
@@ -110,10 +120,10 @@ class Block:
                 self._started = True
         except BaseException:
             with _headroom():
-                self._rollback(depth)
+                self._rollback()
             raise
 
-    def _rollback(self, depth: int) -> None:
+    def _rollback(self) -> None:
         i = _position(self)
         if i is not None:
             if not self._carried:  # carried blocks that were being put back go back again
@@ -126,16 +136,14 @@ class Block:
                 if outer is not None:
                     outer.restore()
             finally:
-                LOCK.release_to(depth)
+                LOCK.release()
         else:
             self._outer = None
-            LOCK.release_to(depth)
+            LOCK.release()
 
     def _uncarry(self) -> None:
         carried = self._carried
         if carried:
-            for _ in carried:  # each open block holds one level of the lock
-                LOCK.acquire()
             _active.extend(carried)
             for block in carried:
                 block._carrier = None
@@ -151,7 +159,7 @@ class Block:
 
         Completed even if interrupted; the interrupt propagates afterwards.
         """
-        _run_to_completion(self._suspend)
+        _completed(self._suspend)
 
     def _suspend(self) -> None:
         i = _position(self)
@@ -168,7 +176,7 @@ class Block:
             self._outer.restore()
             del _active[i]
             self._outer = None
-        LOCK.release_to(len(_active))
+        LOCK.release()
 
     def stop(self) -> None:
         """Leave the block: restore the caller's state (or hand it on) and drop the lock.
@@ -176,7 +184,7 @@ class Block:
         Idempotent, and completed even if interrupted; the interrupt (or a
         :class:`RestoreError`) propagates afterwards.
         """
-        _run_to_completion(self._finish)
+        _completed(self._finish)
 
     def _finish(self) -> None:
         error: RestoreError | None = None
@@ -194,7 +202,7 @@ class Block:
             self._outer = None
         elif self._carrier is not None:
             self._leave_carrier()
-        LOCK.release_to(len(_active))
+        LOCK.release()
         if error is not None:
             raise error
 
@@ -220,11 +228,12 @@ class Block:
         if i is not None:
             del _active[i]
             self._outer = None
-        LOCK.release_to(len(_active))
+        LOCK.release()
 
 
-#: The open blocks of the thread that holds the lock, in entry order.
-_active: list[Block] = []
+#: The open blocks of the thread that holds the lock, in entry order: the
+#: lock's own record (module docstring), the same list object for ever.
+_active: list[Block] = LOCK.blocks
 
 
 def inside_block() -> bool:
@@ -287,28 +296,20 @@ def _describe(block: Block) -> str:
 LOCK.on_dead_owner = _after_dead_owner
 
 
-_ATTEMPTS = 4
+def _completed(step: Callable[[], None]) -> None:
+    """Run the exit ``step``; if an interrupt stops it, run it once more, with
+    room on the stack, to complete it, then re-raise the interrupt.
 
-
-def _run_to_completion(step: Callable[[], None]) -> None:
-    """Run the idempotent ``step``; if an interrupt stops it, run it again
-    until it completes, then re-raise the first interrupt.
-
-    An ordinary exception from ``step`` (``RestoreError``) is raised once the
-    step has done its bookkeeping, so it is not retried.
+    A step reads where its block is before it acts, so the second run does
+    exactly what the first left undone.  An ordinary exception from ``step``
+    (``RestoreError``) comes once the step has done its bookkeeping: the
+    second run then finds nothing to do.
     """
     try:
         step()
     except BaseException:
-        with _headroom():
-            for _ in range(_ATTEMPTS):
-                try:
-                    step()
-                    break
-                except Exception:
-                    break
-                except BaseException:
-                    continue
+        with _headroom(), suppress(Exception):  # the first exception says what went wrong
+            step()
         raise
 
 
@@ -326,7 +327,7 @@ def _before_fork() -> None:
     # CPython reseeds ``random`` in every forked child.  Inside a block that
     # breaks reproducibility (NumPy and torch are inherited as they are), so
     # the child gets back exactly the state the forking thread had.
-    if LOCK.depth:
+    if LOCK.mine():
         _at_fork = World.capture()
 
 
@@ -338,7 +339,7 @@ def _after_fork_in_parent() -> None:
 def _after_fork_in_child() -> None:
     global _at_fork
     target, _at_fork = _at_fork, None
-    if not LOCK.depth:
+    if not LOCK.mine():
         # Forked outside every block.  If another thread was inside (or
         # entering, or leaving) one, that thread does not exist here: the
         # child continues from the state outside its blocks, which is the

@@ -239,7 +239,7 @@ def _leave_open_blocks() -> None:
 
     while engine._active:
         engine._active[-1].stop()
-    LOCK.release_to(0)
+    LOCK.release()
 
 
 @pytest.mark.slow

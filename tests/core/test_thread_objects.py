@@ -29,13 +29,14 @@ from tests.helpers import draw, run_python, solo
 BASE = 5
 
 
-#: Run first in the child to make the process lock count its levels in
-#: Python, as it does on CPython 3.10 (no ``RLock._recursion_count``).
+#: Run first in the child to make the process lock a pure-Python ``RLock``:
+#: the lock relies only on what every supported Python's ``RLock`` has
+#: (``acquire``, ``release``, ``_is_owned``), which this checks.
 PY310_LOCK = """
+import threading
 from deterministic_ctx.base import lock as _lock
-_lock._new_rlock = _lock._CountingRLock
-_lock.LOCK._rlock = _lock._CountingRLock()
-_lock.LOCK.count = _lock._counter(_lock.LOCK._rlock)
+_lock._new_rlock = threading._PyRLock
+_lock.LOCK._rlock = threading._PyRLock()
 """
 
 
