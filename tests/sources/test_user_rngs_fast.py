@@ -19,6 +19,7 @@ the same state.
 from __future__ import annotations
 
 import random
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -544,3 +545,32 @@ def test_a_replaced_bit_generator_takes_the_public_api(kind, which, where):
     assert fast == reference
     if where == "before the blocks":  # and they are seeded there, for the new one
         assert all(entry[1] == "ok" for entry in fast if len(entry) == 3)
+
+
+@pytest.mark.skipif(not _memory.ENABLED, reason="the public API takes NumPy's lock itself")
+def test_a_record_is_read_under_its_bit_generators_lock():
+    """A draw in another thread holds the bit generator's lock (NumPy releases the
+    GIL for large fills): the record is read after it, never torn."""
+    gen = register_rng(np.random.default_rng(5), key="locked")
+    held, release = threading.Event(), threading.Event()
+
+    def draw_while_holding() -> None:
+        with gen.bit_generator.lock:
+            held.set()
+            release.wait(10)
+            gen.bit_generator.random_raw(3)  # the state moves while the lock is held
+
+    thread = threading.Thread(target=draw_while_holding)
+    try:
+        before = public(gen)
+        thread.start()
+        assert held.wait(10)
+        threading.Timer(0.05, release.set).start()
+        (record,) = [r for r in user_rngs.UserRngSource().capture() if r[1] is gen]
+        thread.join(10)
+        saved = numpy_state_to_plain(record[0].public(gen, record[2]))
+        assert saved == public(gen)[1] != before[1]  # read after the draw
+    finally:
+        release.set()
+        thread.join(10)
+        unregister_rng(gen)

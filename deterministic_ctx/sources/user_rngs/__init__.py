@@ -48,13 +48,7 @@ an immutable tuple of the entries, rebuilt only when the registry has
 changed since.
 
 **Cost per registered RNG** is flat in their number: each entry chose at
-registration how it is captured, seeded and restored (see :mod:`.entries`):
-as copies of its C records through views (exact ``random.Random``, and
-exact NumPy ``Generator`` / ``RandomState`` on a bit generator whose layout
-was proven: MT19937, PCG64, PCG64DXSM), else through its kind's public API;
-and where writing back the state that seeding left is exactly seeding, by
-writing the state remembered for the block's seed.  A state loaded from a
-checkpoint is restored through the public API, which checks it.
+registration how it is captured, seeded and restored (:mod:`.entries`).
 
 **Layout.**  This package's ``__init__`` is its only public face; each
 module has one job, and each imports only those listed before it:
