@@ -13,20 +13,16 @@ at most 4 µs per ``numpy.random.Generator`` with 16, and no cliff: the cost
 per RNG with the most registered is within 2x of the cost with 16.
 
 The "best" column is the same difference taken between the fastest timings
-(noise only ever adds time).  More columns come from the same rounds:
+(noise only ever adds time).  One more column comes from the same rounds:
 
-* ``per-entry`` (``random``, ``numpy``): the block with batching off, every
-  RNG through the registry's per-entry loop (Python bytecode per RNG), which
-  blocks use for fewer than 8 consecutive exact ``random.Random`` or 5
-  NumPy Generators (``_MT_BATCH_MIN``, ``_RECORD_BATCH_MIN``);
 * ``floor`` (``random``): the work no implementation can skip, without the library, done
-  the fastest way Python offers (C-level loops, as batches do): per RNG, a
+  the fastest way Python offers (C-level loops): per RNG, a
   2.5 KB copy out of the generator (one ``b"".join`` for all), one into it
   (the seeded state) and one back (``BytesIO.readinto`` over the joined
   bytes), and three ``gauss_next`` accesses (``map``), run after the block
   with none (so that its other work shares the caches with the copies, as
   in a real block) and counted against it.  ``ours / floor`` is then what
-  the registry's bookkeeping adds: weak references, the plan, the records.
+  the registry's bookkeeping adds: weak references, a Python loop, the records.
 
 Times are CPU time of this process (``time.process_time``) by default: on a
 shared machine the time the scheduler gives other processes is not the
@@ -58,8 +54,6 @@ import torch
 
 from deterministic_ctx import deterministic, register_rng, unregister_rng
 from deterministic_ctx.sources._memory import RANDOM_LAYOUT
-from deterministic_ctx.sources.user_rngs import batches as _batches
-from deterministic_ctx.sources.user_rngs import registry as _registry
 
 _block = deterministic(seed=0)
 
@@ -81,8 +75,6 @@ MAKERS: dict[str, Callable[[int], object]] = {
     "random-like": lambda i: _Subclass(i),
 }
 
-#: Kinds that blocks batch (exact ``random.Random``, NumPy Generators on a proven record).
-BATCHED = {"random", "numpy"}
 #: kind -> (count, µs per RNG at most), issue #15.
 TARGETS: dict[str, tuple[int, float]] = {"random": (64, 1.0), "numpy": (16, 4.0)}
 
@@ -113,13 +105,12 @@ def copies_alone(rngs: list[random.Random]) -> Callable[[], None]:
 
 class Samples:
     """µs, one list entry per repeat: the block with ``n`` RNGs, the block
-    with none just before it, the block with the per-entry loop (kinds that
-    are batched) and the floor's copies after the block with none (``random``)."""
+    with none just before it, and the floor's copies after the block with
+    none (``random``)."""
 
     def __init__(self, counts: list[int]) -> None:
         self.blocks: dict[int, list[float]] = {n: [] for n in counts}
         self.none: dict[int, list[float]] = {n: [] for n in counts}
-        self.per_entry: dict[int, list[float]] = {n: [] for n in counts}
         self.floor: dict[int, list[float]] = {n: [] for n in counts}
 
     def per_rng(self, n: int, of: dict[int, list[float]]) -> float:
@@ -134,21 +125,14 @@ def measure_kind(
     out = Samples(counts)
     exact = kind == "random" and RANDOM_LAYOUT is not None
     floors = {n: copies_alone(objs[:n]) for n in counts if n and exact}  # type: ignore[arg-type]
-    batched = kind in BATCHED
 
-    def timed(n: int, number: int, batches: bool = True) -> float:
+    def timed(n: int, number: int) -> float:
         for i in range(n):
             register_rng(objs[i], key=f"bench-{kind}-{i}")
-        saved = _batches._MT_BATCH_MIN, _batches._RECORD_BATCH_MIN
-        if not batches:
-            _batches._MT_BATCH_MIN = _batches._RECORD_BATCH_MIN = sys.maxsize
-            _registry._changed()  # steps made with the other thresholds are stale
         try:
             block()  # the first block with these entries fills their seeded-state memos
             return timeit.timeit(block, number=number, timer=timer) / number * 1e6
         finally:
-            _batches._MT_BATCH_MIN, _batches._RECORD_BATCH_MIN = saved
-            _registry._changed()
             for i in range(n):
                 unregister_rng(objs[i])
 
@@ -167,8 +151,6 @@ def measure_kind(
             number = number_for(n, budget_s)
             out.none[n].append(timed(0, number_for(0, budget_s)))
             out.blocks[n].append(timed(n, number))
-            if n and batched:
-                out.per_entry[n].append(timed(n, number, batches=False))
             if n in floors:
                 out.floor[n].append(timed_floor(floors[n], number))
     return out
@@ -199,10 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     verdicts: list[str] = []
     for kind in kinds:
         s = measure_kind(kind, counts, args.repeats, args.budget, timer)
-        batched, exact = any(s.per_entry.values()), any(s.floor.values())
+        exact = any(s.floor.values())
         print(f"{kind}:")
         head = f"  {'RNGs':>5}  {'µs/block':>9}  {'/ none':>7}  {'µs per RNG':>10}  {'best':>6}"
-        head += "  per-entry" if batched else ""
         print(head + ("  floor  ours / floor" if exact else ""))
         per_rng: dict[int, float] = {}
         for n in counts:
@@ -213,8 +194,6 @@ def main(argv: list[str] | None = None) -> int:
                 per_rng[n] = s.per_rng(n, s.blocks)
                 best = (min(s.blocks[n]) - min(s.none[n])) / n
                 extra = f"  {per_rng[n]:10.3f}  {best:6.3f}"
-                if s.per_entry[n]:
-                    extra += f"  {s.per_rng(n, s.per_entry):9.3f}"
                 if s.floor[n]:
                     low = s.per_rng(n, s.floor)
                     extra += f"  {low:5.3f}  {per_rng[n] / low if low > 0 else float('nan'):12.2f}"

@@ -47,46 +47,17 @@ but single dict operations (atomic under the GIL), and every loop runs over
 an immutable tuple of the entries, rebuilt only when the registry has
 changed since.
 
-**Cost per registered RNG** is flat in their number: each entry carries
-what its loops need, bound once at registration.
-
-* Exact ``random.Random``, and exact NumPy ``Generator`` / ``RandomState``
-  whose bit generator's memory layout was proven at import (MT19937, PCG64,
-  PCG64DXSM; ``RandomState`` on MT19937 only), are captured and restored as
-  copies of their C record through a view made at registration (see
-  :mod:`.._memory`; NumPy's under the bit generator's lock, as the global
-  source does); the view is used only while the entry's object is known
-  alive (``get()`` returned it, or a snapshot holds it), so it never
-  outlives the memory under it.  The entry holds the NumPy bit generator
-  its views belong to, and uses them only while the object still has that
-  one (``Generator.__init__`` and ``RandomState.__init__`` can install
-  another: the public API then takes over).  A state loaded from a
-  checkpoint is restored through the public API, which checks it, never as
-  raw memory.
-* Each entry remembers the state seeding left it in for the last block seed
-  (``memo``), read back from the object right after the real seeding call:
-  a block with the same seed writes that state instead of seeding again
-  (no ``SeedSequence``, no 624-word initialization).  Seeding that has no
-  such equivalent (``random.Random`` subclasses, whose ``seed()`` may do
-  more, a non-CPU ``torch.Generator``, a ``RandomState`` off the fast path,
-  random-like objects) calls the object's own ``seed()`` every time.
-* Runs of such records registered one after another (at least 8 exact
-  ``random.Random``, 5 NumPy ones) are handled as one :class:`.batches.Batch`:
-  ``map`` over their views, weak references and locks, one ``bytes.join``
-  to copy all records out and one ``BytesIO.readinto`` per RNG to copy them
-  back, so no Python bytecode runs per RNG.  A batch falls back to its
-  entries, one by one, whenever it cannot do its work this way.
-  ``tests/sources/test_user_rngs_fast.py`` proves every path equal to the public
-  API with a Hypothesis differential test over random workloads.
+**Cost per registered RNG** is flat in their number: each entry chose at
+registration how it is captured, seeded and restored (:mod:`.entries`).
 
 **Layout.**  This package's ``__init__`` is its only public face; each
 module has one job, and each imports only those listed before it:
 
-* :mod:`.kinds`: the kinds of RNG accepted, and which one an object is;
 * :mod:`.persistence`: states as checkpoint data and back, checked;
+* :mod:`.kinds`: the kinds of RNG accepted, which one an object is, and
+  each kind's public API and codec;
 * :mod:`.entries`: one registered RNG, captured, seeded and restored;
-* :mod:`.batches`: runs of entries handled by C-level loops;
-* :mod:`.registry`: registration, the loops' steps, seeding, entry points;
+* :mod:`.registry`: registration, the seeding loop, entry points;
 * :mod:`.source`: :class:`UserRngSource`, the blocks' and snapshots' source.
 """
 

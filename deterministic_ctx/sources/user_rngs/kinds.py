@@ -2,9 +2,10 @@
 one an object is.
 
 A :class:`Kind` is how the public API of one family of RNG reads, writes and
-seeds its state (and how many bits its seed has); :func:`kind_of` picks an
-object's kind, or refuses the object with the reason.  The fast paths of
-:mod:`.entries` fall back to these, and are tested equal to them.
+seeds its state, how many bits its seed has, and how its public state is
+saved (:mod:`.persistence`); :func:`kind_of` picks an object's kind, or
+refuses the object with the reason.  The copies of :mod:`.entries` fall back
+to these, and are tested equal to them.
 """
 
 from __future__ import annotations
@@ -16,16 +17,22 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from . import persistence as plain
+
 
 class Kind(NamedTuple):
     """How the public API of one family of RNG reads, writes and seeds its
-    state; ``bits``: the width of the seed ``derive_seed`` makes for it."""
+    state; ``bits``: the width of the seed ``derive_seed`` makes for it;
+    ``to_plain(obj, state)`` and ``from_plain(obj, data, path)``: its public
+    state as checkpoint data and back, checked (see :mod:`.persistence`)."""
 
     name: str
     get: Callable[[Any], Any]
     set: Callable[[Any, Any], None]
     seed: Callable[[Any, int], None]
     bits: int
+    to_plain: Callable[[Any, Any], Any]
+    from_plain: Callable[[Any, object, str], Any]
 
 
 def _np_generator_seed(gen: np.random.Generator, seed: int) -> None:
@@ -39,6 +46,8 @@ RANDOM = Kind(
     lambda r, s: r.setstate(s),
     lambda r, s: r.seed(s),
     64,
+    plain.random_to_plain,
+    plain.random_from_plain,
 )
 GENERATOR = Kind(
     "numpy.random.Generator",
@@ -46,6 +55,8 @@ GENERATOR = Kind(
     lambda g, s: setattr(g.bit_generator, "state", s),
     _np_generator_seed,
     64,
+    plain.numpy_to_plain,
+    plain.numpy_from_plain,
 )
 RANDOM_STATE = Kind(
     "numpy.random.RandomState",
@@ -53,6 +64,8 @@ RANDOM_STATE = Kind(
     lambda r, s: r.set_state(s),
     lambda r, s: r.seed(s),
     32,
+    plain.numpy_to_plain,
+    plain.numpy_from_plain,
 )
 TORCH = Kind(
     "torch.Generator",
@@ -60,6 +73,8 @@ TORCH = Kind(
     lambda g, s: g.set_state(s),
     lambda g, s: g.manual_seed(s),
     64,
+    plain.torch_to_plain,
+    plain.torch_from_plain,
 )
 #: Any object with ``seed()``, ``getstate()`` and ``setstate()``.  Its seed is
 #: 32 bits: ``seed()`` is the object's own code, and 0 .. 2**32 - 1 is what
@@ -72,8 +87,12 @@ RANDOM_LIKE = Kind(
     lambda o, s: o.setstate(s),
     lambda o, s: o.seed(s),
     32,
+    plain.random_like_to_plain,
+    plain.random_like_from_plain,
 )
 
+#: Every kind by name, as a snapshot saves it.
+BY_NAME = {kind.name: kind for kind in (RANDOM, GENERATOR, RANDOM_STATE, TORCH, RANDOM_LIKE)}
 KINDS: tuple[tuple[type, Kind], ...] = (
     (random.Random, RANDOM),
     (np.random.Generator, GENERATOR),

@@ -1,16 +1,16 @@
 """Registered RNGs' states as checkpoint data, and back, checked.
 
-:data:`CODECS` holds, for each kind, how a public state becomes plain data
-and how plain data read from a file becomes a public state again, checked
-field by field (``ValueError`` names the field).  A random-like object's
-``getstate()`` may return any tree of plain Python data: it is flattened
-(no nesting, so no recursion on load) and bounded (``_MAX_*``), so that a
+For each kind, how a public state becomes plain data (``*_to_plain(obj,
+state)``) and how plain data read from a file becomes a public state again
+(``*_from_plain(obj, data, path)``), checked field by field (``ValueError``
+names the field); :mod:`.kinds` binds them to the kinds.  A random-like
+object's ``getstate()`` may return any tree of plain Python data: it is
+flattened (no nesting in the file) and bounded (``_MAX_*``), so that a
 crafted or runaway state cannot make a checkpoint slow to write or load.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import numpy as np
@@ -21,7 +21,6 @@ from .. import _plain
 from ..numpy_global import BIT_GENERATORS, bit_generator_state_from_plain, numpy_state_to_plain
 from ..python_random import random_state_from_plain, random_state_to_plain
 from ..torch_cpu import generator_state_from_plain
-from .kinds import KINDS, RANDOM_LIKE
 
 
 def _bit_generator_name(obj: np.random.Generator | np.random.RandomState) -> str:
@@ -29,7 +28,15 @@ def _bit_generator_name(obj: np.random.Generator | np.random.RandomState) -> str
     return type(bg).__name__
 
 
-def _numpy_to_plain(obj: Any, state: dict[str, Any]) -> dict[str, Any]:
+def random_to_plain(obj: Any, state: tuple[Any, ...]) -> dict[str, Any]:
+    return random_state_to_plain(state)
+
+
+def random_from_plain(obj: Any, data: object, path: str) -> tuple[Any, ...]:
+    return random_state_from_plain(data, path)
+
+
+def numpy_to_plain(obj: Any, state: dict[str, Any]) -> dict[str, Any]:
     name = state.get("bit_generator")
     if name not in BIT_GENERATORS:
         raise NotPlain(
@@ -39,7 +46,7 @@ def _numpy_to_plain(obj: Any, state: dict[str, Any]) -> dict[str, Any]:
     return numpy_state_to_plain(state)
 
 
-def _numpy_from_plain(obj: Any, data: object, path: str) -> dict[str, Any]:
+def numpy_from_plain(obj: Any, data: object, path: str) -> dict[str, Any]:
     legacy = isinstance(obj, np.random.RandomState)
     state = bit_generator_state_from_plain(data, path, legacy=legacy)
     if state["bit_generator"] != _bit_generator_name(obj):
@@ -50,7 +57,11 @@ def _numpy_from_plain(obj: Any, data: object, path: str) -> dict[str, Any]:
     return state
 
 
-def _torch_from_plain(obj: torch.Generator, data: object, path: str) -> torch.Tensor:
+def torch_to_plain(obj: torch.Generator, state: torch.Tensor) -> dict[str, Any]:
+    return {"device": str(obj.device), "state": state.clone()}
+
+
+def torch_from_plain(obj: torch.Generator, data: object, path: str) -> torch.Tensor:
     d = _plain.fields(data, path, ["device", "state"])
     _plain.text(d["device"], f"{path}.device", choices=(str(obj.device),))
     return generator_state_from_plain(d["state"], f"{path}.state", obj)
@@ -153,8 +164,8 @@ def _tree_to_plain(value: object) -> dict[str, Any]:
 def _tree_from_plain(data: object, path: str) -> object:
     """The checked inverse of :func:`_tree_to_plain`; ``ValueError`` names the field.
 
-    Iterative (a crafted file cannot exhaust the stack), and it allocates no
-    more than the data holds.
+    It nests no deeper than :data:`_MAX_DEPTH` (a crafted file cannot exhaust
+    the stack), and it allocates no more than the data holds.
     """
     d = _plain.fields(data, path, ["shape", "values", "sizes"])
     shape, values, sizes = d["shape"], d["values"], d["sizes"]
@@ -163,87 +174,62 @@ def _tree_from_plain(data: object, path: str) -> object:
     if type(values) is not list or type(sizes) is not list:
         raise ValueError(f"{path}: values and sizes must be lists")
     types = {letter: kind for kind, letter in _SCALARS.items()}
-    nbytes = 0
-    iv: Iterator[Any] = iter(values)
-    isz: Iterator[Any] = iter(sizes)
-    nv = ns = 0
-    # Open containers: [letter, items, items still to come].
-    stack: list[list[Any]] = []
-    root: list[object] = []
-    for pos, letter in enumerate(shape):
-        where = f"{path}.shape[{pos}]"
-        value: Any
-        if letter in types:
-            if letter == "n":
-                value = None
-            else:
-                value = next(iv, _MISSING)
-                if value is _MISSING:
-                    raise ValueError(f"{path}.values: too few for the shape")
-                if type(value) is not types[letter]:
-                    raise ValueError(
-                        f"{path}.values[{nv}]: expected a {types[letter].__name__} "
-                        f"(shape {letter!r}), got {type(value).__name__}"
-                    )
-                if letter == "i" and cast(int, value).bit_length() > _MAX_INT_BITS:
-                    raise ValueError(
-                        f"{path}.values[{nv}]: an int of more than {_MAX_INT_BITS} bits"
-                    )
-                nv += 1
-        elif letter == _TENSOR:
-            value = next(iv, _MISSING)
-            if value is _MISSING:
+    pos = nv = ns = nbytes = 0  # read so far: letters, values, sizes; tensor bytes
+
+    def item(depth: int) -> Any:
+        nonlocal pos, nv, ns, nbytes
+        if pos == len(shape):
+            raise ValueError(f"{path}.shape: the state ends inside a container")
+        letter, where = shape[pos], f"{path}.shape[{pos}]"
+        pos += 1
+        if letter == "n":
+            return None
+        if letter in types or letter == _TENSOR:
+            if nv == len(values):
                 raise ValueError(f"{path}.values: too few for the shape")
-            value = _plain.byte_tensor(value, f"{path}.values[{nv}]")  # checked, copied
-            nbytes += value.numel()
-            if nbytes > _MAX_TENSOR_BYTES:
-                raise ValueError(f"{path}.values: more than {_MAX_TENSOR_BYTES} tensor bytes")
+            value: Any = values[nv]
+            at = f"{path}.values[{nv}]"
             nv += 1
-        elif letter in ("t", "l", "d"):
-            n = next(isz, None)
-            if type(n) is not int or not 0 <= n <= len(shape) - pos - 1:
-                raise ValueError(f"{path}.sizes[{ns}]: expected an int of at most the items left")
-            ns += 1
-            if n:
-                stack.append([letter, [], 2 * n if letter == "d" else n])
-                continue
-            value = () if letter == "t" else [] if letter == "l" else {}
-        else:
+            if letter == _TENSOR:
+                value = _plain.byte_tensor(value, at)  # checked, copied
+                nbytes += value.numel()
+                if nbytes > _MAX_TENSOR_BYTES:
+                    raise ValueError(f"{path}.values: more than {_MAX_TENSOR_BYTES} tensor bytes")
+            elif type(value) is not types[letter]:
+                raise ValueError(
+                    f"{at}: expected a {types[letter].__name__} (shape {letter!r}), "
+                    f"got {type(value).__name__}"
+                )
+            elif letter == "i" and cast(int, value).bit_length() > _MAX_INT_BITS:
+                raise ValueError(f"{at}: an int of more than {_MAX_INT_BITS} bits")
+            return value
+        if letter not in ("t", "l", "d"):
             raise ValueError(f"{where}: unknown letter {letter!r} (expected one of ifsbnxtld)")
-        while True:  # hand the finished item to its container, closing those it completes
-            if not stack:
-                if root:
-                    raise ValueError(f"{where}: items after the end of the state")
-                root.append(value)
-                break
-            frame = stack[-1]
-            if frame[0] == "d" and not len(frame[1]) % 2 and type(value) not in _SCALARS:
-                raise ValueError(f"{where}: a dict key must be a scalar")
-            frame[1].append(value)
-            frame[2] -= 1
-            if frame[2]:
-                break
-            stack.pop()
-            letter_, items, _ = frame
-            if letter_ == "t":
-                value = tuple(items)
-            elif letter_ == "l":
-                value = items
-            else:
-                value = dict(zip(items[::2], items[1::2], strict=True))
-                if len(value) * 2 != len(items):
-                    raise ValueError(f"{where}: a dict repeats a key")
-    if stack or not root:
-        raise ValueError(f"{path}.shape: the state ends inside a container")
-    if next(iv, _MISSING) is not _MISSING or next(isz, None) is not None:
+        n = sizes[ns] if ns < len(sizes) else None
+        ns += 1
+        if type(n) is not int or not 0 <= n <= len(shape) - pos:
+            raise ValueError(f"{path}.sizes[{ns - 1}]: expected an int of at most the items left")
+        if depth >= _MAX_DEPTH:
+            raise ValueError(f"{where}: nests deeper than {_MAX_DEPTH} levels")
+        items = [item(depth + 1) for _ in range(2 * n if letter == "d" else n)]
+        if letter != "d":
+            return tuple(items) if letter == "t" else items
+        if any(type(key) not in _SCALARS for key in items[::2]):
+            raise ValueError(f"{where}: a dict key must be a scalar")
+        out = dict(zip(items[::2], items[1::2], strict=True))
+        if len(out) != n:
+            raise ValueError(f"{where}: a dict repeats a key")
+        return out
+
+    root = item(0)
+    if pos < len(shape):
+        raise ValueError(f"{path}.shape[{pos}]: items after the end of the state")
+    if nv < len(values) or ns < len(sizes):
         raise ValueError(f"{path}: values or sizes left over after the shape")
-    return root[0]
+    return root
 
 
-_MISSING: Any = object()
-
-
-def _random_like_to_plain(obj: object, state: object) -> dict[str, Any]:
+def random_like_to_plain(obj: object, state: object) -> dict[str, Any]:
     try:
         tree = _tree_to_plain(state)
     except NotPlain as exc:
@@ -256,26 +242,7 @@ def _random_like_to_plain(obj: object, state: object) -> dict[str, Any]:
     return {"class": class_path(obj), **tree}
 
 
-def _random_like_from_plain(obj: object, data: object, path: str) -> object:
+def random_like_from_plain(obj: object, data: object, path: str) -> object:
     d = _plain.fields(data, path, ["class", "shape", "values", "sizes"])
     _plain.text(d["class"], f"{path}.class", choices=(class_path(obj),))
     return _tree_from_plain({k: d[k] for k in ("shape", "values", "sizes")}, path)
-
-
-#: kind name -> (public state to plain data, checked plain data to public state).
-CODECS: dict[str, tuple[Callable[[Any, Any], Any], Callable[[Any, object, str], Any]]] = {
-    "random.Random": (
-        lambda _obj, s: random_state_to_plain(s),
-        lambda _obj, d, p: random_state_from_plain(d, p),
-    ),
-    "numpy.random.Generator": (_numpy_to_plain, _numpy_from_plain),
-    "numpy.random.RandomState": (_numpy_to_plain, _numpy_from_plain),
-    "torch.Generator": (
-        lambda obj, s: {"device": str(obj.device), "state": s.clone()},
-        _torch_from_plain,
-    ),
-    "random-like": (_random_like_to_plain, _random_like_from_plain),
-}
-assert set(CODECS) == {kind.name for _cls, kind in KINDS} | {RANDOM_LIKE.name}, (
-    "every kind needs a codec"
-)

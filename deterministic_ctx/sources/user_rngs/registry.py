@@ -4,8 +4,8 @@ order the blocks' loops go through them.
 :func:`register_rng` and :func:`unregister_rng` change it under ``_lock``;
 a collected RNG's weak-reference callback (:func:`_on_collect`) removes its
 entry without it (see the package docstring for why that is safe).
-:func:`block_steps` and :func:`live_entries` give the loops an immutable
-tuple, rebuilt only when the registry changed.  :func:`seed_registered_rngs`
+:func:`live_entries` gives the loops an immutable tuple, rebuilt only when
+the registry changed.  :func:`seed_registered_rngs`
 is the seeding loop; the entry points of :data:`ENTRY_POINT_GROUP` are
 loaded here too, at the first read of the registry, since they register RNGs.
 """
@@ -17,10 +17,10 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import Any, TypeVar
 
-from .batches import Batch, batched
-from .entries import Entry, Ref
+from .entries import Entry
 from .kinds import KINDS, kind_of, random_like, short_repr
 
 T = TypeVar("T")
@@ -44,9 +44,9 @@ _counter = itertools.count()
 #: Bumped after every change to ``_entries``; ``_cache`` is valid while it matches.
 _versions = itertools.count(1)
 _version = 0
-#: ``(version, entries, steps)``; starts stale, so that the first
+#: ``(version, entries)``; starts stale, so that the first
 #: :func:`live_entries` loads the entry points.
-_cache: tuple[int, tuple[Entry, ...], tuple[Entry | Batch, ...]] = (-1, (), ())
+_cache: tuple[int, tuple[Entry, ...]] = (-1, ())
 
 
 def _changed() -> None:
@@ -57,21 +57,24 @@ def _changed() -> None:
 
 
 def _on_collect(
-    ref: Ref,
+    token: int,
+    oid: int,
+    _ref: object,
     _entries: dict[int, Entry] = _entries,
     _by_id: dict[int, int] = _by_id,
     _changed: Callable[[], None] = _changed,
 ) -> None:
-    """Drop a collected RNG's entry.  Runs wherever the object died (see the
-    package docstring): no lock, single dict operations only.  The tables (and
-    the version bump) are bound as defaults so that a callback at interpreter
-    shutdown, when module globals may already be None, still finds them."""
-    if _entries.pop(ref.token, None) is None:
+    """Drop the entry ``token`` of a collected RNG (whose id was ``oid``).
+    Runs wherever the object died (see the package docstring): no lock,
+    single dict operations only.  The tables (and the version bump) are bound
+    as defaults so that a callback at interpreter shutdown, when module
+    globals may already be None, still finds them."""
+    if _entries.pop(token, None) is None:
         return  # unregistered before it died (a snapshot kept the entry alive)
     # The dying object still occupies its address until this returns, so no
     # other object can have registered under the same id meanwhile.
-    if _by_id.get(ref.oid) == ref.token:
-        _by_id.pop(ref.oid, None)
+    if _by_id.get(oid) == token:
+        _by_id.pop(oid, None)
     # Not contextlib.suppress: at interpreter shutdown that module's name may be gone too.
     try:  # noqa: SIM105
         _changed()
@@ -82,17 +85,10 @@ def _on_collect(
 def live_entries() -> tuple[Entry, ...]:
     """The entries in registration order, as an immutable tuple to iterate over."""
     cache = _cache
-    return cache[1] if cache[0] == _version else _refresh()[1]
+    return cache[1] if cache[0] == _version else _refresh()
 
 
-def block_steps() -> tuple[Entry | Batch, ...]:
-    """The entries in registration order, runs of batchable ones as
-    batches (:func:`batched`): what the blocks' loops go through."""
-    cache = _cache
-    return cache[2] if cache[0] == _version else _refresh()[2]
-
-
-def _refresh() -> tuple[int, tuple[Entry, ...], tuple[Entry | Batch, ...]]:
+def _refresh() -> tuple[Entry, ...]:
     global _cache
     if _plugins_pending:
         _load_plugins()
@@ -104,8 +100,8 @@ def _refresh() -> tuple[int, tuple[Entry, ...], tuple[Entry | Batch, ...]]:
             entries = tuple(_entries.copy().values())
         except RuntimeError:  # pragma: no cover - "dictionary changed size"
             continue
-        _cache = cache = (version, entries, batched(entries))
-        return cache
+        _cache = (version, entries)
+        return entries
 
 
 def _after_fork_in_child() -> None:
@@ -203,7 +199,7 @@ def register_rng(obj: T, *, key: str | None = None, shared: bool = False) -> T:
             kind,
             token,
             shared,
-            on_collect=_on_collect,
+            on_collect=partial(_on_collect, token, id(obj)),
         )
         _entries[token] = entry
         _by_id[id(obj)] = token
@@ -265,8 +261,8 @@ def seed_registered_rngs(seed: int, *, shared_seed: int | None = None) -> None:
         True
         >>> unregister_rng(rng)
     """
-    for step in block_steps():  # entries and batches
-        step.seed(shared_seed if step.shared and shared_seed is not None else seed)
+    for entry in live_entries():
+        entry.seed(shared_seed if entry.shared and shared_seed is not None else seed)
 
 
 # -- entry points ------------------------------------------------------------------------

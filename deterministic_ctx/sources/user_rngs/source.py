@@ -1,22 +1,21 @@
 """The source of all registered RNGs: what a block captures, applies and
 restores for them, and what a snapshot saves of them.
 
-:class:`UserRngSource` runs the blocks' loops over :func:`.registry.block_steps`
-(entries and batches, each a step that captures, seeds and restores itself); its checkpoint
-methods turn states into plain data and back through :mod:`.persistence`.
+:class:`UserRngSource` runs the blocks' loops over :func:`.registry.live_entries`
+(each entry captures, seeds and restores its RNG); its checkpoint methods turn
+states into plain data and back through each kind's codec (:mod:`.kinds`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 from ...base.settings import Settings
 from .. import _plain
-from .batches import Batch, BatchRecord
 from .entries import Entry, Record
-from .persistence import CODECS, NotPlain, class_path
-from .registry import block_steps, live_entries, seed_registered_rngs
+from .kinds import BY_NAME
+from .persistence import NotPlain, class_path
+from .registry import live_entries, seed_registered_rngs
 
 
 class UserRngSource:
@@ -25,40 +24,38 @@ class UserRngSource:
     name = "user"
     device_type: str | None = None  # not a device generator: saved under "sources"
 
-    def capture(self) -> tuple[Record | BatchRecord, ...]:
-        """One record per live RNG, or per batch of them; ``()`` when there are none.
-
-        A record is ``(entry, object, state, gauss_next)``, or ``(batch,
-        objects, joined records, extra)`` for a :class:`Batch`.
-        """
-        steps = block_steps()  # entries and batches
-        if not steps:
+    def capture(self) -> tuple[Record, ...]:
+        """One record ``(entry, object, state)`` per live RNG; ``()`` when there are none."""
+        entries = live_entries()
+        if not entries:  # nothing registered: the usual case
             return ()
-        out: list[Any] = []
-        for step in steps:
-            step.capture_into(out)
+        out: list[Record] = []
+        for entry in entries:
+            obj = entry.get()
+            if obj is not None:
+                out.append((entry, obj, entry.capture(obj)))
         return tuple(out)
 
     def apply(self, settings: Settings) -> None:
         # Per rank, like ``random`` and NumPy; ``shared=True`` ones like torch.
-        if block_steps():  # nothing registered (the usual case): nothing to seed
+        if live_entries():  # nothing registered (the usual case): nothing to seed
             seed_registered_rngs(settings.rank_seed, shared_seed=settings.seed)
 
-    def restore(self, state: tuple[Record | BatchRecord, ...]) -> None:
+    def restore(self, state: tuple[Record, ...]) -> None:
         """Put every RNG of ``state`` back.  One that fails does not stop the
         others; the first failure is raised once all were tried."""
         # The object is kept alive by the snapshot only while the snapshot lives;
         # an RNG collected meanwhile has no state left to restore.
         error: BaseException | None = None
-        for first, obj, saved, extra in state:
+        for entry, obj, saved in state:
             try:
-                first.restore(obj, saved, extra)
+                entry.put(obj, saved)
             except BaseException as exc:  # an interrupt too: the rest are restored first
                 error = error or exc
         if error is not None:
             raise error
 
-    def export_state(self, state: tuple[Record | BatchRecord, ...]) -> list[dict[str, Any]]:
+    def export_state(self, state: tuple[Record, ...]) -> list[dict[str, Any]]:
         """The state as plain data: ``[{"key", "kind", "state"}, ...]``.
 
         Raises ``ValueError`` if two registered RNGs share a key (a loaded
@@ -68,7 +65,7 @@ class UserRngSource:
         """
         out: list[dict[str, Any]] = []
         keys: set[str] = set()
-        for entry, obj, saved, gauss in _per_rng(state):
+        for entry, obj, saved in state:
             if entry.key in keys:
                 raise ValueError(
                     f"two registered RNGs share the key {entry.key!r}, so a saved snapshot "
@@ -76,7 +73,7 @@ class UserRngSource:
                 )
             keys.add(entry.key)
             try:
-                plain = CODECS[entry.kind.name][0](obj, entry.public(saved, gauss))
+                plain = entry.kind.to_plain(obj, entry.public(obj, saved))
             except NotPlain as exc:
                 raise ValueError(
                     f"the state of user RNG {entry.key!r} ({class_path(obj)}) cannot be "
@@ -110,7 +107,7 @@ class UserRngSource:
             where = f"{path}[{i}]"
             d = _plain.fields(item, where, ["key", "kind", "state"])
             key = _plain.text(d["key"], f"{where}.key")
-            kind = _plain.text(d["kind"], f"{where}.kind", choices=CODECS)
+            kind = _plain.text(d["kind"], f"{where}.kind", choices=BY_NAME)
             if key in seen:
                 raise ValueError(f"{where}.key: {key!r} is saved twice")
             seen.add(key)
@@ -131,19 +128,6 @@ class UserRngSource:
                     f"{where}.kind: saved a {kind}, but the RNG registered here with key "
                     f"{key!r} is a {entry.kind.name}"
                 )
-            state = CODECS[kind][1](obj, d["state"], f"{where}.state")
-            out.append((entry.loaded(), obj, state, None))
+            state = entry.kind.from_plain(obj, d["state"], f"{where}.state")
+            out.append((entry.loaded(), obj, state))
         return tuple(out)
-
-
-def _per_rng(state: tuple[Record | BatchRecord, ...]) -> Iterator[Record]:
-    """One ``(entry, object, state, gauss_next)`` per RNG of a captured state
-    (a batch's record as its entries' records), in registration order but
-    within a run of batches, whose ``random.Random`` come before its NumPy
-    objects (they touch separate memory; a saved state is matched by key)."""
-    for record in state:
-        first = record[0]
-        if isinstance(first, Batch):
-            yield from first.records(record[1], record[2], record[3])
-        else:
-            yield cast(Record, record)
