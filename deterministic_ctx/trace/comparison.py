@@ -79,14 +79,8 @@ class TraceComparison:
             "notes": list(self.notes),
             "ops": self.ops,
         }
-        d = self.divergence
-        if d is not None:
-            div = dataclasses.asdict(d)
-            div["shapes"] = [list(s) for s in d.shapes]
-            div["other_shapes"] = [list(s) for s in d.other_shapes]
-            div["index"] = None
-            div["location"] = d.location
-            out["divergence"] = div
+        if self.divergence is not None:
+            out["divergence"] = self.divergence.to_dict()
         return out
 
     def __str__(self) -> str:
@@ -99,17 +93,10 @@ class TraceComparison:
                 "and buffers) are identical."
             ]
         else:
-            lines = [f"Traces diverge: B differs from A first at {_where(d)}"]
+            lines = [f"Traces diverge: B differs from A first at {d.where}"]
         lines += [f"  A: {self.a}", f"  B: {self.b}"]
         if d is not None:
-            if d.root is not None and d.module is not None:
-                lines.append(f"  in model {d.root}; module call order counts from 0")
-            if d.shapes:
-                lines.append(f"  shapes: {', '.join(map(str, d.shapes))}")
-            lines.append(f"  {d.detail}")
-            if d.op_detail is not None:
-                lines.append(f"  first differing op: {d.op_detail}")
-            lines.append(f"  {self.compared} earlier fingerprint(s) agree")
+            lines += d.lines(self.compared)
         lines += [f"  note: {note}" for note in self.notes]
         if not self.environment:
             lines.append("Environment: the recorded facts are identical")
@@ -124,26 +111,6 @@ class TraceComparison:
             category = diff.category
             lines.append(f"    {diff}")
         return "\n".join(lines)
-
-
-def _where(d: Divergence) -> str:
-    """Where a divergence is, as
-    :class:`~deterministic_ctx.verify.locate.DivergenceReport` says it."""
-    if d.phase == "forward":
-        where = f"module call #{d.call_index}, {d.location}"
-        return where if d.kind in ("call", "missing", "extra") else f"{where}, forward {d.what}"
-    if d.phase == "backward":
-        return f"{d.location} (call #{d.call_index}), backward: {d.what}"
-    if d.phase == "final":
-        return f"{d.location}: {d.what}"
-    if d.phase == "op":
-        op = d.what if d.op is None else d.op
-        if d.op_location is not None:
-            op += f" at {d.op_location}"
-        if d.module is None:
-            return f"{op}, outside any module call"
-        return f"{op} in module call #{d.call_index}, {d.location}"
-    return f"the return value at {d.what}"
 
 
 def compare_traces(
