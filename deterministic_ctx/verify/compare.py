@@ -32,6 +32,8 @@ __all__ = [
     "Difference",
     "bits",
     "first_difference",
+    "float_bits",
+    "leaves",
     "short_repr",
     "tensor_difference",
     "tensor_leaves",
@@ -149,7 +151,7 @@ def _numpy_scalars(a: np.generic, b: np.generic, path: str, seen: _Seen) -> Diff
     return _array_difference(np.asarray(a), np.asarray(b), path, seen)
 
 
-def _float_bits(x: float | complex) -> bytes:
+def float_bits(x: float | complex) -> bytes:
     if isinstance(x, complex):
         return struct.pack("<dd", x.real, x.imag)
     return struct.pack("<d", x)
@@ -159,7 +161,7 @@ def _float_bits(x: float | complex) -> bytes:
 @_same_type_difference.register(complex)
 def _floats(a: float | complex, b: float | complex, path: str, seen: _Seen) -> Difference | None:
     # By their bits, like tensors: the same NaN equals itself, -0.0 differs from 0.0.
-    if _float_bits(a) == _float_bits(b):
+    if float_bits(a) == float_bits(b):
         return None
     return Difference(path, "value", repr(a), repr(b))
 
@@ -244,22 +246,43 @@ def _children(obj: object) -> list[tuple[str, Any]] | None:
     return None
 
 
+def leaves(obj: object, path: str, _seen: set[int] | None = None) -> Iterator[tuple[str, Any]]:
+    """Every leaf of ``obj`` with its path, recursing like :func:`first_difference` (but
+    not into modules, which are leaves here); a container met again inside itself is
+    left out.
+
+    Example:
+        >>> import torch
+        >>> [p for p, _ in leaves({"a": [torch.zeros(1), 2], "b": "x"}, "out")]
+        ['out["a"][0]', 'out["a"][1]', 'out["b"]']
+    """
+    children = None if isinstance(obj, (torch.Tensor, torch.nn.Module)) else _children(obj)
+    if children is None:
+        yield path, obj
+        return
+    seen = set() if _seen is None else _seen
+    if id(obj) in seen:  # a cycle: already on the way here
+        return
+    seen.add(id(obj))
+    for suffix, child in children:
+        yield from leaves(child, path + suffix, seen)
+    seen.discard(id(obj))
+
+
 def tensor_leaves(obj: object, path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor in ``obj`` with its path, recursing like :func:`first_difference`
-    (but not into modules).
+    """The tensors among :func:`leaves`.
 
     Example:
         >>> import torch
         >>> [p for p, _ in tensor_leaves({"a": [torch.zeros(1), 2, torch.ones(1)]}, "out")]
         ['out["a"][0]', 'out["a"][2]']
     """
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, torch.Tensor):  # the common case, an op's argument, without a walk
         yield path, obj
         return
-    children = _children(obj)
-    if children is not None and not isinstance(obj, torch.nn.Module):
-        for suffix, child in children:
-            yield from tensor_leaves(child, path + suffix)
+    for where, leaf in leaves(obj, path):
+        if isinstance(leaf, torch.Tensor):
+            yield where, leaf
 
 
 # --- tensors and arrays ---------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Recording one run: global module hooks that fingerprint every call, in call order.
 
-:func:`~deterministic_ctx.verify.locate.locate_divergence` records each run with
-:func:`record_run`: a fresh ``deterministic`` block with global forward hooks
+:func:`~deterministic_ctx.verify.locate.locate_divergence` records each run in
+a fresh ``deterministic`` block with global forward hooks
 that fingerprint, in call order, the outputs of every module call (and, with
 ``backward=True``, the gradients flowing into each call's inputs and
 parameters), then the gradients, parameters and buffers once ``fn`` returned.
@@ -13,14 +13,15 @@ and a run given an :class:`OpWindow` records the aten op calls in that window
 :func:`record` returns the run as the hooks left it (a :class:`Recording`): two
 runs that recorded exactly the same are found equal in one comparison, and the
 :class:`Event` objects of a :class:`Run` are only made when a run is looked at
-event by event (:meth:`Recording.run`; :func:`record_run` does both).
+event by event (:meth:`Recording.run`).
 
 Example:
     >>> import torch
     >>> from deterministic_ctx import deterministic
-    >>> from deterministic_ctx.verify.record import record_run
+    >>> from deterministic_ctx.verify.record import record
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
-    >>> run = record_run(deterministic(0), model, (torch.ones(1, 2),), {}, [model], backward=False)
+    >>> recorded = record(deterministic(0), model, (torch.ones(1, 2),), {}, [model], backward=False)
+    >>> run = recorded.run()
     >>> [(e.phase, e.module, e.what) for e in run.events][:3]
     [('forward', '0', 'output'), ('forward', '1', 'output'), ('forward', '', 'output')]
 """
@@ -46,7 +47,7 @@ from .fingerprint import Slot as _Slot
 from .ops import OpCall, OpRecorder
 from .rerun import call_and_consume
 
-__all__ = ["Event", "OpWindow", "Recording", "Run", "record", "record_run"]
+__all__ = ["Event", "OpWindow", "Recording", "Run", "record"]
 
 #: Looked up once: the hooks call it twice per module call.
 _get_ident = threading.get_ident
@@ -667,18 +668,3 @@ def record(
         rec.records, data, result, rec.structure, rec.starts, rec.captured, op_calls, *marks
     )
 
-
-def record_run(
-    block: deterministic,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    roots: list[torch.nn.Module],
-    *,
-    backward: bool,
-    capture: tuple[Any, ...] | None = None,
-    ops: OpWindow | None = None,
-) -> Run:
-    """:func:`record`, as a :class:`Run`.  See the module's example."""
-    recording = record(block, fn, args, kwargs, roots, backward=backward, capture=capture, ops=ops)
-    return recording.run()
