@@ -31,6 +31,7 @@ import torch
 __all__ = [
     "Difference",
     "bits",
+    "children",
     "first_difference",
     "float_bits",
     "leaves",
@@ -171,12 +172,12 @@ def _floats(a: float | complex, b: float | complex, path: str, seen: _Seen) -> D
 @_same_type_difference.register(tuple)
 @_same_type_difference.register(torch.nn.Module)
 def _members_difference(a: Any, b: Any, path: str, seen: _Seen) -> Difference | None:
-    """Containers of one type, member by member in the order ``_children`` lists them."""
+    """Containers of one type, member by member in the order ``children`` lists them."""
     pair = (id(a), id(b))
     if pair in seen:  # a cycle: already being compared further up
         return None
     seen.add(pair)
-    children_a, children_b = _children(a), _children(b)
+    children_a, children_b = children(a), children(b)
     # Only containers are dispatched here, and a and b are of one type.
     assert children_a is not None
     assert children_b is not None
@@ -230,7 +231,7 @@ def _is_dataclass_instance(obj: object) -> bool:
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
-def _children(obj: object) -> list[tuple[str, Any]] | None:
+def children(obj: object) -> list[tuple[str, Any]] | None:
     """``(path suffix, child)`` for a container we recurse into; ``None`` for a leaf."""
     if isinstance(obj, Mapping):
         return [(_key_path(k), v) for k, v in obj.items()]
@@ -256,15 +257,15 @@ def leaves(obj: object, path: str, _seen: set[int] | None = None) -> Iterator[tu
         >>> [p for p, _ in leaves({"a": [torch.zeros(1), 2], "b": "x"}, "out")]
         ['out["a"][0]', 'out["a"][1]', 'out["b"]']
     """
-    children = None if isinstance(obj, (torch.Tensor, torch.nn.Module)) else _children(obj)
-    if children is None:
+    members = None if isinstance(obj, (torch.Tensor, torch.nn.Module)) else children(obj)
+    if members is None:
         yield path, obj
         return
     seen = set() if _seen is None else _seen
     if id(obj) in seen:  # a cycle: already on the way here
         return
     seen.add(id(obj))
-    for suffix, child in children:
+    for suffix, child in members:
         yield from leaves(child, path + suffix, seen)
     seen.discard(id(obj))
 
