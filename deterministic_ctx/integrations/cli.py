@@ -141,6 +141,12 @@ torchrun under it (`run --deterministic-collectives -m torch.distributed.run
 The options above end at the script (or module) name: everything after it
 goes to the script. `--` may separate them."""
 
+_SCRIPT_EXIT = f"""\
+exit status: the script's own (sys.exit(N) gives N, an uncaught exception {EXIT_ERROR});
+{EXIT_INTERRUPTED} when interrupted (Ctrl-C), and then no trace is written; {EXIT_USAGE} for a usage
+error or a script or module that does not exist.
+"""
+
 _RUN_EPILOG = f"""\
 examples:
   {PROG} run train.py --lr 0.1            # seed 0
@@ -148,10 +154,7 @@ examples:
   {PROG} run --warn-only -m mypackage.train
   {PROG} run --deterministic-collectives -m torch.distributed.run --nproc-per-node=2 t.py
 
-exit status: the script's own (sys.exit(N) gives N, an uncaught exception {EXIT_ERROR});
-{EXIT_INTERRUPTED} when interrupted (Ctrl-C), and then no trace is written; {EXIT_USAGE} for a usage
-error or a script or module that does not exist.
-"""
+{_SCRIPT_EXIT}"""
 
 _REPORT_DESCRIPTION = """\
 Print the determinism setup of a fresh Python process in this environment:
@@ -198,12 +201,7 @@ examples:
   {PROG} trace record --ops c.trace train.py --steps 1
   {PROG} trace record d.trace -m mypackage.train
 
-exit status: the script's own (sys.exit(N) gives N, an uncaught exception \
-{EXIT_ERROR});
-{EXIT_INTERRUPTED} when interrupted (Ctrl-C), and then no trace is written; {EXIT_USAGE} for a \
-usage
-error or a script or module that does not exist.
-"""
+{_SCRIPT_EXIT}"""
 
 _TRACE_COMPARE_DESCRIPTION = """\
 Compare two traces written by `trace record` or record_trace(): the first
