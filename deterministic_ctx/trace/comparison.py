@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from ..verify.compare import short_repr
-from ..verify.locate import Divergence
+from ..verify.locate import Divergence, divergence_of
 from ..verify.ops import OpCall, TensorPrint, first_op_difference
 from ..verify.record import Event, Run
 from ..verify.timeline import Finding, compare_runs
@@ -216,7 +216,6 @@ def _divergence(finding: Finding, a: Run, b: Run, unfilled: bool = False) -> Div
     """The public description of ``finding``, trace B (``b``) against trace A (``a``);
     ``unfilled``: a trace was recorded without filling uninitialized memory."""
     e = finding.event
-    what = e.what
     detail = finding.detail
     kind = finding.kind
     op: tuple[str | None, str | None, str | None] = (None, None, None)
@@ -225,32 +224,13 @@ def _divergence(finding: Finding, a: Run, b: Run, unfilled: bool = False) -> Div
         if unfilled and op[0] is not None and op[0].startswith(_UNINITIALIZED):
             op = (op[0], op[1], f"{op[2]}; {_UNFILLED}")
     if finding.kind == "values":
-        if e.phase == "forward" and len(e.paths) > 1:
-            what = e.paths[finding.leaf]  # which output of several
         detail = (
             f"the fingerprints of {e.paths[finding.leaf]} differ (a trace keeps fingerprints, "
             "not values: where and by how much is unknown)"
         )
     for pattern, side in _RUN_NAMES:  # the timeline's messages name runs 1 and 2
         detail = pattern.sub(side, detail)
-    return Divergence(
-        phase=e.phase,
-        kind=kind,
-        module=e.module,
-        module_type=e.module_type,
-        root=e.root,
-        call_index=e.call_index,
-        what=what,
-        shapes=e.shapes,
-        other_shapes=() if finding.other is None else finding.other.shapes,
-        index=None,
-        max_abs_diff=None,
-        run=2,
-        detail=detail,
-        op=op[0],
-        op_location=op[1],
-        op_detail=op[2],
-    )
+    return divergence_of(finding, 2, op, kind=kind, index=None, max_abs_diff=None, detail=detail)
 
 
 #: The environment fact of torch.utils.deterministic.fill_uninitialized_memory.

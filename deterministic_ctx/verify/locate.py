@@ -76,7 +76,7 @@ from .record import OpWindow, Recording, Run, record
 from .rerun import SavedState, check_fn, check_runs, objects_to_reset
 from .timeline import Finding, compare_runs
 
-__all__ = ["Divergence", "DivergenceReport", "locate_divergence"]
+__all__ = ["Divergence", "DivergenceReport", "divergence_of", "locate_divergence"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,7 +352,7 @@ def locate_divergence(
         backward=backward,
         calls=len(first.structure),
         compared=agreed,
-        divergence=None if finding is None else _divergence(finding, run, drilled),
+        divergence=None if finding is None else divergence_of(finding, run, drilled),
         ops=ops,
     )
 
@@ -495,30 +495,32 @@ def _measured(finding: Finding, reruns: tuple[Run, Run], numbers: tuple[int, int
     )
 
 
-def _divergence(
-    finding: Finding, run: int, drilled: tuple[str | None, str | None, str] | None
+def divergence_of(
+    finding: Finding,
+    run: int,
+    drilled: tuple[str | None, str | None, str | None] | None = None,
+    **replaced: Any,
 ) -> Divergence:
     """The public description of ``finding``, where run ``run`` differed from run 1, and
-    of the op found by ``drilled``, if it ran."""
+    of the op found by ``drilled``, if it ran; ``replaced``: fields said otherwise."""
     e = finding.event
     what = e.what
     if finding.kind == "values" and e.phase == "forward" and len(e.paths) > 1:
         what = e.paths[finding.leaf]  # which output of several
-    return Divergence(
-        phase=e.phase,
-        kind=finding.kind,
-        module=e.module,
-        module_type=e.module_type,
-        root=e.root,
-        call_index=e.call_index,
-        what=what,
-        shapes=e.shapes,
-        other_shapes=() if finding.other is None else finding.other.shapes,
-        index=finding.index,
-        max_abs_diff=finding.max_abs_diff,
-        run=run,
-        detail=finding.detail,
-        op=None if drilled is None else drilled[0],
-        op_location=None if drilled is None else drilled[1],
-        op_detail=None if drilled is None else drilled[2],
-    )
+    op, op_location, op_detail = (None, None, None) if drilled is None else drilled
+    fields = {
+        "phase": e.phase,
+        "kind": finding.kind,
+        "module": e.module,
+        "module_type": e.module_type,
+        "root": e.root,
+        "call_index": e.call_index,
+        "what": what,
+        "shapes": e.shapes,
+        "other_shapes": () if finding.other is None else finding.other.shapes,
+        "index": finding.index,
+        "max_abs_diff": finding.max_abs_diff,
+        "run": run,
+        "detail": finding.detail,
+    }
+    return Divergence(**{**fields, **replaced}, op=op, op_location=op_location, op_detail=op_detail)
