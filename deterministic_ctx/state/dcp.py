@@ -86,9 +86,9 @@ import torch
 
 from ..internal import DCP_STATEFUL
 from ..parallel.ranks import ranks
-from .checkpoint import MAX_FILE_BYTES, InvalidSnapshotError, decode, encode, with_origin
+from .checkpoint import MAX_FILE_BYTES, InvalidSnapshotError, encode
 from .snapshot import Snapshot
-from .sync import apply_everywhere, check_everywhere, random_state_only
+from .sync import apply_everywhere, check_everywhere, received
 
 __all__ = ["CAPACITY", "VERSION", "RngState"]
 
@@ -283,14 +283,9 @@ class RngState:
         if key not in state_dict:
             raise InvalidSnapshotError(origin, "there is no such entry")
         data = _unpack(state_dict[key], origin, rank, world, self._capacity)
-        state = decode(data, origin)
-        try:
-            # This rank's own state, so rank-local RNGs stay; its setup (flags, managed
-            # environment variables such as the NCCL recipe) stays this process's.
-            state = random_state_only(state, keep_rank_local=False)
-            return Snapshot.from_state_dict(state, strict_devices=self._strict_devices)
-        except InvalidSnapshotError as exc:  # it names "state_dict": say where it came from
-            raise with_origin(exc, origin) from None
+        # This rank's own state, so rank-local RNGs stay; its setup (flags, managed
+        # environment variables such as the NCCL recipe) stays this process's.
+        return received(data, origin, keep_rank_local=False, strict_devices=self._strict_devices)
 
     def __repr__(self) -> str:
         return (
