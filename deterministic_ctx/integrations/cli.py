@@ -229,14 +229,6 @@ def _seed_argument(text: str) -> int:
     raise argparse.ArgumentTypeError(f"must be an integer in 0 .. {MAX_SEED}, got {text!r}")
 
 
-class _Parsers(NamedTuple):
-    """The command's parser, and the subparsers whose errors ``main`` prints itself."""
-
-    main: argparse.ArgumentParser
-    run: argparse.ArgumentParser
-    trace_record: argparse.ArgumentParser
-
-
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
     """The options of ``run``, which ``trace record`` shares."""
     parser.add_argument(
@@ -276,8 +268,8 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _parsers() -> _Parsers:
-    """The command's parser and its subparsers."""
+def _parser() -> argparse.ArgumentParser:
+    """The command's parser."""
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
         prog=PROG, description=_DESCRIPTION, epilog=_EPILOG, formatter_class=formatter
@@ -357,7 +349,7 @@ def _parsers() -> _Parsers:
     compare.add_argument("--json", action="store_true", help="print the comparison as JSON")
     compare.add_argument("a", metavar="A", help="a trace file")
     compare.add_argument("b", metavar="B", help="another trace file")
-    return _Parsers(parser, run, record)
+    return parser
 
 
 #: ``run`` options that take a value, for splitting the command line at the script.
@@ -428,7 +420,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         2
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    parsers = _parsers()
     command: list[str] = []
     if args and args[0] == "run":
         options, command = _split(args[1:])
@@ -437,7 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         options, command = _split(args[2:], out=True)
         args = ["trace", "record", *options]
     try:
-        ns = parsers.main.parse_args(args)
+        ns = _parser().parse_args(args)
     except SystemExit as exc:  # --help, --version and usage errors
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if ns.command == "report":
@@ -468,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(target, ns.seed, settings, ns.deterministic_collectives)
     except _UsageError as exc:
         if exc.show_usage:
-            (parsers.trace_record if record else parsers.run).print_usage(sys.stderr)
+            print(f"usage: {_TRACE_RECORD_USAGE if record else _RUN_USAGE}", file=sys.stderr)
         print(f"{PROG} {'trace record' if record else 'run'}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
@@ -501,14 +492,6 @@ class _Target(NamedTuple):
     name: str
     args: list[str]
     is_module: bool
-
-    @property
-    def path0(self) -> str:
-        """``sys.path[0]`` as ``python`` sets it: the current directory for ``-m``,
-        the script's own directory otherwise."""
-        if self.is_module:
-            return os.getcwd()
-        return os.path.dirname(os.path.abspath(self.name))
 
     def run(self) -> dict[str, Any]:
         """Run it as ``__main__``, as ``python script.py`` / ``python -m module`` would;
@@ -566,10 +549,9 @@ def _set_up_main(target: _Target) -> None:
     sys.argv[:] = [target.name, *target.args]
     if getattr(sys.flags, "safe_path", False):  # python -P: nothing is put in front
         return
-    if sys.path:
-        sys.path[0] = target.path0
-    else:
-        sys.path.insert(0, target.path0)
+    # The current directory for -m, the script's own directory otherwise.
+    path0 = os.getcwd() if target.is_module else os.path.dirname(os.path.abspath(target.name))
+    sys.path[:1] = [path0]
 
 
 def _find_module(target: _Target) -> None:
