@@ -9,8 +9,6 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-import torch
-
 __all__ = [
     "CHECKED_TORCH",
     "CHECKS",
@@ -168,9 +166,6 @@ class OpEntry:
             arguments with (``()``: bound with the Python function's signature).
         unless_dispatched: for ``kind="function"``, aten ops (packet names)
             whose dispatch during the call means another entry covers it.
-        example: builds tensors on a device and runs the case; returns what it
-            computed.  The GPU test checks the behaviour with it.  Not in the data
-            file: :data:`~.examples.EXAMPLES` has one per entry, by key.
         earlier: where torch changed the behaviour: ``(release, behaviour)`` pairs,
             oldest first, each the behaviour on torch releases before ``release``
             (``(("2.13", "raise"),)``: raises before 2.13, ``behaviour`` from then on).
@@ -200,7 +195,6 @@ class OpEntry:
     kind: Kind = "op"
     parameters: tuple[str, ...] = ()
     unless_dispatched: tuple[str, ...] = ()
-    example: Callable[[torch.device], Any] | None = None
     earlier: tuple[tuple[str, Behaviour], ...] = ()
     observed: tuple[str, ...] = ("2.11",)
 

@@ -15,6 +15,7 @@ import torch
 
 from ..internal import TORCH_MACHINERY
 from ..verify.ops import is_library_file
+from ..verify.record import ModuleNames
 
 __all__ = ["Frames", "Modules", "Site", "called_outside_torch"]
 
@@ -111,28 +112,15 @@ class Modules:
     """Which module is running, from global module hooks: names within their root models.
 
     Roots are the modules passed to the audit, then any module whose name is
-    not known when it is first called (a model built inside ``fn``): its
-    pre-hook runs before its children's, so they are named relative to it.
+    not known when it is first called (see :class:`~deterministic_ctx.verify.record.ModuleNames`).
     """
 
     def __init__(self, roots: Iterable[torch.nn.Module]) -> None:
-        self._names: dict[int, tuple[str, str]] = {}
-        self._keep: list[torch.nn.Module] = []  # keeps the ids valid while the audit runs
+        self._names = ModuleNames(roots)
         self._stack: list[tuple[torch.nn.Module, str, str]] = []
         self._thread = threading.get_ident()
         #: Class names of the recurrent modules that ran (see the package's docstring).
         self.recurrent: set[str] = set()
-        for root in roots:
-            self._name(root)
-
-    def _name(self, module: torch.nn.Module) -> tuple[str, str]:
-        found = self._names.get(id(module))
-        if found is None:
-            self._keep.append(module)
-            for name, sub in module.named_modules():
-                self._names.setdefault(id(sub), (name, type(sub).__qualname__))
-            found = self._names[id(module)]
-        return found
 
     def current(self) -> tuple[str | None, str | None]:
         if not self._stack:
@@ -142,7 +130,8 @@ class Modules:
 
     def pre_hook(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         if threading.get_ident() == self._thread:
-            self._stack.append((module, *self._name(module)))
+            _, name, kind = self._names.of(module)
+            self._stack.append((module, name, kind))
             if isinstance(module, torch.nn.RNNBase):
                 self.recurrent.add(type(module).__qualname__)
 

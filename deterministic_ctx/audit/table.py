@@ -13,8 +13,8 @@ condition on the call's arguments (the name of a small predicate of
 behaviour under deterministic mode (and, where torch changed it, the
 behaviour on earlier releases), the phase the op normally runs in, and a
 note; a field left out takes :class:`~.model.OpEntry`'s default.  Each entry
-has a runnable example, in :data:`~.examples.EXAMPLES` under its key, that the
-GPU test (``tests/verify/test_audit.py``) runs on a real CUDA device to check the
+has a runnable example under its key in the tests (``tests/verify/audit_examples.py``),
+which ``tests/verify/test_audit.py`` runs on a real CUDA device to check the
 behaviour.  Entries for one op are tried in order; the first whose condition
 holds wins.
 
@@ -77,7 +77,6 @@ from typing import Any, NoReturn, cast, get_args
 
 from .._errors import DeterministicCtxError
 from .conditions import CONDITIONS
-from .examples import EXAMPLES
 from .model import Behaviour, Kind, OpEntry, Phase
 
 __all__ = ["DATA_FILE", "TableError", "entries_for", "parse", "table", "uninitialized_entry"]
@@ -182,15 +181,12 @@ def _entry(raw: object, index: int) -> OpEntry:
         if name not in CONDITIONS:
             _fail(where, f"when names no predicate of conditions.CONDITIONS: {name!r}")
         fields["when"] = CONDITIONS[name]
-    if key not in EXAMPLES:
-        _fail(where, f"no example in examples.EXAMPLES for the key {key!r}")
     return OpEntry(
         key,
         ops,
         _behaviour(raw["behaviour"], where, "behaviour"),
         cast(Phase, _choice(raw["phase"], where, "phase", get_args(Phase))),
         _string(raw["note"], where, "note"),
-        example=EXAMPLES[key],
         **fields,
     )
 
@@ -198,7 +194,7 @@ def _entry(raw: object, index: int) -> OpEntry:
 def parse(data: object) -> tuple[OpEntry, ...]:
     """The entries of the data file's contents ``data`` (parsed JSON), checked: each
     field's type and values, unique keys, one ``"uninitialized"`` entry, and that every
-    predicate and example named or keyed exists and is used.  Raises :class:`TableError`."""
+    predicate named exists and is used.  Raises :class:`TableError`."""
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
         _fail("top level", "must be an object with an entries list")
     unknown = sorted(set(data) - {"about", "entries"})
@@ -211,9 +207,6 @@ def parse(data: object) -> tuple[OpEntry, ...]:
         _fail("entries", f"keys must be unique, repeated: {', '.join(repeated)}")
     if sum(entry.kind == "uninitialized" for entry in entries) != 1:
         _fail("entries", 'there must be exactly one entry of kind "uninitialized"')
-    unused = sorted(set(EXAMPLES) - set(keys))
-    if unused:
-        _fail("entries", f"examples.EXAMPLES has examples of no entry: {', '.join(unused)}")
     named = {raw.get("when") for raw in data["entries"]}
     unused = sorted(set(CONDITIONS) - named)
     if unused:

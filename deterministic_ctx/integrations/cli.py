@@ -141,6 +141,12 @@ torchrun under it (`run --deterministic-collectives -m torch.distributed.run
 The options above end at the script (or module) name: everything after it
 goes to the script. `--` may separate them."""
 
+_SCRIPT_EXIT = f"""\
+exit status: the script's own (sys.exit(N) gives N, an uncaught exception {EXIT_ERROR});
+{EXIT_INTERRUPTED} when interrupted (Ctrl-C), and then no trace is written; {EXIT_USAGE} for a usage
+error or a script or module that does not exist.
+"""
+
 _RUN_EPILOG = f"""\
 examples:
   {PROG} run train.py --lr 0.1            # seed 0
@@ -148,10 +154,7 @@ examples:
   {PROG} run --warn-only -m mypackage.train
   {PROG} run --deterministic-collectives -m torch.distributed.run --nproc-per-node=2 t.py
 
-exit status: the script's own (sys.exit(N) gives N, an uncaught exception {EXIT_ERROR});
-{EXIT_INTERRUPTED} when interrupted (Ctrl-C), and then no trace is written; {EXIT_USAGE} for a usage
-error or a script or module that does not exist.
-"""
+{_SCRIPT_EXIT}"""
 
 _REPORT_DESCRIPTION = """\
 Print the determinism setup of a fresh Python process in this environment:
@@ -198,12 +201,7 @@ examples:
   {PROG} trace record --ops c.trace train.py --steps 1
   {PROG} trace record d.trace -m mypackage.train
 
-exit status: the script's own (sys.exit(N) gives N, an uncaught exception \
-{EXIT_ERROR});
-{EXIT_INTERRUPTED} when interrupted (Ctrl-C), and then no trace is written; {EXIT_USAGE} for a \
-usage
-error or a script or module that does not exist.
-"""
+{_SCRIPT_EXIT}"""
 
 _TRACE_COMPARE_DESCRIPTION = """\
 Compare two traces written by `trace record` or record_trace(): the first
@@ -229,14 +227,6 @@ def _seed_argument(text: str) -> int:
         if 0 <= seed <= MAX_SEED:
             return seed
     raise argparse.ArgumentTypeError(f"must be an integer in 0 .. {MAX_SEED}, got {text!r}")
-
-
-class _Parsers(NamedTuple):
-    """The command's parser, and the subparsers whose errors ``main`` prints itself."""
-
-    main: argparse.ArgumentParser
-    run: argparse.ArgumentParser
-    trace_record: argparse.ArgumentParser
 
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
@@ -278,8 +268,8 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _parsers() -> _Parsers:
-    """The command's parser and its subparsers."""
+def _parser() -> argparse.ArgumentParser:
+    """The command's parser."""
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
         prog=PROG, description=_DESCRIPTION, epilog=_EPILOG, formatter_class=formatter
@@ -359,73 +349,51 @@ def _parsers() -> _Parsers:
     compare.add_argument("--json", action="store_true", help="print the comparison as JSON")
     compare.add_argument("a", metavar="A", help="a trace file")
     compare.add_argument("b", metavar="B", help="another trace file")
-    return _Parsers(parser, run, record)
+    return parser
 
 
 #: ``run`` options that take a value, for splitting the command line at the script.
 _RUN_VALUE_OPTIONS = ("--seed", "--compiled-rng", "-m")
 
 
-def _split_run(tokens: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Split the words after ``run`` into our options and the script's command.
+def _split(tokens: Sequence[str], *, out: bool = False) -> tuple[list[str], list[str]]:
+    """Split the words after ``run`` (or, with ``out``, ``trace record``) into our options
+    and the script's command.
 
     Like ``python`` itself, our options end at the first word that is not one
-    of them (the script), at ``--``, or right after ``-m module``.
+    of them (the script), at ``--``, or right after ``-m module``.  With
+    ``out`` the first word that is not an option is ``OUT`` and the options may
+    go on after it (the word after ``--`` is ``OUT`` if none was given yet).
 
     Example:
-        >>> _split_run(["--seed", "3", "train.py", "--seed", "5"])
+        >>> _split(["--seed", "3", "train.py", "--seed", "5"])
         (['--seed', '3'], ['train.py', '--seed', '5'])
-        >>> _split_run(["--", "train.py"])
+        >>> _split(["--", "train.py"])
         ([], ['train.py'])
-        >>> _split_run(["-m", "pkg.mod", "-v"])
+        >>> _split(["-m", "pkg.mod", "-v"])
         (['-m', 'pkg.mod'], ['-v'])
-    """
-    options: list[str] = []
-    rest = list(tokens)
-    while rest and _is_option(rest[0]):
-        token = rest.pop(0)
-        options.append(token)
-        if token in _RUN_VALUE_OPTIONS and rest:
-            options.append(rest.pop(0))
-        if token.startswith("-m"):  # -m module, or -mmodule: the module's arguments follow
-            return options, rest
-    return options, rest[1:] if rest[:1] == ["--"] else rest
-
-
-def _split_trace_record(tokens: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Split the words after ``trace record`` into our options with ``OUT``, and the
-    script's command.
-
-    As for ``run``, but the first word that is not an option is ``OUT``, and the
-    options may go on after it; ``--`` ends them (the word after it is ``OUT``
-    if none was given yet).
-
-    Example:
-        >>> _split_trace_record(["a.trace", "--seed", "3", "train.py", "--seed", "5"])
+        >>> _split(["a.trace", "--seed", "3", "train.py", "--seed", "5"], out=True)
         (['a.trace', '--seed', '3'], ['train.py', '--seed', '5'])
-        >>> _split_trace_record(["--backward", "a.trace", "--", "-odd.py"])
+        >>> _split(["--backward", "a.trace", "--", "-odd.py"], out=True)
         (['--backward', 'a.trace'], ['-odd.py'])
-        >>> _split_trace_record(["a.trace", "-m", "pkg.mod", "-v"])
-        (['a.trace', '-m', 'pkg.mod'], ['-v'])
     """
     options: list[str] = []
     rest = list(tokens)
-    out = False
     while rest:
         word = rest.pop(0)
         if word == "--":
-            if not out and rest:  # `--` then OUT: argparse takes it as a positional
+            if out and rest:  # `--` then OUT: argparse takes it as a positional
                 options += ["--", rest.pop(0)]
             return options, rest
         if not _is_option(word):
-            if out:
+            if not out:
                 rest.insert(0, word)  # the script
                 return options, rest
-            out = True
+            out = False
         options.append(word)
         if word in _RUN_VALUE_OPTIONS and rest:
             options.append(rest.pop(0))
-        if word.startswith("-m"):  # -m module: the module's arguments follow
+        if word.startswith("-m"):  # -m module, or -mmodule: the module's arguments follow
             return options, rest
     return options, rest
 
@@ -451,47 +419,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["run", "--seed", "abc", "train.py"])  # the usage error goes to stderr
         2
     """
-    from_command_line = argv is None
     args = list(sys.argv[1:] if argv is None else argv)
-    parsers = _parsers()
     command: list[str] = []
     if args and args[0] == "run":
-        options, command = _split_run(args[1:])
+        options, command = _split(args[1:])
         args = ["run", *options]
     elif args[:2] == ["trace", "record"]:
-        options, command = _split_trace_record(args[2:])
+        options, command = _split(args[2:], out=True)
         args = ["trace", "record", *options]
     try:
-        ns = parsers.main.parse_args(args)
+        ns = _parser().parse_args(args)
     except SystemExit as exc:  # --help, --version and usage errors
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if ns.command == "report":
         return _report(as_json=ns.json, init_cuda=ns.init_cuda)
     if ns.command == "trace" and ns.trace_command == "compare":
         return _trace_compare(ns.a, ns.b, as_json=ns.json)
-    if ns.command == "trace":
-        return _trace_record(
-            parsers.trace_record,
-            output=ns.output,
-            backward=ns.backward,
-            ops=ns.ops,
-            settings=_Settings.of(ns),
-            module=ns.module,
-            command=command,
-            restart=from_command_line,
-        )
-    return _run(
-        parsers.run,
-        seed=ns.seed,
-        warn_only=ns.warn_only,
-        flags=not ns.no_flags,
-        fill_uninitialized_memory=not ns.no_fill,
-        compiled_rng=ns.compiled_rng,
-        collectives=ns.deterministic_collectives,
-        module=ns.module,
-        command=command,
-        restart=from_command_line,
-    )
+    record = ns.command == "trace"
+    try:
+        target = _target(ns.module, command)
+        if record:
+            _check_output(ns.output)
+        elif ns.deterministic_collectives:  # before the restart: the new interpreter has them
+            _set_collectives()
+        status = _restart_with_hashseed(ns.seed) if argv is None else None
+        if status is not None:  # Windows: the restarted command ran in a child process
+            return status
+        # From here on this is the interpreter that runs the script: only now
+        # does the engine, and with it torch and NumPy, get imported.
+        _set_up_main(target)
+        settings = {
+            "warn_only": ns.warn_only,
+            "flags": not ns.no_flags,
+            "fill_uninitialized_memory": not ns.no_fill,
+            "compiled_rng": ns.compiled_rng,
+        }
+        if record:
+            return _trace_record(target, ns.seed, settings, ns.output, ns.backward, ns.ops)
+        return _run(target, ns.seed, settings, ns.deterministic_collectives)
+    except _UsageError as exc:
+        if exc.show_usage:
+            print(f"usage: {_TRACE_RECORD_USAGE if record else _RUN_USAGE}", file=sys.stderr)
+        print(f"{PROG} {'trace record' if record else 'run'}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 # --- report ---------------------------------------------------------------------------------------
@@ -523,14 +493,6 @@ class _Target(NamedTuple):
     args: list[str]
     is_module: bool
 
-    @property
-    def path0(self) -> str:
-        """``sys.path[0]`` as ``python`` sets it: the current directory for ``-m``,
-        the script's own directory otherwise."""
-        if self.is_module:
-            return os.getcwd()
-        return os.path.dirname(os.path.abspath(self.name))
-
     def run(self) -> dict[str, Any]:
         """Run it as ``__main__``, as ``python script.py`` / ``python -m module`` would;
         its global variables when it ended."""
@@ -547,52 +509,23 @@ class _UsageError(DeterministicCtxError):
         self.show_usage = show_usage
 
 
-def _run(
-    parser: argparse.ArgumentParser,
-    *,
-    seed: int,
-    warn_only: bool,
-    flags: bool,
-    fill_uninitialized_memory: bool,
-    compiled_rng: str | None,
-    collectives: bool,
-    module: str | None,
-    command: list[str],
-    restart: bool,
-) -> int:
-    """``run``: check the target, restart for ``PYTHONHASHSEED``, seed, then run the target."""
-    try:
-        target = _target(module, command)
-        if collectives:  # before the restart: the new interpreter starts with them
-            _set_collectives()
-        status = _restart_with_hashseed(seed) if restart else None
-        if status is not None:  # Windows: the restarted command ran in a child process
-            return status
-        # From here on this is the interpreter that runs the script: only now
-        # does the engine, and with it torch and NumPy, get imported.
-        _set_up_main(target)
-        from ..parallel.seeding import seed_everything
+def _run(target: _Target, seed: int, settings: dict[str, Any], collectives: bool) -> int:
+    """``run``, once the target is checked and the interpreter restarted: seed, then run it."""
+    from ..parallel.seeding import seed_everything
 
-        seed_everything(
-            seed,
-            warn_only=warn_only,
-            flags=flags,
-            fill_uninitialized_memory=fill_uninitialized_memory,
-            compiled_rng=compiled_rng,  # type: ignore[arg-type]  # argparse checked the choice
-        )
-        if collectives:
-            # Set in this process when it did not restart: tell the report that they were
-            # set before any process group (it cannot know otherwise).
-            from ..reporting.collectives import observe
+    seed_everything(seed, **settings)
+    if collectives:
+        # Set in this process when it did not restart: tell the report that they were
+        # set before any process group (it cannot know otherwise).
+        from ..reporting.collectives import observe
 
-            observe()
-        _find_module(target)
-    except _UsageError as exc:
-        if exc.show_usage:
-            parser.print_usage(sys.stderr)
-        print(f"{PROG} run: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    return _execute(target)
+        observe()
+    _find_module(target)
+    outcome = _Outcome()
+    _execute(target, outcome)
+    if outcome.exit is not None:
+        raise outcome.exit  # Python prints its message and picks the status
+    return outcome.status
 
 
 def _target(module: str | None, command: list[str]) -> _Target:
@@ -616,10 +549,9 @@ def _set_up_main(target: _Target) -> None:
     sys.argv[:] = [target.name, *target.args]
     if getattr(sys.flags, "safe_path", False):  # python -P: nothing is put in front
         return
-    if sys.path:
-        sys.path[0] = target.path0
-    else:
-        sys.path.insert(0, target.path0)
+    # The current directory for -m, the script's own directory otherwise.
+    path0 = os.getcwd() if target.is_module else os.path.dirname(os.path.abspath(target.name))
+    sys.path[:1] = [path0]
 
 
 def _find_module(target: _Target) -> None:
@@ -639,26 +571,6 @@ def _find_module(target: _Target) -> None:
         raise _UsageError(f"cannot find module {target.name!r}: {exc}") from None
     if not found:
         raise _UsageError(f"no module named {target.name!r}")
-
-
-def _execute(target: _Target) -> int:
-    """Run ``target`` and return its exit status; its ``SystemExit`` propagates.
-
-    ``SystemExit`` is left to Python, which prints a message and picks the
-    status exactly as for ``python script.py``; any other exception is printed
-    as Python prints an uncaught one.
-    """
-    try:
-        target.run()
-    except SystemExit:
-        raise
-    except KeyboardInterrupt as exc:
-        _print_exception(exc)
-        return EXIT_INTERRUPTED
-    except BaseException as exc:
-        _print_exception(exc)
-        return EXIT_ERROR
-    return EXIT_OK
 
 
 def _set_collectives() -> None:
@@ -703,20 +615,6 @@ def _restart_with_hashseed(seed: int) -> int | None:
 # --- trace ----------------------------------------------------------------------------------------
 
 
-class _Settings(NamedTuple):
-    """The block settings of ``run``'s options, which ``trace record`` shares."""
-
-    seed: int
-    warn_only: bool
-    flags: bool
-    fill_uninitialized_memory: bool
-    compiled_rng: str | None
-
-    @classmethod
-    def of(cls, ns: argparse.Namespace) -> _Settings:
-        return cls(ns.seed, ns.warn_only, not ns.no_flags, not ns.no_fill, ns.compiled_rng)
-
-
 @dataclasses.dataclass
 class _Outcome:
     """How a recorded script ended: its exit status, the ``SystemExit`` to re-raise,
@@ -728,57 +626,34 @@ class _Outcome:
 
 
 def _trace_record(
-    parser: argparse.ArgumentParser,
-    *,
+    target: _Target,
+    seed: int,
+    settings: dict[str, Any],
     output: str,
     backward: bool,
     ops: bool,
-    settings: _Settings,
-    module: str | None,
-    command: list[str],
-    restart: bool,
 ) -> int:
-    """``trace record``: check, restart for ``PYTHONHASHSEED``, run the target in a
-    recording block, write the trace."""
-    try:
-        target = _target(module, command)
-        _check_output(output)
-        status = _restart_with_hashseed(settings.seed) if restart else None
-        if status is not None:  # Windows: the restarted command ran in a child process
-            return status
-        _set_up_main(target)
-        # Only now, in the interpreter that runs the script, is torch imported.
-        from ..core.context import deterministic
-        from ..trace import record_in, script_result
+    """``trace record``, once the target and ``OUT`` are checked and the interpreter
+    restarted: run the target in a recording block, write the trace."""
+    from ..core.context import deterministic
+    from ..trace import record_in, script_result
 
-        block = deterministic(
-            settings.seed,
-            warn_only=settings.warn_only,
-            flags=settings.flags,
-            fill_uninitialized_memory=settings.fill_uninitialized_memory,
-            compiled_rng=settings.compiled_rng,  # type: ignore[arg-type]  # argparse checked it
-        )
-        outcome = _Outcome()
+    outcome = _Outcome()
 
-        def script() -> dict[str, Any] | None:
-            _find_module(target)  # in the block: finding it imports its parent packages
-            namespace = _execute_recorded(target, outcome)
-            return None if namespace is None else script_result(namespace)
+    def script() -> dict[str, Any] | None:
+        _find_module(target)  # in the block: finding it imports its parent packages
+        namespace = _execute(target, outcome)
+        return None if namespace is None else script_result(namespace)
 
-        name = f"-m {target.name}" if target.is_module else target.name
-        trace = record_in(
-            block,
-            script,
-            backward=backward,
-            ops=ops,
-            source=f"script {' '.join([name, *target.args])}",
-            root="globals",
-        )
-    except _UsageError as exc:
-        if exc.show_usage:
-            parser.print_usage(sys.stderr)
-        print(f"{PROG} trace record: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    name = f"-m {target.name}" if target.is_module else target.name
+    trace = record_in(
+        deterministic(seed, **settings),
+        script,
+        backward=backward,
+        ops=ops,
+        source=f"script {' '.join([name, *target.args])}",
+        root="globals",
+    )
     if outcome.interrupted:
         print(f"{PROG} trace record: interrupted: no trace written", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -786,7 +661,7 @@ def _trace_record(
     counted = f"{trace.calls} module calls"
     if ops:
         counted += f", {sum(e.phase == 'op' for e in trace.events)} op calls"
-    print(f"{PROG} trace record: wrote {output} ({counted}, seed {settings.seed})", file=sys.stderr)
+    print(f"{PROG} trace record: wrote {output} ({counted}, seed {seed})", file=sys.stderr)
     if outcome.exit is not None:
         raise outcome.exit  # Python prints its message and picks the status, as for run
     return outcome.status
@@ -815,13 +690,14 @@ def _check_output(output: str) -> None:
         )
 
 
-def _execute_recorded(target: _Target, outcome: _Outcome) -> dict[str, Any] | None:
-    """Run ``target`` for a trace: its global variables, or ``None`` if it did not end
-    normally; how it ended goes to ``outcome``.
+def _execute(target: _Target, outcome: _Outcome) -> dict[str, Any] | None:
+    """Run ``target``: its global variables, or ``None`` if it did not end normally; how it
+    ended goes to ``outcome``.
 
-    Nothing propagates, so that the recording completes: a ``SystemExit`` is
-    kept to be raised once the trace is written, any other exception printed as
-    Python prints an uncaught one (from here, without the recording's frames).
+    Nothing propagates, so that a recording completes: a ``SystemExit`` is
+    kept to be raised once the caller is done (Python then prints its message
+    and picks the status exactly as for ``python script.py``), any other
+    exception printed as Python prints an uncaught one, without our frames.
     """
     try:
         return target.run()

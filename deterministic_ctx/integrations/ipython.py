@@ -255,13 +255,7 @@ class DeterministicMagics(Magics):
         shell = self.shell
         assert shell is not None
         body, last = _compile_cell(shell, line, cell)  # a SyntaxError here runs nothing
-        with _block(
-            options.seed,
-            warn_only=options.warn_only,
-            flags=options.flags,
-            fill_uninitialized_memory=options.fill_uninitialized_memory,
-            compiled_rng=options.compiled_rng,
-        ):
+        with _block(**options._asdict()):
             exec(body, shell.user_global_ns, shell.user_ns)
             value = None if last is None else eval(last, shell.user_global_ns, shell.user_ns)
         return None if _ends_with_semicolon(cell) else value

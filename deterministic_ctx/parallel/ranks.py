@@ -51,11 +51,9 @@ from ..internal import (
 __all__ = [
     "Ranks",
     "broadcast_seed",
-    "draw_seed",
     "rank_seed",
     "ranks",
     "resolve_rank",
-    "world_size",
 ]
 
 
@@ -153,19 +151,6 @@ def rank_seed(seed: int, rank: Rank = "auto") -> int:
     return seed_for_rank(validate_seed(seed), resolve_rank(rank))
 
 
-def world_size() -> int:
-    """The number of processes of the run (internal): the default process
-    group's size, else the launcher's ``WORLD_SIZE``, else 1."""
-    return ranks().world_size
-
-
-def draw_seed() -> int:
-    """A fresh 32-bit seed (internal: ``seed_everything(None)`` draws with it)."""
-    # From the OS, never from a global RNG: inside a block that would repeat
-    # the block's seed and shift its streams.
-    return secrets.randbits(32)
-
-
 def broadcast_seed(seed: int | None = None) -> int:
     """Rank 0's seed, on every rank: the one it passes, or a fresh one if ``None``.
 
@@ -185,11 +170,12 @@ def broadcast_seed(seed: int | None = None) -> int:
         ...     det.seed
         5
     """
-    if seed is not None:
-        seed = validate_seed(seed)
+    # A fresh seed from the OS, never from a global RNG: inside a block that would repeat
+    # the block's seed and shift its streams.
+    own = secrets.randbits(32) if seed is None else validate_seed(seed)
     grouped = dist.is_available() and dist.is_initialized()
     if not grouped:
-        world = world_size()
+        world = ranks().world_size
         if world > 1:
             raise RuntimeError(
                 f"broadcast_seed is a collective over the default process group, and the "
@@ -197,12 +183,10 @@ def broadcast_seed(seed: int | None = None) -> int:
                 f"one yet: call torch.distributed.init_process_group() first (under torchrun "
                 f"it needs no argument but the backend)"
             )
-        return draw_seed() if seed is None else seed
+        return own
     if int(dist.get_world_size()) == 1:
-        return draw_seed() if seed is None else seed
-    box: list[int | None] = [None]
-    if dist.get_rank() == 0:
-        box[0] = draw_seed() if seed is None else seed
+        return own
+    box: list[int | None] = [own if dist.get_rank() == 0 else None]
     # broadcast_object_list picks the device the backend needs (CPU for gloo,
     # the current CUDA device for NCCL).
     dist.broadcast_object_list(box, src=0)

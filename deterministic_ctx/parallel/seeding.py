@@ -121,18 +121,15 @@ def seed_everything(
     validate_compiled_rng(compiled_rng)
     drawn = seed is None
     if broadcast or drawn:
-        from . import ranks as distributed
+        from .ranks import broadcast_seed, ranks
 
-        if broadcast:
-            seed = distributed.broadcast_seed(seed)
-        elif distributed.world_size() > 1:
+        if not broadcast and (world := ranks().world_size) > 1:
             raise ValueError(
                 f"seed=None draws a different seed on every rank of the run "
-                f"(world size {distributed.world_size()}); pass broadcast=True so that every "
+                f"(world size {world}); pass broadcast=True so that every "
                 f"rank uses rank 0's seed"
             )
-        else:
-            seed = distributed.draw_seed()
+        seed = broadcast_seed(seed)  # in a one-process run: seed, or a fresh one
     settings = Settings.build(seed, warn_only, rank, flags, fill_uninitialized_memory, compiled_rng)
     block = Block(settings)
     try:

@@ -94,6 +94,7 @@ __all__ = [
     "VERSION",
     "FileKind",
     "InvalidSnapshotError",
+    "check_version",
     "decode",
     "encode",
     "from_state_dict",
@@ -344,14 +345,7 @@ def decode(data: bytes, origin: str, kind: FileKind = SNAPSHOT_FILE) -> StateDic
     if len(data) < _HEAD + _DIGEST:
         raise error(origin, f"truncated: {len(data)} bytes, no room for a header")
     version, reserved, header_len, data_len = _PREAMBLE.unpack_from(data, len(MAGIC))
-    if version > VERSION:
-        raise error(
-            origin,
-            f"format version {version} is newer than this deterministic-ctx reads ({VERSION}): "
-            f"upgrade deterministic-ctx to load it",
-        )
-    if version != VERSION or reserved != 0:
-        raise error(origin, f"unknown format version {version}.{reserved}")
+    check_version(version, reserved, VERSION, origin, error)
     expected = _HEAD + header_len + data_len + _DIGEST  # Python ints: no overflow
     if len(data) != expected:
         what = "truncated" if len(data) < expected else "trailing bytes"
@@ -373,6 +367,25 @@ def decode(data: bytes, origin: str, kind: FileKind = SNAPSHOT_FILE) -> StateDic
         return _attach(header, memoryview(data)[_HEAD + header_len : _HEAD + header_len + data_len])
     except (ValueError, TypeError, RecursionError) as exc:
         raise error(origin, f"bad header: {exc}") from exc
+
+
+def check_version(
+    version: int,
+    reserved: int,
+    supported: int,
+    origin: str,
+    error: type[InvalidSnapshotError] = InvalidSnapshotError,
+) -> None:
+    """Refuse a format version (and reserved field) other than ``supported``, a newer one
+    with the advice to upgrade; for this container and the formats inside others."""
+    if version > supported:
+        raise error(
+            origin,
+            f"format version {version} is newer than this deterministic-ctx reads ({supported}): "
+            f"upgrade deterministic-ctx to load it",
+        )
+    if version != supported or reserved != 0:
+        raise error(origin, f"unknown format version {version}.{reserved}")
 
 
 def _attach(header: object, blob: memoryview) -> StateDict:

@@ -86,9 +86,9 @@ import torch
 
 from ..internal import DCP_STATEFUL
 from ..parallel.ranks import ranks
-from .checkpoint import MAX_FILE_BYTES, InvalidSnapshotError, decode, encode, with_origin
+from .checkpoint import MAX_FILE_BYTES, InvalidSnapshotError, check_version, encode
 from .snapshot import Snapshot
-from .sync import apply_everywhere, check_everywhere, random_state_only
+from .sync import apply_everywhere, check_everywhere, received
 
 __all__ = ["CAPACITY", "VERSION", "RngState"]
 
@@ -283,14 +283,9 @@ class RngState:
         if key not in state_dict:
             raise InvalidSnapshotError(origin, "there is no such entry")
         data = _unpack(state_dict[key], origin, rank, world, self._capacity)
-        state = decode(data, origin)
-        try:
-            # This rank's own state, so rank-local RNGs stay; its setup (flags, managed
-            # environment variables such as the NCCL recipe) stays this process's.
-            state = random_state_only(state, keep_rank_local=False)
-            return Snapshot.from_state_dict(state, strict_devices=self._strict_devices)
-        except InvalidSnapshotError as exc:  # it names "state_dict": say where it came from
-            raise with_origin(exc, origin) from None
+        # This rank's own state, so rank-local RNGs stay; its setup (flags, managed
+        # environment variables such as the NCCL recipe) stays this process's.
+        return received(data, origin, keep_rank_local=False, strict_devices=self._strict_devices)
 
     def __repr__(self) -> str:
         return (
@@ -340,13 +335,7 @@ def _unpack(entry: object, origin: str, rank: int, world: int, capacity: int) ->
         raise bad(
             f"it does not start with the RngState signature {_MAGIC!r} (it starts with {magic!r})"
         )
-    if version > VERSION:
-        raise bad(
-            f"format version {version} is newer than this deterministic-ctx reads ({VERSION}): "
-            f"upgrade deterministic-ctx to load it"
-        )
-    if version != VERSION or reserved != 0:
-        raise bad(f"unknown format version {version}.{reserved}")
+    check_version(version, reserved, VERSION, origin)
     if saved_rank != rank:
         raise bad(f"it holds the state of rank {saved_rank}, not this rank's ({rank})")
     if saved_world != world:
@@ -370,14 +359,7 @@ def _saved_world(state_dict: object) -> int:
     tag, version, world, reserved = (int(v) for v in meta.tolist())
     if tag != _META_TAG:
         raise InvalidSnapshotError(origin, "it is not an RngState entry (its tag differs)")
-    if version > VERSION:
-        raise InvalidSnapshotError(
-            origin,
-            f"format version {version} is newer than this deterministic-ctx reads ({VERSION}): "
-            f"upgrade deterministic-ctx to load it",
-        )
-    if version != VERSION or reserved != 0:
-        raise InvalidSnapshotError(origin, f"unknown format version {version}.{reserved}")
+    check_version(version, reserved, VERSION, origin)
     if not 1 <= world <= 1 << 31:
         raise InvalidSnapshotError(origin, f"world size {world} is out of range")
     return world

@@ -59,6 +59,7 @@ __all__ = [
     "apply_everywhere",
     "check_everywhere",
     "collective_device",
+    "received",
     "sync_rng_state",
 ]
 
@@ -219,20 +220,22 @@ def _sync(
         return
     snapshot: Snapshot | None = None
     try:
-        snapshot = _snapshot(buffer.cpu().numpy().tobytes(), f"from rank {src}")
+        snapshot = received(buffer.cpu().numpy().tobytes(), f"from rank {src}")
     except Exception as exc:
         problem = exc
     apply_everywhere(snapshot, problem, what, group, device)
 
 
-def _snapshot(data: bytes, origin: str) -> Snapshot:
-    """The snapshot in a snapshot file's bytes, every field checked, devices strictly,
-    with this rank's own setup and rank-local RNGs in place of the sender's."""
+def received(
+    data: bytes, origin: str, *, keep_rank_local: bool = True, strict_devices: bool = True
+) -> Snapshot:
+    """The snapshot in a snapshot file's bytes from another rank (or a checkpoint), every
+    field checked, with this rank's own setup (and, with ``keep_rank_local``, its own
+    rank-local RNGs: see :func:`random_state_only`) in place of the sender's (internal)."""
     state = decode(data, origin)
     try:
-        return Snapshot.from_state_dict(
-            random_state_only(state, keep_rank_local=True), strict_devices=True
-        )
+        state = random_state_only(state, keep_rank_local=keep_rank_local)
+        return Snapshot.from_state_dict(state, strict_devices=strict_devices)
     except InvalidSnapshotError as exc:  # it names "state_dict": say where it came from
         raise with_origin(exc, origin) from None
 

@@ -10,7 +10,7 @@ of the two environments that differ, most likely culprits first.
 
 A trace holds, in call order, the fingerprints of every module call's outputs
 (and, with ``backward=True``, of the gradients), of the return value's leaves
-and of the final parameters and buffers, as :func:`~deterministic_ctx.verify.record.record_run`
+and of the final parameters and buffers, as :func:`~deterministic_ctx.verify.record.record`
 records them for ``locate_divergence``; with ``ops=True`` also every aten op
 call of the run (:class:`~deterministic_ctx.verify.ops.OpRecorder`: the op, the
 user's ``file:line``, the fingerprints of its outputs and of the inputs it got

@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from ..verify.compare import short_repr
-from ..verify.locate import Divergence
+from ..verify.locate import Divergence, divergence_of
 from ..verify.ops import OpCall, TensorPrint, first_op_difference
 from ..verify.record import Event, Run
 from ..verify.timeline import Finding, compare_runs
@@ -79,14 +79,8 @@ class TraceComparison:
             "notes": list(self.notes),
             "ops": self.ops,
         }
-        d = self.divergence
-        if d is not None:
-            div = dataclasses.asdict(d)
-            div["shapes"] = [list(s) for s in d.shapes]
-            div["other_shapes"] = [list(s) for s in d.other_shapes]
-            div["index"] = None
-            div["location"] = d.location
-            out["divergence"] = div
+        if self.divergence is not None:
+            out["divergence"] = self.divergence.to_dict()
         return out
 
     def __str__(self) -> str:
@@ -99,17 +93,10 @@ class TraceComparison:
                 "and buffers) are identical."
             ]
         else:
-            lines = [f"Traces diverge: B differs from A first at {_where(d)}"]
+            lines = [f"Traces diverge: B differs from A first at {d.where}"]
         lines += [f"  A: {self.a}", f"  B: {self.b}"]
         if d is not None:
-            if d.root is not None and d.module is not None:
-                lines.append(f"  in model {d.root}; module call order counts from 0")
-            if d.shapes:
-                lines.append(f"  shapes: {', '.join(map(str, d.shapes))}")
-            lines.append(f"  {d.detail}")
-            if d.op_detail is not None:
-                lines.append(f"  first differing op: {d.op_detail}")
-            lines.append(f"  {self.compared} earlier fingerprint(s) agree")
+            lines += d.lines(self.compared)
         lines += [f"  note: {note}" for note in self.notes]
         if not self.environment:
             lines.append("Environment: the recorded facts are identical")
@@ -124,26 +111,6 @@ class TraceComparison:
             category = diff.category
             lines.append(f"    {diff}")
         return "\n".join(lines)
-
-
-def _where(d: Divergence) -> str:
-    """Where a divergence is, as
-    :class:`~deterministic_ctx.verify.locate.DivergenceReport` says it."""
-    if d.phase == "forward":
-        where = f"module call #{d.call_index}, {d.location}"
-        return where if d.kind in ("call", "missing", "extra") else f"{where}, forward {d.what}"
-    if d.phase == "backward":
-        return f"{d.location} (call #{d.call_index}), backward: {d.what}"
-    if d.phase == "final":
-        return f"{d.location}: {d.what}"
-    if d.phase == "op":
-        op = d.what if d.op is None else d.op
-        if d.op_location is not None:
-            op += f" at {d.op_location}"
-        if d.module is None:
-            return f"{op}, outside any module call"
-        return f"{op} in module call #{d.call_index}, {d.location}"
-    return f"the return value at {d.what}"
 
 
 def compare_traces(
@@ -249,7 +216,6 @@ def _divergence(finding: Finding, a: Run, b: Run, unfilled: bool = False) -> Div
     """The public description of ``finding``, trace B (``b``) against trace A (``a``);
     ``unfilled``: a trace was recorded without filling uninitialized memory."""
     e = finding.event
-    what = e.what
     detail = finding.detail
     kind = finding.kind
     op: tuple[str | None, str | None, str | None] = (None, None, None)
@@ -258,32 +224,13 @@ def _divergence(finding: Finding, a: Run, b: Run, unfilled: bool = False) -> Div
         if unfilled and op[0] is not None and op[0].startswith(_UNINITIALIZED):
             op = (op[0], op[1], f"{op[2]}; {_UNFILLED}")
     if finding.kind == "values":
-        if e.phase == "forward" and len(e.paths) > 1:
-            what = e.paths[finding.leaf]  # which output of several
         detail = (
             f"the fingerprints of {e.paths[finding.leaf]} differ (a trace keeps fingerprints, "
             "not values: where and by how much is unknown)"
         )
     for pattern, side in _RUN_NAMES:  # the timeline's messages name runs 1 and 2
         detail = pattern.sub(side, detail)
-    return Divergence(
-        phase=e.phase,
-        kind=kind,
-        module=e.module,
-        module_type=e.module_type,
-        root=e.root,
-        call_index=e.call_index,
-        what=what,
-        shapes=e.shapes,
-        other_shapes=() if finding.other is None else finding.other.shapes,
-        index=None,
-        max_abs_diff=None,
-        run=2,
-        detail=detail,
-        op=op[0],
-        op_location=op[1],
-        op_detail=op[2],
-    )
+    return divergence_of(finding, 2, op, kind=kind, index=None, max_abs_diff=None, detail=detail)
 
 
 #: The environment fact of torch.utils.deterministic.fill_uninitialized_memory.

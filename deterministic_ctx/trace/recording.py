@@ -9,8 +9,7 @@ import datetime
 import functools
 import hashlib
 import os
-import struct
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -18,10 +17,10 @@ import torch
 
 from ..core.context import deterministic
 from ..internal import import_dynamo
-from ..verify.compare import short_repr, tensor_leaves
+from ..verify.compare import float_bits, leaves, short_repr, tensor_leaves
 from ..verify.fingerprint import fingerprint
 from ..verify.ops import OpCall
-from ..verify.record import Event, OpWindow, Run, record_run
+from ..verify.record import Event, OpWindow, Run, record
 from ..verify.rerun import SavedState, call_and_consume, check_fn, objects_to_reset
 from .facts import Fact, environment
 from .fileformat import DIGEST, NO_MODULE, Trace, checked_path
@@ -128,7 +127,7 @@ def record_in(
         # in the first trace of a process as in the next ones (an environment fact).
         import_dynamo()
     try:
-        run = record_run(block, observed, args, kwargs, roots, backward=backward, ops=window)
+        run = record(block, observed, args, kwargs, roots, backward=backward, ops=window).run()
     finally:
         saved.load()
     return _trace_of(
@@ -232,7 +231,7 @@ def _trace_of(
     if run.ops is not None:
         events, starts = _with_op_events(run, events, slot)
     results = []
-    for path, leaf in _leaves(run.result, root, set()):
+    for path, leaf in leaves(run.result, root):
         shape, dtype, digest = _leaf_digest(leaf)
         results.append(
             Event(
@@ -354,44 +353,6 @@ def _digest(data: bytes | memoryview) -> bytes:
     return hashlib.blake2b(data, digest_size=DIGEST).digest()
 
 
-def _key_path(key: object) -> str:
-    # As compare.first_difference names paths: result["loss"], result[0].
-    if isinstance(key, str):
-        return '["' + key.replace("\\", "\\\\").replace('"', '\\"') + '"]'
-    return f"[{key!r}]"
-
-
-def _leaves(value: object, path: str, seen: set[int]) -> Iterator[tuple[str, object]]:
-    """The leaves of a return value with their paths, recursing into mappings, lists,
-    tuples (named tuples by field) and dataclasses, as :mod:`.compare` does."""
-    children = _children(value)
-    if children is None:
-        yield path, value
-        return
-    if id(value) in seen:  # a cycle: already on the way here
-        return
-    seen.add(id(value))
-    for suffix, child in children:
-        yield from _leaves(child, path + suffix, seen)
-    seen.discard(id(value))
-
-
-def _children(value: object) -> list[tuple[str, object]] | None:
-    """``(path suffix, child)`` of a container; ``None`` for a leaf."""
-    if isinstance(value, Mapping):
-        return [(_key_path(k), v) for k, v in value.items()]
-    if isinstance(value, tuple) and hasattr(type(value), "_fields"):
-        fields: tuple[str, ...] = type(value)._fields  # type: ignore[attr-defined]
-        return [(f".{name}", getattr(value, name)) for name in fields]
-    if isinstance(value, (list, tuple)):
-        return [(f"[{i}]", v) for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [
-            (f".{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value) if f.compare
-        ]
-    return None
-
-
 def _leaf_digest(leaf: object) -> tuple[tuple[int, ...], str, bytes | None]:
     """Shape, dtype (a type name for Python values) and digest of one leaf; ``None``
     for a leaf compared by type only (an object of another kind)."""
@@ -410,10 +371,8 @@ def _leaf_digest(leaf: object) -> tuple[tuple[int, ...], str, bytes | None]:
         raw = repr(leaf).encode()
     elif isinstance(leaf, int):
         raw = str(leaf).encode()
-    elif isinstance(leaf, float):
-        raw = struct.pack("<d", leaf)  # by its bits, as compare does: -0.0 is not 0.0
-    elif isinstance(leaf, complex):
-        raw = struct.pack("<dd", leaf.real, leaf.imag)
+    elif isinstance(leaf, (float, complex)):
+        raw = float_bits(leaf)  # by its bits, as compare does: -0.0 is not 0.0
     elif isinstance(leaf, str):
         raw = leaf.encode("utf-8", "surrogatepass")
     elif isinstance(leaf, bytes):

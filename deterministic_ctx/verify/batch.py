@@ -46,15 +46,12 @@ class BatchInvarianceError(NotReproducibleError):
         self,
         message: str,
         *,
-        path: str | None = None,
-        index: tuple[int, ...] | None = None,
-        max_abs_diff: float | None = None,
-        seed: int | None = None,
         row: int | None = None,
         dim: int = 0,
         out_dim: int = 0,
+        **where: Any,
     ) -> None:
-        super().__init__(message, path=path, index=index, max_abs_diff=max_abs_diff, seed=seed)
+        super().__init__(message, **where)  # path, index, max_abs_diff, seed
         self.row = row
         self.dim = dim
         self.out_dim = out_dim

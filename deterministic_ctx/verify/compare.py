@@ -31,7 +31,10 @@ import torch
 __all__ = [
     "Difference",
     "bits",
+    "children",
     "first_difference",
+    "float_bits",
+    "leaves",
     "short_repr",
     "tensor_difference",
     "tensor_leaves",
@@ -149,7 +152,7 @@ def _numpy_scalars(a: np.generic, b: np.generic, path: str, seen: _Seen) -> Diff
     return _array_difference(np.asarray(a), np.asarray(b), path, seen)
 
 
-def _float_bits(x: float | complex) -> bytes:
+def float_bits(x: float | complex) -> bytes:
     if isinstance(x, complex):
         return struct.pack("<dd", x.real, x.imag)
     return struct.pack("<d", x)
@@ -159,7 +162,7 @@ def _float_bits(x: float | complex) -> bytes:
 @_same_type_difference.register(complex)
 def _floats(a: float | complex, b: float | complex, path: str, seen: _Seen) -> Difference | None:
     # By their bits, like tensors: the same NaN equals itself, -0.0 differs from 0.0.
-    if _float_bits(a) == _float_bits(b):
+    if float_bits(a) == float_bits(b):
         return None
     return Difference(path, "value", repr(a), repr(b))
 
@@ -169,12 +172,12 @@ def _floats(a: float | complex, b: float | complex, path: str, seen: _Seen) -> D
 @_same_type_difference.register(tuple)
 @_same_type_difference.register(torch.nn.Module)
 def _members_difference(a: Any, b: Any, path: str, seen: _Seen) -> Difference | None:
-    """Containers of one type, member by member in the order ``_children`` lists them."""
+    """Containers of one type, member by member in the order ``children`` lists them."""
     pair = (id(a), id(b))
     if pair in seen:  # a cycle: already being compared further up
         return None
     seen.add(pair)
-    children_a, children_b = _children(a), _children(b)
+    children_a, children_b = children(a), children(b)
     # Only containers are dispatched here, and a and b are of one type.
     assert children_a is not None
     assert children_b is not None
@@ -228,7 +231,7 @@ def _is_dataclass_instance(obj: object) -> bool:
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
-def _children(obj: object) -> list[tuple[str, Any]] | None:
+def children(obj: object) -> list[tuple[str, Any]] | None:
     """``(path suffix, child)`` for a container we recurse into; ``None`` for a leaf."""
     if isinstance(obj, Mapping):
         return [(_key_path(k), v) for k, v in obj.items()]
@@ -244,22 +247,43 @@ def _children(obj: object) -> list[tuple[str, Any]] | None:
     return None
 
 
+def leaves(obj: object, path: str, _seen: set[int] | None = None) -> Iterator[tuple[str, Any]]:
+    """Every leaf of ``obj`` with its path, recursing like :func:`first_difference` (but
+    not into modules, which are leaves here); a container met again inside itself is
+    left out.
+
+    Example:
+        >>> import torch
+        >>> [p for p, _ in leaves({"a": [torch.zeros(1), 2], "b": "x"}, "out")]
+        ['out["a"][0]', 'out["a"][1]', 'out["b"]']
+    """
+    members = None if isinstance(obj, (torch.Tensor, torch.nn.Module)) else children(obj)
+    if members is None:
+        yield path, obj
+        return
+    seen = set() if _seen is None else _seen
+    if id(obj) in seen:  # a cycle: already on the way here
+        return
+    seen.add(id(obj))
+    for suffix, child in members:
+        yield from leaves(child, path + suffix, seen)
+    seen.discard(id(obj))
+
+
 def tensor_leaves(obj: object, path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor in ``obj`` with its path, recursing like :func:`first_difference`
-    (but not into modules).
+    """The tensors among :func:`leaves`.
 
     Example:
         >>> import torch
         >>> [p for p, _ in tensor_leaves({"a": [torch.zeros(1), 2, torch.ones(1)]}, "out")]
         ['out["a"][0]', 'out["a"][2]']
     """
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, torch.Tensor):  # the common case, an op's argument, without a walk
         yield path, obj
         return
-    children = _children(obj)
-    if children is not None and not isinstance(obj, torch.nn.Module):
-        for suffix, child in children:
-            yield from tensor_leaves(child, path + suffix)
+    for where, leaf in leaves(obj, path):
+        if isinstance(leaf, torch.Tensor):
+            yield where, leaf
 
 
 # --- tensors and arrays ---------------------------------------------------------------------------

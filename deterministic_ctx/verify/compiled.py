@@ -50,14 +50,11 @@ class CompiledMismatchError(NotReproducibleError):
         self,
         message: str,
         *,
-        path: str | None = None,
-        index: tuple[int, ...] | None = None,
-        max_abs_diff: float | None = None,
-        seed: int | None = None,
         compiled_rng: CompiledRng = "eager",
         backend: str | Callable[..., Any] = "inductor",
+        **where: Any,
     ) -> None:
-        super().__init__(message, path=path, index=index, max_abs_diff=max_abs_diff, seed=seed)
+        super().__init__(message, **where)  # path, index, max_abs_diff, seed
         self.compiled_rng = compiled_rng
         self.backend = backend
 

@@ -162,22 +162,22 @@ class FingerprintStore:
         parts = _parts(t, copy=True)
         if parts is None:
             return None
-        buffer = self._buffer(parts[0].device if parts else t.device)
-        start = stop = self._filled[buffer]
-        for part in parts:
-            stop += 8 * part.numel()
-        self._parts[buffer] += parts
-        self._filled[buffer] = stop
-        return buffer, start, stop
+        slot = self._file(parts, t.device)
+        self._parts[slot[0]] += parts
+        return slot
 
-    def _buffer(self, device: torch.device) -> int:
-        """The index of ``device``'s buffer, made on its first fingerprint."""
+    def _file(self, parts: list[torch.Tensor], device: torch.device) -> Slot:
+        """Where ``parts`` (of a tensor on ``device``) go in their device's buffer, made on
+        its first fingerprint."""
+        device = parts[0].device if parts else device
         buffer = self._buffers.get(device)
         if buffer is None:
             buffer = self._buffers[device] = len(self._parts)
             self._parts.append([])
             self._filled.append(0)
-        return buffer
+        start = self._filled[buffer]
+        self._filled[buffer] = stop = start + 8 * sum(part.numel() for part in parts)
+        return buffer, start, stop
 
     def add_all(self, tensors: Iterable[torch.Tensor]) -> list[Slot | None]:
         """:meth:`add` each of ``tensors``, which nothing changes until this returns.
@@ -201,13 +201,9 @@ class FingerprintStore:
             if parts is None:
                 slots.append(None)
                 continue
-            buffer = self._buffer(parts[0].device if parts else t.device)
-            start = stop = self._filled[buffer]
-            for part in parts:
-                stop += 8 * part.numel()
-            pieces.setdefault(buffer, []).extend(parts)
-            self._filled[buffer] = stop
-            slots.append((buffer, start, stop))
+            slot = self._file(parts, t.device)
+            pieces.setdefault(slot[0], []).extend(parts)
+            slots.append(slot)
         for buffer, found in pieces.items():
             # One copy of every piece, views of the tensors included: the same bytes as
             # the parts add() keeps, made before anything can change the tensors.

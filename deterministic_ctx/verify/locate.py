@@ -76,7 +76,7 @@ from .record import OpWindow, Recording, Run, record
 from .rerun import SavedState, check_fn, check_runs, objects_to_reset
 from .timeline import Finding, compare_runs
 
-__all__ = ["Divergence", "DivergenceReport", "locate_divergence"]
+__all__ = ["Divergence", "DivergenceReport", "divergence_of", "locate_divergence"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +140,48 @@ class Divergence:
         name = self.module or "(root)"
         return f"{name} ({self.module_type})"
 
+    @property
+    def where(self) -> str:
+        """``module call #3, blocks.3.noise (Jitter), forward output``-style, for reports."""
+        if self.phase == "forward":
+            where = f"module call #{self.call_index}, {self.location}"
+            if self.kind in ("call", "missing", "extra"):
+                return where
+            return f"{where}, forward {self.what}"
+        if self.phase == "backward":
+            return f"{self.location} (call #{self.call_index}), backward: {self.what}"
+        if self.phase == "final":
+            return f"{self.location}: {self.what}"
+        if self.phase == "op":  # in traces recorded with ops=True
+            op = self.what if self.op is None else self.op
+            if self.op_location is not None:
+                op += f" at {self.op_location}"
+            if self.module is None:
+                return f"{op}, outside any module call"
+            return f"{op} in module call #{self.call_index}, {self.location}"
+        return f"the return value at {self.what}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, with :attr:`location`."""
+        out = dataclasses.asdict(self)
+        out["shapes"] = [list(s) for s in self.shapes]
+        out["other_shapes"] = [list(s) for s in self.other_shapes]
+        out["index"] = None if self.index is None else list(self.index)
+        out["location"] = self.location
+        return out
+
+    def lines(self, compared: int) -> list[str]:
+        """The lines of a report below its first, ``compared`` fingerprints having agreed."""
+        lines = []
+        if self.root is not None and self.module is not None:
+            lines.append(f"  in model {self.root}; module call order counts from 0")
+        if self.shapes:
+            lines.append(f"  shapes: {', '.join(map(str, self.shapes))}")
+        lines.append(f"  {self.detail}")
+        if self.op_detail is not None:
+            lines.append(f"  first differing op: {self.op_detail}")
+        return [*lines, f"  {compared} earlier fingerprint(s) agree"]
+
 
 @dataclasses.dataclass(frozen=True)
 class DivergenceReport:
@@ -178,11 +220,7 @@ class DivergenceReport:
         out = dataclasses.asdict(self)
         out["agree"] = self.agree
         if self.divergence is not None:
-            d = out["divergence"]
-            d["shapes"] = [list(s) for s in self.divergence.shapes]
-            d["other_shapes"] = [list(s) for s in self.divergence.other_shapes]
-            d["index"] = None if self.divergence.index is None else list(self.divergence.index)
-            d["location"] = self.divergence.location
+            out["divergence"] = self.divergence.to_dict()
         return out
 
     def __str__(self) -> str:
@@ -194,27 +232,8 @@ class DivergenceReport:
                 f"run; all {self.compared} fingerprints of outputs{grads}, final parameters and "
                 "buffers, and the return values are identical."
             )
-        forward = f"module call #{d.call_index}, {d.location}"
-        if d.kind not in ("call", "missing", "extra"):
-            forward += f", forward {d.what}"
-        where = {
-            "forward": forward,
-            "backward": f"{d.location} (call #{d.call_index}), backward: {d.what}",
-            "final": f"{d.location}: {d.what}",
-            "result": f"the return value at {d.what}",
-        }[d.phase]
-        lines = [
-            f"Runs diverge (seed={self.seed}): run {d.run} differs from run 1 first at {where}"
-        ]
-        if d.root is not None and d.module is not None:
-            lines.append(f"  in model {d.root}; module call order counts from 0")
-        if d.shapes:
-            lines.append(f"  shapes: {', '.join(map(str, d.shapes))}")
-        lines.append(f"  {d.detail}")
-        if d.op_detail is not None:
-            lines.append(f"  first differing op: {d.op_detail}")
-        lines.append(f"  {self.compared} earlier fingerprint(s) agree")
-        return "\n".join(lines)
+        first = f"Runs diverge (seed={self.seed}): run {d.run} differs from run 1 first at"
+        return "\n".join([f"{first} {d.where}", *d.lines(self.compared)])
 
 
 def locate_divergence(
@@ -333,7 +352,7 @@ def locate_divergence(
         backward=backward,
         calls=len(first.structure),
         compared=agreed,
-        divergence=None if finding is None else _divergence(finding, run, drilled),
+        divergence=None if finding is None else divergence_of(finding, run, drilled),
         ops=ops,
     )
 
@@ -476,30 +495,32 @@ def _measured(finding: Finding, reruns: tuple[Run, Run], numbers: tuple[int, int
     )
 
 
-def _divergence(
-    finding: Finding, run: int, drilled: tuple[str | None, str | None, str] | None
+def divergence_of(
+    finding: Finding,
+    run: int,
+    drilled: tuple[str | None, str | None, str | None] | None = None,
+    **replaced: Any,
 ) -> Divergence:
     """The public description of ``finding``, where run ``run`` differed from run 1, and
-    of the op found by ``drilled``, if it ran."""
+    of the op found by ``drilled``, if it ran; ``replaced``: fields said otherwise."""
     e = finding.event
     what = e.what
     if finding.kind == "values" and e.phase == "forward" and len(e.paths) > 1:
         what = e.paths[finding.leaf]  # which output of several
-    return Divergence(
-        phase=e.phase,
-        kind=finding.kind,
-        module=e.module,
-        module_type=e.module_type,
-        root=e.root,
-        call_index=e.call_index,
-        what=what,
-        shapes=e.shapes,
-        other_shapes=() if finding.other is None else finding.other.shapes,
-        index=finding.index,
-        max_abs_diff=finding.max_abs_diff,
-        run=run,
-        detail=finding.detail,
-        op=None if drilled is None else drilled[0],
-        op_location=None if drilled is None else drilled[1],
-        op_detail=None if drilled is None else drilled[2],
-    )
+    op, op_location, op_detail = (None, None, None) if drilled is None else drilled
+    fields = {
+        "phase": e.phase,
+        "kind": finding.kind,
+        "module": e.module,
+        "module_type": e.module_type,
+        "root": e.root,
+        "call_index": e.call_index,
+        "what": what,
+        "shapes": e.shapes,
+        "other_shapes": () if finding.other is None else finding.other.shapes,
+        "index": finding.index,
+        "max_abs_diff": finding.max_abs_diff,
+        "run": run,
+        "detail": finding.detail,
+    }
+    return Divergence(**{**fields, **replaced}, op=op, op_location=op_location, op_detail=op_detail)

@@ -1,7 +1,7 @@
 """Recording one run: global module hooks that fingerprint every call, in call order.
 
-:func:`~deterministic_ctx.verify.locate.locate_divergence` records each run with
-:func:`record_run`: a fresh ``deterministic`` block with global forward hooks
+:func:`~deterministic_ctx.verify.locate.locate_divergence` records each run in
+a fresh ``deterministic`` block with global forward hooks
 that fingerprint, in call order, the outputs of every module call (and, with
 ``backward=True``, the gradients flowing into each call's inputs and
 parameters), then the gradients, parameters and buffers once ``fn`` returned.
@@ -13,14 +13,15 @@ and a run given an :class:`OpWindow` records the aten op calls in that window
 :func:`record` returns the run as the hooks left it (a :class:`Recording`): two
 runs that recorded exactly the same are found equal in one comparison, and the
 :class:`Event` objects of a :class:`Run` are only made when a run is looked at
-event by event (:meth:`Recording.run`; :func:`record_run` does both).
+event by event (:meth:`Recording.run`).
 
 Example:
     >>> import torch
     >>> from deterministic_ctx import deterministic
-    >>> from deterministic_ctx.verify.record import record_run
+    >>> from deterministic_ctx.verify.record import record
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
-    >>> run = record_run(deterministic(0), model, (torch.ones(1, 2),), {}, [model], backward=False)
+    >>> recorded = record(deterministic(0), model, (torch.ones(1, 2),), {}, [model], backward=False)
+    >>> run = recorded.run()
     >>> [(e.phase, e.module, e.what) for e in run.events][:3]
     [('forward', '0', 'output'), ('forward', '1', 'output'), ('forward', '', 'output')]
 """
@@ -46,7 +47,7 @@ from .fingerprint import Slot as _Slot
 from .ops import OpCall, OpRecorder
 from .rerun import call_and_consume
 
-__all__ = ["Event", "OpWindow", "Recording", "Run", "record", "record_run"]
+__all__ = ["Event", "ModuleNames", "OpWindow", "Recording", "Run", "record"]
 
 #: Looked up once: the hooks call it twice per module call.
 _get_ident = threading.get_ident
@@ -149,7 +150,7 @@ def _events(records: list[_Record]) -> list[Event]:
     ]
 
 
-class _Names:
+class ModuleNames:
     """Labels of modules, ``(root, qualified name, class name)``, the name relative to the
     root module it was found in.
 
@@ -182,7 +183,7 @@ class _Recorder:
 
     def __init__(
         self,
-        names: _Names,
+        names: ModuleNames,
         *,
         backward: bool,
         capture: tuple[Any, ...] | None,
@@ -219,7 +220,7 @@ class _Recorder:
         self._occurrences: dict[tuple[Any, ...], int] = {}
         self._param_hooked: set[int] = set()
         self._labels = names.labels
-        self._handles: list[Any] = []
+        self.handles: list[Any] = []  # of the gradient hooks
         # A container's output is usually its last child's output tensor: reuse its
         # fingerprint while the tensor is unchanged (same version).
         self._last: tuple[Any, int | None, _Slot] | None = None
@@ -343,7 +344,7 @@ class _Recorder:
             # A tensor that takes no hooks is skipped: never break the model being observed.
             if t.requires_grad:
                 with contextlib.suppress(RuntimeError):
-                    self._handles.append(t.register_hook(hook))  # type: ignore[no-untyped-call]
+                    self.handles.append(t.register_hook(hook))  # type: ignore[no-untyped-call]
 
     def post_hook(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if _get_ident() != self._thread:
@@ -482,15 +483,6 @@ class _Recorder:
         if ops is not None and self.window is not None and self.window.until in keys:
             ops.stop()
 
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    def host_data(self) -> list[bytes]:
-        """Every fingerprint's bytes, per device: one concatenation and one copy each
-        (the only host sync of the run, besides an op window's)."""
-        return self._store.host()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -530,65 +522,32 @@ class Run:
         return tuple([None if s is None else data[s[0]][s[1] : s[2]] for s in event.slots])
 
 
+@dataclasses.dataclass(eq=False)
 class Recording:
     """One run as the hooks recorded it, before its events are made.
 
     Holds what a :class:`Run` holds, with its events still as the hooks left
-    them: :meth:`agreement` compares two recordings whole, and :meth:`run`
-    makes the :class:`Run` (once) when a run is looked at event by event.
-    Made by :func:`record`; see the module's example.
+    them (``records``): :meth:`agreement` compares two recordings whole, and
+    :meth:`run` makes the :class:`Run` (once) when a run is looked at event by
+    event.  Made by :func:`record`; see the module's example.
     """
 
-    __slots__ = (
-        "_records",
-        "_run",
-        "captured",
-        "data",
-        "ops",
-        "ops_at_calls",
-        "ops_at_events",
-        "result",
-        "starts",
-        "structure",
-    )
-
-    def __init__(
-        self,
-        records: list[_Record],
-        data: list[bytes],
-        result: Any,
-        structure: list[tuple[str, str, str]],
-        starts: list[int],
-        captured: list[tuple[str, torch.Tensor]] | None,
-        ops: list[OpCall] | None,
-        ops_at_events: list[int] | None,
-        ops_at_calls: list[int] | None,
-    ) -> None:
-        self._records = records
-        self._run: Run | None = None
-        self.data = data
-        self.result = result
-        self.structure = structure
-        self.starts = starts
-        self.captured = captured
-        self.ops = ops
-        self.ops_at_events = ops_at_events
-        self.ops_at_calls = ops_at_calls
+    records: list[_Record]
+    data: list[bytes]
+    result: Any
+    structure: list[tuple[str, str, str]]
+    starts: list[int]
+    captured: list[tuple[str, torch.Tensor]] | None
+    ops: list[OpCall] | None
+    ops_at_events: list[int] | None
+    ops_at_calls: list[int] | None
+    _run: Run | None = dataclasses.field(default=None, init=False, repr=False)
 
     def run(self) -> Run:
         """The :class:`Run`: its events made on the first call."""
         if self._run is None:
-            self._run = Run(
-                _events(self._records),
-                self.data,
-                self.result,
-                self.structure,
-                self.starts,
-                self.captured,
-                self.ops,
-                self.ops_at_events,
-                self.ops_at_calls,
-            )
+            fields = [getattr(self, f.name) for f in dataclasses.fields(Run)[1:]]  # events first
+            self._run = Run(_events(self.records), *fields)
         return self._run
 
     def agreement(self, other: Recording) -> int | None:
@@ -617,10 +576,10 @@ class Recording:
             self.structure != other.structure
             or self.starts != other.starts
             or self.data != other.data
-            or self._records != other._records
+            or self.records != other.records
         ):
             return None
-        phases = [r[1] for r in self._records]
+        phases = [r[1] for r in self.records]
         during = phases.index("final") if "final" in phases else len(phases)
         return during + phases.count("final")
 
@@ -644,9 +603,9 @@ def record(
     window whose aten op calls are recorded.  See the module's example and
     :meth:`Recording.agreement`.
     """
-    rec = _Recorder(_Names(roots), backward=backward, capture=capture, window=ops)
+    rec = _Recorder(ModuleNames(roots), backward=backward, capture=capture, window=ops)
     with block:
-        handles = [
+        module_hooks = [
             _nn_module.register_module_forward_pre_hook(rec.pre_hook),
             _nn_module.register_module_forward_hook(rec.post_hook),
         ]
@@ -657,28 +616,14 @@ def record(
             finally:
                 op_calls = rec.op_calls()
         finally:
-            for handle in handles:
+            for handle in module_hooks + rec.handles:
                 handle.remove()
-            rec.remove_hooks()
         rec.final_state()
-    data = rec.host_data()
+    # Every fingerprint's bytes, per device: one concatenation and one copy each (the
+    # only host sync of the run, besides an op window's).
+    data = rec._store.host()
     marks = (None, None) if op_calls is None else (rec.ops_at_events, rec.ops_at_calls)
     return Recording(
         rec.records, data, result, rec.structure, rec.starts, rec.captured, op_calls, *marks
     )
 
-
-def record_run(
-    block: deterministic,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    roots: list[torch.nn.Module],
-    *,
-    backward: bool,
-    capture: tuple[Any, ...] | None = None,
-    ops: OpWindow | None = None,
-) -> Run:
-    """:func:`record`, as a :class:`Run`.  See the module's example."""
-    recording = record(block, fn, args, kwargs, roots, backward=backward, capture=capture, ops=ops)
-    return recording.run()

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .compare import short_repr, tensor_leaves
+from .compare import children, short_repr, tensor_leaves
 
 __all__ = ["batch_layout", "check_dim", "check_rows", "result_layout", "row_of"]
 
@@ -175,16 +175,10 @@ def _with_tensors(obj: Any, new: Iterator[torch.Tensor]) -> Any:
     """
     if isinstance(obj, torch.Tensor):
         return next(new)
-    if isinstance(obj, torch.nn.Module):
+    found = None if isinstance(obj, torch.nn.Module) else children(obj)
+    if found is None:
         return obj
-    if isinstance(obj, Mapping):
-        old = list(obj.values())
-    elif isinstance(obj, (list, tuple)):
-        old = list(obj)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        old = [getattr(obj, f.name) for f in _compared_fields(obj)]
-    else:
-        return obj
+    old = [member for _, member in found]
     return _rebuilt(obj, old, [_with_tensors(member, new) for member in old])
 
 

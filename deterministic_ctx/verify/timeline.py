@@ -9,12 +9,12 @@ returns the first place where the other run differs, as a :class:`Finding`.
 Example:
     >>> import torch
     >>> from deterministic_ctx import deterministic
-    >>> from deterministic_ctx.verify.record import record_run
+    >>> from deterministic_ctx.verify.record import record
     >>> from deterministic_ctx.verify.timeline import compare_runs
     >>> model = torch.nn.Linear(2, 2)
     >>> def step():
     ...     return model(torch.randn(1, 2))
-    >>> runs = [record_run(deterministic(0), step, (), {}, [model], backward=False) for _ in "ab"]
+    >>> runs = [record(deterministic(0), step, (), {}, [model], backward=False).run() for _ in "ab"]
     >>> finding, agreed = compare_runs(*runs, run=2)
     >>> finding is None, agreed
     (True, 3)

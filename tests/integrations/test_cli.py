@@ -27,7 +27,7 @@ import torch
 
 import deterministic_ctx
 from deterministic_ctx.integrations import cli as cli_module
-from deterministic_ctx.integrations.cli import _split_run, main
+from deterministic_ctx.integrations.cli import _split, main
 from deterministic_ctx.internal import MAX_SEED
 from deterministic_ctx.reporting import report
 from tests.helpers import run_python
@@ -698,4 +698,4 @@ def test_usage_error_in_a_subprocess_runs_nothing(tmp_path):
     ],
 )
 def test_split_run(words, ours, script):
-    assert _split_run(words) == (ours, script)
+    assert _split(words) == (ours, script)

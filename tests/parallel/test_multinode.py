@@ -40,7 +40,6 @@ from deterministic_ctx.parallel.ranks import (
     rank_seed,
     ranks,
     resolve_rank,
-    world_size,
 )
 from tests.helpers import needs_gloo
 from tests.parallel.test_data import NUMPY, RANDOM, TORCH, USER, WORKER, Augmenting
@@ -274,7 +273,7 @@ def test_auto_is_the_launchers_global_rank_before_init_process_group():
     with launched(**torchrun_vars(3, 2, 2)):
         assert ranks() == Ranks(rank=3, world_size=4, local_rank=1, node_rank=1)
         assert resolve_rank("auto") == 3
-        assert world_size() == 4
+        assert ranks().world_size == 4
         assert rank_seed(SEED, "auto") == rank_seed(SEED, 3)
         assert seeded_generator(SEED, rank="auto").initial_seed() == (
             seeded_generator(SEED, rank=3).initial_seed()

@@ -39,7 +39,7 @@ from torch import nn
 
 from deterministic_ctx import InvalidSnapshotError, Snapshot, _torch, deterministic, isolated
 from deterministic_ctx.integrations import cli as cli_module
-from deterministic_ctx.integrations.cli import _split_trace_record, main
+from deterministic_ctx.integrations.cli import _split, main
 from deterministic_ctx.state import checkpoint
 from deterministic_ctx.trace import (
     TRACE_FILE,
@@ -834,7 +834,7 @@ def test_usage_errors(capsys, tmp_path, monkeypatch, argv, message):
     ],
 )
 def test_split_trace_record(words, ours, script):
-    assert _split_trace_record(words) == (ours, script)
+    assert _split(words, out=True) == (ours, script)
 
 
 def test_cli_record_in_process(tmp_path, monkeypatch, capsys):

@@ -1,6 +1,7 @@
-"""The examples of the op table's entries, by key: each builds its tensors on a device ``d``
-and runs its entry's case.  The GPU test (``tests/verify/test_audit.py``) runs each under
-deterministic mode on a real CUDA device to check the entry's behaviour."""
+"""The examples of the audit's op table, by the entry's key: each builds its tensors on a
+device ``d`` and runs its entry's case.  ``test_audit.py`` checks that every entry has one,
+runs each through the audit on the CPU, and under deterministic mode on a real CUDA device
+to check the entry's behaviour.  They live with the tests, which are their only users."""
 
 from __future__ import annotations
 
