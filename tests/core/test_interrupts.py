@@ -288,9 +288,9 @@ def _depth() -> int:
 
 def test_a_decorated_call_left_at_every_depth_near_the_recursion_limit():
     # Where the limit strikes decides which line of the exit fails: sweep the last
-    # frames before it, so that the fused restore fails at each of its lines in turn
-    # (seen on Python 3.12: in the torch.compile config write) and the reference
-    # restore after it must still put everything back.
+    # frames before it, so that the world's restore fails at each of its lines in turn
+    # (seen on Python 3.12: in the torch.compile config write) and its retry, with
+    # headroom, must still put everything back.
     # With inductor's config imported, the flags' restore writes its override: the
     # deepest restore path there is (it is where Python 3.12 hit the limit).
     importlib.import_module("torch._inductor.config")
