@@ -116,7 +116,8 @@ def child(site: Path, code: str) -> dict:
     )
     epilogue = textwrap.dedent(
         """
-        out["warnings"] = [str(w.message) for w in log if w.category is RuntimeWarning]
+        from deterministic_ctx import StateWarning
+        out["warnings"] = [str(w.message) for w in log if w.category is StateWarning]
         print("RESULT " + json.dumps(out))
         """
     )

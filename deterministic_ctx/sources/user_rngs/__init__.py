@@ -28,7 +28,7 @@ iterable of RNGs (``name.0``, ``name.1``, …), a mapping of names to RNGs
 the first call of :func:`registered_rngs` (whichever reads the registry
 first), never at ``import deterministic_ctx``; an object registered already
 keeps its first key (as for any second ``register_rng``).  A broken entry point is skipped with a
-``RuntimeWarning`` naming it and the error, registering none of its RNGs.
+``StateWarning`` (a ``RuntimeWarning``) naming it and the error, registering none of its RNGs.
 
 Objects that can be weakly referenced (``random.Random``, ``torch.Generator``
 on torch 2.13, most Python classes) are held by weak reference.  NumPy

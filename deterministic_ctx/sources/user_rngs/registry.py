@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import Any, TypeVar
 
+from ...base.errors import StateWarning
 from .entries import Entry
 from .kinds import KINDS, kind_of, random_like, short_repr
 
@@ -279,7 +280,7 @@ def _load_plugins() -> None:
     """Register what every installed entry point of the group contributes, once.
 
     A broken entry point (it fails to load, raises, or returns something
-    ``register_rng`` rejects) is skipped with a ``RuntimeWarning`` naming it
+    ``register_rng`` rejects) is skipped with a :class:`~deterministic_ctx.StateWarning` naming it
     and the error: a block must not fail because of another package.
     """
     global _plugins_pending
@@ -304,7 +305,7 @@ def _entry_points() -> list[Any]:
         warnings.warn(
             f"deterministic_ctx could not list the {ENTRY_POINT_GROUP!r} entry points, so no "
             f"installed package's RNGs are managed: {type(exc).__name__}: {exc}",
-            RuntimeWarning,
+            StateWarning,
             stacklevel=4,
         )
         return []
@@ -326,7 +327,7 @@ def _register_entry_point(ep: Any) -> None:
             f"entry point {ep.name!r} ({ep.value}) of group {ENTRY_POINT_GROUP!r} failed, so "
             f"deterministic blocks do not manage the RNGs it contributes: "
             f"{type(exc).__name__}: {exc}",
-            RuntimeWarning,
+            StateWarning,
             stacklevel=5,
         )
 
