@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from ..base.settings import Settings
 from . import _memory
-from . import precision as _precision
 from ._base import DeviceSource, Source
 from .accelerators import accelerator_sources
 from .compiler import TorchCompileSource
@@ -27,7 +26,6 @@ from .user_rngs import (
 )
 
 __all__ = [
-    "PRECISION_INLINE",
     "SOURCES",
     "DeviceSource",
     "Source",
@@ -108,10 +106,6 @@ def source_named(name: str) -> Source:
     raise KeyError(f"no source named {name!r}; there are: {', '.join(s.name for s in SOURCES)}")
 
 
-#: The one fast path that depends on the torch version, not only on the switch.
-PRECISION_INLINE = "float32 precision: torch's nine settings read in one pass"
-
-
 def fast_paths() -> dict[str, bool]:
     """Which fast paths this process uses, by what each one speeds up.
 
@@ -136,8 +130,6 @@ def fast_paths() -> dict[str, bool]:
         <= records,
         "seeding: seeded states remembered per seed": _memory.ENABLED,
         "blocks: sources whose apply does nothing are skipped": _memory.ENABLED,
-        # Only where torch has the nine-entry fp32_precision API whose rules it reads (2.9+).
-        PRECISION_INLINE: _precision.INLINE,
         "os.environ: read and written through its C-level dict": bool(
             getattr(environ, "fast", False)
         ),
