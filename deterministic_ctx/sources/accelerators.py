@@ -157,11 +157,6 @@ class LazyAcceleratorSource:
         self._tracker, self._queued = lazy_seed_queue(module)
 
     @property
-    def module(self) -> ModuleType | Any:
-        """The device's torch module (``torch.cuda``, ...)."""
-        return self._m
-
-    @property
     def applies_nothing(self) -> bool:
         """Whether :meth:`apply` always returns at once (this build can never
         initialize the device): ``apply_all`` may skip it."""

@@ -405,10 +405,11 @@ def test_a_random_subclass_seeds_with_its_own_seed_and_not_into_the_shared_cache
         def seed(self, a=None, version=2):
             super().seed(a + 1000 if isinstance(a, int) else a, version)
 
-    source = PythonRandomSource(rng=Shifted())
+    rng = Shifted()
+    source = PythonRandomSource(rng=rng)
     state = source.capture()
     source.apply(Settings.build(12345, False))
-    assert source.rng.random() == random.Random(13345).random()
+    assert rng.random() == random.Random(13345).random()
     source.restore(state)
     with deterministic(seed=12345):
         assert random.random() == random.Random(12345).random()
