@@ -59,31 +59,21 @@ def apply_all(settings: Settings, sources: tuple[Source, ...] | None = None) -> 
     a device this build can never initialize) are skipped, a frame each per
     block; with the fast paths off every source's ``apply`` runs.
     """
+    global _appliers
     settings = settings.resolved()
     if sources is None:
         sources = SOURCES
-    found = _appliers
+    found = _appliers  # read once: another thread may replace it
     if found[0] is not sources:
-        found = _find_appliers(sources)
+        skip = _memory.ENABLED
+        appliers = tuple(s for s in sources if not (skip and getattr(s, "applies_nothing", False)))
+        found = _appliers = (sources, appliers)
     for source in found[1]:
         source.apply(settings)
 
 
 #: ``(sources, those of them whose apply may do something)``, for the tuple seen last.
 _appliers: tuple[tuple[Source, ...], tuple[Source, ...]] = ((), ())
-
-
-def _find_appliers(
-    sources: tuple[Source, ...],
-) -> tuple[tuple[Source, ...], tuple[Source, ...]]:
-    global _appliers
-    appliers = (
-        tuple(s for s in sources if not getattr(s, "applies_nothing", False))
-        if _memory.ENABLED
-        else sources
-    )
-    _appliers = found = (sources, appliers)
-    return found
 
 
 def generator_sources() -> tuple[Source, ...]:

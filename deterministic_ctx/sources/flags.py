@@ -53,6 +53,7 @@ from . import _plain
 from ._config import AT_DEFAULT, ConfigEntry
 from .precision import (
     ONEDNN,
+    OPTIONAL_PRECISION,
     PRECISION_OPS,
     export_precision,
     import_precision,
@@ -263,66 +264,36 @@ class TorchFlagsSource:
         restore_precision(state)
 
     def export_state(self, state: FlagState) -> dict[str, Any]:
-        """The state as plain data: one entry per field, ``fp32_precision`` as
-        ``{"backend.op": own value}`` (cuDNN's initial state as the value that
-        behaves the same), ``inductor_deterministic`` only if someone set it,
-        ``cudnn_allow_tf32`` if known, ``onednn_allow_tf32`` on builds that have it.
+        """The state as plain data: one entry per field, the precision fields as
+        :func:`~.precision.export_precision` saves them, ``inductor_deterministic``
+        only if someone set it (and only a bool can be saved).
         """
         out: dict[str, Any] = {f: getattr(state, f) for f in _BOOLS}
         if state.inductor_override != AT_DEFAULT:
-            out["inductor_deterministic"] = _saved_override(state.inductor_override)
+            if type(state.inductor_override) is not bool:
+                raise ValueError(
+                    f"{_INDUCTOR}.deterministic holds {state.inductor_override!r}, not True or "
+                    f"False, so these flags cannot be saved"
+                )
+            out["inductor_deterministic"] = state.inductor_override
         out.update(export_precision(state))
-        for f in _OPTIONAL_BOOLS:
-            if (value := getattr(state, f)) is not None:
-                out[f] = value
         return out
 
     def import_state(self, data: object, path: str) -> FlagState:
-        """Check saved data and rebuild a state; ``ValueError`` names the bad field.
-
-        The saved ``fp32_precision`` entries must be exactly this torch's, each
-        a value its setter accepts: a flag that could not be restored is an
-        error, not a skip.  Files written before ``cudnn_allow_tf32`` was saved
-        load too: that flag is then left as it is.
-        """
+        """Check saved data and rebuild a state; ``ValueError`` names the bad field
+        (see :func:`~.precision.import_precision` for the precision fields)."""
         d = _plain.fields(
             data,
             path,
             [*_BOOLS, "float32_matmul_precision", "fp32_precision"],
-            ["inductor_deterministic", *_OPTIONAL_BOOLS],
+            ["inductor_deterministic", *OPTIONAL_PRECISION],
         )
-
-        def flag(name: str) -> bool:
-            return _plain.flag(d[name], f"{path}.{name}")
-
-        def optional(name: str) -> bool | None:
-            return flag(name) if name in d else None
-
-        legacy, eff, own = import_precision(d, path)
-        onednn = optional("onednn_allow_tf32")
-        if onednn is not None and not ONEDNN:
-            raise ValueError(
-                f"{path}.onednn_allow_tf32: this torch build has no oneDNN TF32 flag "
-                f"(only XPU builds keep it), so it cannot be restored"
-            )
-        inductor = optional("inductor_deterministic")
-        flags = [flag(f) for f in _BOOLS]  # FlagState's first fields
-        cudnn = optional("cudnn_allow_tf32")
+        legacy, eff, own, cudnn, onednn = import_precision(d, path)
+        inductor = (
+            _plain.flag(d["inductor_deterministic"], f"{path}.inductor_deterministic")
+            if "inductor_deterministic" in d
+            else None
+        )
+        flags = [_plain.flag(d[f], f"{path}.{f}") for f in _BOOLS]  # FlagState's first fields
         override = AT_DEFAULT if inductor is None else inductor
         return FlagState._make((*flags, inductor, legacy, eff, own, cudnn, onednn, override))
-
-
-# -- saving and loading ------------------------------------------------------------
-
-#: The legacy TF32 flags: saved where known (not ``None``), optional in a file.
-_OPTIONAL_BOOLS = ("cudnn_allow_tf32", "onednn_allow_tf32")
-
-
-def _saved_override(override: object) -> bool:
-    """Inductor's override as saved: only a bool can be."""
-    if type(override) is not bool:
-        raise ValueError(
-            f"{_INDUCTOR}.deterministic holds {override!r}, not True or "
-            f"False, so these flags cannot be saved"
-        )
-    return override

@@ -192,7 +192,8 @@ def _closest(own: tuple[str, ...]) -> str:
     return "none" if own[CUDA] != "none" or own[GENERIC] != "none" else "tf32"
 
 
-_Hidden = tuple[tuple[str, ...], tuple[str, ...], str | None, bool | None]
+_Own = tuple[str, ...]
+_Hidden = tuple[_Own, _Own, str | None, bool | None]
 
 
 def read(find_default: bool = False) -> _Hidden:
@@ -420,17 +421,34 @@ def export_precision(state: PrecisionFields) -> dict[str, Any]:
     if EXACT:
         closest = _closest(own)
         own = tuple(closest if value == DEFAULT else value for value in own)
-    return {
-        "float32_matmul_precision": legacy,
-        "fp32_precision": dict(zip(PRECISION_KEYS, own, strict=True)),
-    }
+    out: dict[str, Any] = {"float32_matmul_precision": legacy}
+    out["fp32_precision"] = dict(zip(PRECISION_KEYS, own, strict=True))
+    for f in OPTIONAL_PRECISION:  # where known (and the oneDNN flag where the build has it)
+        if (value := getattr(state, f)) is not None:
+            out[f] = value
+    return out
 
 
-def import_precision(d: dict[str, Any], path: str) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
-    """``(legacy, resolved, own)`` checked from what :func:`export_precision`
-    saved in ``d``: exactly this torch's entries, each a value its setter
-    accepts, and no mix torch sets but then refuses to read back ("mix of
-    the legacy and new APIs"; saving refuses it too)."""
+def import_precision(
+    d: dict[str, Any], path: str
+) -> tuple[str, _Own, _Own, bool | None, bool | None]:
+    """``(legacy, resolved, own, cudnn_allow_tf32, onednn_allow_tf32)`` checked
+    from what :func:`export_precision` saved in ``d``.
+
+    The entries must be exactly this torch's, each a value its setter
+    accepts, and no mix torch sets but then refuses to read back ("mix of the
+    legacy and new APIs"; saving refuses it too): a flag that could not be
+    restored is an error, not a skip.  Files written before
+    ``cudnn_allow_tf32`` was saved load too: that flag is then left as it is.
+    """
+    cudnn, onednn = (
+        _plain.flag(d[f], f"{path}.{f}") if f in d else None for f in OPTIONAL_PRECISION
+    )
+    if onednn is not None and not ONEDNN:
+        raise ValueError(
+            f"{path}.onednn_allow_tf32: this torch build has no oneDNN TF32 flag "
+            f"(only XPU builds keep it), so it cannot be restored"
+        )
     where = f"{path}.fp32_precision"
     precision = _plain.fields(d["fp32_precision"], where, PRECISION_KEYS)
     legacy = _plain.text(
@@ -442,7 +460,7 @@ def import_precision(d: dict[str, Any], path: str) -> tuple[str, tuple[str, ...]
             raise ValueError(f"{where}.{key}: torch refuses {value!r} there")
     own = tuple(precision[key] for key in PRECISION_KEYS)
     if not EXACT:
-        return legacy, own, own
+        return legacy, own, own, cudnn, onednn
     eff = tuple(resolve(own, i) for i in range(len(own)))
     cuda, mkldnn = eff[_CUDA_MATMUL], eff[_MKLDNN_MATMUL]
     if _matmul_refused(legacy, cuda, mkldnn):
@@ -451,7 +469,7 @@ def import_precision(d: dict[str, Any], path: str) -> tuple[str, tuple[str, ...]
             f"{where}: torch refuses {backend} matmul precision "
             f"{effective!r} together with float32_matmul_precision={legacy!r}"
         )
-    return legacy, eff, own
+    return legacy, eff, own, cudnn, onednn
 
 
 # -- restoring the precision ---------------------------------------------------------
@@ -517,5 +535,7 @@ def _write(
             _set_precision(*op, target)
 
 
+#: The legacy TF32 flags: saved where known (not ``None``), optional in a file.
+OPTIONAL_PRECISION = ("cudnn_allow_tf32", "onednn_allow_tf32")
 PRECISION_KEYS = tuple(f"{backend}.{op}" for backend, op in PRECISION_OPS)
 _FP32_VALUES = ("none", "ieee", "tf32", "bf16")
