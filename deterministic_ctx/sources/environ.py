@@ -144,21 +144,14 @@ DETERMINISTIC_COLLECTIVES: Mapping[str, str] = MappingProxyType(
 )
 
 _lock = threading.Lock()
+if hasattr(os, "register_at_fork"):
+    # A fork while another thread registers would leave the child's lock held forever.
+    os.register_at_fork(after_in_child=_lock._at_fork_reinit)  # type: ignore[attr-defined]
 #: The managed names now: ``ENV_VARS``'s, then the registered ones.  Only ever
 #: replaced (under ``_lock``), never mutated, so a capture that read it holds a
 #: consistent tuple, and comparing by identity tells whether it changed.
 _MANAGED: tuple[str, ...] = tuple(name for name, _ in ENV_VARS)
 _MANAGED_SET = frozenset(_MANAGED)
-
-
-def _new_lock_in_child() -> None:
-    # A fork while another thread registers would leave the child's lock held forever.
-    global _lock
-    _lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def _check_name(name: object) -> str:
