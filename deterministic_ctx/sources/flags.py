@@ -10,15 +10,10 @@ Applied inside a block (they choose *which* algorithm runs):
   already imported*: ``use_deterministic_algorithms`` imports it (~1.2 s) to
   set this; we call the C setter directly and never import it ourselves.
 
-**Inductor.**  Its config tells a value from a default (``_is_default``), and
-its compile-cache keys see the difference, so the state is the entry's *user
-override* (torch's sentinel when nobody set it), read and written the way
-torch's own ``_make_closure_patcher`` does, with the hash and ``get_dict``
-caches marked dirty.  That is also cheaper than ``config.deterministic``
-(~1.2 µs per read, 0.8 µs per write).  Overrides are per thread (a
-``ContextVar`` in torch), so a block restores the calling thread's.  If
-inductor is first imported inside a block, the override is cleared on exit:
-as if the block had never touched it, the flag is at its default, which
+**Inductor.**  Its flag's state is the entry's *user override*, read and
+written as torch's own patcher does (see :mod:`._config`).  If inductor is
+first imported inside a block, the override is cleared on exit: as if the
+block had never touched it, the flag is at its default, which
 ``TORCHINDUCTOR_DETERMINISTIC`` chose at import.
 
 **Precision** (the ``fp32_precision`` entries, the legacy float32 matmul
@@ -47,7 +42,7 @@ from .._torch.flags import (
     set_cudnn_deterministic,
     set_deterministic_algorithms,
 )
-from .._torch.internals import INDUCTOR_CONFIG
+from .._torch.internals import INDUCTOR_CONFIG as _INDUCTOR
 from ..base.settings import Settings
 from . import _plain
 from ._config import AT_DEFAULT, ConfigEntry
@@ -65,7 +60,6 @@ from .precision import (
 __all__ = ["PRECISION_OPS", "UNSUPPORTED_FLAGS", "FlagState", "TorchFlagsSource"]
 
 
-_INDUCTOR = INDUCTOR_CONFIG
 #: ``torch._inductor.config.deterministic`` (inductor's random-number entries
 #: are the ``torch.compile`` source's: :mod:`.compiler`).
 _ENTRY = ConfigEntry(
