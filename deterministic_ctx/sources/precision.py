@@ -506,14 +506,14 @@ def _write(
     """Write what differs between ``state`` and the current ``own``, ``legacy``
     and ``cudnn``: the legacy fields first (their setters overwrite entries),
     then each entry whose own value differs.  The caller holds ``_lock``."""
-    entries = list(own)  # what each entry holds once the legacy setters wrote
+    written: dict[int, str] = {}  # by position in PRECISION_OPS, what the legacy setters wrote
     if state.float32_matmul_precision not in (None, legacy):
         set_float32_matmul_precision(state.float32_matmul_precision)
         matmul = _MATMUL_ENTRIES[state.float32_matmul_precision]
-        entries[_CUDA_MATMUL], entries[_MKLDNN_MATMUL] = matmul
+        written[_CUDA_MATMUL], written[_MKLDNN_MATMUL] = matmul
     if state.cudnn_allow_tf32 not in (None, cudnn):
         set_cudnn_allow_tf32(state.cudnn_allow_tf32)
-        entries[CONV] = entries[RNN] = "tf32" if state.cudnn_allow_tf32 else "none"
+        written[CONV] = written[RNN] = "tf32" if state.cudnn_allow_tf32 else "none"
     if ONEDNN and state.onednn_allow_tf32 not in (None, onednn_allow_tf32()):
         _set_onednn(state.onednn_allow_tf32)
     want = state.fp32_precision_own
@@ -528,7 +528,8 @@ def _write(
     # setter: it is written as what behaves the same under the target's
     # parents, and a kept one already does.
     closest = _closest(want)
-    for op, target, have in zip(PRECISION_OPS, want, entries, strict=True):
+    for i, (op, target) in enumerate(zip(PRECISION_OPS, want, strict=True)):
+        have = written.get(i, own[i])
         if target == DEFAULT:
             target = closest
         if target != have and not (have == DEFAULT and target == closest):
