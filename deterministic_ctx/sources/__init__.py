@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from ..base.settings import Settings
 from . import _memory
-from . import precision as _precision
 from ._base import DeviceSource, Source
 from .accelerators import accelerator_sources
 from .compiler import TorchCompileSource
@@ -27,7 +26,6 @@ from .user_rngs import (
 )
 
 __all__ = [
-    "PRECISION_INLINE",
     "SOURCES",
     "DeviceSource",
     "Source",
@@ -61,31 +59,21 @@ def apply_all(settings: Settings, sources: tuple[Source, ...] | None = None) -> 
     a device this build can never initialize) are skipped, a frame each per
     block; with the fast paths off every source's ``apply`` runs.
     """
+    global _appliers
     settings = settings.resolved()
     if sources is None:
         sources = SOURCES
-    found = _appliers
+    found = _appliers  # read once: another thread may replace it
     if found[0] is not sources:
-        found = _find_appliers(sources)
+        skip = _memory.ENABLED
+        appliers = tuple(s for s in sources if not (skip and getattr(s, "applies_nothing", False)))
+        found = _appliers = (sources, appliers)
     for source in found[1]:
         source.apply(settings)
 
 
 #: ``(sources, those of them whose apply may do something)``, for the tuple seen last.
 _appliers: tuple[tuple[Source, ...], tuple[Source, ...]] = ((), ())
-
-
-def _find_appliers(
-    sources: tuple[Source, ...],
-) -> tuple[tuple[Source, ...], tuple[Source, ...]]:
-    global _appliers
-    appliers = (
-        tuple(s for s in sources if not getattr(s, "applies_nothing", False))
-        if _memory.ENABLED
-        else sources
-    )
-    _appliers = found = (sources, appliers)
-    return found
 
 
 def generator_sources() -> tuple[Source, ...]:
@@ -106,10 +94,6 @@ def source_named(name: str) -> Source:
         if source.name == name:
             return source
     raise KeyError(f"no source named {name!r}; there are: {', '.join(s.name for s in SOURCES)}")
-
-
-#: The one fast path that depends on the torch version, not only on the switch.
-PRECISION_INLINE = "float32 precision: torch's nine settings read in one pass"
 
 
 def fast_paths() -> dict[str, bool]:
@@ -136,8 +120,6 @@ def fast_paths() -> dict[str, bool]:
         <= records,
         "seeding: seeded states remembered per seed": _memory.ENABLED,
         "blocks: sources whose apply does nothing are skipped": _memory.ENABLED,
-        # Only where torch has the nine-entry fp32_precision API whose rules it reads (2.9+).
-        PRECISION_INLINE: _precision.INLINE,
         "os.environ: read and written through its C-level dict": bool(
             getattr(environ, "fast", False)
         ),

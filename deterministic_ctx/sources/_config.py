@@ -38,11 +38,10 @@ from .._torch.internals import (
     config_entries,
     config_layout,
     config_unset,
-    is_config_unset,
     write_config_override,
 )
 
-__all__ = ["AT_DEFAULT", "ConfigEntry", "is_unset", "unchanged_config"]
+__all__ = ["AT_DEFAULT", "ConfigEntry", "unchanged_config"]
 
 
 class _AtDefault:
@@ -64,11 +63,6 @@ class _AtDefault:
 
 
 AT_DEFAULT = _AtDefault()
-
-
-is_unset: Callable[[object], bool] = is_config_unset
-"""Whether an override is torch's own "nobody set it" sentinel (what a capture
-that reads the override directly holds for an entry at its default)."""
 
 
 class _Found(NamedTuple):
@@ -215,19 +209,9 @@ def unchanged_config(module: str) -> Iterator[None]:
     its layout is not the known one: a later import is left alone).
     """
     config = sys.modules.get(module)
-    entries = config_entries(config)
-    unset = config_unset()
-    found: dict[str, _Found] = {}
-    if entries is not None:
-        for key, entry in entries.items():
-            var = config_layout(config, entry)
-            if var is None:
-                found = {}
-                break
-            found[key] = _Found(config, entry, unset, False, var)
-    if not found:
-        yield
-        return
+    found = {key: _inspect(config, key) for key in config_entries(config) or ()}
+    if not all(f.entry is not None for f in found.values()):
+        found = {}  # a layout not the known one
     saved = [(key, f, _get(f)) for key, f in found.items()]
     try:
         yield

@@ -127,9 +127,12 @@ def _is_rng_call(entry: Any) -> bool:
     # ``set_rng_state(s)`` queues ``set_rng_state.<locals>.cb``; other queued
     # calls (capability checks, ...) are not RNG state and are left alone.
     fn = entry[0] if isinstance(entry, tuple) and entry else entry
-    return "rng_state" in getattr(fn, "__qualname__", "") or "seed" in getattr(
-        fn, "__qualname__", ""
-    )
+    name = getattr(fn, "__qualname__", "")
+    return "rng_state" in name or "seed" in name
+
+
+def _never() -> bool:
+    return False
 
 
 class LazyAcceleratorSource:
@@ -145,34 +148,30 @@ class LazyAcceleratorSource:
         self._m = module
         self._device_type = device_type
         self._fresh_state = fresh_state or self._torch_fresh_state
-        # A build without this device can never initialize it, so a seed
-        # queued for it would never be used: entering a block skips it.  Its
-        # tracker is still captured and restored, because ``torch.manual_seed``
-        # inside the block queues there anyway.
         compiled = is_compiled_check(module)
-        self._can_initialize = bool(compiled()) if compiled is not None else True
-        self._bad_fork_check = bad_fork_check(module)
+        #: Whether this build can ever initialize the device: without it (a CPU
+        #: build's ``torch.cuda``) the device is never initialized, and its state
+        #: is only what torch has queued.  A seed queued for it would never be
+        #: used: entering a block skips it.  Its tracker is still captured and
+        #: restored, because ``torch.manual_seed`` inside the block queues there.
+        self.can_initialize = bool(compiled()) if compiled is not None else True
+        #: Whether this is a child forked after the device initialized, which
+        #: cannot use it (like ``torch.manual_seed``, nothing is done then).
+        self._bad_fork: Callable[[], bool] = bad_fork_check(module) or _never
         # torch's seed tracker and queue of calls for initialization: objects made
         # once, when torch imports the device module, and only mutated since.
         self._tracker, self._queued = lazy_seed_queue(module)
 
     @property
-    def module(self) -> ModuleType | Any:
-        """The device's torch module (``torch.cuda``, ...)."""
-        return self._m
-
-    @property
     def applies_nothing(self) -> bool:
         """Whether :meth:`apply` always returns at once (this build can never
         initialize the device): ``apply_all`` may skip it."""
-        return not self._can_initialize
+        return not self.can_initialize
 
     @property
-    def can_initialize(self) -> bool:
-        """Whether this build can ever initialize the device: without it
-        (a CPU build's ``torch.cuda``) the device is never initialized, and
-        its state is only what torch has queued."""
-        return self._can_initialize
+    def device_type(self) -> str:
+        """``"cuda"``, ``"xpu"`` or ``"mtia"``: the key of this device in a checkpoint."""
+        return self._device_type
 
     def _torch_fresh_state(self, index: int) -> torch.Tensor:
         # What initialization gives a default generator: torch seeds it from the
@@ -184,15 +183,11 @@ class LazyAcceleratorSource:
         generator.seed()
         return generator.get_state()
 
-    def _bad_fork(self) -> bool:
-        check = self._bad_fork_check
-        return bool(check()) if check is not None else False
-
     def capturing(self) -> bool:
         """Whether the calling thread's current stream of this device is capturing
         a graph now; ``False`` where the device is not initialized (asking never
         initializes it) or its module has no graphs."""
-        return self._can_initialize and self._m.is_initialized() and self._capturing_now()
+        return self.can_initialize and self._m.is_initialized() and self._capturing_now()
 
     def _capturing_now(self) -> bool:
         # Only asked on the initialized path: on a build without the device
@@ -201,7 +196,7 @@ class LazyAcceleratorSource:
         query = getattr(self._m, "is_current_stream_capturing", None)
         return query is not None and bool(query())
 
-    def _refuse_inside_capture(self, what: str) -> None:
+    def _refuse_inside_capture(self, what: str = "put the generator states back") -> None:
         """Raise :class:`GraphCaptureError` if a graph is being captured (the
         device is initialized: the caller checked)."""
         if self._capturing_now():
@@ -210,7 +205,7 @@ class LazyAcceleratorSource:
     def capture(self) -> LiveState | LazyState:
         m = self._m
         # A device this build cannot initialize is never asked (a Python call of torch's).
-        if self._can_initialize and m.is_initialized():
+        if self.can_initialize and m.is_initialized():
             self._refuse_inside_capture("read the generator states")
             # One C-level loop, and no NamedTuple ``__new__`` frame: this runs
             # in every block once CUDA is in use.
@@ -224,7 +219,7 @@ class LazyAcceleratorSource:
 
     def apply(self, settings: Settings) -> None:
         m = self._m
-        if not self._can_initialize or self._bad_fork():
+        if not self.can_initialize or self._bad_fork():
             return  # like torch.manual_seed: the device cannot be used in this process
         seed = settings.seed
         if m.is_initialized():
@@ -240,61 +235,47 @@ class LazyAcceleratorSource:
         self._tracker.queue_seed_all(seed_all, _NOTE)
 
     def restore(self, state: LiveState | LazyState | SavedState) -> None:
-        if type(state) is LazyState:
-            if self._can_initialize and self._m.is_initialized():
-                self._restore_initialized_since(state)
-                return
-            # The usual case: the device was not in use then and is not now.
-            # (_restore_tracker inline: three devices, every block.)
-            t = self._tracker
+        m, t = self._m, self._tracker
+        if isinstance(state, LazyState):
+            initialized = self.can_initialize and m.is_initialized()
+            if initialized:
+                # Initialized since ``state`` was captured (inside the block): refuse
+                # before the tracker is touched too, so that a refusal changes nothing.
+                self._refuse_inside_capture()
+            # The usual case: the device was not in use then and is not now, and
+            # the tracker is as it was (compared first: three devices, every block).
             if (
                 t.manual_seed_all_cb is not state.seed_all
                 or t.manual_seed_cb is not state.seed_one
                 or len(t.call_order) != len(state.call_order)
                 or tuple(t.call_order) != state.call_order
             ):
-                self._restore_tracker(state)
-            if len(self._queued) != len(state.queued):
-                self._drop_queued_rng_calls(state.queued)
-        elif isinstance(state, LiveState):
-            self._restore_live(state)
-        else:
-            self._restore_saved(state)  # type: ignore[arg-type]
-
-    def _restore_live(self, state: LiveState) -> None:
+                t.manual_seed_all_cb, t.manual_seed_cb = state.seed_all, state.seed_one
+                t.call_order = list(state.call_order)
+            if initialized:
+                if not self._bad_fork():
+                    self._initialize_without_block(state)
+            elif len(self._queued) != len(state.queued):
+                # Drop the RNG calls queued since the capture; keep everything else.
+                kept = set(map(id, state.queued))
+                self._queued[:] = [c for c in self._queued if id(c) in kept or not _is_rng_call(c)]
+            return
         if self._bad_fork():
             return  # a forked child cannot use the device at all
-        self._refuse_inside_capture("put the generator states back")
-        generators = self._m.default_generators
-        if len(generators) != len(state.states):
-            raise RuntimeError(
-                f"{self.name}: {len(state.states)} device generator(s) captured, "
-                f"{len(generators)} present"
-            )
-        _set_states(generators, state.states)
-
-    def _restore_initialized_since(self, state: LazyState) -> None:
-        # Initialized since ``state`` was captured (inside the block): refuse
-        # before the tracker is touched too, so that a refusal changes nothing.
-        self._refuse_inside_capture("put the generator states back")
-        self._restore_tracker(state)
-        if not self._bad_fork():
-            self._initialize_without_block(state)
-
-    def _restore_tracker(self, state: LazyState) -> None:
-        t = self._tracker
-        if t.manual_seed_all_cb is not state.seed_all:
-            t.manual_seed_all_cb = state.seed_all
-        if t.manual_seed_cb is not state.seed_one:
-            t.manual_seed_cb = state.seed_one
-        if tuple(t.call_order) != state.call_order:
-            t.call_order = list(state.call_order)
-
-    def _drop_queued_rng_calls(self, queued: tuple[Any, ...]) -> None:
-        """Drop the RNG calls queued since ``queued`` was captured; keep everything else."""
-        kept = set(map(id, queued))
-        calls = self._queued
-        calls[:] = [c for c in calls if id(c) in kept or not _is_rng_call(c)]
+        if isinstance(state, SavedState) and not state.states:
+            self._keep_unsaved(state.strict)  # not initialized where it was saved
+        elif m.is_initialized():
+            self._refuse_inside_capture()
+            generators = m.default_generators
+            if type(state) is LiveState and len(generators) != len(state.states):
+                raise RuntimeError(
+                    f"{self.name}: {len(state.states)} device generator(s) captured, "
+                    f"{len(generators)} present"
+                )
+            # A saved state's device count was matched at load: zip stops at the shorter.
+            _set_states(generators, state.states)
+        else:
+            self._queue_states(state.states)
 
     def _initialize_without_block(self, state: LazyState) -> None:
         """First initialized inside the block: set every generator to what
@@ -306,16 +287,11 @@ class LazyAcceleratorSource:
         for fn, _trace in replay:
             fn()
 
-    @property
-    def device_type(self) -> str:
-        """``"cuda"``, ``"xpu"`` or ``"mtia"``: the key of this device in a checkpoint."""
-        return self._device_type
-
     def export_state(self, state: LiveState | LazyState | SavedState) -> dict[str, Any]:
         """The state as plain data: ``{"initialized": bool, "states": [uint8 tensor per device]}``.
 
         A device that was not initialized has no generator yet, only queued
-        callbacks, which are code and are not saved (see :meth:`_restore_saved`).
+        callbacks, which are code and are not saved (see :meth:`_keep_unsaved`).
         """
         states = () if isinstance(state, LazyState) else state.states
         return {"initialized": bool(states), "states": [s.clone() for s in states]}
@@ -344,18 +320,6 @@ class LazyAcceleratorSource:
                 if not states:
                     return None
         return SavedState(states, strict)
-
-    def _restore_saved(self, state: SavedState) -> None:
-        if self._bad_fork():
-            return  # a forked child cannot use the device at all
-        if not state.states:
-            self._keep_unsaved(state.strict)
-        elif self._m.is_initialized():
-            self._refuse_inside_capture("put the generator states back")
-            # The device count was matched at load: zip stops at the shorter.
-            _set_states(self._m.default_generators, state.states)
-        else:
-            self._queue_states(state.states)
 
     def _keep_unsaved(self, strict: bool) -> None:
         """Not initialized where it was saved: nothing drew from it there.  If it

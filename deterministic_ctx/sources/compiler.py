@@ -54,7 +54,7 @@ import sys
 import types
 from collections.abc import Callable
 from operator import is_
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 from .. import _torch
 from .._torch.flags import set_eval_frame
@@ -62,11 +62,12 @@ from .._torch.internals import (
     DYNAMO_CONFIG,
     FUNCTORCH_CONFIG,
     INDUCTOR_CONFIG,
+    is_config_unset,
     mark_opaque_to_dynamo,
 )
 from ..base.settings import Settings
 from . import _plain
-from ._config import AT_DEFAULT, ConfigEntry, is_unset
+from ._config import AT_DEFAULT, ConfigEntry
 
 __all__ = [
     "ENTRIES",
@@ -92,44 +93,30 @@ ENTRIES: tuple[ConfigEntry, ...] = (
     ConfigEntry(_DYNAMO, "use_numpy_random_stream"),
 )
 _FALLBACK_RANDOM = ENTRIES[0]
-_MODULES = (_INDUCTOR, _FUNCTORCH, _DYNAMO)
-_BY_NAME = {entry.name: entry for entry in ENTRIES}
 
 #: The state when none of the config modules is imported (the usual case
 #: outside compiled programs): every entry nobody's.
 _UNTOUCHED: tuple[object, ...] = (AT_DEFAULT,) * len(ENTRIES)
 _override = ConfigEntry.override
+#: ``(the config modules as last seen, every entry's override variable, their
+#: get)``: the variables (torch's ``ContextVar``) where every entry is imported
+#: and in the known layout, read with one ``map`` over their unbound ``get`` (a
+#: C method, no frame per call); else ``None``, and the entries' methods run.
+#: Rebuilt whenever a module is imported (or replaced).
+_binding: tuple[tuple[Any, ...], tuple[Any, ...] | None, Any] = ((None, None, None), None, None)
 
 
-class _Binding(NamedTuple):
-    """The config modules as last seen, and each entry's override variable
-    (``None`` if the module was not imported or its layout is not the known
-    one).  Rebuilt whenever a module is imported (or replaced)."""
-
-    modules: tuple[Any, ...]
-    #: Every entry's override variable (torch's ``ContextVar``), when all are
-    #: known: the fast paths read them with one ``map``; else ``None`` and the
-    #: entries' methods run.
-    variables: tuple[Any, ...] | None
-    #: Their ``get``, unbound (``ContextVar.get``: a C method, no frame per call).
-    get: Any
-
-
-_binding = _Binding((None, None, None), None, None)
-
-
-def _rebind(modules: tuple[Any, ...]) -> _Binding:
-    """The binding of ``modules``, the config modules imported now."""
+def _variables(modules: tuple[Any, ...]) -> tuple[tuple[Any, ...] | None, Any]:
+    """The override variables of :data:`ENTRIES` with ``modules`` imported, and their get."""
     global _binding
-    found = [entry.located() for entry in ENTRIES]
-    variables = (
-        tuple(f.entry.user_override for f in found if f is not None)
-        if all(f is not None and f.entry is not None and f.plain and f.var for f in found)
-        else None
-    )
-    get = type(variables[0]).get if variables else None
-    binding = _binding = _Binding(modules, variables, get)
-    return binding
+    if _binding[0] != modules:  # modules compare by identity
+        found = [entry.located() for entry in ENTRIES]
+        if all(f is not None and f.entry is not None and f.plain and f.var for f in found):
+            variables = tuple(f.entry.user_override for f in found)  # type: ignore[union-attr]
+            _binding = (modules, variables, type(variables[0]).get)
+        else:
+            _binding = (modules, None, None)
+    return _binding[1], _binding[2]
 
 
 class TorchCompileSource:
@@ -147,11 +134,9 @@ class TorchCompileSource:
         modules = (get(_INDUCTOR), get(_FUNCTORCH), get(_DYNAMO))
         if modules == (None, None, None):
             return _UNTOUCHED
-        binding = _binding
-        if binding.modules != modules:  # modules compare by identity
-            binding = _rebind(modules)
-        if binding.variables is not None:  # all imported, torch's layout: the overrides as they are
-            return tuple(map(binding.get, binding.variables))
+        variables, get = _variables(modules)
+        if variables is not None:  # all imported, torch's layout: the overrides as they are
+            return tuple(map(get, variables))
         return tuple(map(_override, ENTRIES))
 
     def apply(self, settings: Settings) -> None:
@@ -168,13 +153,9 @@ class TorchCompileSource:
             if type(state) is not _Loaded:
                 return  # nothing imported, then or now
         elif type(state) is tuple:
-            binding = _binding
-            if binding.modules != modules:
-                binding = _rebind(modules)
             # The usual case, nothing set since the capture: nothing to write.
-            if binding.variables is not None and all(
-                map(is_, map(binding.get, binding.variables), state)
-            ):
+            variables, get = _variables(modules)
+            if variables is not None and all(map(is_, map(get, variables), state)):
                 return
         if type(state) is _Loaded:
             # A saved override of a module not imported here is applied all
@@ -190,7 +171,9 @@ class TorchCompileSource:
         someone set (an entry at its default is left out)."""
         out: dict[str, Any] = {}
         for entry, override in zip(ENTRIES, state, strict=True):
-            if override == AT_DEFAULT or is_unset(override):
+            # torch's own "nobody set it" sentinel: what a capture that reads
+            # the override directly holds for an entry at its default
+            if override == AT_DEFAULT or is_config_unset(override):
                 continue
             if type(override) is not bool:
                 raise ValueError(
@@ -201,7 +184,7 @@ class TorchCompileSource:
 
     def import_state(self, data: object, path: str) -> tuple[object, ...]:
         """Check saved data and rebuild a state; ``ValueError`` names the bad field."""
-        saved = _plain.fields(data, path, [], list(_BY_NAME))
+        saved = _plain.fields(data, path, [], [entry.name for entry in ENTRIES])
         state = tuple(
             _plain.flag(saved[entry.name], f"{path}.{entry.name}")
             if entry.name in saved

@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from itertools import compress
 from operator import ne
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..base.settings import Settings
 from . import _plain
@@ -144,21 +144,14 @@ DETERMINISTIC_COLLECTIVES: Mapping[str, str] = MappingProxyType(
 )
 
 _lock = threading.Lock()
+if hasattr(os, "register_at_fork"):
+    # A fork while another thread registers would leave the child's lock held forever.
+    os.register_at_fork(after_in_child=_lock._at_fork_reinit)  # type: ignore[attr-defined]
 #: The managed names now: ``ENV_VARS``'s, then the registered ones.  Only ever
 #: replaced (under ``_lock``), never mutated, so a capture that read it holds a
 #: consistent tuple, and comparing by identity tells whether it changed.
 _MANAGED: tuple[str, ...] = tuple(name for name, _ in ENV_VARS)
 _MANAGED_SET = frozenset(_MANAGED)
-
-
-def _new_lock_in_child() -> None:
-    # A fork while another thread registers would leave the child's lock held forever.
-    global _lock
-    _lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def _check_name(name: object) -> str:
@@ -224,8 +217,9 @@ def managed_env_vars() -> tuple[str, ...]:
 EnvState = tuple[tuple[str, ...], tuple[Any, ...]]
 
 
-class _Access:
-    """How a source reads and writes one environment mapping.
+class _Access(NamedTuple):
+    """How a source reads and writes one environment mapping: raw values by
+    encoded key (``get``, ``put(key, raw)``, ``delete(key)``) and the codecs.
 
     For ``os.environ`` (an ``os._Environ``), raw values are read straight from
     its ``_data`` dict under encoded keys: ``os.environ.get`` goes through
@@ -241,41 +235,14 @@ class _Access:
     ``get`` and written through its own item assignment, values as they are.
     """
 
-    __slots__ = ("decode", "delete", "encode", "encodekey", "fast", "get", "put")
-
-    def __init__(self, env: MutableMapping[str, str]) -> None:
-        fast = _fast_access(env)
-        #: Whether the proven path (``_data`` and ``putenv``) is in use.
-        self.fast = fast is not None
-        if fast is None:
-            self.get: Callable[[Any], Any] = env.get
-            self.encodekey: Callable[[str], Any] = str
-            self.encode: Callable[[str], Any] = str
-            self.decode: Callable[[Any], str] = str
-
-            def put(name: str, key: Any, raw: Any) -> None:
-                env[name] = raw
-
-            def delete(name: str, key: Any) -> None:
-                del env[name]
-
-        else:
-            self.get, self.encodekey, self.encode, self.decode = fast
-            data: dict[Any, Any] = self.get.__self__  # type: ignore[attr-defined]
-            putenv, unsetenv = os.putenv, os.unsetenv
-
-            def put(name: str, key: Any, raw: Any) -> None:
-                putenv(key, raw)
-                data[key] = raw
-
-            def delete(name: str, key: Any) -> None:
-                unsetenv(key)
-                data.pop(key, None)
-
-        #: ``put(name, key, raw)``: set ``name`` (``key`` encoded) to the raw value ``raw``.
-        self.put: Callable[[str, Any, Any], None] = put
-        #: ``delete(name, key)``: remove ``name`` (``key`` encoded), which is set.
-        self.delete: Callable[[str, Any], None] = delete
+    #: Whether the proven path (``_data`` and ``putenv``) is in use.
+    fast: bool
+    get: Callable[[Any], Any]
+    encodekey: Callable[[str], Any]
+    encode: Callable[[str], Any]
+    decode: Callable[[Any], str]
+    put: Callable[[Any, Any], None]
+    delete: Callable[[Any], None]
 
     def keys(self, names: tuple[str, ...]) -> tuple[Any, ...]:
         return tuple(map(self.encodekey, names))
@@ -285,25 +252,34 @@ _PROBE = "DETERMINISTIC_CTX_ENV_PROBE"
 _PROBE_VALUE = "probe value é \udcff"  # non-ASCII, and a byte only surrogateescape carries
 
 
-_FastAccess = tuple[
-    Callable[[Any], Any], Callable[[str], Any], Callable[[str], Any], Callable[[Any], str]
-]
+def _access(env: MutableMapping[str, str]) -> _Access:
+    """The proven path for ``os.environ`` itself, else ``env``'s public API."""
+    if ENABLED and type(env) is os._Environ and _proven(env):
+        data: dict[Any, Any] = env._data  # type: ignore[attr-defined]
+        putenv, unsetenv = os.putenv, os.unsetenv
+
+        def put(key: Any, raw: Any) -> None:
+            putenv(key, raw)
+            data[key] = raw
+
+        def delete(key: Any) -> None:
+            unsetenv(key)
+            data.pop(key, None)
+
+        codecs = env.encodekey, env.encodevalue, env.decodevalue
+        return _Access(True, data.get, *codecs, put, delete)
+    return _Access(False, env.get, str, str, str, env.__setitem__, env.__delitem__)
 
 
-def _fast_access(env: object) -> _FastAccess | None:
-    """``(data.get, encodekey, encodevalue, decodevalue)`` of a proven ``os._Environ``,
-    else ``None``."""
-    if not ENABLED or not isinstance(env, os._Environ) or type(env) is not os._Environ:
-        return None
+def _proven(env: Any) -> bool:
+    """Whether ``env._data`` reads what ``env`` reads, under ``env``'s codecs."""
     data = getattr(env, "_data", None)
-    encodekey = getattr(env, "encodekey", None)
-    encodevalue = getattr(env, "encodevalue", None)
-    decodevalue = getattr(env, "decodevalue", None)
-    if type(data) is not dict or not all(map(callable, (encodekey, encodevalue, decodevalue))):
-        return None
-    assert encodekey is not None
-    assert encodevalue is not None
-    assert decodevalue is not None
+    codecs: list[Any] = [
+        getattr(env, name, None) for name in ("encodekey", "encodevalue", "decodevalue")
+    ]
+    if type(data) is not dict or not all(map(callable, codecs)):
+        return False
+    encodekey, encodevalue, decodevalue = codecs
     try:
         key = encodekey(_PROBE)
         env[_PROBE] = _PROBE_VALUE
@@ -313,15 +289,12 @@ def _fast_access(env: object) -> _FastAccess | None:
         proven = proven and data.get(key) is None
         for name in _MANAGED:
             raw = data.get(encodekey(name))
-            seen = None if raw is None else decodevalue(raw)
-            proven = proven and seen == env.get(name)
+            proven = proven and (None if raw is None else decodevalue(raw)) == env.get(name)
     except Exception:
-        return None
+        return False
     finally:
         env.pop(_PROBE, None)
-    if not proven:
-        return None
-    return data.get, encodekey, encodevalue, decodevalue
+    return bool(proven)
 
 
 class EnvironSource:
@@ -339,7 +312,7 @@ class EnvironSource:
 
     def __init__(self, environ: MutableMapping[str, str] | None = None) -> None:
         self._env = environ if environ is not None else os.environ
-        self._access = access = _Access(self._env)
+        self._access = access = _access(self._env)
         # (names, their keys): replaced as a whole when a name is registered.
         self._cache: tuple[tuple[str, ...], tuple[Any, ...]] = (_MANAGED, access.keys(_MANAGED))
         self._cublas_key = access.encodekey(CUBLAS)
@@ -363,21 +336,18 @@ class EnvironSource:
     def apply(self, settings: Settings) -> None:
         if not settings.flags:  # the caller's variables, captured and restored all the same
             return
-        get = self._access.get
-        self._apply(get(self._cublas_key), get(self._hash_key), settings.seed)
-
-    def _apply(self, cublas: Any, hashseed: Any, seed: int) -> None:
         access = self._access
+        seed = settings.seed
         wanted = self._hash_values.get(seed)
         if wanted is None:
             wanted = access.encode(str(seed))
             if len(self._hash_values) >= 256:  # a new seed each block must not grow it
                 self._hash_values.clear()
             self._hash_values[seed] = wanted
-        if cublas not in self._cublas_valid:
-            access.put(CUBLAS, self._cublas_key, self._cublas_valid[0])
-        if hashseed != wanted:
-            access.put(HASHSEED, self._hash_key, wanted)
+        if access.get(self._cublas_key) not in self._cublas_valid:
+            access.put(self._cublas_key, self._cublas_valid[0])
+        if access.get(self._hash_key) != wanted:
+            access.put(self._hash_key, wanted)
 
     def restore(self, state: EnvState) -> None:
         names, saved = state
@@ -398,23 +368,23 @@ class EnvironSource:
     ) -> None:
         """Write the names whose values ``now`` differ from ``saved``; one name
         that fails does not keep the others from being restored."""
-        rows: Iterable[tuple[str, Any, Any, Any]]
+        rows: Iterable[tuple[Any, Any, Any]]
         if names is _MANAGED and now[2:] == saved[2:]:
             # Only the two a block sets may differ (the common case): no loop
             # over every name.
-            rows = ((names[0], keys[0], saved[0], now[0]), (names[1], keys[1], saved[1], now[1]))
+            rows = ((keys[0], saved[0], now[0]), (keys[1], saved[1], now[1]))
         else:  # only the names that differ, picked in C
-            rows = compress(zip(names, keys, saved, now, strict=True), map(ne, saved, now))
+            rows = compress(zip(keys, saved, now, strict=True), map(ne, saved, now))
         put, delete = self._access.put, self._access.delete
         error: Exception | None = None
-        for name, key, was, is_now in rows:
+        for key, was, is_now in rows:
             if was == is_now:
                 continue
             try:
                 if was is None:
-                    delete(name, key)
+                    delete(key)
                 else:
-                    put(name, key, was)
+                    put(key, was)
             except Exception as exc:
                 error = error or exc
         if error is not None:

@@ -10,15 +10,10 @@ Applied inside a block (they choose *which* algorithm runs):
   already imported*: ``use_deterministic_algorithms`` imports it (~1.2 s) to
   set this; we call the C setter directly and never import it ourselves.
 
-**Inductor.**  Its config tells a value from a default (``_is_default``), and
-its compile-cache keys see the difference, so the state is the entry's *user
-override* (torch's sentinel when nobody set it), read and written the way
-torch's own ``_make_closure_patcher`` does, with the hash and ``get_dict``
-caches marked dirty.  That is also cheaper than ``config.deterministic``
-(~1.2 µs per read, 0.8 µs per write).  Overrides are per thread (a
-``ContextVar`` in torch), so a block restores the calling thread's.  If
-inductor is first imported inside a block, the override is cleared on exit:
-as if the block had never touched it, the flag is at its default, which
+**Inductor.**  Its flag's state is the entry's *user override*, read and
+written as torch's own patcher does (see :mod:`._config`).  If inductor is
+first imported inside a block, the override is cleared on exit: as if the
+block had never touched it, the flag is at its default, which
 ``TORCHINDUCTOR_DETERMINISTIC`` chose at import.
 
 **Precision** (the ``fp32_precision`` entries, the legacy float32 matmul
@@ -47,56 +42,29 @@ from .._torch.flags import (
     set_cudnn_deterministic,
     set_deterministic_algorithms,
 )
-from .._torch.internals import INDUCTOR_CONFIG
+from .._torch.internals import INDUCTOR_CONFIG as _INDUCTOR
 from ..base.settings import Settings
 from . import _plain
 from ._config import AT_DEFAULT, ConfigEntry
 from .precision import (
-    EXACT,
     ONEDNN,
-    PRECISION_KEYS,
+    OPTIONAL_PRECISION,
     PRECISION_OPS,
-    check_matmul_precision,
-    loaded_entries,
+    export_precision,
+    import_precision,
     onednn_allow_tf32,
     read,
-    resolve,
     restore_precision,
-    saved_entries,
-    saved_matmul_precision,
 )
 
 __all__ = ["PRECISION_OPS", "UNSUPPORTED_FLAGS", "FlagState", "TorchFlagsSource"]
 
 
-# -- inductor ------------------------------------------------------------------
-
-_INDUCTOR = INDUCTOR_CONFIG
 #: ``torch._inductor.config.deterministic`` (inductor's random-number entries
 #: are the ``torch.compile`` source's: :mod:`.compiler`).
 _ENTRY = ConfigEntry(
     _INDUCTOR, "deterministic", lambda: os.getenv("TORCHINDUCTOR_DETERMINISTIC") == "1"
 )
-_NOT_IMPORTED = (None, AT_DEFAULT)
-
-
-def _read_inductor() -> tuple[bool | None, object]:
-    """(the value, the override or AT_DEFAULT); (None, AT_DEFAULT) if not imported."""
-    value, override = _ENTRY.read()
-    return (None if value is None else bool(value)), override
-
-
-def _apply_inductor() -> None:
-    """Set inductor's flag, unless it is set already (nested blocks)."""
-    if _ENTRY.override() is not True:
-        _ENTRY.set(True)
-
-
-def _restore_inductor(want: object) -> None:
-    _ENTRY.restore(want)
-
-
-# -- the state -----------------------------------------------------------------
 
 
 class FlagState(NamedTuple):
@@ -160,14 +128,10 @@ def _optional_flag(field: str, capability: _torch.Capability, inside: bool | str
     memory, oneDNN has no switch of its own), is never written, and a block
     leaves it ``False`` too."""
     found = capability.value
-    if found is None:
-        return _Flag(field, _absent_get, _absent_set, False)
+    if not found:
+        return _Flag(field, bool, _absent_set, False)
     get, put = found
     return _Flag(field, get, put, inside)
-
-
-def _absent_get() -> bool:
-    return False
 
 
 def _absent_set(value: bool) -> None:
@@ -213,41 +177,38 @@ UNSUPPORTED_FLAGS: frozenset[str] = frozenset(
 assert FlagState._fields[: len(_BOOLS)] == _BOOLS
 assert len(FlagState._fields) == len(_BOOLS) + 7
 _GETTERS = tuple(flag.get for flag in _FLAGS)
-_SETTERS = tuple(flag.set for flag in _FLAGS)
 _MODE = _BOOLS.index("deterministic_algorithms")
 _WARN_ONLY = _BOOLS.index("deterministic_warn_only")
-#: The flags each written by a setter of its own (all but the mode and warn_only).
-#: (A flag this torch lacks is never written: see :func:`_optional_flag`.)
+#: The flags each written by a setter of its own (all but the mode and warn_only,
+#: and the flags this torch lacks), as ``(position, setter)``.
 _SINGLES = tuple(
-    i
+    (i, flag.set)
     for i, flag in enumerate(_FLAGS)
     if i not in (_MODE, _WARN_ONLY) and flag.set is not _absent_set
 )
 #: ``_call(f)`` is ``f()`` (``operator.call``, Python 3.11+).
 _call: Callable[[Callable[[], bool]], bool] = getattr(operator, "call", lambda f: f())
-
-
-def _inside(warn_only: bool, fill: bool) -> tuple[bool, ...]:
-    """Each flag's value inside a block with these settings, in :data:`_FLAGS` order."""
-    by_field = {"warn_only": warn_only, "fill_uninitialized_memory": fill}
-    return tuple(
-        flag.inside if type(flag.inside) is bool else by_field[flag.inside] for flag in _FLAGS
+#: Each flag's value inside a block, by the block's ``(warn_only, fill_uninitialized_memory)``.
+_INSIDE = {
+    (w, f): tuple(
+        flag.inside if type(flag.inside) is bool else {"warn_only": w}.get(flag.inside, f)
+        for flag in _FLAGS
     )
+    for w in (False, True)
+    for f in (False, True)
+}
 
 
-#: :func:`_inside` for every pair of settings, computed once.
-_INSIDE = {(w, f): _inside(w, f) for w in (False, True) for f in (False, True)}
-
-
-def _write_flags(want: tuple[Any, ...], now: tuple[Any, ...]) -> None:
-    """Write each flag whose value in ``want`` differs from ``now`` (just read).
+def _write_flags(want: tuple[Any, ...], now: tuple[Any, ...] | None) -> None:
+    """Write each flag whose value in ``want`` differs from ``now`` (just read;
+    ``None``: write every one).
 
     The mode and warn_only are written together, by the one call that sets
     both (each of their setters writes the other too)."""
-    for i in _SINGLES:
-        if now[i] != want[i]:
-            _SETTERS[i](want[i])
-    if now[_MODE] != want[_MODE] or now[_WARN_ONLY] != want[_WARN_ONLY]:
+    for i, setter in _SINGLES:
+        if now is None or now[i] != want[i]:
+            setter(want[i])
+    if now is None or now[_MODE] != want[_MODE] or now[_WARN_ONLY] != want[_WARN_ONLY]:
         set_deterministic_algorithms(want[_MODE], warn_only=want[_WARN_ONLY])
 
 
@@ -262,7 +223,11 @@ class TorchFlagsSource:
     device_type: str | None = None  # not a device generator: saved under "sources"
 
     def capture(self) -> FlagState:
-        inductor, override = _read_inductor() if _INDUCTOR in sys.modules else _NOT_IMPORTED
+        inductor: bool | None = None
+        override: object = AT_DEFAULT
+        if _INDUCTOR in sys.modules:
+            value, override = _ENTRY.read()
+            inductor = None if value is None else bool(value)
         eff, own, legacy, cudnn = read()
         onednn = onednn_allow_tf32() if ONEDNN else None
         values: list[object] = list(map(_call, _GETTERS))  # called from C, no frame each
@@ -274,100 +239,55 @@ class TorchFlagsSource:
     def apply(self, settings: Settings) -> None:
         if not settings.flags:  # the caller's flags, captured and restored all the same
             return
-        want = _INSIDE.get((settings.warn_only, settings.fill_uninitialized_memory))
-        if want is None:  # not plain bools (Settings validates them): the long way
-            want = _inside(bool(settings.warn_only), bool(settings.fill_uninitialized_memory))
+        want = _INSIDE[settings.warn_only, settings.fill_uninitialized_memory]
         now = tuple(map(_call, _GETTERS))  # C-level calls, no Python frame each
         if now != want:
             _write_flags(want, now)
-        if _INDUCTOR in sys.modules:
-            _apply_inductor()
+        # inductor's flag, unless set already (nested blocks)
+        if _INDUCTOR in sys.modules and _ENTRY.override() is not True:
+            _ENTRY.set(True)
 
     def restore(self, state: FlagState) -> None:
         if _INDUCTOR in sys.modules:
-            _restore_inductor(state.inductor_override)
+            _ENTRY.restore(state.inductor_override)
         # Every flag written, none read: each setter only stores its value, so
         # writing an unchanged one changes nothing, and five C calls cost less
         # than six reads and the writes they find needed (a swap of a
-        # decorated generator's world writes most of them anyway).  The mode
-        # and warn_only are written together, by the one call that sets both.
-        values: tuple[Any, ...] = state
-        for i in _SINGLES:
-            _SETTERS[i](values[i])
-        set_deterministic_algorithms(values[_MODE], warn_only=values[_WARN_ONLY])
+        # decorated generator's world writes most of them anyway).
+        _write_flags(state, None)
         restore_precision(state)
 
     def export_state(self, state: FlagState) -> dict[str, Any]:
-        """The state as plain data: one entry per field, ``fp32_precision`` as
-        ``{"backend.op": own value}`` (cuDNN's initial state as the value that
-        behaves the same), ``inductor_deterministic`` only if someone set it,
-        ``cudnn_allow_tf32`` if known, ``onednn_allow_tf32`` on builds that have it.
+        """The state as plain data: one entry per field, the precision fields as
+        :func:`~.precision.export_precision` saves them, ``inductor_deterministic``
+        only if someone set it (and only a bool can be saved).
         """
         out: dict[str, Any] = {f: getattr(state, f) for f in _BOOLS}
         if state.inductor_override != AT_DEFAULT:
-            out["inductor_deterministic"] = _saved_override(state.inductor_override)
-        out["float32_matmul_precision"] = saved_matmul_precision(state)
-        out["fp32_precision"] = saved_entries(state.fp32_precision_own)
-        for f in _OPTIONAL_BOOLS:
-            if (value := getattr(state, f)) is not None:
-                out[f] = value
+            if type(state.inductor_override) is not bool:
+                raise ValueError(
+                    f"{_INDUCTOR}.deterministic holds {state.inductor_override!r}, not True or "
+                    f"False, so these flags cannot be saved"
+                )
+            out["inductor_deterministic"] = state.inductor_override
+        out.update(export_precision(state))
         return out
 
     def import_state(self, data: object, path: str) -> FlagState:
-        """Check saved data and rebuild a state; ``ValueError`` names the bad field.
-
-        The saved ``fp32_precision`` entries must be exactly this torch's, each
-        a value its setter accepts: a flag that could not be restored is an
-        error, not a skip.  Files written before ``cudnn_allow_tf32`` was saved
-        load too: that flag is then left as it is.
-        """
+        """Check saved data and rebuild a state; ``ValueError`` names the bad field
+        (see :func:`~.precision.import_precision` for the precision fields)."""
         d = _plain.fields(
             data,
             path,
             [*_BOOLS, "float32_matmul_precision", "fp32_precision"],
-            ["inductor_deterministic", *_OPTIONAL_BOOLS],
+            ["inductor_deterministic", *OPTIONAL_PRECISION],
         )
-        precision = _plain.fields(d["fp32_precision"], f"{path}.fp32_precision", PRECISION_KEYS)
-
-        def flag(name: str) -> bool:
-            return _plain.flag(d[name], f"{path}.{name}")
-
-        def optional(name: str) -> bool | None:
-            return flag(name) if name in d else None
-
-        legacy = _plain.text(
-            d["float32_matmul_precision"],
-            f"{path}.float32_matmul_precision",
-            choices=("highest", "high", "medium"),
+        legacy, eff, own, cudnn, onednn = import_precision(d, path)
+        inductor = (
+            _plain.flag(d["inductor_deterministic"], f"{path}.inductor_deterministic")
+            if "inductor_deterministic" in d
+            else None
         )
-        own = loaded_entries(precision, f"{path}.fp32_precision")
-        eff = tuple(resolve(own, i) for i in range(len(own))) if EXACT else own
-        if EXACT:
-            check_matmul_precision(legacy, eff, f"{path}.fp32_precision")
-        onednn = optional("onednn_allow_tf32")
-        if onednn is not None and not ONEDNN:
-            raise ValueError(
-                f"{path}.onednn_allow_tf32: this torch build has no oneDNN TF32 flag "
-                f"(only XPU builds keep it), so it cannot be restored"
-            )
-        inductor = optional("inductor_deterministic")
-        flags = [flag(f) for f in _BOOLS]  # FlagState's first fields
-        cudnn = optional("cudnn_allow_tf32")
+        flags = [_plain.flag(d[f], f"{path}.{f}") for f in _BOOLS]  # FlagState's first fields
         override = AT_DEFAULT if inductor is None else inductor
         return FlagState._make((*flags, inductor, legacy, eff, own, cudnn, onednn, override))
-
-
-# -- saving and loading ------------------------------------------------------------
-
-#: The legacy TF32 flags: saved where known (not ``None``), optional in a file.
-_OPTIONAL_BOOLS = ("cudnn_allow_tf32", "onednn_allow_tf32")
-
-
-def _saved_override(override: object) -> bool:
-    """Inductor's override as saved: only a bool can be."""
-    if type(override) is not bool:
-        raise ValueError(
-            f"{_INDUCTOR}.deterministic holds {override!r}, not True or "
-            f"False, so these flags cannot be saved"
-        )
-    return override

@@ -23,9 +23,7 @@ __all__ = [
     "NumpyGlobalSource",
     "NumpyState",
     "bit_generator_state_from_plain",
-    "legacy_state_from_plain",
     "numpy_state_to_plain",
-    "seed_views",
 ]
 
 # Public since NumPy 1.25, missing from its type stubs.
@@ -40,21 +38,6 @@ _NO_GAUSS = bytes(16)  # has_gauss = 0, padding, gauss = 0.0
 
 #: The MT19937 record legacy seeding (``np.random.seed``) produces, by seed.
 _SEEDED: SeededCache[bytes] = SeededCache()
-
-
-def seed_views(
-    rs: np.random.RandomState, bg: Any, mt: memoryview, gauss: memoryview, seed: int
-) -> None:
-    """Exactly ``rs.seed(seed)`` (``np.random.seed``) for the MT19937 ``bg``
-    installed in ``rs``, given the views over its record and the gaussian
-    cache: a remembered record and a cleared cache as two copies, or on a miss
-    the seeding itself (and a 2.5 KB read to remember it)."""
-    raw = _SEEDED.lookup(seed)
-    if raw is None:
-        rs.seed(seed)  # legacy seeding; also clears the gaussian cache
-        with bg.lock: _SEEDED.put(seed, mt.tobytes())  # noqa: E701  # fmt: skip
-        return
-    with bg.lock: mt[:], gauss[:] = raw, _NO_GAUSS  # noqa: E701  # fmt: skip
 
 
 class NumpyState(NamedTuple):
@@ -167,16 +150,16 @@ class NumpyGlobalSource:
         bg = rs._bit_generator
         cached = self._cache
         views = cached[1] if cached[0] is bg else self._views(bg)
-        if views is None:
-            rs.seed(settings.rank_seed)  # legacy seeding; also clears the gaussian cache
-            return
         seed = settings.rank_seed
-        raw = _SEEDED.lookup(seed)
-        if raw is None:
-            seed_views(rs, bg, *views, seed)
+        # Exactly ``np.random.seed(seed)``: the record it left for a seed seen
+        # before and a cleared gaussian cache, as two copies.
+        if views is not None and (raw := _SEEDED.lookup(seed)) is not None:
+            mt, gauss = views
+            with bg.lock: mt[:], gauss[:] = raw, _NO_GAUSS  # noqa: E701  # fmt: skip
             return
-        mt, gauss = views  # seed_views' hit inline: every block with a seed seen before
-        with bg.lock: mt[:], gauss[:] = raw, _NO_GAUSS  # noqa: E701  # fmt: skip
+        rs.seed(seed)  # legacy seeding; also clears the gaussian cache
+        if views is not None:  # remembered (a 2.5 KB read)
+            with bg.lock: _SEEDED.put(seed, views[0].tobytes())  # noqa: E701  # fmt: skip
 
     def to_public(self, state: NumpyState) -> dict[str, Any]:
         """The state in ``RandomState.get_state(legacy=False)`` form."""
@@ -208,7 +191,7 @@ class NumpyGlobalSource:
         otherwise a new one of that type is installed on restore.  The state
         is kept in dict form, so ``restore`` goes through ``set_state``.
         """
-        public = legacy_state_from_plain(data, path)
+        public = bit_generator_state_from_plain(data, path, legacy=True)
         cls = getattr(np.random, public["bit_generator"])  # a name from BIT_GENERATORS
         current = self._rs._bit_generator
         return NumpyState(current if type(current) is cls else cls(), public)
@@ -290,8 +273,3 @@ def bit_generator_state_from_plain(
     except (ValueError, TypeError, KeyError, OverflowError) as exc:
         raise ValueError(f"{path}: NumPy rejects the {name} state ({exc})") from exc
     return public
-
-
-def legacy_state_from_plain(data: object, path: str) -> dict[str, Any]:
-    """A checked ``RandomState.get_state(legacy=False)`` dict (adds the gaussian cache)."""
-    return bit_generator_state_from_plain(data, path, legacy=True)

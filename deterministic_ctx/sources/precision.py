@@ -4,8 +4,7 @@ Its one job: the precision half of :class:`~deterministic_ctx.sources.flags.Flag
 (the ``fp32_precision`` entries, the legacy ``float32_matmul_precision`` and
 ``allow_tf32`` fields): reading the effective and own values, the refusal
 rules of torch's getters, writing the state back, and saving and loading it.
-:mod:`.flags` holds the boolean determinism flags and the source, whose hot
-paths inline the common case of :func:`read` and :func:`restore_precision`.
+:mod:`.flags` holds the boolean determinism flags and the source.
 
 **Precision** is captured and restored but never changed (it trades
 precision, and TF32 results are themselves deterministic).  In torch ≥ 2.9
@@ -65,15 +64,12 @@ from .._torch.flags import (
     set_float32_matmul_precision,
 )
 from . import _plain
-from ._memory import ENABLED
 
-__all__ = ["INLINE", "PRECISION_OPS", "PrecisionFields"]
+__all__ = ["PRECISION_OPS", "PrecisionFields"]
 
 _get_precision: Any
 _set_precision: Any
 _get_precision, _set_precision = _torch.FP32_PRECISION.value or (None, None)
-#: The getter for the hot paths, which run it only where the API exists (``EXACT``).
-get_any: Any = _get_precision
 
 
 def _supported(pair: tuple[str, str]) -> bool:
@@ -167,7 +163,7 @@ if hasattr(os, "register_at_fork"):
 def _precisions() -> tuple[str, ...]:
     if _get_precision is None:  # a torch without the fp32_precision API
         return ()
-    return tuple(map(get_any, PRECISION_BACKENDS, PRECISION_OPNAMES))
+    return tuple(map(_get_precision, PRECISION_BACKENDS, PRECISION_OPNAMES))
 
 
 def resolve(own: tuple[str, ...], i: int) -> str:
@@ -196,11 +192,8 @@ def _closest(own: tuple[str, ...]) -> str:
     return "none" if own[CUDA] != "none" or own[GENERIC] != "none" else "tf32"
 
 
-_Hidden = tuple[tuple[str, ...], tuple[str, ...], str | None, bool | None]
-
-#: :func:`read`'s common case inline (a fast path: off with the others, see
-#: :data:`._memory.ENABLED`); only where :func:`_quick` reads the exact rules.
-INLINE = ENABLED and EXACT and _get_precision is not None
+_Own = tuple[str, ...]
+_Hidden = tuple[_Own, _Own, str | None, bool | None]
 
 
 def read(find_default: bool = False) -> _Hidden:
@@ -215,22 +208,7 @@ def read(find_default: bool = False) -> _Hidden:
     """
     seen = writes
     if not seen & 1:
-        if INLINE:
-            # _quick's common case without its two frames (read twice per
-            # block): no parent set, and the legacy getters answer.
-            eff = tuple(map(get_any, PRECISION_BACKENDS, PRECISION_OPNAMES))
-            found: _Hidden | None = None
-            if eff[GENERIC] == eff[CUDA] == eff[MKLDNN] == "none" and not (
-                find_default and "tf32" in (eff[CONV], eff[RNN])
-            ):
-                try:
-                    found = (eff, eff, get_float32_matmul_precision(), get_cudnn_allow_tf32())
-                except RuntimeError:
-                    found = _quick(eff, find_default)
-            else:
-                found = _quick(eff, find_default)
-        else:
-            found = _quick(_precisions(), find_default)
+        found = _quick(_precisions(), find_default)
         if found is not None and writes == seen:
             return found
     return _exclusively(lambda: _probe(_precisions(), find_default))
@@ -264,22 +242,10 @@ def _quick(eff: tuple[str, ...], find_default: bool) -> _Hidden | None:
         or (find_default and "tf32" in (eff[CONV], eff[RNN]))
     ):
         return None
-    legacy: str | None
-    cudnn: bool | None
     try:
-        legacy = get_float32_matmul_precision()
-    except RuntimeError:
-        legacy = _refused_matmul_precision(eff)
-    try:
-        cudnn = get_cudnn_allow_tf32()
-    except RuntimeError:
-        if not EXACT:
-            cudnn = None
-        elif (eff[CONV] == "tf32") == (eff[RNN] == "tf32"):
-            cudnn = eff[CONV] != "tf32"  # it raises exactly when the flag disagrees with both
-        else:
-            return None  # conv and rnn disagree: only a probe can tell
-    return eff, eff, legacy, cudnn
+        return (eff, eff, *_legacy(eff, None))
+    except LookupError:  # conv and rnn disagree: only a probe can tell
+        return None
 
 
 def _probe(eff: tuple[str, ...], find_default: bool) -> _Hidden:
@@ -354,9 +320,11 @@ def _matmul_refused(legacy: str, cuda: str, mkldnn: str) -> bool:
     )
 
 
-def _legacy(eff: tuple[str, ...], own: tuple[str, ...]) -> tuple[str | None, bool | None]:
+def _legacy(eff: tuple[str, ...], own: tuple[str, ...] | None) -> tuple[str | None, bool | None]:
     """The legacy matmul precision and cuDNN TF32 flag, also where torch's
-    getters refuse to report them (``None``: cannot be known)."""
+    getters refuse to report them (``None``: cannot be known).  ``own``: the
+    entries' own values, known only under ``_lock`` (without, ``LookupError``
+    where only a write could tell)."""
     legacy: str | None
     cudnn: bool | None
     try:
@@ -370,23 +338,13 @@ def _legacy(eff: tuple[str, ...], own: tuple[str, ...]) -> tuple[str | None, boo
     return legacy, cudnn
 
 
-#: For the resolved (cuda.matmul, mkldnn.matmul): the legacy values torch's
-#: getter refuses to report.  Where it raised, the field is one of these.
-_REFUSING = {
-    (cuda, mkldnn): tuple(
-        v for v in ("highest", "high", "medium") if _matmul_refused(v, cuda, mkldnn)
-    )
-    for cuda in ("none", "ieee", "tf32")
-    for mkldnn in ("none", "ieee", "tf32", "bf16")
-}
-
-
 def _refused_matmul_precision(eff: tuple[str, ...]) -> str | None:
-    """The legacy matmul precision where its getter raised, with ``eff`` in force."""
+    """The legacy matmul precision where its getter raised, with ``eff`` in force:
+    one of the values the getter refuses with these matmul entries."""
     if not EXACT:
         return None
-    cuda = eff[_CUDA_MATMUL]
-    found = _REFUSING.get((cuda, eff[_MKLDNN_MATMUL]), ())
+    cuda, mkldnn = eff[_CUDA_MATMUL], eff[_MKLDNN_MATMUL]
+    found = tuple(v for v in _MATMUL_ENTRIES if _matmul_refused(v, cuda, mkldnn))
     if len(found) > 1:
         # The cuBLAS getter tells "highest" apart: it raises exactly when the
         # field's TF32 and cuda.matmul's disagree.
@@ -399,13 +357,15 @@ def _refused_matmul_precision(eff: tuple[str, ...]) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
-def _refused_cudnn_allow_tf32(eff: tuple[str, ...], own: tuple[str, ...]) -> bool | None:
+def _refused_cudnn_allow_tf32(eff: tuple[str, ...], own: tuple[str, ...] | None) -> bool | None:
     """The legacy cuDNN TF32 flag where its getter raised, with ``eff`` in force."""
     if not EXACT:
         return None
     conv, rnn = eff[CONV] == "tf32", eff[RNN] == "tf32"
     if conv == rnn:
         return not conv  # it raises exactly when the flag disagrees with both
+    if own is None:
+        raise LookupError("conv and rnn disagree")
     # conv and rnn disagree, which hides the flag: make them agree for one call
     # through an entry whose own value is known and writable (not "default").
     i, value = (CONV, "tf32") if not conv else (RNN, "tf32")
@@ -444,8 +404,10 @@ class PrecisionFields(Protocol):
 # -- saving and loading ------------------------------------------------------------
 
 
-def saved_matmul_precision(state: PrecisionFields) -> str:
-    """The legacy matmul precision as saved: only a value torch can report."""
+def export_precision(state: PrecisionFields) -> dict[str, Any]:
+    """``float32_matmul_precision`` (only a value torch can report) and
+    ``fp32_precision``: ``{"backend.op": own value}``, cuDNN's initial state
+    as the value that behaves the same (it cannot be loaded)."""
     own = state.fp32_precision_own
     legacy = state.float32_matmul_precision
     if legacy is None or (
@@ -456,36 +418,58 @@ def saved_matmul_precision(state: PrecisionFields) -> str:
             "the new fp32_precision APIs were mixed), so these flags cannot be saved; "
             "set them through one API only"
         )
-    return legacy
-
-
-def saved_entries(own: tuple[str, ...]) -> dict[str, str]:
-    """The entries as saved: ``{"backend.op": own value}``."""
-    if EXACT:  # cuDNN's initial state cannot be loaded: save what behaves the same
+    if EXACT:
         closest = _closest(own)
         own = tuple(closest if value == DEFAULT else value for value in own)
-    return dict(zip(PRECISION_KEYS, own, strict=True))
+    out: dict[str, Any] = {"float32_matmul_precision": legacy}
+    out["fp32_precision"] = dict(zip(PRECISION_KEYS, own, strict=True))
+    for f in OPTIONAL_PRECISION:  # where known (and the oneDNN flag where the build has it)
+        if (value := getattr(state, f)) is not None:
+            out[f] = value
+    return out
 
 
-def loaded_entries(precision: dict[str, Any], path: str) -> tuple[str, ...]:
-    """The checked own values of the saved ``fp32_precision`` entries."""
+def import_precision(
+    d: dict[str, Any], path: str
+) -> tuple[str, _Own, _Own, bool | None, bool | None]:
+    """``(legacy, resolved, own, cudnn_allow_tf32, onednn_allow_tf32)`` checked
+    from what :func:`export_precision` saved in ``d``.
+
+    The entries must be exactly this torch's, each a value its setter
+    accepts, and no mix torch sets but then refuses to read back ("mix of the
+    legacy and new APIs"; saving refuses it too): a flag that could not be
+    restored is an error, not a skip.  Files written before
+    ``cudnn_allow_tf32`` was saved load too: that flag is then left as it is.
+    """
+    cudnn, onednn = (
+        _plain.flag(d[f], f"{path}.{f}") if f in d else None for f in OPTIONAL_PRECISION
+    )
+    if onednn is not None and not ONEDNN:
+        raise ValueError(
+            f"{path}.onednn_allow_tf32: this torch build has no oneDNN TF32 flag "
+            f"(only XPU builds keep it), so it cannot be restored"
+        )
+    where = f"{path}.fp32_precision"
+    precision = _plain.fields(d["fp32_precision"], where, PRECISION_KEYS)
+    legacy = _plain.text(
+        d["float32_matmul_precision"], f"{path}.float32_matmul_precision", choices=_MATMUL_ENTRIES
+    )
     for key in PRECISION_KEYS:
-        value = _plain.text(precision[key], f"{path}.{key}", choices=_FP32_VALUES)
+        value = _plain.text(precision[key], f"{where}.{key}", choices=_FP32_VALUES)
         if key.startswith("cuda.") and value == "bf16":
-            raise ValueError(f"{path}.{key}: torch refuses {value!r} there")
-    return tuple(precision[key] for key in PRECISION_KEYS)
-
-
-def check_matmul_precision(legacy: str, eff: tuple[str, ...], path: str) -> None:
-    """Refuse what torch sets but then refuses to read back ("mix of the legacy
-    and new APIs"); saving refuses it too."""
+            raise ValueError(f"{where}.{key}: torch refuses {value!r} there")
+    own = tuple(precision[key] for key in PRECISION_KEYS)
+    if not EXACT:
+        return legacy, own, own, cudnn, onednn
+    eff = tuple(resolve(own, i) for i in range(len(own)))
     cuda, mkldnn = eff[_CUDA_MATMUL], eff[_MKLDNN_MATMUL]
     if _matmul_refused(legacy, cuda, mkldnn):
         backend, effective = ("mkldnn", mkldnn) if mkldnn in ("tf32", "bf16") else ("cuda", cuda)
         raise ValueError(
-            f"{path}: torch refuses {backend} matmul precision "
+            f"{where}: torch refuses {backend} matmul precision "
             f"{effective!r} together with float32_matmul_precision={legacy!r}"
         )
+    return legacy, eff, own, cudnn, onednn
 
 
 # -- restoring the precision ---------------------------------------------------------
@@ -511,28 +495,18 @@ def restore_precision(state: PrecisionFields) -> None:
     def write() -> None:
         # Read again: another thread may have written since.
         _, own, legacy, cudnn = _probe(_precisions(), find_default)
-        _write_precision(state, own, legacy, cudnn)
+        _write(state, own, legacy, cudnn)
 
     _exclusively(write)
 
 
-def _write_precision(
+def _write(
     state: PrecisionFields, own: tuple[str, ...], legacy: str | None, cudnn: bool | None
 ) -> None:
     """Write what differs between ``state`` and the current ``own``, ``legacy``
-    and ``cudnn``.  The caller holds ``_lock``."""
-    # The legacy setters first: they overwrite entries, which are fixed after.
-    entries = _write_legacy(state, own, legacy, cudnn)
-    if entries != state.fp32_precision_own:
-        _write_entries(state.fp32_precision_own, entries)
-
-
-def _write_legacy(
-    state: PrecisionFields, own: tuple[str, ...], legacy: str | None, cudnn: bool | None
-) -> tuple[str, ...]:
-    """Write the legacy fields that differ from ``legacy``, ``cudnn`` and the
-    oneDNN flag; the entries' own values after."""
-    written: dict[int, str] = {}  # by position in PRECISION_OPS, what the setters wrote
+    and ``cudnn``: the legacy fields first (their setters overwrite entries),
+    then each entry whose own value differs.  The caller holds ``_lock``."""
+    written: dict[int, str] = {}  # by position in PRECISION_OPS, what the legacy setters wrote
     if state.float32_matmul_precision not in (None, legacy):
         set_float32_matmul_precision(state.float32_matmul_precision)
         matmul = _MATMUL_ENTRIES[state.float32_matmul_precision]
@@ -542,38 +516,27 @@ def _write_legacy(
         written[CONV] = written[RNN] = "tf32" if state.cudnn_allow_tf32 else "none"
     if ONEDNN and state.onednn_allow_tf32 not in (None, onednn_allow_tf32()):
         _set_onednn(state.onednn_allow_tf32)
-    if written and not EXACT:
-        return _precisions()  # older rules: read what the setters wrote
-    return tuple(written.get(i, value) for i, value in enumerate(own))
-
-
-def _write_entries(want: tuple[str, ...], entries: tuple[str, ...]) -> None:
-    """Write the entries whose own values differ from ``want``."""
-    assert _set_precision is not None
+    want = state.fp32_precision_own
     if not EXACT:
-        # Older rules: write every resolved value, parents first.
-        for op, value in zip(PRECISION_OPS, want, strict=True):
-            _set_precision(*op, value)
+        # Older rules: where any resolved value differs, write every one, parents first.
+        if _precisions() != want:
+            for op, value in zip(PRECISION_OPS, want, strict=True):
+                _set_precision(*op, value)
         return
     # Entries are separate cells: once the legacy fields are written, the
-    # order of these writes does not matter.
+    # order of these writes does not matter.  cuDNN's initial state takes no
+    # setter: it is written as what behaves the same under the target's
+    # parents, and a kept one already does.
     closest = _closest(want)
-    for op, target, have in zip(PRECISION_OPS, want, entries, strict=True):
-        write = _entry_write(target, have, closest)
-        if write is not None:
-            _set_precision(*op, write)
+    for i, (op, target) in enumerate(zip(PRECISION_OPS, want, strict=True)):
+        have = written.get(i, own[i])
+        if target == DEFAULT:
+            target = closest
+        if target != have and not (have == DEFAULT and target == closest):
+            _set_precision(*op, target)
 
 
-def _entry_write(target: str, have: str, closest: str) -> str | None:
-    """What to write to an entry that holds ``have`` for it to hold ``target``
-    (``closest``: what behaves as cuDNN's initial state under the target's
-    parents); ``None``: nothing."""
-    if target == DEFAULT:
-        target = closest  # no setter takes it
-    if target == have or (have == DEFAULT and target == closest):
-        return None  # a kept initial state behaves as the target under the target's parents
-    return target
-
-
+#: The legacy TF32 flags: saved where known (not ``None``), optional in a file.
+OPTIONAL_PRECISION = ("cudnn_allow_tf32", "onednn_allow_tf32")
 PRECISION_KEYS = tuple(f"{backend}.{op}" for backend, op in PRECISION_OPS)
 _FP32_VALUES = ("none", "ieee", "tf32", "bf16")

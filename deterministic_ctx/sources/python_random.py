@@ -19,7 +19,6 @@ __all__ = [
     "public_state",
     "random_state_from_plain",
     "random_state_to_plain",
-    "seed_view",
 ]
 
 _MT_WORDS = 624
@@ -34,20 +33,6 @@ class PythonRandomState(NamedTuple):
 
 #: The 2500-byte record ``random.Random.seed(seed)`` produces, by seed.
 _SEEDED: SeededCache[bytes] = SeededCache()
-
-
-def seed_view(rng: random.Random, view: memoryview, seed: int) -> None:
-    """Exactly ``rng.seed(seed)`` for an int seed, given ``view`` over ``rng``'s
-    record; ``rng`` must be an exact ``random.Random`` (a subclass may seed
-    otherwise, and its result must not enter the shared cache): seeding runs
-    ``init_by_array`` over 624 words (~3.5 µs), a remembered record is one copy."""
-    raw = _SEEDED.lookup(seed)
-    if raw is None:
-        random.Random.seed(rng, seed)  # a miss costs the seeding itself, and a 2.5 KB read
-        _SEEDED.put(seed, view.tobytes())
-        return
-    view[:] = raw
-    rng.gauss_next = None  # type: ignore[attr-defined]
 
 
 def public_state(state: PythonRandomState) -> tuple[Any, ...]:
@@ -107,31 +92,24 @@ class PythonRandomSource:
         else:
             self._rng.setstate((3, state.raw, state.gauss_next))
 
-    @property
-    def rng(self) -> random.Random:
-        """The generator this source manages."""
-        return self._rng
-
     def apply(self, settings: Settings) -> None:
         if getattr(random.random, "__self__", None) is not self._rng:
             self.check_binding()  # rebound: say so (once)
-        if self._exact:
-            view = self._view
-            assert view is not None
-            seed = settings.rank_seed
-            raw = _SEEDED.lookup(seed)
-            if raw is not None:  # seed_view's hit inline: every block with a seed seen before
-                view[:] = raw
-                self._rng.gauss_next = None  # type: ignore[attr-defined]
-                return
-            seed_view(self._rng, view, seed)
+        seed = settings.rank_seed
+        if not self._exact:
+            self._rng.seed(seed)
+            return
+        # Exactly ``seed(seed)``: seeding runs ``init_by_array`` over 624 words
+        # (~3.5 µs); the record it left for a seed seen before is one copy.
+        view = self._view
+        assert view is not None
+        raw = _SEEDED.lookup(seed)
+        if raw is None:
+            random.Random.seed(self._rng, seed)  # a miss costs a 2.5 KB read more
+            _SEEDED.put(seed, view.tobytes())
         else:
-            self._rng.seed(settings.rank_seed)
-
-    def bound(self) -> bool:
-        """Whether ``random.random`` still draws from this source's generator
-        (else :meth:`check_binding` has something to say)."""
-        return getattr(random.random, "__self__", None) is self._rng
+            view[:] = raw
+            self._rng.gauss_next = None  # type: ignore[attr-defined]
 
     def check_binding(self) -> None:
         # ``random.random = other.random`` (a test double, a library's own
@@ -150,13 +128,11 @@ class PythonRandomSource:
                 stacklevel=5,
             )
 
-    def to_public(self, state: PythonRandomState) -> tuple[Any, ...]:
-        """The state in ``random.getstate()`` form, whichever path captured it."""
-        return public_state(state)
+    to_public = staticmethod(public_state)
 
     def export_state(self, state: PythonRandomState) -> dict[str, Any]:
         """The state as plain data for a checkpoint (see :func:`random_state_to_plain`)."""
-        return random_state_to_plain(self.to_public(state))
+        return random_state_to_plain(public_state(state))
 
     def import_state(self, data: object, path: str) -> PythonRandomState:
         """Check saved data and rebuild a state; ``ValueError`` names the bad field.

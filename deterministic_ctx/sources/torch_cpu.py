@@ -11,24 +11,11 @@ from . import _plain
 from ._seeded import SeededCache
 from .accelerators import PHILOX_DEVICES, check_philox_state
 
-__all__ = ["TorchCPUSource", "generator_state_from_plain", "seed_generator"]
+__all__ = ["TorchCPUSource", "generator_state_from_plain"]
 
 #: The state ``manual_seed(seed)`` gives a CPU generator, by seed.  Taking it
 #: allocates a tensor (~1 µs), so only seeds seen twice are remembered.
 _SEEDED: SeededCache[torch.Tensor] = SeededCache(eager=False)
-
-
-def seed_generator(gen: torch.Generator, seed: int) -> None:
-    """Exactly ``gen.manual_seed(seed)`` for a CPU generator: ``manual_seed``
-    re-runs the Mersenne Twister init (~1 µs); a remembered state, identical
-    (``initial_seed()`` included: tests compare the two), is set in ~0.2 µs."""
-    state = _SEEDED.lookup(seed)
-    if state is None:
-        gen.manual_seed(seed)
-        if _SEEDED.wants(seed):
-            _SEEDED.put(seed, gen.get_state())
-        return
-    gen.set_state(state)
 
 
 class TorchCPUSource:
@@ -40,11 +27,6 @@ class TorchCPUSource:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self._gen = generator if generator is not None else torch.default_generator
 
-    @property
-    def generator(self) -> torch.Generator:
-        """The generator this source manages."""
-        return self._gen
-
     def capture(self) -> torch.Tensor:
         return self._gen.get_state()  # a fresh ByteTensor copy, never handed out
 
@@ -54,12 +36,17 @@ class TorchCPUSource:
     def apply(self, settings: Settings) -> None:
         # What ``torch.manual_seed`` does for the CPU; accelerators are their
         # own sources so that no lazy seed with a formatted stack is queued.
+        # ``manual_seed`` re-runs the Mersenne Twister init (~1 µs); the state
+        # it gave a seed seen twice before, identical (``initial_seed()``
+        # included: tests compare the two), is set in ~0.2 µs.
         seed = settings.seed
         state = _SEEDED.lookup(seed)
-        if state is None:
-            seed_generator(self._gen, seed)
-        else:  # seed_generator's hit inline
+        if state is not None:
             self._gen.set_state(state)
+            return
+        self._gen.manual_seed(seed)
+        if _SEEDED.wants(seed):
+            _SEEDED.put(seed, self._gen.get_state())
 
     def export_state(self, state: torch.Tensor) -> dict[str, Any]:
         """The state as plain data for a checkpoint: ``{"state": uint8 tensor}``."""

@@ -140,19 +140,15 @@ class TorchDefaultsSource:
         self._local: threading.local | None = slot if isinstance(slot, threading.local) else None
         self._holder = holder
 
-    def _context(self) -> Any:
-        local = self._local
-        if local is not None:
-            # ``__dict__.get``: ``getattr`` with a default costs ~0.7 µs when absent.
-            return local.__dict__.get(_KEY, _ABSENT)
-        return device_context_slot(self._holder)
-
     def capture(self) -> DefaultsState:
         local = self._local
         return (
             _get_dtype(),
             _get_tensor_type() if _TENSOR_TYPE_DEVICES_VARY else "cpu",
-            local.__dict__.get(_KEY, _ABSENT) if local is not None else self._context(),
+            # ``__dict__.get``: ``getattr`` with a default costs ~0.7 µs when absent.
+            local.__dict__.get(_KEY, _ABSENT)
+            if local is not None
+            else device_context_slot(self._holder),
             _get_threads(),
             _SMALLEST_DENORMAL * _DAZ_FACTOR,
             _SMALLEST_NORMAL * _FTZ_FACTOR * _FTZ_RESCALE,
@@ -165,21 +161,10 @@ class TorchDefaultsSource:
         """Nothing: a block keeps the caller's defaults."""
 
     def restore(self, state: DefaultsState) -> None:
-        dtype, tensor_type, context, threads, daz, ftz = state
-        local = self._local
-        # The usual case, nothing changed: the reads of ``capture`` compared one
-        # by one, stopping at the first difference, without building a tuple.
-        if (
-            _get_dtype() is dtype
-            and (local.__dict__.get(_KEY, _ABSENT) if local is not None else self._context())
-            is context
-            and _get_threads() == threads
-            and daz == _SMALLEST_DENORMAL * _DAZ_FACTOR
-            and ftz == _SMALLEST_NORMAL * _FTZ_FACTOR * _FTZ_RESCALE
-            and (not _TENSOR_TYPE_DEVICES_VARY or _get_tensor_type() == tensor_type)
-        ):
-            return
         now = self.capture()
+        if now == state:  # the usual case: nothing changed (the context compares by identity)
+            return
+        dtype, tensor_type, context, threads, daz, ftz = state
         # Every part is idempotent (a restore interrupted half-way is simply run
         # again), and the device context, the only part that can fail on a mode
         # stack the body left in disorder, comes last.
@@ -201,7 +186,7 @@ class TorchDefaultsSource:
         if _is_context(current):
             stack = _mode_stack()
             if any(mode is current for mode in stack):
-                if any(_is_device_mode(mode) and mode is not current for mode in stack):
+                if any(is_device_context(mode) and mode is not current for mode in stack):
                     remove_function_mode(current)
                 else:
                     current.__exit__(None, None, None)
@@ -261,7 +246,10 @@ class TorchDefaultsSource:
             )
         threads = _plain.integer(d["threads"], f"{path}.threads", 1, MAX_THREADS)
         flush = _plain.flag(d["flush_denormal"], f"{path}.flush_denormal")
-        if flush and not _can_flush():
+        # Whether set_flush_denormal works here, found without changing the mode:
+        # something flushes already (torch, or other code: restore tells), or it
+        # is off and set to off once more.
+        if flush and _SMALLEST_NORMAL * _FTZ_FACTOR * _FTZ_RESCALE != 0.0 and not _set_flush(False):
             raise ValueError(
                 f"{path}.flush_denormal: the snapshot flushes denormals, and "
                 f"torch.set_flush_denormal cannot on this CPU"
@@ -284,9 +272,6 @@ def _is_context(value: Any) -> bool:
     return value is not None and value is not _ABSENT
 
 
-_is_device_mode = is_device_context
-
-
 def _tensor_type(device: str, dtype: torch.dtype) -> Any:
     """The legacy tensor type class for a default tensor type's device and dtype."""
     if device not in _TENSOR_TYPE_DEVICES or dtype not in _TENSOR_TYPES:
@@ -307,14 +292,6 @@ def _flush_mode(daz_probe: float, ftz_probe: float) -> bool:
             "something other than torch.set_flush_denormal, which can only set both or neither"
         )
     return False
-
-
-def _can_flush() -> bool:
-    """Whether ``torch.set_flush_denormal`` works here, found without changing
-    the mode: it is already on, or it is off and set to off once more."""
-    if _SMALLEST_NORMAL * _FTZ_FACTOR * _FTZ_RESCALE == 0.0:
-        return True  # something flushes already (torch, or other code: restore tells)
-    return bool(_set_flush(False))
 
 
 def _restore_flush(flush: bool) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from deterministic_ctx.reporting import report
-from deterministic_ctx.sources import PRECISION_INLINE, _memory, fast_paths
+from deterministic_ctx.sources import _memory, fast_paths
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,8 +70,8 @@ def _paths(*, off: bool) -> dict[str, object]:
 def test_report_shows_the_fast_paths_of_this_process():
     shown = report().fast_paths
     assert shown == fast_paths()
-    # CPython: every layout is proven; the precision read also needs torch >= 2.9.
-    assert {v for k, v in shown.items() if k != PRECISION_INLINE} == {_memory.ENABLED}
+    # CPython: every layout is proven.
+    assert set(shown.values()) == {_memory.ENABLED}
     assert "Fast paths (DETERMINISTIC_CTX_NO_FAST_PATHS=1 turns them off)" in str(report())
 
 
@@ -80,8 +80,7 @@ def test_the_switch_chooses_every_path_at_import(off):
     found = _paths(off=off)
     assert found["shown"] == found["paths"]
     paths: dict[str, bool] = found["paths"]  # type: ignore[assignment]
-    assert {v for k, v in paths.items() if k != PRECISION_INLINE} == {not off}
-    assert not (off and paths[PRECISION_INLINE])
+    assert set(paths.values()) == {not off}
     # Captured as raw records, or in the public API's form.
     assert (found["random"], found["numpy"]) == (("tuple", "dict") if off else ("bytes", "tuple"))
     # Registered RNGs: the public API, or copies of their C records.

@@ -378,18 +378,18 @@ def test_torch_cpu_cached_seeding_equals_manual_seed(seed):
 
 def test_environ_fast_reader_agrees_with_os_environ(monkeypatch):
     from deterministic_ctx.sources._memory import ENABLED
-    from deterministic_ctx.sources.environ import _Access, _fast_access
+    from deterministic_ctx.sources.environ import _access
 
-    access = _Access(os.environ)
+    access = _access(os.environ)
     # Proven on this platform, unless DETERMINISTIC_CTX_NO_FAST_PATHS=1 turned it off.
-    assert (_fast_access(os.environ) is not None) is ENABLED
+    assert access.fast is ENABLED
     key = access.encodekey("PYTHONHASHSEED")
     for value in ("", ":16:8", "ünïcode"):
         monkeypatch.setenv("PYTHONHASHSEED", value)
         assert access.decode(access.get(key)) == os.environ["PYTHONHASHSEED"] == value
     monkeypatch.delenv("PYTHONHASHSEED")
     assert access.get(key) is None
-    assert _fast_access({}) is None  # any other mapping: the public API
+    assert not _access({}).fast  # any other mapping: the public API
 
 
 def test_a_random_subclass_seeds_with_its_own_seed_and_not_into_the_shared_cache():
@@ -405,10 +405,11 @@ def test_a_random_subclass_seeds_with_its_own_seed_and_not_into_the_shared_cache
         def seed(self, a=None, version=2):
             super().seed(a + 1000 if isinstance(a, int) else a, version)
 
-    source = PythonRandomSource(rng=Shifted())
+    rng = Shifted()
+    source = PythonRandomSource(rng=rng)
     state = source.capture()
     source.apply(Settings.build(12345, False))
-    assert source.rng.random() == random.Random(13345).random()
+    assert rng.random() == random.Random(13345).random()
     source.restore(state)
     with deterministic(seed=12345):
         assert random.random() == random.Random(12345).random()
