@@ -200,11 +200,17 @@ class SeededDataset(torch.utils.data.Dataset[T_co], Generic[T_co]):
     ``ConcatDataset`` around a ``SeededDataset`` computes plain ints from the
     indices it gets, and the epoch is lost on the way.
 
+    A ``DataLoader`` (torch >= 2.0) fetches a batch with one
+    :meth:`__getitems__` call, which saves the process's state once, seeds
+    each item afresh from its own key and puts the state back once: the
+    items are bit for bit those of ``dataset[i]`` one by one.  The wrapped
+    dataset's own ``__getitems__`` is not used: a batched fetch cannot be
+    keyed per sample.
+
     Registered RNGs travel with the dataset to ``spawn`` workers (as with
     :data:`~deterministic_ctx.seed_worker`): the worker registers the very
-    objects its dataset holds.  The wrapped dataset's ``__getitems__`` is not
-    used: a batched fetch cannot be keyed per sample.  Items are not
-    serialized with blocks in other threads of the same process.
+    objects its dataset holds.  Items are not serialized with blocks in
+    other threads of the same process.
 
     Args:
         dataset: a map-style dataset (``__getitem__`` with int indices).
@@ -340,13 +346,12 @@ class SeededDataset(torch.utils.data.Dataset[T_co], Generic[T_co]):
         return result
 
     def __getitems__(self, indices: Iterable[int]) -> list[T_co]:
-        """``[self[i] for i in indices]``, with the process's state captured and
-        put back once for them all instead of once per item: what a
-        ``DataLoader`` calls for a batch (torch >= 2.0).  Each item is seeded
-        afresh from its own key, so it is bit for bit the item ``self[i]`` gives.
-
-        The wrapped dataset's own ``__getitems__`` is not called: each item
-        comes from its ``__getitem__``, seeded from its own key.
+        """``[self[i] for i in indices]``, with the process's state saved and put
+        back once for them all instead of once per item: what a ``DataLoader``
+        calls for a batch (torch >= 2.0).  Each item is seeded afresh from its
+        own key, so it is bit for bit the item ``self[i]`` gives, and an item
+        that raises leaves the state as it was found.  Each comes from the
+        wrapped dataset's ``__getitem__``, never from its ``__getitems__``.
 
         Example:
             >>> import random
