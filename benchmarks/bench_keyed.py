@@ -7,17 +7,24 @@ reported as a median (µs), with the ratio to the baseline's median:
 
 * **per item**, against the classic per-sample recipe ``random.seed(i); np.random.seed(i);
   torch.manual_seed(i)`` (target: a keyed item <= 0.25 of it): ``SeededDataset`` over a
-  dataset that returns its index, with no registered RNG and with four; a
+  dataset that returns its index, one item at a time and in batches of 32 (``__getitems__``,
+  what a ``DataLoader`` calls), with no registered RNG and with four; the seeding floor (the
+  three seeding calls an item cannot skip, nothing captured or restored); a
   ``deterministic(seed=i)`` block (what the issue compares with); and the parts that
-  chose the design: NumPy's public ``get_state()`` + ``set_state()`` against the capture and
-  restore a block uses, ``torch.manual_seed`` against ``torch.default_generator.manual_seed``,
-  ``derive_seed`` against the SplitMix64 step from a per-epoch base.
+  chose the design: each seeding call (``random.seed``, ``np.random.seed``,
+  ``torch.manual_seed`` against ``torch.default_generator.manual_seed``), the refill a
+  Mersenne Twister's first draw after seeding costs, NumPy's public ``get_state()`` +
+  ``set_state()`` against the capture and restore a block uses, ``derive_seed`` against the
+  SplitMix64 step from a per-epoch base.
 * **per epoch** of a ``DataLoader`` over a light augmentation (a random crop of a padded
   3x32x32 image, a flip, noise and a brightness factor from NumPy), batch size 32, against
   the same loop unkeyed (the plain dataset, a ``RandomSampler`` with its own generator;
-  target: keyed <= 1.15x), for each ``--workers`` count (persistent workers, started
-  before timing) and each image ``--sizes`` (32: CIFAR's; 128: a mid-size crop), with
-  ``--threads`` torch threads (1, as in a worker).
+  target: keyed <= 1.15x), and the same loop over the seeding floor (a wrapper that seeds
+  the three generators per item from its key and restores nothing: what any keyed item
+  must pay), for each ``--workers`` count (persistent workers, started before timing) and
+  each image ``--sizes`` (32: CIFAR's; 128: a mid-size crop), with ``--threads`` torch
+  threads (1, as in a worker).  Wall time; with ``num_workers=0`` also the main process's
+  CPU time, which other jobs on a shared machine disturb less.
 """
 
 from __future__ import annotations
@@ -50,6 +57,36 @@ class Index(Dataset):
 
     def __getitem__(self, i: int) -> int:
         return i
+
+
+_PY_SEED = random.Random.__mro__[1].seed  # the C seeding of random.seed(int)
+
+
+class Floor(Dataset):
+    """The seeding floor of a keyed batch: each item's key, then ``random``, NumPy's global
+    RNG and torch's CPU generator seeded from it as ``SeededDataset`` seeds them, in one
+    tight loop per batch, and nothing captured or restored (the benchmark runs inside a
+    block)."""
+
+    def __init__(self, keyed: SeededDataset) -> None:
+        self.keyed = keyed
+
+    def __len__(self) -> int:
+        return len(self.keyed)
+
+    def __getitems__(self, indices: list[SeededIndex]) -> list[object]:
+        key, inner = self.keyed._key, self.keyed.dataset
+        py, rs, gen = random._inst, np.random.mtrand._rand, torch.default_generator
+        out = []
+        for index in indices:
+            i = int(index)
+            k = key(i, index.epoch)
+            _PY_SEED(py, k)
+            py.gauss_next = None
+            rs.seed(k)
+            gen.manual_seed(k)
+            out.append(inner[i])
+        return out
 
 
 class Light(Dataset):
@@ -95,6 +132,35 @@ def bench_items(rounds: int, n: int) -> None:
     def item(i: int) -> None:
         keyed[SeededIndex(i, 1)]
 
+    def batched(i: int) -> None:
+        if i % 32 == 0:  # one call per 32 items, timed per item
+            keyed.__getitems__([SeededIndex(j, 1) for j in range(i, i + 32)])
+
+    py = random._inst
+
+    def floor(i: int) -> None:
+        _PY_SEED(py, i)
+        py.gauss_next = None
+        rs.seed(i)
+        gen.manual_seed(i)
+
+    def python_seed(i: int) -> None:
+        random.seed(i)
+
+    def python_c_seed(i: int) -> None:
+        _PY_SEED(py, i)
+
+    def python_refill(i: int) -> None:
+        _PY_SEED(py, i)
+        py.random()
+
+    def numpy_seed(i: int) -> None:
+        np.random.seed(i)
+
+    def numpy_refill(i: int) -> None:
+        rs.seed(i)
+        rs.random_sample()
+
     def block(i: int) -> None:
         with deterministic(seed=i & 0xFFFF_FFFF):
             pass
@@ -128,8 +194,16 @@ def bench_items(rounds: int, n: int) -> None:
     rows: dict[str, Callable[[int], None]] = {
         "recipe: random.seed; np.random.seed; torch.manual_seed": recipe,
         "keyed item (SeededDataset)": item,
+        "keyed item, batches of 32 (__getitems__)": batched,
         "keyed item, 4 registered RNGs": item,  # registered around this row only
+        "keyed item, 4 registered RNGs, batches of 32": batched,
+        "seeding floor: the three seeding calls": floor,
         "deterministic(seed=i) block": block,
+        "random.seed(i)": python_seed,
+        "random.Random's C seed(i) (what an item uses)": python_c_seed,
+        "  ... and a first draw (the 624-word refill)": python_refill,
+        "np.random.seed(i)": numpy_seed,
+        "RandomState.seed(i) and a first draw (refill)": numpy_refill,
         "NumPy get_state() + set_state()": numpy_public,
         "NumPy source capture() + restore()": numpy_source_path,
         "torch.manual_seed(i)": torch_manual_seed,
@@ -139,6 +213,7 @@ def bench_items(rounds: int, n: int) -> None:
     }
     times: dict[str, list[float]] = {name: [] for name in rows}
     offset = 0
+    n -= n % 32  # whole batches for the batched rows
     with deterministic(seed=0, flags=False):  # the recipe's seeds do not outlive the run
         for _ in range(rounds):
             for name, fn in rows.items():
@@ -159,7 +234,7 @@ def bench_items(rounds: int, n: int) -> None:
 def bench_epochs(rounds: int, workers: int, size: int) -> None:
     dataset = Light(n=2048 if size <= 32 else 256, size=size)
     keyed = SeededDataset(dataset, seed=0)
-    sampler = SeededSampler(keyed, seed=0)
+    samplers = [SeededSampler(keyed, seed=0), SeededSampler(keyed, seed=0)]
     common = {"batch_size": 32, "num_workers": workers, "generator": torch.Generator()}
     if workers:
         common["persistent_workers"] = True
@@ -167,28 +242,42 @@ def bench_epochs(rounds: int, workers: int, size: int) -> None:
         "unkeyed (RandomSampler)": DataLoader(
             dataset, sampler=RandomSampler(dataset, generator=torch.Generator()), **common
         ),
-        "keyed (SeededDataset + SeededSampler)": DataLoader(keyed, sampler=sampler, **common),
+        "keyed (SeededDataset + SeededSampler)": DataLoader(keyed, sampler=samplers[0], **common),
+        "seeding floor (keys and 3 seeds per item, no restore)": DataLoader(
+            Floor(keyed), sampler=samplers[1], **common
+        ),
     }
     for loader in loaders.values():  # start the workers, warm the caches
         for _ in loader:
             pass
-    times: dict[str, list[float]] = {name: [] for name in loaders}
+    names = list(loaders)
+    wall: dict[str, list[float]] = {name: [] for name in loaders}
+    cpu: dict[str, list[float]] = {name: [] for name in loaders}
     with deterministic(seed=0, flags=False):
         for epoch in range(rounds):
-            sampler.set_epoch(epoch)
-            for name, loader in loaders.items():
-                start = time.perf_counter()
-                for _ in loader:
+            for sampler in samplers:
+                sampler.set_epoch(epoch)
+            names = names[1:] + names[:1]  # each loader takes each place in turn
+            for name in names:
+                start, start_cpu = time.perf_counter(), time.process_time()
+                for _ in loaders[name]:
                     pass
-                times[name].append((time.perf_counter() - start) * 1e3)
-    unkeyed = statistics.median(times["unkeyed (RandomSampler)"])
+                wall[name].append((time.perf_counter() - start) * 1e3)
+                cpu[name].append((time.process_time() - start_cpu) * 1e3)
     print(
         f"DataLoader epoch of {len(dataset)} light items of 3x{size}x{size}, "
-        f"num_workers={workers} (medians)"
+        f"num_workers={workers} ({rounds} rounds, medians; wall"
+        + (", and the main process's CPU time)" if not workers else ")")
     )
-    for name, values in times.items():
-        m = statistics.median(values)
-        print(f"  {name:58s} {m:8.1f} ms  {m / unkeyed:6.3f} of unkeyed")
+    unkeyed = statistics.median(wall["unkeyed (RandomSampler)"])
+    unkeyed_cpu = statistics.median(cpu["unkeyed (RandomSampler)"])
+    for name in loaders:
+        m = statistics.median(wall[name])
+        line = f"  {name:58s} {m:8.1f} ms  {m / unkeyed:6.3f} of unkeyed"
+        if not workers:
+            c = statistics.median(cpu[name])
+            line += f"   CPU {c:8.1f} ms  {c / unkeyed_cpu:6.3f}"
+        print(line)
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ import math
 import numbers
 import operator
 import random
-from collections.abc import Iterator, Sized
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -101,10 +101,24 @@ class SeededIndex(int):
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (SeededIndex, (int(self), self.epoch))
+        # The checked constructor is for callers; a pickle holds what one made.
+        return (_seeded_index, (int(self), self.epoch))
 
     def __repr__(self) -> str:
         return f"SeededIndex({int(self)}, epoch={self.epoch})"
+
+
+_new_int = int.__new__
+
+
+def _seeded_index(index: int, epoch: int) -> SeededIndex:
+    """``SeededIndex(index, epoch)`` for a non-negative int ``index`` and
+    ``epoch`` known good (the sampler's, a pickle's) without the checks: half
+    the cost, paid per index by the sampler and again by every worker that
+    unpickles one."""
+    self: SeededIndex = _new_int(SeededIndex, index)
+    self.epoch = epoch
+    return self
 
 
 # The sources of the state an item seeds and restores: the same capture and
@@ -122,26 +136,33 @@ _PY_RNG: Any = getattr(random.random, "__self__")  # noqa: B009 - untyped attrib
 _PY_SEED: Any = random.Random.__mro__[1].seed  # type: ignore[attr-defined]
 
 
-def _keyed_call(dataset: Any, index: int, key: int) -> Any:
-    """``dataset[index]`` with ``random``, NumPy's global RNG, torch's CPU
-    generator and the registered RNGs seeded from ``key`` as a block seeded
-    with it seeds them; every one is put back afterwards, however it ends."""
+def _keyed_calls(dataset: Any, indices: Sequence[int], keys: Sequence[int]) -> list[Any]:
+    """``[dataset[i] for i in indices]``, each item with ``random``, NumPy's
+    global RNG, torch's CPU generator and the registered RNGs seeded from its
+    key as a block seeded with it seeds them; the process's state is captured
+    once before the first item and put back once after the last, however it ends."""
     gen = torch.default_generator
     rs = np.random.mtrand._rand
+    seed_torch = gen.manual_seed
+    py = _PY_RNG
+    out: list[Any] = []
     r, n, t, u = _RANDOM.capture(), _NUMPY.capture(), gen.get_state(), _USER.capture()
     try:
-        _PY_SEED(_PY_RNG, key)
-        _PY_RNG.gauss_next = None
-        if type(rs._bit_generator) is _MT19937:
-            rs.seed(key)  # legacy seeding, as np.random.seed; clears the gaussian cache
-        else:  # np.random.seed refuses other bit generators: the block's way, MT19937
-            _NUMPY.apply(Settings(key, False))
-        # Not torch.manual_seed: it also queues lazy seeds for every accelerator,
-        # about 100 times the cost of seeding the CPU generator.
-        gen.manual_seed(key)
-        if u:  # none registered: nothing to seed or put back
+        for index, key in zip(indices, keys, strict=True):
+            _PY_SEED(py, key)  # random.seed(key)
+            py.gauss_next = None
+            if type(rs._bit_generator) is _MT19937:
+                rs.seed(key)  # legacy seeding, as np.random.seed; clears the gaussian cache
+            else:  # np.random.seed refuses other bit generators: the block's way, MT19937
+                _NUMPY.apply(Settings(key, False))
+            # Not torch.manual_seed: it also queues lazy seeds for every accelerator,
+            # about 100 times the cost of seeding the CPU generator.
+            seed_torch(key)
+            # Every item, not only where some were registered at the start: an item
+            # may register one, and the next item seeds it, as one by one.
             seed_registered_rngs(key)
-        return dataset[index]
+            out.append(dataset[index])
+        return out
     finally:
         try:
             if u:
@@ -179,11 +200,17 @@ class SeededDataset(torch.utils.data.Dataset[T_co], Generic[T_co]):
     ``ConcatDataset`` around a ``SeededDataset`` computes plain ints from the
     indices it gets, and the epoch is lost on the way.
 
+    A ``DataLoader`` (torch >= 2.0) fetches a batch with one
+    :meth:`__getitems__` call, which saves the process's state once, seeds
+    each item afresh from its own key and puts the state back once: the
+    items are bit for bit those of ``dataset[i]`` one by one.  The wrapped
+    dataset's own ``__getitems__`` is not used: a batched fetch cannot be
+    keyed per sample.
+
     Registered RNGs travel with the dataset to ``spawn`` workers (as with
     :data:`~deterministic_ctx.seed_worker`): the worker registers the very
-    objects its dataset holds.  The wrapped dataset's ``__getitems__`` is not
-    used: a batched fetch cannot be keyed per sample.  Items are not
-    serialized with blocks in other threads of the same process.
+    objects its dataset holds.  Items are not serialized with blocks in
+    other threads of the same process.
 
     Args:
         dataset: a map-style dataset (``__getitem__`` with int indices).
@@ -315,16 +342,42 @@ class SeededDataset(torch.utils.data.Dataset[T_co], Generic[T_co]):
         return i
 
     def __getitem__(self, index: int) -> T_co:
-        if type(index) is SeededIndex:
-            i: int = int(index)
-            epoch = index.epoch
-        else:
-            i = self._plain_index(index)
-            epoch = self._epoch
+        result: T_co = self.__getitems__((index,))[0]
+        return result
+
+    def __getitems__(self, indices: Iterable[int]) -> list[T_co]:
+        """``[self[i] for i in indices]``, with the process's state saved and put
+        back once for them all instead of once per item: what a ``DataLoader``
+        calls for a batch (torch >= 2.0).  Each item is seeded afresh from its
+        own key, so it is bit for bit the item ``self[i]`` gives, and an item
+        that raises leaves the state as it was found.  Each comes from the
+        wrapped dataset's ``__getitem__``, never from its ``__getitems__``.
+
+        Example:
+            >>> import random
+            >>> from deterministic_ctx import SeededDataset, SeededIndex
+            >>> class Draw:
+            ...     def __getitem__(self, i):
+            ...         return i + random.random()
+            >>> data = SeededDataset(Draw(), seed=0)
+            >>> batch = data.__getitems__([SeededIndex(i, epoch=1) for i in (4, 2, 7)])
+            >>> batch == [data[SeededIndex(i, epoch=1)] for i in (4, 2, 7)]
+            True
+        """
+        plain: list[int] = []
+        keys: list[int] = []
+        for index in indices:
+            if type(index) is SeededIndex:
+                i: int = int(index)
+                epoch = index.epoch
+            else:
+                i = self._plain_index(index)
+                epoch = self._epoch
+            plain.append(i)
+            keys.append(self._key(i, epoch))
         if self._pending and torch.utils.data.get_worker_info() is not None:
             self._adopt()
-        result: T_co = _keyed_call(self._dataset, i, self._key(i, epoch))
-        return result
+        return _keyed_calls(self._dataset, plain, keys)
 
     def __len__(self) -> int:
         if not isinstance(self._dataset, Sized):
@@ -519,7 +572,7 @@ class SeededSampler(torch.utils.data.Sampler[int]):
         record = self._pass = [epoch, start, 0]
         for i in seq[self._rank :: self._replicas]:
             record[2] += 1  # before the yield: a state taken right after it counts this index
-            yield SeededIndex(i, epoch)
+            yield _seeded_index(i, epoch)
 
     def state_dict(self, *, consumed: int | None = None) -> dict[str, Any]:
         """The epoch and how far into it the ranks got: plain ints and bools,

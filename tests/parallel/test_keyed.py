@@ -547,3 +547,176 @@ def test_wrapping_the_outermost_dataset_keeps_the_epoch():
     # The other way round, ConcatDataset's index arithmetic drops the epoch (documented).
     inner = torch.utils.data.ConcatDataset([SeededDataset(Augmenting(), seed=3)] * 2)
     assert torch.equal(inner[SeededIndex(N + 1, 0)], inner[SeededIndex(N + 1, 1)])
+
+
+# -- batches: __getitems__ -----------------------------------------------------------------
+
+
+class Dirty(Dataset):
+    """Draws from every source and leaves each one's cache set: Python's ``gauss_next``,
+    NumPy's legacy gaussian, torch's normal sample; and from registered RNGs."""
+
+    def __init__(self, rngs: tuple[object, ...] = ()) -> None:
+        self.rngs = rngs
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        values = [float(i), random.random(), random.gauss(0.0, 1.0), np.random.rand()]
+        values += [np.random.randn(), torch.rand(()).item(), torch.randn(()).item()]
+        for rng in self.rngs:
+            if isinstance(rng, torch.Generator):
+                values.append(torch.randn((), generator=rng).item())
+            elif isinstance(rng, np.random.Generator):
+                values.append(float(rng.integers(0, 2**32, dtype=np.uint32)))  # half a word left
+            else:
+                values.append(rng.random())  # type: ignore[attr-defined]
+        return torch.tensor(values, dtype=torch.float64)
+
+
+@pytest.fixture
+def user_rngs() -> Iterator[tuple[object, ...]]:
+    made = (
+        random.Random(1),
+        np.random.default_rng(2),
+        np.random.RandomState(3),
+        torch.Generator().manual_seed(4),
+    )
+    rngs = tuple(register_rng(r, key=f"keyed-batch{k}") for k, r in enumerate(made))
+    try:
+        yield rngs
+    finally:
+        for rng in rngs:
+            unregister_rng(rng)
+
+
+def _rng_state(rng: object) -> str:
+    if isinstance(rng, np.random.Generator):
+        return str(rng.bit_generator.state)
+    if isinstance(rng, torch.Generator):
+        return str(rng.get_state().tolist())
+    return str(rng.get_state() if isinstance(rng, np.random.RandomState) else rng.getstate())  # type: ignore[attr-defined]
+
+
+def _world() -> tuple[object, ...]:
+    return (
+        random.getstate(),
+        str(np.random.get_state(legacy=False)),
+        torch.get_rng_state().tolist(),
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    indices=st.lists(
+        st.tuples(st.integers(0, N - 1), st.one_of(st.none(), st.integers(0, 3))), max_size=9
+    )
+)
+def test_a_batch_gives_the_items_one_by_one_gives(indices):
+    # The state is captured once per batch and each item seeded afresh: bit for bit the
+    # same as one __getitem__ per index, whatever mix of epochs and plain ints.
+    rngs = (random.Random(5), np.random.default_rng(6), torch.Generator())
+    registered = [register_rng(r, key=f"keyed-hyp{k}") for k, r in enumerate(rngs)]
+    try:
+        dataset = SeededDataset(Dirty(rngs), seed=3)
+        dataset.set_epoch(2)
+        batch = [i if epoch is None else SeededIndex(i, epoch) for i, epoch in indices]
+        with deterministic(seed=1, flags=False):
+            random.gauss(0.0, 1.0)  # every gaussian cache set
+            np.random.randn()
+            torch.randn(())
+            before = _world()
+            got = dataset.__getitems__(batch)
+            assert _world() == before
+            expected = [dataset[index] for index in batch]
+        assert len(got) == len(expected)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    finally:
+        for rng in registered:
+            unregister_rng(rng)
+
+
+def test_a_batch_with_registered_rngs_of_every_kind(user_rngs):
+    dataset = SeededDataset(Dirty(user_rngs), seed=3)
+    batch = [SeededIndex(i, 1) for i in (4, 0, 4, 11, 7)]
+    with deterministic(seed=0, flags=False):  # the draws below leave the test's state alone
+        for rng in user_rngs:  # leave each one mid-stream
+            Dirty((rng,))[0]
+        states = [_rng_state(rng) for rng in user_rngs]
+        got = dataset.__getitems__(batch)
+        assert [_rng_state(rng) for rng in user_rngs] == states
+        for index, row in zip(batch, got, strict=True):
+            assert torch.equal(row, dataset[index])
+            with deterministic(seed=dataset.item_seed(int(index), 1), flags=False):
+                assert torch.equal(row, dataset.dataset[int(index)])  # what a block gives
+
+
+class Raising(Dataset):
+    def __getitem__(self, i: int) -> float:
+        random.random()
+        np.random.randn()
+        torch.rand(2)
+        if i == 3:
+            raise KeyError(i)
+        return float(i)
+
+
+def test_an_item_that_raises_in_a_batch_still_restores_every_stream():
+    dataset = SeededDataset(Raising(), seed=0)
+    with deterministic(seed=1, flags=False):
+        np.random.randn()  # a cached gaussian, which must survive
+        before = _world()
+        with pytest.raises(KeyError):
+            dataset.__getitems__([1, 2, 3, 4])
+        assert _world() == before
+
+
+class Batched(Augmenting):
+    """A dataset with a batched fetch of its own, which a keyed batch must not call."""
+
+    def __getitems__(self, indices):  # pragma: no cover - must not run
+        raise AssertionError("the wrapped dataset's __getitems__ was called")
+
+
+class Counting(SeededDataset):
+    calls = 0
+
+    def __getitems__(self, indices):
+        Counting.calls += 1
+        return super().__getitems__(indices)
+
+
+def test_a_loader_fetches_a_batch_at_once_and_never_the_wrapped_batch(reference, user_rng):
+    Counting.calls = 0
+    dataset = Counting(Batched(user_rng), seed=3)
+    assert items(dataset, (0, 1)) == reference
+    assert Counting.calls == 2 * N // BATCH
+
+
+class Installs(Dataset):
+    """Item 2 installs a bit generator of its own in NumPy's global RNG."""
+
+    def __getitem__(self, i: int) -> float:
+        if i == 2:
+            np.random.set_bit_generator(np.random.PCG64(i))
+        return float(np.random.rand())
+
+
+def test_an_item_that_replaces_numpy_s_bit_generator_in_a_batch():
+    dataset = SeededDataset(Installs(), seed=0)
+    with deterministic(seed=0, flags=False):
+        mine = np.random.get_bit_generator()
+        state = str(mine.state)
+        expected = [dataset[i] for i in (1, 2, 3, 4)]
+        assert np.random.get_bit_generator() is mine
+        assert dataset.__getitems__([1, 2, 3, 4]) == expected
+        assert np.random.get_bit_generator() is mine and str(mine.state) == state
+
+
+def test_the_sampler_s_indices_pickle_as_seeded_indices():
+    indices = list(SeededSampler(range(6), seed=0, shuffle=False))
+    copies = pickle.loads(pickle.dumps(indices))
+    assert [type(i) for i in copies] == [SeededIndex] * 6
+    assert [(int(i), i.epoch) for i in copies] == [(i, 0) for i in range(6)]
+    assert repr(copies[2]) == "SeededIndex(2, epoch=0)"
