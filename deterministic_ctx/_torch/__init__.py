@@ -42,12 +42,10 @@ __all__ = [
     "ACCELERATOR_API",
     "CONFIG_OVERRIDES",
     "DEFAULT_DEVICE_GETTER",
-    "DEVICE_MESH",
     "DISPATCH_MODES",
     "FILL_UNINITIALIZED_MEMORY",
     "FP32_PRECISION",
     "FRAME_EXEC_STRATEGY",
-    "GRAPHSAFE_GENERATOR_STATE",
     "INDUCTOR_DETERMINISTIC",
     "INDUCTOR_FALLBACK_RANDOM",
     "IS_COMPILING",
@@ -212,16 +210,6 @@ def accelerator_type() -> str:
     return "cuda" if compiled is not None and compiled() else ""
 
 
-GRAPHSAFE_GENERATOR_STATE = Capability(
-    "graphsafe_generator_state",
-    reads="torch.Generator.graphsafe_set_state / graphsafe_get_state",
-    since="2.5",
-    fallback="generator states cannot be swapped inside a CUDA graph capture",
-    probe=lambda: getattr(_torch().Generator, "graphsafe_set_state", None),
-)
-"""``torch.Generator.graphsafe_set_state`` (only messages and GPU tests use it)."""
-
-
 # -- torch.compile (sources/compiler.py, sources/flags.py) ----------------------------
 
 
@@ -373,30 +361,7 @@ def default_device() -> Any:
     return _torch().empty(0).device
 
 
-# -- torch.distributed (streams.py; tests) ---------------------------------------------
-
-
-def _device_mesh() -> ModuleType | None:
-    import importlib
-
-    dist = _torch().distributed
-    if not dist.is_available():
-        return None
-    try:
-        return importlib.import_module("torch.distributed.device_mesh")
-    except ImportError:
-        return None
-
-
-DEVICE_MESH = Capability(
-    "device_mesh",
-    reads="torch.distributed.device_mesh (init_device_mesh, DeviceMesh)",
-    since="2.2",
-    fallback="RngStreams takes coordinates as a mapping only, not a DeviceMesh",
-    probe=_device_mesh,
-    quiet=True,  # nothing of a block is off without it
-)
-"""The ``torch.distributed.device_mesh`` module (importing it is asked for by its user)."""
+# -- torch.distributed (state/dcp.py) ----------------------------------------------
 
 
 def _dcp_stateful() -> type | None:

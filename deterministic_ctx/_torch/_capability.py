@@ -115,10 +115,6 @@ class Capability:
         """The report's line: what is off, and which torch has it."""
         return f"{self.name}: off: {self.fallback} (needs {self.reads}, torch >= {self.since})"
 
-    def reset(self) -> None:
-        """Probe again at the next use (tests that stand in for torch)."""
-        self._value = _UNPROBED
-
     def __repr__(self) -> str:
         state = "unprobed" if not self.probed else "available" if self.available else "missing"
         return f"<Capability {self.name}: {state}>"

@@ -1,4 +1,4 @@
-"""The report's RNG section: one function per RNG family, listed in :data:`RNG_FAMILIES`."""
+"""The report's RNG section: one status per RNG, in the order :func:`rng_statuses` lists them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from .model import RngStatus
 
-__all__ = ["RNG_FAMILIES", "TORCH_DEFAULT_SEED", "RngFacts", "rng_statuses"]
+__all__ = ["TORCH_DEFAULT_SEED", "RngFacts", "rng_statuses"]
 
 #: torch's fixed default seed of a fresh generator (CUDA default generators start from it).
 TORCH_DEFAULT_SEED = 67280421310721
@@ -74,27 +74,23 @@ def _mersenne_status(name: str, facts: RngFacts, fresh: Callable[[int], bool]) -
     return RngStatus(name, None, None, "its state cannot tell whether or how it was seeded")
 
 
-def _python_rng(facts: RngFacts) -> tuple[RngStatus, ...]:
-    return (_mersenne_status("random", facts, _fresh_python_state),)
-
-
-def _numpy_rng(facts: RngFacts) -> tuple[RngStatus, ...]:
+def _numpy_rng(facts: RngFacts) -> RngStatus:
     np = facts.np
     status = _mersenne_status("numpy", facts, functools.partial(_fresh_numpy_state, np))
     if np.random.mtrand._rand._bit_generator.__class__.__name__ != "MT19937":
         replaced = status.detail + "; the global bit generator was replaced"
         status = dataclasses.replace(status, detail=replaced)
-    return (status,)
+    return status
 
 
-def _torch_cpu_rng(facts: RngFacts) -> tuple[RngStatus, ...]:
+def _torch_cpu_rng(facts: RngFacts) -> RngStatus:
     if facts.in_block:
-        return (RngStatus("torch.cpu", True, facts.cpu_seed, _BLOCK_SEEDED),)
+        return RngStatus("torch.cpu", True, facts.cpu_seed, _BLOCK_SEEDED)
     if facts.chosen_seed is not None:
         detail = "torch.initial_seed() is a seed a program chose"
-        return (RngStatus("torch.cpu", True, facts.cpu_seed, detail),)
+        return RngStatus("torch.cpu", True, facts.cpu_seed, detail)
     detail = "torch.initial_seed() is a random 64-bit startup value: never seeded"
-    return (RngStatus("torch.cpu", False, facts.cpu_seed, detail),)
+    return RngStatus("torch.cpu", False, facts.cpu_seed, detail)
 
 
 def _cuda_rng(facts: RngFacts) -> tuple[RngStatus, ...]:
@@ -146,16 +142,13 @@ def _user_rngs(facts: RngFacts) -> tuple[RngStatus, ...]:
     )
 
 
-#: The RNG section, in report order: each family gives its statuses (none where it does not apply).
-RNG_FAMILIES: tuple[Callable[[RngFacts], tuple[RngStatus, ...]], ...] = (
-    _python_rng,
-    _numpy_rng,
-    _torch_cpu_rng,
-    _cuda_rng,
-    _user_rngs,
-)
-
-
 def rng_statuses(torch: Any, np: Any, snapshot: Any, in_block: bool) -> tuple[RngStatus, ...]:
+    """The RNG section, in report order (CUDA's only on a build with CUDA)."""
     facts = RngFacts(torch, np, snapshot, in_block, int(torch.initial_seed()))
-    return tuple(status for family in RNG_FAMILIES for status in family(facts))
+    return (
+        _mersenne_status("random", facts, _fresh_python_state),
+        _numpy_rng(facts),
+        _torch_cpu_rng(facts),
+        *_cuda_rng(facts),
+        *_user_rngs(facts),
+    )

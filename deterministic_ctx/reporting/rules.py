@@ -43,10 +43,14 @@ class Facts:
         return self.env.get("CUBLAS_WORKSPACE_CONFIG")
 
 
+def _when(applies: object, level: str, code: str, message: str) -> Problem | None:
+    """A rule's answer: the problem where it ``applies``, else ``None``."""
+    return Problem(level, code, message) if applies else None
+
+
 def _nondeterministic_algorithms(f: Facts) -> Problem | None:
-    if f.flags["deterministic_algorithms"]:
-        return None
-    return Problem(
+    return _when(
+        not f.flags["deterministic_algorithms"],
         "warning",
         "nondeterministic-algorithms",
         "torch.use_deterministic_algorithms is off: operations with nondeterministic kernels "
@@ -56,9 +60,8 @@ def _nondeterministic_algorithms(f: Facts) -> Problem | None:
 
 def _warn_only(f: Facts) -> Problem | None:
     # torch reads warn_only only with deterministic algorithms on.
-    if not (f.flags["deterministic_algorithms"] and f.flags["deterministic_warn_only"]):
-        return None
-    return Problem(
+    return _when(
+        f.flags["deterministic_algorithms"] and f.flags["deterministic_warn_only"],
         "note",
         "warn-only",
         "nondeterministic operations only warn (warn_only=True) instead of raising",
@@ -69,13 +72,10 @@ def _uninitialized_memory(f: Facts) -> Problem | None:
     # Like warn_only, torch reads this flag only with deterministic algorithms on; and of
     # these three rules, only the first that applies reports.
     flags = f.flags
-    if (
-        not flags["deterministic_algorithms"]
-        or flags["deterministic_warn_only"]
-        or flags["fill_uninitialized_memory"] is not False  # None: this torch lacks it
-    ):
-        return None
-    return Problem(
+    return _when(
+        flags["deterministic_algorithms"]
+        and not flags["deterministic_warn_only"]
+        and flags["fill_uninitialized_memory"] is False,  # None: this torch lacks it
         "note",
         "uninitialized-memory",
         "fill_uninitialized_memory is off: torch.empty() may expose whatever the memory held "
@@ -84,9 +84,8 @@ def _uninitialized_memory(f: Facts) -> Problem | None:
 
 
 def _cudnn_benchmark(f: Facts) -> Problem | None:
-    if not f.flags["cudnn_benchmark"]:
-        return None
-    return Problem(
+    return _when(
+        f.flags["cudnn_benchmark"],
         "warning",
         "cudnn-benchmark",
         "torch.backends.cudnn.benchmark is on: cuDNN times several algorithms at first use and "
@@ -96,9 +95,9 @@ def _cudnn_benchmark(f: Facts) -> Problem | None:
 
 def _cudnn_nondeterministic(f: Facts) -> Problem | None:
     # Deterministic algorithms make cuDNN deterministic too, whatever its own flag says.
-    if not f.gpu or f.flags["cudnn_deterministic"] or f.flags["deterministic_algorithms"]:
-        return None
-    return Problem(
+    flags = f.flags
+    return _when(
+        f.gpu and not (flags["cudnn_deterministic"] or flags["deterministic_algorithms"]),
         "warning",
         "cudnn-nondeterministic",
         "torch.backends.cudnn.deterministic is off (and deterministic algorithms too): cuDNN may "
@@ -109,10 +108,9 @@ def _cudnn_nondeterministic(f: Facts) -> Problem | None:
 def _cublas_workspace(f: Facts) -> Problem | None:
     from ..internal import CUBLAS_VALID
 
-    if not f.gpu or f.cublas in CUBLAS_VALID:
-        return None
     shown = "unset" if f.cublas is None else repr(f.cublas)
-    return Problem(
+    return _when(
+        f.gpu and f.cublas not in CUBLAS_VALID,
         "warning",
         "cublas-workspace",
         f"CUBLAS_WORKSPACE_CONFIG is {shown}: cuBLAS is only deterministic with "
@@ -126,14 +124,11 @@ def _cublas_workspace_late(f: Facts) -> Problem | None:
     # above's; initialized CUDA implies f.gpu).  Unknown start environment: no claim.
     from ..internal import CUBLAS_VALID
 
-    if (
-        not f.cuda.get("initialized")
-        or f.cublas not in CUBLAS_VALID
-        or f.startup_env is None
-        or f.startup_env.get("CUBLAS_WORKSPACE_CONFIG") == f.cublas
-    ):
-        return None
-    return Problem(
+    return _when(
+        f.cuda.get("initialized")
+        and f.cublas in CUBLAS_VALID
+        and f.startup_env is not None
+        and f.startup_env.get("CUBLAS_WORKSPACE_CONFIG") != f.cublas,
         "warning",
         "cublas-workspace-late",
         "CUBLAS_WORKSPACE_CONFIG was set after the process started and CUDA is initialized: "
@@ -145,9 +140,8 @@ def _cublas_workspace_late(f: Facts) -> Problem | None:
 def _pythonhashseed_spawn(f: Facts) -> Problem | None:
     # Forked children inherit the parent's hash secret; spawned ones draw a new one.
     hashseed = f.env.get("PYTHONHASHSEED")
-    if f.start_method not in ("spawn", "forkserver") or hashseed not in (None, "random"):
-        return None
-    return Problem(
+    return _when(
+        f.start_method in ("spawn", "forkserver") and hashseed in (None, "random"),
         "warning",
         "pythonhashseed-spawn",
         f"PYTHONHASHSEED is {'unset' if hashseed is None else 'random'} and new processes start "
@@ -158,9 +152,8 @@ def _pythonhashseed_spawn(f: Facts) -> Problem | None:
 
 
 def _cuda_bad_fork(f: Facts) -> Problem | None:
-    if not f.cuda.get("bad_fork"):
-        return None
-    return Problem(
+    return _when(
+        f.cuda.get("bad_fork"),
         "warning",
         "cuda-bad-fork",
         "this is a forked child of a process that had initialized CUDA: CUDA cannot be used here",
@@ -172,9 +165,8 @@ def _tf32(f: Facts) -> Problem | None:
         f.flags["float32_matmul_precision"] != "highest"
         or "tf32" in f.flags.get("fp32_precision", {}).values()
     )
-    if not (f.gpu and tf32):
-        return None
-    return Problem(
+    return _when(
+        f.gpu and tf32,
         "note",
         "tf32",
         "TF32 is allowed for float32 math: deterministic on one GPU model, but results differ "
@@ -183,12 +175,11 @@ def _tf32(f: Facts) -> Problem | None:
 
 
 def _inductor(f: Facts) -> Problem | None:
-    # ``None`` when torch._inductor is not imported: the report never imports it to ask.
-    if f.flags.get("inductor_deterministic") is not False:
-        return None
     from ..internal import INDUCTOR_CONFIG
 
-    return Problem(
+    # ``None`` when torch._inductor is not imported: the report never imports it to ask.
+    return _when(
+        f.flags.get("inductor_deterministic") is False,
         "note",
         "inductor",
         f"{INDUCTOR_CONFIG}.deterministic is off: torch.compile may autotune and pick "
@@ -230,9 +221,8 @@ def _compiled_numpy_rng(f: Facts) -> Problem | None:
 
     # Absent when torch._dynamo is not imported.  Dynamo traces np.random calls into
     # torch._numpy.random, which draws from torch's generator unless told otherwise.
-    if f.torch_compile.get(f"{DYNAMO_CONFIG}.use_numpy_random_stream") is not False:
-        return None
-    return Problem(
+    return _when(
+        f.torch_compile.get(f"{DYNAMO_CONFIG}.use_numpy_random_stream") is False,
         "note",
         "compiled-numpy-rng",
         f"{DYNAMO_CONFIG}.use_numpy_random_stream is off: np.random calls inside code "
@@ -353,11 +343,9 @@ def _nccl_nvls(f: Facts) -> Problem | None:
 def _nccl_collnet(f: Facts) -> Problem | None:
     effective = f.collectives.get("effective", {})
     value = effective.get("NCCL_COLLNET_ENABLE")
-    if not _nccl_in_network(f, "NCCL_COLLNET_ENABLE", COLLNET_ALGORITHMS, value == "1"):
-        return None
-    if not (f.collectives.get("nccl_available") or _group(f).get("uses_nccl")):
-        return None
-    return Problem(
+    return _when(
+        _nccl_in_network(f, "NCCL_COLLNET_ENABLE", COLLNET_ALGORITHMS, value == "1")
+        and (f.collectives.get("nccl_available") or _group(f).get("uses_nccl")),
         "warning",
         "nccl-collnet",
         "NCCL_COLLNET_ENABLE is '1': NCCL may reduce in the network's switches (SHARP), in an "
@@ -367,9 +355,8 @@ def _nccl_collnet(f: Facts) -> Problem | None:
 
 
 def _unseeded(f: Facts) -> Problem | None:
-    if not any(r.name == "torch.cpu" and r.seeded is False for r in f.rngs):
-        return None
-    return Problem(
+    return _when(
+        any(r.name == "torch.cpu" and r.seeded is False for r in f.rngs),
         "note",
         "unseeded",
         "torch's global generator was never seeded in this process: use "
