@@ -18,7 +18,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeAlias
 
 import numpy as np
@@ -362,14 +362,7 @@ class Settings:
         rank = process_rank()
         found = self._by_rank.get(rank)
         if found is None:
-            found = Settings(
-                self.seed,
-                self.warn_only,
-                rank,
-                self.flags,
-                self.fill_uninitialized_memory,
-                self.compiled_rng,
-            )
+            found = replace(self, rank=rank)
             if len(self._by_rank) >= 64:  # one rank per process, but keep it bounded
                 self._by_rank.clear()
             self._by_rank[rank] = found
