@@ -283,33 +283,27 @@ def _checked_launcher_variables(raw: tuple[object, ...]) -> dict[str, int]:
     rank, world = number("RANK"), number("WORLD_SIZE", 1)
     if rank is None or world is None:
         raise _Partial(*(("RANK", "WORLD_SIZE") if world is None else ("WORLD_SIZE", "RANK")))
-    local, local_world = number("LOCAL_RANK"), number("LOCAL_WORLD_SIZE", 1)
-    node = number("GROUP_RANK")
-    problems = [
-        f"RANK={rank} is not below WORLD_SIZE={world}" if rank >= world else "",
-        f"LOCAL_RANK={local} is not below LOCAL_WORLD_SIZE={local_world}"
-        if local is not None and local_world is not None and local >= local_world
-        else "",
-        f"LOCAL_WORLD_SIZE={local_world} exceeds WORLD_SIZE={world}"
-        if local_world is not None and local_world > world
-        else "",
-        f"GROUP_RANK={node} is not below WORLD_SIZE={world}"
-        if node is not None and node >= world
-        else "",
-    ]
-    if any(problems):
-        raise ValueError(
-            "the launcher's environment variables disagree: " + "; ".join(p for p in problems if p)
-        )
     found = {"RANK": rank, "WORLD_SIZE": world}
-    for name, value in (
-        ("LOCAL_RANK", local),
-        ("LOCAL_WORLD_SIZE", local_world),
-        ("GROUP_RANK", node),
-    ):
-        if value is not None:
+    for name, least in (("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1), ("GROUP_RANK", 0)):
+        if (value := number(name, least)) is not None:
             found[name] = value
+    problems = [
+        f"{low}={found[low]} {'exceeds' if size else 'is not below'} {high}={found[high]}"
+        for low, high, size in _LIMITS
+        if low in found and high in found and found[low] >= found[high] + size
+    ]
+    if problems:
+        raise ValueError("the launcher's environment variables disagree: " + "; ".join(problems))
     return found
+
+
+#: ``(a, b, size)``: variable ``a`` must be below ``b`` (at most ``b`` where ``a`` is a size).
+_LIMITS = (
+    ("RANK", "WORLD_SIZE", False),
+    ("LOCAL_RANK", "LOCAL_WORLD_SIZE", False),
+    ("LOCAL_WORLD_SIZE", "WORLD_SIZE", True),
+    ("GROUP_RANK", "WORLD_SIZE", False),
+)
 
 
 def seed_for_rank(seed: int, rank: int) -> int:
