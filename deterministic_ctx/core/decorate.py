@@ -241,39 +241,35 @@ def _wrap_async_generator(
 _WRAPPED = "__deterministic_ctx_wraps__"
 
 
+def _own(klass: type, name: str) -> Any:
+    """``klass``'s own ``name`` (not inherited), as a plain function; ``None``: none."""
+    found = klass.__dict__.get(name)
+    return found.__func__ if isinstance(found, classmethod) else found
+
+
 def _inherited(cls: type, name: str) -> Callable[..., Any]:
     """The first ``name`` after ``cls`` in its MRO, as a plain function, with the
     block of a decorated base taken off: the closest decoration wins, so a
     decorated subclass runs its base's setUp in its own block, not in two."""
     for base in cls.__mro__[1:]:
-        found = base.__dict__.get(name)
-        if found is None:
-            continue
-        func = found.__func__ if isinstance(found, classmethod) else found
-        wrapped = getattr(func, _WRAPPED, func)
-        if wrapped is not None:
+        func = _own(base, name)
+        if func is not None and (wrapped := getattr(func, _WRAPPED, func)) is not None:
             return cast(Callable[..., Any], wrapped)
     raise AttributeError(name)  # unreachable: unittest.TestCase defines both
 
 
 def _closest(klass: type, name: str) -> type | None:
     """The class nearest to ``klass`` in its MRO whose ``name`` is a decorated wrapper."""
-    for base in klass.__mro__:
-        found = base.__dict__.get(name)
-        func = found.__func__ if isinstance(found, classmethod) else found
-        if func is not None and hasattr(func, _WRAPPED):
-            return base
-    return None
+    return next((base for base in klass.__mro__ if hasattr(_own(base, name), _WRAPPED)), None)
 
 
 def _decorate_testcase(
     cls: type[unittest.TestCase], settings: Settings | None
 ) -> type[unittest.TestCase]:
-    own_setup = cls.__dict__.get("setUp")
-    own_setup_class = cls.__dict__.get("setUpClass")
-    own_setup = getattr(own_setup, _WRAPPED, own_setup)  # decorated twice: the closest wins
-    if own_setup_class is not None:
-        own_setup_class = getattr(own_setup_class.__func__, _WRAPPED, own_setup_class.__func__)
+    # Decorated twice: the closest decoration wins.
+    own_setup, own_setup_class = (
+        getattr(func, _WRAPPED, func) for func in (_own(cls, "setUp"), _own(cls, "setUpClass"))
+    )
 
     def setUp(self: unittest.TestCase) -> None:
         setup = own_setup or _inherited(cls, "setUp")
