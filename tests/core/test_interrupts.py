@@ -383,7 +383,6 @@ def test_real_signals_during_a_loop_of_small_blocks():
                     if not _clean(before):
                         problems.append(i)
                         _leave_open_blocks()
-                        det._blocks_if_entered().clear()
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
