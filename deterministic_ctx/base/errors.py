@@ -31,8 +31,6 @@ class RestoreError(DeterministicCtxError, RuntimeError):
         ['numpy']
     """
 
-    __module__ = PUBLIC_MODULE
-
     def __init__(self, failures: Mapping[str, BaseException]) -> None:
         self.failures: dict[str, BaseException] = dict(failures)
         detail = "; ".join(f"{name}: {exc!r}" for name, exc in self.failures.items())
@@ -55,8 +53,6 @@ class LockWaitWarning(DeterministicCtxWarning, RuntimeWarning):
         True
     """
 
-    __module__ = PUBLIC_MODULE
-
 
 class AbandonedBlockWarning(DeterministicCtxWarning, RuntimeWarning):
     """A thread ended inside a deterministic block, and another thread took over.
@@ -74,8 +70,6 @@ class AbandonedBlockWarning(DeterministicCtxWarning, RuntimeWarning):
         True
     """
 
-    __module__ = PUBLIC_MODULE
-
 
 class StateWarning(DeterministicCtxWarning, RuntimeWarning):
     """Random state or its inputs are not what they should be, and the library went on.
@@ -90,8 +84,6 @@ class StateWarning(DeterministicCtxWarning, RuntimeWarning):
         >>> issubclass(StateWarning, RuntimeWarning)
         True
     """
-
-    __module__ = PUBLIC_MODULE
 
 
 class InvalidSnapshotError(DeterministicCtxError, ValueError):
@@ -115,8 +107,6 @@ class InvalidSnapshotError(DeterministicCtxError, ValueError):
         >>> isinstance(err, ValueError)
         True
     """
-
-    __module__ = PUBLIC_MODULE
 
     def __init__(self, origin: str, problem: str) -> None:
         self.origin = origin
@@ -151,8 +141,6 @@ class UnregisteredRngError(InvalidSnapshotError):
         ('augment', True)
     """
 
-    __module__ = PUBLIC_MODULE
-
     def __init__(self, origin: str, key: str, kind: str) -> None:
         self.key = key
         self.kind = kind
@@ -183,4 +171,7 @@ class GraphCaptureError(DeterministicCtxError, RuntimeError):
         True
     """
 
-    __module__ = PUBLIC_MODULE
+
+# Shown, pickled and documented where users import them from: every name above.
+for _name in __all__:
+    globals()[_name].__module__ = PUBLIC_MODULE

@@ -236,14 +236,6 @@ class ProcessLock:
             self._owner_ref = None
             self._rlock.release()
 
-    def held_by_other_thread(self) -> bool:
-        if self.mine():
-            return False
-        if self._rlock.acquire(False):
-            self._rlock.release()
-            return False
-        return True
-
     def reset_after_fork(self) -> None:
         """In a forked child: free the lock unless the forking thread holds it."""
         self._swap = threading.Lock()  # another thread may have held it at the fork

@@ -12,13 +12,13 @@ structure with other seeds or ranks (unlike ``seed + rank``).
 
 from __future__ import annotations
 
+import functools
 import numbers
 import os
 import sys
 import warnings
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeAlias
 
 import numpy as np
@@ -167,66 +167,45 @@ def process_rank() -> int:
         >>> process_rank()  # no process group, no launcher
         0
     """
-    global _last_rank
     dist = sys.modules.get("torch.distributed")
-    world = None
     if dist is not None and dist.is_available() and dist.is_initialized():
-        world = dist.GroupMember.WORLD
-    # ``rank="auto"`` asks at every block: the answer for the same default group
-    # and the same launcher variables is remembered (a group's rank never
-    # changes).  Only answers are remembered: a ValueError is raised again, and a
-    # warning was given the first time (each is given once per cause anyway).
-    env = _launcher_env()
-    last = _last_rank
-    if last is not None and last[1] == env:
-        then = last[0]
-        # No group now and none then, or the same group (a dead reference to
-        # the group of then is not "no group").
-        if (then is None) if world is None else (then is not None and then() is world):
-            return last[2]
-    rank = _process_rank(dist, world)
-    _last_rank = (_weak(world), env, rank)
-    return rank
-
-
-def _process_rank(dist: Any, world: object) -> int:
-    """:func:`process_rank`, computed (``world``: the default group, or ``None``)."""
-    if world is not None:
-        group = (int(dist.get_rank()), int(dist.get_world_size()))
-        found = launcher_variables(strict=False)
-        launcher = None if found is None else (found["RANK"], found["WORLD_SIZE"])
-        if launcher is not None and group != launcher and (group, launcher) not in _WARNED:
-            # The group is the truth now; the variables were inherited (a process a
-            # torchrun worker started itself, say).  Raising would break such programs,
-            # which worked before; a silent switch would hide that rank='auto' meant
-            # another rank before init_process_group.  So: the group wins, said once.
-            _WARNED.add((group, launcher))
-            warnings.warn(
-                f"rank='auto': the process group says rank {group[0]} of {group[1]}, but the "
-                f"environment says RANK={launcher[0]}, WORLD_SIZE={launcher[1]}, which this "
-                f"process inherited from a launcher it did not come from; the group's rank is "
-                f"used, so rank='auto' before init_process_group meant rank {launcher[0]}. "
-                f"Remove RANK and WORLD_SIZE from the environment of processes you start "
-                f"yourself, or pass rank= explicitly",
-                StateWarning,
-                stacklevel=2,
-            )
-        return group[0]
+        return _group_rank(dist)
     found = launcher_variables(strict=True)
     return 0 if found is None else found["RANK"]
 
 
-#: ``(weak reference to the default group or None, the launcher's raw variables,
-#: the rank)``: :func:`process_rank`'s last answer.
-_last_rank: tuple[Callable[[], object] | None, tuple[object, ...], int] | None = None
+def _group_rank(dist: Any) -> int:
+    """:func:`process_rank` where a process group exists: the group's rank."""
+    group = (int(dist.get_rank()), int(dist.get_world_size()))
+    found = launcher_variables(strict=False)
+    launcher = None if found is None else (found["RANK"], found["WORLD_SIZE"])
+    if launcher is not None and group != launcher and (group, launcher) not in _WARNED:
+        # The group is the truth now; the variables were inherited (a process a
+        # torchrun worker started itself, say).  Raising would break such programs,
+        # which worked before; a silent switch would hide that rank='auto' meant
+        # another rank before init_process_group.  So: the group wins, said once.
+        _WARNED.add((group, launcher))
+        warnings.warn(
+            f"rank='auto': the process group says rank {group[0]} of {group[1]}, but the "
+            f"environment says RANK={launcher[0]}, WORLD_SIZE={launcher[1]}, which this "
+            f"process inherited from a launcher it did not come from; the group's rank is "
+            f"used, so rank='auto' before init_process_group meant rank {launcher[0]}. "
+            f"Remove RANK and WORLD_SIZE from the environment of processes you start "
+            f"yourself, or pass rank= explicitly",
+            StateWarning,
+            stacklevel=2,
+        )
+    return group[0]
+
+
 _LAUNCHER_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
 
 def _raw_reader() -> Callable[[], tuple[object, ...]]:
     """Reads the launcher's variables raw: from ``os.environ``'s own dict under
     encoded keys where it has one (what ``os.environ[name]`` reads, without the
-    ``KeyError`` that ``get`` raises and catches for each absent name), else
-    through ``os.environ.get``."""
+    ``KeyError`` that ``get`` raises and catches for each absent name, about
+    1 µs each), else through ``os.environ.get``."""
     env = os.environ
     data, encodekey = getattr(env, "_data", None), getattr(env, "encodekey", None)
     if type(data) is dict and callable(encodekey):
@@ -236,18 +215,6 @@ def _raw_reader() -> Callable[[], tuple[object, ...]]:
 
 
 _launcher_env = _raw_reader()
-
-
-def _weak(obj: object) -> Callable[[], object] | None:
-    if obj is None:
-        return None
-    try:
-        return weakref.ref(obj)
-    except TypeError:  # not weakly referenceable: never matched, so never reused
-        return lambda: _NEVER
-
-
-_NEVER = object()
 
 
 def launcher_variables(*, strict: bool = True) -> dict[str, int] | None:
@@ -260,11 +227,12 @@ def launcher_variables(*, strict: bool = True) -> dict[str, int] | None:
     the variable; otherwise they give ``None`` (a process group is the truth
     then, and a variable it does not need must not stop the program).
     """
-    environ = os.environ
-    if "RANK" not in environ and "WORLD_SIZE" not in environ:
+    raw = _launcher_env()
+    if raw[0] is None and raw[1] is None:
         return None
     try:
-        return _checked_launcher_variables(environ)
+        # Parsed once per distinct set of values: ``rank="auto"`` asks at every block.
+        return dict(_checked_launcher_variables(raw))
     except _Partial as partial:
         if strict and partial.args[0] not in _WARNED_PARTIAL:
             _WARNED_PARTIAL.add(partial.args[0])
@@ -292,11 +260,15 @@ class _Partial(DeterministicCtxError):
 _WARNED_PARTIAL: set[str] = set()
 
 
-def _checked_launcher_variables(environ: os._Environ[str]) -> dict[str, int]:
+@functools.lru_cache(maxsize=16)
+def _checked_launcher_variables(raw: tuple[object, ...]) -> dict[str, int]:
+    environ = dict(zip(_LAUNCHER_NAMES, raw, strict=True))
+
     def number(name: str, least: int = 0) -> int | None:
-        text = environ.get(name)
-        if text is None:
+        value = environ[name]
+        if value is None:
             return None
+        text = os.fsdecode(value)  # type: ignore[arg-type]  # as os.environ decodes it
         # Decimal digits only: int() also takes " 3", "+3", "1_0" and
         # non-ASCII digits, none of which a launcher writes.
         if not (text.isascii() and text.isdigit()) or int(text) < least:
@@ -311,33 +283,27 @@ def _checked_launcher_variables(environ: os._Environ[str]) -> dict[str, int]:
     rank, world = number("RANK"), number("WORLD_SIZE", 1)
     if rank is None or world is None:
         raise _Partial(*(("RANK", "WORLD_SIZE") if world is None else ("WORLD_SIZE", "RANK")))
-    local, local_world = number("LOCAL_RANK"), number("LOCAL_WORLD_SIZE", 1)
-    node = number("GROUP_RANK")
-    problems = [
-        f"RANK={rank} is not below WORLD_SIZE={world}" if rank >= world else "",
-        f"LOCAL_RANK={local} is not below LOCAL_WORLD_SIZE={local_world}"
-        if local is not None and local_world is not None and local >= local_world
-        else "",
-        f"LOCAL_WORLD_SIZE={local_world} exceeds WORLD_SIZE={world}"
-        if local_world is not None and local_world > world
-        else "",
-        f"GROUP_RANK={node} is not below WORLD_SIZE={world}"
-        if node is not None and node >= world
-        else "",
-    ]
-    if any(problems):
-        raise ValueError(
-            "the launcher's environment variables disagree: " + "; ".join(p for p in problems if p)
-        )
     found = {"RANK": rank, "WORLD_SIZE": world}
-    for name, value in (
-        ("LOCAL_RANK", local),
-        ("LOCAL_WORLD_SIZE", local_world),
-        ("GROUP_RANK", node),
-    ):
-        if value is not None:
+    for name, least in (("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1), ("GROUP_RANK", 0)):
+        if (value := number(name, least)) is not None:
             found[name] = value
+    problems = [
+        f"{low}={found[low]} {'exceeds' if size else 'is not below'} {high}={found[high]}"
+        for low, high, size in _LIMITS
+        if low in found and high in found and found[low] >= found[high] + size
+    ]
+    if problems:
+        raise ValueError("the launcher's environment variables disagree: " + "; ".join(problems))
     return found
+
+
+#: ``(a, b, size)``: variable ``a`` must be below ``b`` (at most ``b`` where ``a`` is a size).
+_LIMITS = (
+    ("RANK", "WORLD_SIZE", False),
+    ("LOCAL_RANK", "LOCAL_WORLD_SIZE", False),
+    ("LOCAL_WORLD_SIZE", "WORLD_SIZE", True),
+    ("GROUP_RANK", "WORLD_SIZE", False),
+)
 
 
 def seed_for_rank(seed: int, rank: int) -> int:
@@ -390,14 +356,7 @@ class Settings:
         rank = process_rank()
         found = self._by_rank.get(rank)
         if found is None:
-            found = Settings(
-                self.seed,
-                self.warn_only,
-                rank,
-                self.flags,
-                self.fill_uninitialized_memory,
-                self.compiled_rng,
-            )
+            found = replace(self, rank=rank)
             if len(self._by_rank) >= 64:  # one rank per process, but keep it bounded
                 self._by_rank.clear()
             self._by_rank[rank] = found

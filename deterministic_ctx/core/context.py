@@ -137,15 +137,6 @@ class _Blocks:
         block.exited = True
         return block.paused
 
-    def _blocks_if_entered(self) -> dict[object, list[_With]]:
-        """This object's open blocks in the calling thread, by task: a view for
-        tests and debugging (``{}``: none)."""
-        by_task: dict[object, list[_With]] = {}
-        for block in _THREADS.withs:
-            if block.of is self and not block.exited:
-                by_task.setdefault(block.task, []).append(block)
-        return by_task
-
     def __enter__(self: _B) -> _B:
         # Inside a compiled function (which dynamo then runs eagerly, see
         # _IN_COMPILED_CODE) the frames the body calls must run eagerly too,

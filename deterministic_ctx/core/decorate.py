@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 import unittest
 from collections.abc import Callable, Generator
 from typing import Any, NoReturn, TypeVar, cast, overload
@@ -57,9 +58,16 @@ def _send(it: Any, value: Any, to_throw: BaseException | None) -> tuple[Any, boo
         return None, True, exc
 
 
+@types.coroutine
 def _steps(it: Any, block: Block, *, final: bool) -> Generator[Any, Any, Any]:
     """Drive ``it`` step by step in ``block`` (:func:`_drive`); whatever ends the
-    driving with an exception, ``it`` is closed in its own world first."""
+    driving with an exception, ``it`` is closed in its own world first.
+
+    ``yield from`` it in a generator, ``await`` it in a coroutine: ``it`` may
+    be an awaitable object (an async generator's ``asend()``), driven through
+    its ``__await__``."""
+    if not hasattr(it, "send"):
+        it = it.__await__()
     end = block.stop if final else block.suspend
     try:
         return (yield from _drive(it, block, end))
@@ -130,21 +138,6 @@ def _abandon(it: Any, block: Block, end: Callable[[], None]) -> None:
         raise
 
 
-class _Isolated:
-    """An awaitable that runs ``awaitable``'s steps inside ``block``."""
-
-    __slots__ = ("_awaitable", "_block", "_final")
-
-    def __init__(self, awaitable: Any, block: Block, final: bool) -> None:
-        self._awaitable, self._block, self._final = awaitable, block, final
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        it = self._awaitable
-        if not hasattr(it, "send"):  # an awaitable object, not a coroutine
-            it = it.__await__()
-        return _steps(it, self._block, final=self._final)
-
-
 def _reraise(error: BaseException) -> NoReturn:
     """Raise the body's exception again once the block is left, without
     listing the wrapper twice in its traceback."""
@@ -198,7 +191,7 @@ def _wrap_generator(func: Callable[..., Any], settings: Settings | None) -> Call
 def _wrap_coroutine(func: Callable[..., Any], settings: Settings | None) -> Callable[..., Any]:
     @functools.wraps(func)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return await _Isolated(func(*args, **kwargs), Block(settings), final=True)
+        return await _steps(func(*args, **kwargs), Block(settings), final=True)
 
     return wrapper
 
@@ -220,7 +213,7 @@ def _wrap_async_generator(
                 else:
                     step = agen.asend(send_value)
                 try:
-                    value = await _Isolated(step, block, final=False)
+                    value = await _steps(step, block, final=False)
                 except StopAsyncIteration:
                     return
                 try:
@@ -231,7 +224,7 @@ def _wrap_async_generator(
                     to_throw, send_value = exc, None
         finally:
             # Closing runs the body's own finally blocks inside its world.
-            await _Isolated(agen.aclose(), block, final=False)
+            await _steps(agen.aclose(), block, final=False)
 
     return wrapper
 
@@ -241,39 +234,35 @@ def _wrap_async_generator(
 _WRAPPED = "__deterministic_ctx_wraps__"
 
 
+def _own(klass: type, name: str) -> Any:
+    """``klass``'s own ``name`` (not inherited), as a plain function; ``None``: none."""
+    found = klass.__dict__.get(name)
+    return found.__func__ if isinstance(found, classmethod) else found
+
+
 def _inherited(cls: type, name: str) -> Callable[..., Any]:
     """The first ``name`` after ``cls`` in its MRO, as a plain function, with the
     block of a decorated base taken off: the closest decoration wins, so a
     decorated subclass runs its base's setUp in its own block, not in two."""
     for base in cls.__mro__[1:]:
-        found = base.__dict__.get(name)
-        if found is None:
-            continue
-        func = found.__func__ if isinstance(found, classmethod) else found
-        wrapped = getattr(func, _WRAPPED, func)
-        if wrapped is not None:
+        func = _own(base, name)
+        if func is not None and (wrapped := getattr(func, _WRAPPED, func)) is not None:
             return cast(Callable[..., Any], wrapped)
     raise AttributeError(name)  # unreachable: unittest.TestCase defines both
 
 
 def _closest(klass: type, name: str) -> type | None:
     """The class nearest to ``klass`` in its MRO whose ``name`` is a decorated wrapper."""
-    for base in klass.__mro__:
-        found = base.__dict__.get(name)
-        func = found.__func__ if isinstance(found, classmethod) else found
-        if func is not None and hasattr(func, _WRAPPED):
-            return base
-    return None
+    return next((base for base in klass.__mro__ if hasattr(_own(base, name), _WRAPPED)), None)
 
 
 def _decorate_testcase(
     cls: type[unittest.TestCase], settings: Settings | None
 ) -> type[unittest.TestCase]:
-    own_setup = cls.__dict__.get("setUp")
-    own_setup_class = cls.__dict__.get("setUpClass")
-    own_setup = getattr(own_setup, _WRAPPED, own_setup)  # decorated twice: the closest wins
-    if own_setup_class is not None:
-        own_setup_class = getattr(own_setup_class.__func__, _WRAPPED, own_setup_class.__func__)
+    # Decorated twice: the closest decoration wins.
+    own_setup, own_setup_class = (
+        getattr(func, _WRAPPED, func) for func in (_own(cls, "setUp"), _own(cls, "setUpClass"))
+    )
 
     def setUp(self: unittest.TestCase) -> None:
         setup = own_setup or _inherited(cls, "setUp")

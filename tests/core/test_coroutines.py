@@ -143,7 +143,7 @@ def test_any_schedule_gives_solo_values(schedule):
 
 def test_awaitable_object_steps_are_isolated():
     from deterministic_ctx.base.settings import Settings
-    from deterministic_ctx.core.decorate import _Isolated
+    from deterministic_ctx.core.decorate import _steps
     from deterministic_ctx.core.engine import Block
 
     @types.coroutine
@@ -155,7 +155,7 @@ def test_awaitable_object_steps_are_isolated():
         def __await__(self):
             return gen_coro()
 
-    coro = _Isolated(Awaitable(), Block(Settings(5, False)), final=True).__await__()
+    coro = _steps(Awaitable(), Block(Settings(5, False)), final=True)
     assert next(coro) == "tick"
     with pytest.raises(StopIteration) as stop:
         coro.send(None)

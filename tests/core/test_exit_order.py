@@ -58,7 +58,7 @@ def test_one_shared_object_entered_by_two_tasks():
         await asyncio.gather(task(0.01), task(0.05))
 
     asyncio.run(main())
-    assert not any(det._blocks_if_entered().values())
+    assert not [w for w in LOCK.threads.withs if w.of is det and not w.exited]
 
 
 def test_task_leaving_first_does_not_change_the_other_tasks_world():
