@@ -30,7 +30,7 @@ from .base.version import __version__ as __version__
 
 if TYPE_CHECKING:  # what the names below resolve to, for type checkers and readers
     from ._torch import TorchFeatureError
-    from .audit import AuditFinding, AuditReport, audit_nondeterminism
+    from .audit import AuditFinding, AuditReport, UncheckedTorchWarning, audit_nondeterminism
     from .base.errors import (
         AbandonedBlockWarning,
         GraphCaptureError,
@@ -95,6 +95,7 @@ __all__ = [
     "TorchFeatureError",
     "Trace",
     "TraceComparison",
+    "UncheckedTorchWarning",
     "UnregisteredRngError",
     "assert_batch_invariant",
     "assert_compiled_matches_eager",
@@ -152,6 +153,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "Trace": (".trace", "Trace"),
     "TorchFeatureError": ("._torch", "TorchFeatureError"),
     "TraceComparison": (".trace", "TraceComparison"),
+    "UncheckedTorchWarning": (".audit", "UncheckedTorchWarning"),
     "UnregisteredRngError": (".base.errors", "UnregisteredRngError"),
     "assert_batch_invariant": (".verify", "assert_batch_invariant"),
     "assert_compiled_matches_eager": (".verify", "assert_compiled_matches_eager"),

@@ -44,6 +44,7 @@ Example:
 from __future__ import annotations
 
 from .findings import AuditFinding, AuditReport
+from .model import UncheckedTorchWarning
 from .run import audit_nondeterminism
 
-__all__ = ["AuditFinding", "AuditReport", "audit_nondeterminism"]
+__all__ = ["AuditFinding", "AuditReport", "UncheckedTorchWarning", "audit_nondeterminism"]

@@ -9,6 +9,8 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+from .._errors import PUBLIC_MODULE, DeterministicCtxWarning
+
 __all__ = [
     "CHECKED_TORCH",
     "CHECKS",
@@ -20,12 +22,32 @@ __all__ = [
     "OpCall",
     "OpEntry",
     "Phase",
+    "UncheckedTorchWarning",
     "nearest_checked",
     "release_of",
 ]
 
 #: The torch releases (major.minor) the table was checked against, oldest first.
 CHECKED_TORCH: tuple[str, ...] = ("2.11", "2.13")
+
+
+class UncheckedTorchWarning(DeterministicCtxWarning, UserWarning):
+    """The running torch is of a release the audit's op table was not checked against.
+
+    :func:`~deterministic_ctx.audit_nondeterminism` then applies the behaviours of the
+    nearest checked release with the changes the table knows of, says so in the report's
+    ``notes``, and issues this warning once per process.
+
+    Example:
+        >>> from deterministic_ctx import DeterministicCtxWarning, UncheckedTorchWarning
+        >>> issubclass(UncheckedTorchWarning, DeterministicCtxWarning)
+        True
+        >>> issubclass(UncheckedTorchWarning, UserWarning)
+        True
+    """
+
+    __module__ = PUBLIC_MODULE
+
 
 #: Up to (not including) this torch release, cuBLAS matmuls raise under deterministic
 #: mode unless ``CUBLAS_WORKSPACE_CONFIG`` is ``:4096:8`` or ``:16:8``; torch 2.10 dropped

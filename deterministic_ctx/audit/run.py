@@ -16,7 +16,13 @@ from ..internal import CUBLAS_VALID
 from ..verify.compare import short_repr, tensor_leaves
 from ..verify.rerun import SavedState, call_and_consume, check_fn, objects_to_reset
 from .findings import AuditReport
-from .model import CHECKED_TORCH, CUBLAS_CONFIG_CHECKED_BEFORE, nearest_checked, release_of
+from .model import (
+    CHECKED_TORCH,
+    CUBLAS_CONFIG_CHECKED_BEFORE,
+    UncheckedTorchWarning,
+    nearest_checked,
+    release_of,
+)
 from .recorder import Auditor, Functions, watched_functions
 from .sites import Modules
 
@@ -70,7 +76,7 @@ def _check_version(version: str) -> tuple[str, str | None]:
     )
     if not _version_warned:
         _version_warned = True
-        warnings.warn(note, stacklevel=3)
+        warnings.warn(note, UncheckedTorchWarning, stacklevel=3)
     return release, note
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.modules import module as nn_module
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from deterministic_ctx import deterministic, isolated
+from deterministic_ctx import UncheckedTorchWarning, deterministic, isolated
 from deterministic_ctx.audit import AuditFinding, AuditReport, audit_nondeterminism
 from deterministic_ctx.audit import recorder as audit_recorder
 from deterministic_ctx.audit import run as audit_run
@@ -761,7 +761,7 @@ def test_other_torch_release_warns_once(monkeypatch):
     monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.12.1"))
     monkeypatch.setattr(audit_run, "_version_warned", False)
     message = r"torch 2\.12\.1 is running; the table was checked against torch 2\.11 and 2\.13"
-    with pytest.warns(UserWarning, match=message) as caught:
+    with pytest.warns(UncheckedTorchWarning, match=message) as caught:
         first = audit_nondeterminism(lambda: torch.ones(2))
     assert caught[0].filename == __file__
     with warnings.catch_warnings():
