@@ -553,12 +553,17 @@ def test_a_record_is_read_under_its_bit_generators_lock():
     GIL for large fills): the record is read after it, never torn."""
     gen = register_rng(np.random.default_rng(5), key="locked")
     held, release = threading.Event(), threading.Event()
+    # The state three draws on, written while the lock is held.  Not by drawing under
+    # it: NumPy 1.x's draws take the (non-reentrant) lock themselves and would block.
+    ahead = np.random.Generator(np.random.PCG64())
+    ahead.bit_generator.state = gen.bit_generator.state
+    ahead.bit_generator.random_raw(3)
 
     def draw_while_holding() -> None:
         with gen.bit_generator.lock:
             held.set()
             release.wait(10)
-            gen.bit_generator.random_raw(3)  # the state moves while the lock is held
+            gen.bit_generator.state = ahead.bit_generator.state  # moves under the lock
 
     thread = threading.Thread(target=draw_while_holding)
     try:
