@@ -22,14 +22,13 @@ import torch
 
 __all__ = [
     "byte_tensor",
-    "env_problem",
-    "env_text",
     "fields",
     "flag",
     "integer",
     "integers",
     "mapping",
     "real",
+    "shown",
     "text",
     "warn",
 ]
@@ -39,7 +38,7 @@ _DICTS = (dict, OrderedDict)
 MAX_TENSOR_BYTES = 1 << 20
 
 
-def _got(value: object) -> str:
+def shown(value: object) -> str:
     """How an error shows a bad value: ``repr`` only of plain scalars, whose
     ``repr`` runs no code of the input's (and of a huge int, only its size)."""
     if type(value) is int and value.bit_length() > 64:
@@ -60,11 +59,11 @@ def mapping(value: object, path: str) -> dict[str, Any]:
     dict runs none.
     """
     if type(value) not in _DICTS:
-        raise ValueError(f"{path}: expected a dict, got {_got(value)}")
+        raise ValueError(f"{path}: expected a dict, got {shown(value)}")
     assert isinstance(value, dict)
     for key in value:
         if type(key) is not str:
-            raise ValueError(f"{path}: keys must be strings, got {_got(key)}")
+            raise ValueError(f"{path}: keys must be strings, got {shown(key)}")
     return value
 
 
@@ -87,21 +86,21 @@ def fields(
 def integer(value: object, path: str, lo: int, hi: int) -> int:
     """An ``int`` (not ``bool``) in ``lo .. hi``."""
     if type(value) is not int or not lo <= value <= hi:
-        raise ValueError(f"{path}: expected an int in {lo} .. {hi}, got {_got(value)}")
+        raise ValueError(f"{path}: expected an int in {lo} .. {hi}, got {shown(value)}")
     return value
 
 
 def flag(value: object, path: str) -> bool:
     """``True`` or ``False``."""
     if type(value) is not bool:
-        raise ValueError(f"{path}: expected True or False, got {_got(value)}")
+        raise ValueError(f"{path}: expected True or False, got {shown(value)}")
     return value
 
 
 def real(value: object, path: str) -> float:
     """A ``float`` (any: a state that holds ``nan`` must load as it was saved)."""
     if type(value) is not float:
-        raise ValueError(f"{path}: expected a float, got {_got(value)}")
+        raise ValueError(f"{path}: expected a float, got {shown(value)}")
     return value
 
 
@@ -111,7 +110,7 @@ def text(
     """A ``str`` without NUL, at most ``max_len`` long, one of ``choices`` if given."""
     if type(value) is not str or len(value) > max_len or "\0" in value:
         raise ValueError(
-            f"{path}: expected a string (at most {max_len} characters), got {_got(value)}"
+            f"{path}: expected a string (at most {max_len} characters), got {shown(value)}"
         )
     if choices is not None:
         allowed = tuple(choices)
@@ -120,54 +119,10 @@ def text(
     return value
 
 
-#: Far above any real environment variable, far below trouble (Linux refuses to
-#: pass a single one longer than 128 KiB to a child process anyway).
-MAX_ENV_CHARS = 1 << 20
-
-
-def env_problem(value: str, *, name: bool = False) -> str | None:
-    """Why ``value`` cannot be an environment variable's value (or, with
-    ``name=True``, name), or ``None`` if it can.
-
-    The environment holds bytes without NUL; ``os.environ`` encodes a str with
-    ``os.fsencode``'s rules (the file-system encoding and ``surrogateescape``),
-    which refuse surrogates other than the escaped bytes ``\\udc80``-``\\udcff``.
-    A name must be non-empty and hold no ``=``.
-    """
-    if "\0" in value:
-        return "it holds a NUL character"
-    if name and not value:
-        return "it is empty"
-    if name and "=" in value:
-        return "it holds '='"
-    try:
-        os.fsencode(value)
-    except UnicodeEncodeError as exc:
-        return f"it cannot be encoded ({exc.reason} at index {exc.start})"
-    return None
-
-
-def env_text(value: object, path: str, *, name: bool = False) -> str:
-    """A ``str`` that the environment can hold, as a value (or, with ``name=True``,
-    a name): see :func:`env_problem`."""
-    what = "an environment variable name" if name else "an environment variable value"
-    if type(value) is not str or len(value) > MAX_ENV_CHARS:
-        raise ValueError(
-            f"{path}: expected a string (at most {MAX_ENV_CHARS} characters) as {what}, "
-            f"got {_got(value)}"
-        )
-    problem = env_problem(value, name=name)
-    if problem is not None:
-        raise ValueError(
-            f"{path}: expected a string usable as {what}, got {_got(value)}; {problem}"
-        )
-    return value
-
-
 def integers(value: object, path: str, length: int, lo: int, hi: int) -> list[int]:
     """A list of exactly ``length`` ints, each in ``lo .. hi``."""
     if type(value) is not list or len(value) != length:
-        size = f"of {len(value)}" if type(value) is list else _got(value)
+        size = f"of {len(value)}" if type(value) is list else shown(value)
         raise ValueError(f"{path}: expected a list of {length} ints, got {size}")
     for i, item in enumerate(value):
         integer(item, f"{path}[{i}]", lo, hi)
@@ -181,7 +136,7 @@ def byte_tensor(value: object, path: str, *, numel: int | None = None) -> torch.
     tensor): generator states are set from CPU tensors.
     """
     if type(value) is not torch.Tensor:  # a subclass could run code (``__torch_function__``)
-        raise ValueError(f"{path}: expected a uint8 tensor, got {_got(value)}")
+        raise ValueError(f"{path}: expected a uint8 tensor, got {shown(value)}")
     if value.dtype != torch.uint8 or value.dim() != 1 or value.layout != torch.strided:
         raise ValueError(
             f"{path}: expected a 1-D uint8 tensor, got a {value.layout} {value.dtype} "

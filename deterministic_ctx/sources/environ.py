@@ -154,12 +154,56 @@ _MANAGED: tuple[str, ...] = tuple(name for name, _ in ENV_VARS)
 _MANAGED_SET = frozenset(_MANAGED)
 
 
+#: Far above any real environment variable, far below trouble (Linux refuses to
+#: pass a single one longer than 128 KiB to a child process anyway).
+MAX_ENV_CHARS = 1 << 20
+
+
+def _env_problem(value: str, *, name: bool = False) -> str | None:
+    """Why ``value`` cannot be an environment variable's value (or, with
+    ``name=True``, name), or ``None`` if it can.
+
+    The environment holds bytes without NUL; ``os.environ`` encodes a str with
+    ``os.fsencode``'s rules (the file-system encoding and ``surrogateescape``),
+    which refuse surrogates other than the escaped bytes ``\\udc80``-``\\udcff``.
+    A name must be non-empty and hold no ``=``.
+    """
+    if "\0" in value:
+        return "it holds a NUL character"
+    if name and not value:
+        return "it is empty"
+    if name and "=" in value:
+        return "it holds '='"
+    try:
+        os.fsencode(value)
+    except UnicodeEncodeError as exc:
+        return f"it cannot be encoded ({exc.reason} at index {exc.start})"
+    return None
+
+
+def _env_text(value: object, path: str, *, name: bool = False) -> str:
+    """A ``str`` that the environment can hold, as a value (or, with ``name=True``,
+    a name): see :func:`_env_problem`."""
+    what = "an environment variable name" if name else "an environment variable value"
+    if type(value) is not str or len(value) > MAX_ENV_CHARS:
+        raise ValueError(
+            f"{path}: expected a string (at most {MAX_ENV_CHARS} characters) as {what}, "
+            f"got {_plain.shown(value)}"
+        )
+    problem = _env_problem(value, name=name)
+    if problem is not None:
+        raise ValueError(
+            f"{path}: expected a string usable as {what}, got {_plain.shown(value)}; {problem}"
+        )
+    return value
+
+
 def _check_name(name: object) -> str:
     """``name`` if the environment can hold it, else ``TypeError``/``ValueError``."""
     if not isinstance(name, str):
         raise TypeError(f"an environment variable name must be a str, got {type(name).__name__}")
     name = str.__str__(name)  # an exact str: a subclass's methods could say anything later
-    problem = _plain.env_problem(name, name=True)
+    problem = _env_problem(name, name=True)
     if problem is not None:
         raise ValueError(f"{name!r} cannot be an environment variable name: {problem}")
     return name
@@ -437,7 +481,7 @@ class EnvironSource:
             captured[name] = None
         for name, value in values.items():
             self._managed_name(name, f"{base} (a key)", managed)
-            raw = encode(_plain.env_text(value, f"{base}.{name}"))
+            raw = encode(_env_text(value, f"{base}.{name}"))
             if name in captured:
                 raise ValueError(f"{base}.{name}: {name!r} is also listed as unset")
             captured[name] = raw
@@ -450,7 +494,7 @@ class EnvironSource:
 
     @staticmethod
     def _managed_name(value: object, path: str, managed: tuple[str, ...]) -> None:
-        name = _plain.env_text(value, path, name=True)
+        name = _env_text(value, path, name=True)
         if name not in managed:
             shown = repr(name) if len(name) <= 60 else f"{name[:57]!r}..."
             raise ValueError(

@@ -162,21 +162,14 @@ class NumpyGlobalSource:
             with bg.lock: _SEEDED.put(seed, views[0].tobytes())  # noqa: E701  # fmt: skip
 
     def to_public(self, state: NumpyState) -> dict[str, Any]:
-        """The state in ``RandomState.get_state(legacy=False)`` form."""
+        """The state in ``RandomState.get_state(legacy=False)`` form: a copied
+        record is written into a throw-away ``RandomState`` that NumPy then reads."""
         if isinstance(state.raw, dict):
             return state.raw
-        import struct
-
-        mt, gauss = state.raw
-        *key, pos = struct.unpack("=624Ii", mt)
-        (has_gauss,) = struct.unpack("=i", gauss[:4])
-        (value,) = struct.unpack("=d", gauss[8:])
-        return {
-            "bit_generator": "MT19937",
-            "state": {"key": np.array(key, dtype=np.uint32), "pos": pos},
-            "has_gauss": has_gauss,
-            "gauss": value,
-        }
+        assert self._layout is not None  # a copied record came through the views
+        rs = np.random.RandomState()
+        mt19937_view(rs._bit_generator)[:], self._layout.view(rs)[:] = state.raw
+        return rs.get_state(legacy=False)
 
     def export_state(self, state: NumpyState) -> dict[str, Any]:
         """The state as plain data for a checkpoint: ``get_state(legacy=False)``
