@@ -256,6 +256,35 @@ def test_every_error_and_warning_of_the_package_has_the_common_base():
     assert stray == []
 
 
+def test_every_warning_the_package_gives_has_the_common_base():
+    # One filter (``-W error::deterministic_ctx.DeterministicCtxWarning``) must cover
+    # every warnings.warn call of the package, not only the classes it defines: a call
+    # without a category (a plain UserWarning) or with a builtin one would escape it.
+    calls, stray = 0, []
+    for path in sorted((ROOT / "deterministic_ctx").rglob("*.py")):
+        module_name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        module_name = module_name.removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            func = getattr(node, "func", None)
+            if not (isinstance(node, ast.Call) and isinstance(func, ast.Attribute)):
+                continue
+            if not (func.attr == "warn" and isinstance(func.value, ast.Name)):
+                continue
+            if func.value.id != "warnings":
+                continue
+            calls += 1
+            args = node.args[1:2] or [k.value for k in node.keywords if k.arg == "category"]
+            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+            if not args or not isinstance(args[0], ast.Name):
+                stray.append(f"{where}: no category named")
+                continue
+            category = getattr(importlib.import_module(module_name), args[0].id)
+            if not issubclass(category, deterministic_ctx.DeterministicCtxWarning):
+                stray.append(f"{where}: {category.__name__}")
+    assert calls >= 9  # the walk sees the calls
+    assert stray == []
+
+
 @pytest.mark.parametrize("cls", _exported_exception_classes(), ids=lambda cls: cls.__name__)
 def test_every_exported_error_derives_from_the_base_and_keeps_a_builtin_one(cls):
     roots = (deterministic_ctx.DeterministicCtxError, deterministic_ctx.DeterministicCtxWarning)

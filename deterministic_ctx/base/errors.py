@@ -76,9 +76,11 @@ class StateWarning(DeterministicCtxWarning, RuntimeWarning):
 
     Issued where raising would break a program that worked before: a forked
     child whose random state could not be put back, launcher variables that
-    contradict the process group (``rank="auto"`` then follows the group), or
-    only one of ``RANK`` and ``WORLD_SIZE`` set.  The message says what was
-    done instead.
+    contradict the process group (``rank="auto"`` then follows the group),
+    only one of ``RANK`` and ``WORLD_SIZE`` set, a snapshot loaded on a
+    machine with other devices, ``random.random`` rebound to a generator
+    blocks do not manage, or an RNG entry point that failed to load.  The
+    message says what was done instead.
 
     Example:
         >>> issubclass(StateWarning, RuntimeWarning)

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ..base.errors import StateWarning
+
 __all__ = [
     "byte_tensor",
     "fields",
@@ -155,10 +157,11 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def warn(message: str) -> None:
-    """A ``RuntimeWarning`` attributed to the first caller outside this package
-    (the line that called ``Snapshot.load`` or ``restore``)."""
+    """A :class:`~deterministic_ctx.StateWarning` (a ``RuntimeWarning``) attributed to
+    the first caller outside this package (the line that called ``Snapshot.load`` or
+    ``restore``)."""
     level = 2
     frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
-    warnings.warn(message, RuntimeWarning, stacklevel=level)
+    warnings.warn(message, StateWarning, stacklevel=level)

@@ -7,6 +7,7 @@ import struct
 import warnings
 from typing import Any, NamedTuple
 
+from ..base.errors import StateWarning
 from ..base.settings import Settings
 from . import _plain
 from ._memory import RANDOM_LAYOUT, MTLayout
@@ -124,7 +125,7 @@ class PythonRandomSource:
                 "so deterministic blocks do not seed or restore what it draws; put it back "
                 "(random.random = random._inst.random) or register the new generator with "
                 "register_rng()",
-                RuntimeWarning,
+                StateWarning,
                 stacklevel=5,
             )
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from deterministic_ctx import deterministic
+from deterministic_ctx import StateWarning, deterministic
 from deterministic_ctx import sources as sources_module
 from deterministic_ctx.base.lock import LOCK
 from tests.helpers import cuda_initialized_after, draw
@@ -272,7 +272,7 @@ def test_rebinding_random_random_in_a_block_warns_at_the_next_block():
         with deterministic(seed=0):
             random.random = other.random
         with (
-            pytest.warns(RuntimeWarning, match="random.random is no longer a method"),
+            pytest.warns(StateWarning, match="random.random is no longer a method"),
             deterministic(seed=0),
         ):
             pass

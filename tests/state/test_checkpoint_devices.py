@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import deterministic_ctx.sources as _sources
-from deterministic_ctx import InvalidSnapshotError, RestoreError, Snapshot
+from deterministic_ctx import InvalidSnapshotError, RestoreError, Snapshot, StateWarning
 from deterministic_ctx.core.world import World as Captured
 from deterministic_ctx.sources import accelerators
 from deterministic_ctx.sources.accelerators import LazyAcceleratorSource, SavedState
@@ -127,7 +127,7 @@ def test_device_count_mismatch_is_an_error_when_strict():
 
 def test_no_device_here_drops_the_saved_generators():
     data, _ = _saved(2)
-    with pytest.warns(RuntimeWarning, match="restoring the first 0"):
+    with pytest.warns(StateWarning, match="restoring the first 0"):
         assert (
             _source(_FakeDevice(0, initialized=False)).import_state(data, "d", strict=False) is None
         )
