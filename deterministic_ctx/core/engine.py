@@ -264,6 +264,10 @@ def _after_dead_owner(thread: threading.Thread) -> None:
     what = f"an open {_describe(left[0])} block" if left else "the lock, in no block"
     if len(left) > 1:
         what += f" and {len(left) - 1} more nested in it"
+    # The state first: with warnings turned into errors (``-W error``, pytest's
+    # ``filterwarnings = error``) the warning raises, and nothing after it would run.
+    if target is not None:
+        target.restore()
     warnings.warn(
         f"thread {thread.name!r} ended inside {what}; its blocks were left for it "
         "(the random state and flags from before them are back) and this thread took "
@@ -272,8 +276,6 @@ def _after_dead_owner(thread: threading.Thread) -> None:
         AbandonedBlockWarning,
         stacklevel=2,
     )
-    if target is not None:
-        target.restore()
 
 
 def _drop_open_blocks() -> World | None:

@@ -362,6 +362,26 @@ def scenario_dead_owner_nested_then_later_blocks() -> None:
     print("OK")
 
 
+def scenario_dead_owner_with_warnings_as_errors() -> None:
+    from deterministic_ctx import AbandonedBlockWarning, deterministic
+
+    _seed_caller()
+    _leave_open(deterministic(seed=4), depth=2).join(10)
+    with warnings.catch_warnings():
+        # A suite run with -W error (or filterwarnings = error): the warning raises in
+        # the thread that takes over, after the dead thread's state is put back.
+        warnings.simplefilter("error", AbandonedBlockWarning)
+        expected = "thread 'leaver' ended inside an open deterministic\\(seed=4\\)"
+        with pytest.raises(AbandonedBlockWarning, match=expected), deterministic(seed=12):
+            raise AssertionError("entered a block although the warning raised")
+    _caller_untouched()
+    _seed_caller()  # _caller_untouched drew from the caller's streams
+    with deterministic(seed=12):  # the lock is free and the engine empty
+        assert draw() == solo(12, 1)[0]
+    _caller_untouched()
+    print("OK")
+
+
 @pytest.mark.parametrize(
     "name",
     [
@@ -372,6 +392,7 @@ def scenario_dead_owner_nested_then_later_blocks() -> None:
         "asyncio_with_threads",
         "dead_owner_with_waiting_threads",
         "dead_owner_nested_then_later_blocks",
+        "dead_owner_with_warnings_as_errors",
     ],
 )
 def test_scenario(name):
