@@ -6,27 +6,24 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import sys
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from types import FrameType
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..internal import DYNAMO, current_autograd_node, node_sequence_nr
-from ..verify.ops import QuietDispatchMode
+from ..internal import current_autograd_node, node_sequence_nr
+from ..verify.ops import QuietDispatchMode, user_frame
 from .findings import AuditFinding
 from .model import OpCall, OpEntry
-from .sites import Frames, Modules, Site, called_outside_torch
+from .sites import Modules, Site, called_outside_torch
 from .table import entries_for, table, uninitialized_entry
 
 __all__ = ["Auditor", "Functions", "watched_functions"]
-
-
-#: The current autograd node while autograd's backward runs (torch >= 2.1 has it).
-_current_node: Callable[[], Any] = current_autograd_node
 
 #: A node's ``_sequence_nr()`` when it has none (``AccumulateGrad``): UINT64_MAX.
 _NO_SEQUENCE_NR = 2**64 - 1
@@ -131,15 +128,17 @@ def _reads_values(func: Any, name: str, create: frozenset[str]) -> bool:
     return not getattr(func, "is_view", False)
 
 
-class Auditor(QuietDispatchMode):
-    """Sees every aten op call of the run and keeps what matches the table
-    (never importing torch._dynamo: see
-    :class:`~deterministic_ctx.verify.ops.QuietDispatchMode`)."""
+class Auditor:
+    """Sees every aten op call of the run through its :attr:`mode` and keeps what
+    matches the table."""
 
     def __init__(self, modules: Modules, *, backward: bool, warn_only: bool, version: str) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        #: The dispatch mode to enter (it never imports torch._dynamo: see
+        #: :class:`~deterministic_ctx.verify.ops.QuietDispatchMode`).
+        self.mode = QuietDispatchMode(self._dispatch)
         self.modules = modules
-        self.frames = Frames()
+        # User files under the working directory are named relative to it.
+        self._cwd = os.getcwd() + os.sep
         self.backward = backward
         self.warn_only = warn_only
         self.version = version
@@ -164,8 +163,18 @@ class Auditor(QuietDispatchMode):
 
     # Where calls come from.
 
+    def _where(self, frame: FrameType | None) -> tuple[str, frozenset[str]]:
+        """The user's ``file:line`` of a call made from ``frame`` (frames of torch, of
+        this package and of the standard library skipped), and the torch functions on
+        the way (``torch.nn.functional.pad``)."""
+        found, _, callers = user_frame(frame)
+        if found is None:
+            return "<unknown>", callers
+        path = found.f_code.co_filename
+        return f"{path.removeprefix(self._cwd)}:{found.f_lineno}", callers
+
     def site(self, frame: FrameType | None) -> Site:
-        location, callers = self.frames.user_frame(frame)
+        location, callers = self._where(frame)
         module, module_type = self.modules.current()
         return Site(location, module, module_type, callers)
 
@@ -176,7 +185,7 @@ class Auditor(QuietDispatchMode):
             return known
         # A node whose creation was not seen (a custom autograd.Function): the user's
         # frame now is the best there is, e.g. a line of its backward().
-        location, callers = self.frames.user_frame(frame)
+        location, callers = self._where(frame)
         return Site(location, None, None, callers)
 
     def resolve(self) -> None:
@@ -208,13 +217,14 @@ class Auditor(QuietDispatchMode):
             entry.key,
         )
 
-    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    def _dispatch(
+        self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], frame: FrameType | None
+    ) -> Any:
         self.calls += 1
         if self._pending:
             self.resolve()
         name = func.overloadpacket.__name__
-        node = _current_node()
-        frame = _caller(sys._getframe(1))
+        node = current_autograd_node()
         site: Site | None = None
         if node is not None:
             self.backward_calls += 1
@@ -291,26 +301,6 @@ class Auditor(QuietDispatchMode):
                 note = f"{self._unwritten.note} Read by {func} at {reader.location}."
                 entry = dataclasses.replace(self._unwritten, note=note)
                 self.add(entry, op, site, "forward")
-
-
-#: Frames of this module and of ops.py's QuietDispatchMode between an op's caller
-#: and the audit's bookkeeping.
-_DISPATCH_FRAMES = frozenset({"__torch_dispatch__", "_hand_over", "_dispatch"})
-_DISPATCH_MODULES = frozenset({__name__, QuietDispatchMode.__module__})
-
-
-def _caller(frame: FrameType | None) -> FrameType | None:
-    """The first frame outside the audit's own dispatch frames (and dynamo's disabling
-    wrapper, when it is in between)."""
-    while frame is not None and (
-        (
-            frame.f_globals.get("__name__") in _DISPATCH_MODULES
-            and frame.f_code.co_name in _DISPATCH_FRAMES
-        )
-        or str(frame.f_globals.get("__name__", "")).startswith(DYNAMO)
-    ):
-        frame = frame.f_back
-    return frame
 
 
 class Functions(TorchFunctionMode):
