@@ -387,14 +387,6 @@ def user_frame(frame: FrameType | None) -> tuple[FrameType | None, bool, frozens
     User code is what :func:`_is_library_file` does not count as library code, and
     not torch's modules.  Each code object is classified once, so a stack walk is a
     few dictionary look-ups per frame.
-
-    Example:
-        >>> import sys
-        >>> def mine():
-        ...     return user_frame(sys._getframe())
-        >>> frame, engine, callers = mine()
-        >>> frame.f_code.co_name, engine, callers
-        ('mine', False, frozenset())
     """
     engine = False
     callers: list[str] = []
