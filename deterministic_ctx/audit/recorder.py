@@ -163,30 +163,24 @@ class Auditor:
 
     # Where calls come from.
 
-    def _where(self, frame: FrameType | None) -> tuple[str, frozenset[str]]:
-        """The user's ``file:line`` of a call made from ``frame`` (frames of torch, of
-        this package and of the standard library skipped), and the torch functions on
-        the way (``torch.nn.functional.pad``)."""
+    def site(self, frame: FrameType | None, node: Any = None) -> Site:
+        """Where a call made from ``frame`` was made: the user's ``file:line`` (frames of
+        torch, of this package and of the standard library skipped), the module running,
+        and the torch functions on the way (``torch.nn.functional.pad``).  For an op that
+        autograd's engine runs for ``node``: where the forward op that made it was called."""
+        if node is not None:
+            key = _node_key(node)
+            known = None if key is None else self._nodes.get(key)
+            if known is not None:
+                return known
         found, _, callers = user_frame(frame)
-        if found is None:
-            return "<unknown>", callers
-        path = found.f_code.co_filename
-        return f"{path.removeprefix(self._cwd)}:{found.f_lineno}", callers
-
-    def site(self, frame: FrameType | None) -> Site:
-        location, callers = self._where(frame)
-        module, module_type = self.modules.current()
-        return Site(location, module, module_type, callers)
-
-    def _backward_site(self, node: Any, frame: FrameType | None) -> Site:
-        key = _node_key(node)
-        known = None if key is None else self._nodes.get(key)
-        if known is not None:
-            return known
+        location = "<unknown>"
+        if found is not None:
+            location = f"{found.f_code.co_filename.removeprefix(self._cwd)}:{found.f_lineno}"
         # A node whose creation was not seen (a custom autograd.Function): the user's
-        # frame now is the best there is, e.g. a line of its backward().
-        location, callers = self._where(frame)
-        return Site(location, None, None, callers)
+        # frame now is the best there is, e.g. a line of its backward(), in no module.
+        module, module_type = self.modules.current() if node is None else (None, None)
+        return Site(location, module, module_type, callers)
 
     def resolve(self) -> None:
         """Attribute the autograd nodes of the last forward op's outputs to its call."""
@@ -236,7 +230,7 @@ class Auditor:
         if node is None or self.backward:
             entries = entries_for(name)
             if entries:
-                site = self.site(frame) if node is None else self._backward_site(node, frame)
+                site = self.site(frame, node)
                 call = OpCall(str(func), name, _arguments(func, args, kwargs), site.callers)
                 for entry in entries:
                     if entry.kind == "op" and entry.matches(call):

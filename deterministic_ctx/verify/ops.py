@@ -76,16 +76,14 @@ from ..internal import (
     dynamo_disable,
 )
 from .compare import tensor_leaves
-from .fingerprint import FingerprintStore, Slot
+from .fingerprint import FingerprintStore
 
 __all__ = [
     "PHASES",
-    "FingerprintStore",
     "OpCall",
     "OpDifference",
     "OpRecorder",
     "QuietDispatchMode",
-    "Slot",
     "TensorPrint",
     "first_op_difference",
     "user_frame",
