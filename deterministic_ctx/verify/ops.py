@@ -713,9 +713,6 @@ class OpRecorder:
     def _leaf(self, path: str, t: torch.Tensor) -> _Leaf:
         return path, tuple(t.shape), str(t.dtype).removeprefix("torch."), self._store.add(t)
 
-    def _remember(self, t: torch.Tensor) -> None:
-        self._known[id(t)] = weakref.ref(t)
-
     def _outside_inputs(
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> list[_Leaf]:
@@ -749,7 +746,7 @@ class OpRecorder:
                         leaves.append(self._leaf(f"{path} (changed in place)", t))
                         returned.append(t)
         for t in returned:
-            self._remember(t)
+            self._known[id(t)] = weakref.ref(t)
         return leaves
 
 
