@@ -6,27 +6,24 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import sys
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from types import FrameType
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..internal import DYNAMO, current_autograd_node, node_sequence_nr
-from ..verify.ops import QuietDispatchMode
+from ..internal import current_autograd_node, node_sequence_nr
+from ..verify.ops import QuietDispatchMode, user_frame
 from .findings import AuditFinding
 from .model import OpCall, OpEntry
-from .sites import Frames, Modules, Site, called_outside_torch
+from .sites import Modules, Site, called_outside_torch
 from .table import entries_for, table, uninitialized_entry
 
 __all__ = ["Auditor", "Functions", "watched_functions"]
-
-
-#: The current autograd node while autograd's backward runs (torch >= 2.1 has it).
-_current_node: Callable[[], Any] = current_autograd_node
 
 #: A node's ``_sequence_nr()`` when it has none (``AccumulateGrad``): UINT64_MAX.
 _NO_SEQUENCE_NR = 2**64 - 1
@@ -131,15 +128,17 @@ def _reads_values(func: Any, name: str, create: frozenset[str]) -> bool:
     return not getattr(func, "is_view", False)
 
 
-class Auditor(QuietDispatchMode):
-    """Sees every aten op call of the run and keeps what matches the table
-    (never importing torch._dynamo: see
-    :class:`~deterministic_ctx.verify.ops.QuietDispatchMode`)."""
+class Auditor:
+    """Sees every aten op call of the run through its :attr:`mode` and keeps what
+    matches the table."""
 
     def __init__(self, modules: Modules, *, backward: bool, warn_only: bool, version: str) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        #: The dispatch mode to enter (it never imports torch._dynamo: see
+        #: :class:`~deterministic_ctx.verify.ops.QuietDispatchMode`).
+        self.mode = QuietDispatchMode(self._dispatch)
         self.modules = modules
-        self.frames = Frames()
+        # User files under the working directory are named relative to it.
+        self._cwd = os.getcwd() + os.sep
         self.backward = backward
         self.warn_only = warn_only
         self.version = version
@@ -164,20 +163,24 @@ class Auditor(QuietDispatchMode):
 
     # Where calls come from.
 
-    def site(self, frame: FrameType | None) -> Site:
-        location, callers = self.frames.user_frame(frame)
-        module, module_type = self.modules.current()
-        return Site(location, module, module_type, callers)
-
-    def _backward_site(self, node: Any, frame: FrameType | None) -> Site:
-        key = _node_key(node)
-        known = None if key is None else self._nodes.get(key)
-        if known is not None:
-            return known
+    def site(self, frame: FrameType | None, node: Any = None) -> Site:
+        """Where a call made from ``frame`` was made: the user's ``file:line`` (frames of
+        torch, of this package and of the standard library skipped), the module running,
+        and the torch functions on the way (``torch.nn.functional.pad``).  For an op that
+        autograd's engine runs for ``node``: where the forward op that made it was called."""
+        if node is not None:
+            key = _node_key(node)
+            known = None if key is None else self._nodes.get(key)
+            if known is not None:
+                return known
+        found, _, callers = user_frame(frame)
+        location = "<unknown>"
+        if found is not None:
+            location = f"{found.f_code.co_filename.removeprefix(self._cwd)}:{found.f_lineno}"
         # A node whose creation was not seen (a custom autograd.Function): the user's
-        # frame now is the best there is, e.g. a line of its backward().
-        location, callers = self.frames.user_frame(frame)
-        return Site(location, None, None, callers)
+        # frame now is the best there is, e.g. a line of its backward(), in no module.
+        module, module_type = self.modules.current() if node is None else (None, None)
+        return Site(location, module, module_type, callers)
 
     def resolve(self) -> None:
         """Attribute the autograd nodes of the last forward op's outputs to its call."""
@@ -208,13 +211,14 @@ class Auditor(QuietDispatchMode):
             entry.key,
         )
 
-    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    def _dispatch(
+        self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], frame: FrameType | None
+    ) -> Any:
         self.calls += 1
         if self._pending:
             self.resolve()
         name = func.overloadpacket.__name__
-        node = _current_node()
-        frame = _caller(sys._getframe(1))
+        node = current_autograd_node()
         site: Site | None = None
         if node is not None:
             self.backward_calls += 1
@@ -226,7 +230,7 @@ class Auditor(QuietDispatchMode):
         if node is None or self.backward:
             entries = entries_for(name)
             if entries:
-                site = self.site(frame) if node is None else self._backward_site(node, frame)
+                site = self.site(frame, node)
                 call = OpCall(str(func), name, _arguments(func, args, kwargs), site.callers)
                 for entry in entries:
                     if entry.kind == "op" and entry.matches(call):
@@ -291,26 +295,6 @@ class Auditor(QuietDispatchMode):
                 note = f"{self._unwritten.note} Read by {func} at {reader.location}."
                 entry = dataclasses.replace(self._unwritten, note=note)
                 self.add(entry, op, site, "forward")
-
-
-#: Frames of this module and of ops.py's QuietDispatchMode between an op's caller
-#: and the audit's bookkeeping.
-_DISPATCH_FRAMES = frozenset({"__torch_dispatch__", "_hand_over", "_dispatch"})
-_DISPATCH_MODULES = frozenset({__name__, QuietDispatchMode.__module__})
-
-
-def _caller(frame: FrameType | None) -> FrameType | None:
-    """The first frame outside the audit's own dispatch frames (and dynamo's disabling
-    wrapper, when it is in between)."""
-    while frame is not None and (
-        (
-            frame.f_globals.get("__name__") in _DISPATCH_MODULES
-            and frame.f_code.co_name in _DISPATCH_FRAMES
-        )
-        or str(frame.f_globals.get("__name__", "")).startswith(DYNAMO)
-    ):
-        frame = frame.f_back
-    return frame
 
 
 class Functions(TorchFunctionMode):

@@ -163,7 +163,7 @@ def audit_nondeterminism(
                 _nn_module.register_module_forward_hook(modules.post_hook),
             ]
             try:
-                with functions, auditor:
+                with functions, auditor.mode:
                     result = call_and_consume(fn, args, kwargs)
                     auditor.resolve()
                     ran_backward = auditor.backward_calls > 0

@@ -1,28 +1,21 @@
-"""Where an op call comes from, for the audit's findings: the user's ``file:line`` (frames of
-torch, of this package and of the standard library skipped), the torch functions on the way,
-and the module that made the call (from global module hooks)."""
+"""Where an op call comes from, for the audit's findings: the module that made the call (from
+global module hooks), and whether torch's Python code made it; the user's ``file:line`` and
+the torch functions on the way are :func:`~deterministic_ctx.verify.ops.user_frame`'s."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 from collections.abc import Iterable
-from types import CodeType, FrameType
+from types import FrameType
 from typing import Any
 
 import torch
 
 from ..internal import TORCH_MACHINERY
-from ..verify.ops import is_library_file
 from ..verify.record import ModuleNames
 
-__all__ = ["Frames", "Modules", "Site", "called_outside_torch"]
-
-
-#: Top-level modules of this project: library frames wherever they are installed (the
-#: pytest plugin is a top-level module beside the package).
-_OWN = frozenset({"deterministic_ctx"})
+__all__ = ["Modules", "Site", "called_outside_torch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,63 +28,6 @@ class Site:
     callers: frozenset[str]
 
 
-class Frames:
-    """Names the user's line of a call: each code object is classified once per audit
-    (user code, a torch function, or another library frame), so a stack walk is a few
-    dictionary look-ups per frame."""
-
-    def __init__(self) -> None:
-        self._kinds: dict[CodeType, str | None] = {}
-        self._paths: dict[str, str] = {}
-        self._cwd = os.getcwd() + os.sep
-
-    @staticmethod
-    def _classify(frame: FrameType) -> str | None:
-        """``None`` for a user frame; the qualified name for a torch frame
-        (``torch.nn.functional.pad``); ``""`` for another library frame.
-
-        Library code is told by file path, the rule :mod:`.ops` uses: a module name
-        says too little (``sys.stdlib_module_names`` has ``test``, ``code`` and
-        ``types``, common names of a user's own modules)."""
-        module = str(frame.f_globals.get("__name__", ""))
-        top = module.partition(".")[0]
-        code = frame.f_code
-        if top == "torch":
-            return f"{module}.{getattr(code, 'co_qualname', code.co_name)}"  # Python 3.11+
-        if top in _OWN or is_library_file(code.co_filename):
-            return ""
-        return None
-
-    def _path(self, filename: str) -> str:
-        path = self._paths.get(filename)
-        if path is None:
-            inside = filename.startswith(self._cwd)
-            path = self._paths[filename] = filename[len(self._cwd) :] if inside else filename
-        return path
-
-    def user_frame(self, frame: FrameType | None) -> tuple[str, frozenset[str]]:
-        """The first frame outside torch, this package and the standard library, as
-        ``file:line``, and the torch functions on the way (``torch.nn.functional.pad``)."""
-        callers: list[str] = []
-        kinds = self._kinds
-        while frame is not None:
-            code = frame.f_code
-            try:
-                kind = kinds[code]
-            except KeyError:
-                kind = kinds[code] = self._classify(frame)
-            if kind is None:
-                return f"{self._path(code.co_filename)}:{frame.f_lineno}", frozenset(callers)
-            if kind:
-                callers.append(kind)
-            frame = frame.f_back
-        return "<unknown>", frozenset(callers)
-
-
-#: Modules of the machinery between an op's caller and ``__torch_dispatch__``.
-_MACHINERY = TORCH_MACHINERY
-
-
 def called_outside_torch(frame: FrameType | None) -> bool:
     """Whether the op was called by code outside torch (the user's, or an example of the
     table), rather than by torch's Python code.
@@ -102,7 +38,7 @@ def called_outside_torch(frame: FrameType | None) -> bool:
     """
     while frame is not None:
         name = str(frame.f_globals.get("__name__", ""))
-        if not name.startswith(_MACHINERY):
+        if not name.startswith(TORCH_MACHINERY):
             return name.partition(".")[0] != "torch"
         frame = frame.f_back
     return True

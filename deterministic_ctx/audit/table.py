@@ -72,12 +72,13 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from importlib import resources
 from typing import Any, NoReturn, cast, get_args
 
 from .._errors import DeterministicCtxError
 from .conditions import CONDITIONS
-from .model import Behaviour, Kind, OpEntry, Phase
+from .model import Behaviour, Kind, OpCall, OpEntry, Phase
 
 __all__ = ["DATA_FILE", "TableError", "entries_for", "parse", "table", "uninitialized_entry"]
 
@@ -85,17 +86,6 @@ __all__ = ["DATA_FILE", "TableError", "entries_for", "parse", "table", "uninitia
 DATA_FILE = "nondeterministic_ops.json"
 
 _PACKAGE = __name__.rpartition(".")[0]
-_REQUIRED = ("key", "ops", "behaviour", "phase", "note")
-_OPTIONAL = (
-    "condition",
-    "when",
-    "warn_only_behaviour",
-    "kind",
-    "parameters",
-    "unless_dispatched",
-    "earlier",
-    "observed",
-)
 
 
 class TableError(DeterministicCtxError, ValueError):
@@ -129,16 +119,45 @@ def _behaviour(value: object, where: str, field: str) -> Behaviour:
     return cast(Behaviour, _choice(value, where, field, get_args(Behaviour)))
 
 
-def _earlier(value: object, where: str) -> tuple[tuple[str, Behaviour], ...]:
+def _earlier(value: object, where: str, field: str) -> tuple[tuple[str, Behaviour], ...]:
     if not isinstance(value, list):
-        _fail(where, f"earlier must be a list of [release, behaviour] pairs, got {value!r:.80}")
+        _fail(where, f"{field} must be a list of [release, behaviour] pairs, got {value!r:.80}")
     pairs = []
     for i, pair in enumerate(value):
         if not (isinstance(pair, list) and len(pair) == 2):
-            _fail(where, f"earlier[{i}] must be a [release, behaviour] pair, got {pair!r:.80}")
-        release = _string(pair[0], where, f"earlier[{i}][0]")
-        pairs.append((release, _behaviour(pair[1], where, f"earlier[{i}][1]")))
+            _fail(where, f"{field}[{i}] must be a [release, behaviour] pair, got {pair!r:.80}")
+        release = _string(pair[0], where, f"{field}[{i}][0]")
+        pairs.append((release, _behaviour(pair[1], where, f"{field}[{i}][1]")))
     return tuple(pairs)
+
+
+def _when(value: object, where: str, field: str) -> Callable[[OpCall], bool]:
+    name = _string(value, where, field)
+    if name not in CONDITIONS:
+        _fail(where, f"{field} names no predicate of conditions.CONDITIONS: {name!r}")
+    return CONDITIONS[name]
+
+
+#: Each field of an entry, with the check that makes it an :class:`~.model.OpEntry`
+#: field: the first five are required, the others take OpEntry's defaults when left out
+#: (or, for those of ``_NULLABLE``, null).
+_FIELDS: dict[str, Callable[[object, str, str], Any]] = {
+    "key": _string,
+    "ops": _strings,
+    "behaviour": _behaviour,
+    "phase": lambda value, where, field: _choice(value, where, field, get_args(Phase)),
+    "note": _string,
+    "condition": _string,
+    "when": _when,
+    "warn_only_behaviour": _behaviour,
+    "kind": lambda value, where, field: _choice(value, where, field, get_args(Kind)),
+    "parameters": _strings,
+    "unless_dispatched": _strings,
+    "earlier": _earlier,
+    "observed": _strings,
+}
+_REQUIRED = tuple(_FIELDS)[:5]
+_NULLABLE = ("when", "warn_only_behaviour")
 
 
 def _entry(raw: object, index: int) -> OpEntry:
@@ -151,44 +170,17 @@ def _entry(raw: object, index: int) -> OpEntry:
     missing = [field for field in _REQUIRED if field not in raw]
     if missing:
         _fail(where, f"missing field(s) {', '.join(missing)}")
-    unknown = sorted(set(raw) - {*_REQUIRED, *_OPTIONAL})
+    unknown = sorted(set(raw) - set(_FIELDS))
     if unknown:
-        _fail(
-            where,
-            f"unknown field(s) {', '.join(unknown)} (known: {', '.join(_REQUIRED + _OPTIONAL)})",
-        )
-    key = _string(raw["key"], where, "key")
-    ops = _strings(raw["ops"], where, "ops")
-    if not key or not ops:
+        _fail(where, f"unknown field(s) {', '.join(unknown)} (known: {', '.join(_FIELDS)})")
+    fields = {
+        field: check(raw[field], where, field)
+        for field, check in _FIELDS.items()
+        if field in raw and not (raw[field] is None and field in _NULLABLE)
+    }
+    if not fields["key"] or not fields["ops"]:
         _fail(where, "key and ops must not be empty")
-    # Fields left out take OpEntry's defaults.
-    fields: dict[str, Any] = {}
-    if "condition" in raw:
-        fields["condition"] = _string(raw["condition"], where, "condition")
-    for field in ("parameters", "unless_dispatched", "observed"):
-        if field in raw:
-            fields[field] = _strings(raw[field], where, field)
-    if raw.get("warn_only_behaviour") is not None:
-        fields["warn_only_behaviour"] = _behaviour(
-            raw["warn_only_behaviour"], where, "warn_only_behaviour"
-        )
-    if "kind" in raw:
-        fields["kind"] = cast(Kind, _choice(raw["kind"], where, "kind", get_args(Kind)))
-    if "earlier" in raw:
-        fields["earlier"] = _earlier(raw["earlier"], where)
-    if raw.get("when") is not None:
-        name = _string(raw["when"], where, "when")
-        if name not in CONDITIONS:
-            _fail(where, f"when names no predicate of conditions.CONDITIONS: {name!r}")
-        fields["when"] = CONDITIONS[name]
-    return OpEntry(
-        key,
-        ops,
-        _behaviour(raw["behaviour"], where, "behaviour"),
-        cast(Phase, _choice(raw["phase"], where, "phase", get_args(Phase))),
-        _string(raw["note"], where, "note"),
-        **fields,
-    )
+    return OpEntry(**fields)
 
 
 def parse(data: object) -> tuple[OpEntry, ...]:

@@ -61,7 +61,7 @@ import sys
 import sysconfig
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import CodeType, FrameType, TracebackType
 from typing import Any
 
@@ -76,19 +76,17 @@ from ..internal import (
     dynamo_disable,
 )
 from .compare import tensor_leaves
-from .fingerprint import FingerprintStore, Slot
+from .fingerprint import FingerprintStore
 
 __all__ = [
     "PHASES",
-    "FingerprintStore",
     "OpCall",
     "OpDifference",
     "OpRecorder",
     "QuietDispatchMode",
-    "Slot",
     "TensorPrint",
     "first_op_difference",
-    "is_library_file",
+    "user_frame",
 ]
 
 #: Which op calls an :class:`OpRecorder` records: all, those made outside autograd's
@@ -335,27 +333,21 @@ def _library_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """
     packages = {
         os.path.dirname(os.path.realpath(torch.__file__)),
-        os.path.dirname(os.path.realpath(__file__)),
+        os.path.dirname(os.path.dirname(os.path.realpath(__file__))),
     }
     paths = sysconfig.get_paths()
     stdlib = {os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib") if k in paths}
     return tuple(p + os.sep for p in packages), tuple(p + os.sep for p in stdlib)
 
 
-#: Per code object: is it library code (see _library_roots)?
-_LIBRARY: dict[CodeType, bool] = {}
 _SITE_DIRS = ("site-packages", "dist-packages")
 
 
-def _is_library(code: CodeType) -> bool:
-    found = _LIBRARY.get(code)
-    if found is None:
-        found = _LIBRARY[code] = is_library_file(code.co_filename)
-    return found
-
-
 @functools.lru_cache(maxsize=4096)  # per file: anomaly mode's stacks name files, not code
-def is_library_file(filename: str) -> bool:
+def _is_library_file(filename: str) -> bool:
+    """Whether ``filename`` is library code (see :func:`_library_roots`): told by path,
+    as a module name says too little (``sys.stdlib_module_names`` has ``test``,
+    ``code`` and ``types``, common names of a user's own modules)."""
     if filename.startswith("<"):  # "<frozen importlib._bootstrap>" is; "<string>", "<stdin>" not
         return filename.startswith("<frozen")
     path = os.path.realpath(filename)
@@ -372,25 +364,45 @@ def _qualname(code: CodeType) -> str:
     return getattr(code, "co_qualname", code.co_name)  # co_qualname: Python 3.11+
 
 
-#: The code of torch's functions that hand a backward pass to autograd's engine (C++): op
-#: calls below one on the stack were made by a built-in backward formula.  Code objects, not
-#: a name: torch 2.1 has no ``_engine_run_backward``, its ``backward`` and ``grad`` call the
-#: engine themselves.
-_ENGINE_ENTRIES = AUTOGRAD_ENGINE_ENTRIES
+#: Per code object, classified once: ``None`` for user code; for library code the
+#: qualified name of a torch function (``"torch.nn.functional.pad"``), else ``""``.
+_KINDS: dict[CodeType, str | None] = {}
 
 
-def _user_frame(frame: FrameType | None) -> tuple[FrameType | None, bool]:
-    """The innermost frame of user code from ``frame`` outwards, and whether autograd's
-    engine was entered below it (the op is then not that code's own)."""
+def _classify(frame: FrameType) -> str | None:
+    module = str(frame.f_globals.get("__name__", ""))
+    if module.partition(".")[0] == "torch":
+        return f"{module}.{_qualname(frame.f_code)}"
+    return "" if _is_library_file(frame.f_code.co_filename) else None
+
+
+def user_frame(frame: FrameType | None) -> tuple[FrameType | None, bool, frozenset[str]]:
+    """The innermost frame of user code from ``frame`` outwards (``None`` when there is
+    none), whether autograd's engine was entered below it (the op is then not that
+    code's own: see :data:`~deterministic_ctx.internal.AUTOGRAD_ENGINE_ENTRIES`), and
+    the torch functions on the way (``torch.nn.functional.pad``).
+
+    User code is what :func:`_is_library_file` does not count as library code, and
+    not torch's modules.  Each code object is classified once, so a stack walk is a
+    few dictionary look-ups per frame.
+    """
     engine = False
+    callers: list[str] = []
+    kinds = _KINDS
     while frame is not None:
         code = frame.f_code
-        if not _is_library(code):
-            return frame, engine
-        if code in _ENGINE_ENTRIES:
+        try:
+            kind = kinds[code]
+        except KeyError:
+            kind = kinds[code] = _classify(frame)
+        if kind is None:
+            return frame, engine, frozenset(callers)
+        if kind:
+            callers.append(kind)
+        if code in AUTOGRAD_ENGINE_ENTRIES:
             engine = True
         frame = frame.f_back
-    return None, engine
+    return None, engine, frozenset(callers)
 
 
 _TRACEBACK_LINE = re.compile(r'\s*File "(?P<file>.*)", line (?P<line>\d+), in (?P<function>.*)')
@@ -407,7 +419,7 @@ def _node_location(node: Any) -> tuple[str, str] | None:
         return None
     for entry in reversed(stack):  # innermost frame last
         match = _TRACEBACK_LINE.match(str(entry))
-        if match is not None and not is_library_file(match["file"]):
+        if match is not None and not _is_library_file(match["file"]):
             return f"{match['file']}:{match['line']}", match["function"]
     return None
 
@@ -444,8 +456,14 @@ class _Paused(threading.local):
     depth = 0
 
 
-def _hand_over(mode: QuietDispatchMode, func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
-    return mode._dispatch(func, args, kwargs or {})
+#: What a :class:`QuietDispatchMode` hands each op call to: ``(func, args, kwargs, caller)``.
+_Dispatch = Callable[[Any, tuple[Any, ...], dict[str, Any], FrameType | None], Any]
+
+
+def _hand_over(
+    dispatch: _Dispatch, func: Any, args: tuple[Any, ...], kwargs: Any, caller: FrameType | None
+) -> Any:
+    return dispatch(func, args, kwargs or {}, caller)
 
 
 @functools.cache
@@ -455,8 +473,9 @@ def _hand_over_unseen_by_dynamo() -> Any:
 
 
 class QuietDispatchMode(UnwrappedDispatchMode):  # type: ignore[no-untyped-call]
-    """A dispatch mode that never imports ``torch._dynamo`` itself: subclasses
-    implement ``_dispatch(func, args, kwargs)``, called for every op call.
+    """A dispatch mode that hands every op call to ``dispatch(func, args, kwargs,
+    caller)``, ``caller`` being the frame that made the call (the op's own caller, or
+    torch's Python code on the way), and never imports ``torch._dynamo`` itself.
 
     torch would wrap ``__torch_dispatch__`` in a dynamo guard that imports
     ``torch._dynamo`` at its first call (about 2 s in the first recording of a
@@ -469,16 +488,19 @@ class QuietDispatchMode(UnwrappedDispatchMode):  # type: ignore[no-untyped-call]
 
     Example:
         >>> import torch
-        >>> class Count(QuietDispatchMode):
-        ...     calls = 0
-        ...     def _dispatch(self, func, args, kwargs):
-        ...         self.calls += 1
-        ...         return func(*args, **kwargs)
-        >>> with Count() as mode:
-        ...     _ = torch.ones(2) + 1
-        >>> mode.calls > 0
-        True
+        >>> seen = []
+        >>> def count(func, args, kwargs, caller):
+        ...     seen.append((str(func), caller.f_code.co_name))
+        ...     return func(*args, **kwargs)
+        >>> with QuietDispatchMode(count):
+        ...     _ = torch.ones(2)
+        >>> seen
+        [('aten.ones.default', '<module>')]
     """
+
+    def __init__(self, dispatch: _Dispatch) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.dispatch = dispatch
 
     def __torch_dispatch__(
         self,
@@ -487,23 +509,10 @@ class QuietDispatchMode(UnwrappedDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        caller = sys._getframe(1)
         if DYNAMO in sys.modules:
-            return _hand_over_unseen_by_dynamo()(self, func, args, kwargs)
-        return _hand_over(self, func, args, kwargs)
-
-    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
-        raise NotImplementedError
-
-
-class _Mode(QuietDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__
-    """The dispatch mode: hands every op call to its recorder."""
-
-    def __init__(self, recorder: OpRecorder) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.recorder = recorder
-
-    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
-        return self.recorder._dispatch(func, args, kwargs)
+            return _hand_over_unseen_by_dynamo()(self.dispatch, func, args, kwargs, caller)
+        return _hand_over(self.dispatch, func, args, kwargs, caller)
 
 
 class OpRecorder:
@@ -547,7 +556,7 @@ class OpRecorder:
         self.phase = phase
         self.inputs = inputs
         self.node_locations = node_locations
-        self._mode = _Mode(self)
+        self._mode = QuietDispatchMode(self._dispatch)
         self._state = "new"  # -> "recording" -> ("stopped" ->) "done"
         self._mode_on = False
         self._anomaly: Any = None
@@ -674,7 +683,9 @@ class OpRecorder:
 
     # What the mode calls.
 
-    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _dispatch(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], caller: FrameType | None
+    ) -> Any:
         if self._state != "recording" or self._paused.depth:
             return func(*args, **kwargs)
         node = current_autograd_node()
@@ -682,7 +693,7 @@ class OpRecorder:
             self.phase == "forward" and node is not None
         ):
             return func(*args, **kwargs)
-        frame, engine = _user_frame(sys._getframe(1))
+        frame, engine, _ = user_frame(caller)
         where = None
         if frame is not None:
             where = f"{frame.f_code.co_filename}:{frame.f_lineno}", _qualname(frame.f_code)
@@ -701,9 +712,6 @@ class OpRecorder:
 
     def _leaf(self, path: str, t: torch.Tensor) -> _Leaf:
         return path, tuple(t.shape), str(t.dtype).removeprefix("torch."), self._store.add(t)
-
-    def _remember(self, t: torch.Tensor) -> None:
-        self._known[id(t)] = weakref.ref(t)
 
     def _outside_inputs(
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -738,7 +746,7 @@ class OpRecorder:
                         leaves.append(self._leaf(f"{path} (changed in place)", t))
                         returned.append(t)
         for t in returned:
-            self._remember(t)
+            self._known[id(t)] = weakref.ref(t)
         return leaves
 
 
