@@ -3,7 +3,8 @@
 For each kind, how a public state becomes plain data (``*_to_plain(obj,
 state)``) and how plain data read from a file becomes a public state again
 (``*_from_plain(obj, data, path)``), checked field by field (``ValueError``
-names the field); :mod:`.kinds` binds them to the kinds.  A random-like
+names the field); :mod:`.kinds` binds them to the kinds (``random.Random``
+to the global ``random``'s codec, :mod:`..python_random`).  A random-like
 object's ``getstate()`` may return any tree of plain Python data: it is
 flattened (no nesting in the file) and bounded (``_MAX_*``), so that a
 crafted or runaway state cannot make a checkpoint slow to write or load.
@@ -19,21 +20,7 @@ import torch
 from ..._errors import DeterministicCtxError
 from .. import _plain
 from ..numpy_global import BIT_GENERATORS, bit_generator_state_from_plain, numpy_state_to_plain
-from ..python_random import random_state_from_plain, random_state_to_plain
 from ..torch_cpu import generator_state_from_plain
-
-
-def _bit_generator_name(obj: np.random.Generator | np.random.RandomState) -> str:
-    bg = obj.bit_generator if isinstance(obj, np.random.Generator) else obj._bit_generator
-    return type(bg).__name__
-
-
-def random_to_plain(obj: Any, state: tuple[Any, ...]) -> dict[str, Any]:
-    return random_state_to_plain(state)
-
-
-def random_from_plain(obj: Any, data: object, path: str) -> tuple[Any, ...]:
-    return random_state_from_plain(data, path)
 
 
 def numpy_to_plain(obj: Any, state: dict[str, Any]) -> dict[str, Any]:
@@ -49,10 +36,11 @@ def numpy_to_plain(obj: Any, state: dict[str, Any]) -> dict[str, Any]:
 def numpy_from_plain(obj: Any, data: object, path: str) -> dict[str, Any]:
     legacy = isinstance(obj, np.random.RandomState)
     state = bit_generator_state_from_plain(data, path, legacy=legacy)
-    if state["bit_generator"] != _bit_generator_name(obj):
+    uses = type(obj._bit_generator).__name__  # a Generator's or a RandomState's
+    if state["bit_generator"] != uses:
         raise ValueError(
             f"{path}.bit_generator: saved {state['bit_generator']}, but the registered RNG "
-            f"uses {_bit_generator_name(obj)}"
+            f"uses {uses}"
         )
     return state
 

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from ...base.errors import StateWarning
 from .entries import Entry
-from .kinds import KINDS, kind_of, random_like, short_repr
+from .kinds import kind_of, manageable, short_repr
 
 T = TypeVar("T")
 
@@ -314,15 +314,11 @@ def _register_entry_point(ep: Any) -> None:
         )
 
 
-def _manageable(obj: object) -> bool:
-    return isinstance(obj, tuple(cls for cls, _ in KINDS)) or random_like(obj)
-
-
 def _contributions(name: str, produced: object) -> list[tuple[str, object]]:
     """``(key, object)`` pairs from what an entry point's callable returned."""
     if produced is None:
         return []
-    if _manageable(produced):
+    if manageable(produced):
         return [(name, produced)]
     if isinstance(produced, Mapping):
         out = []
