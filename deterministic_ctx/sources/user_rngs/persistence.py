@@ -80,11 +80,13 @@ class NotPlain(DeterministicCtxError):
     """A random-like object's state that a checkpoint cannot hold (says why)."""
 
 
-def _tree_to_plain(value: object) -> dict[str, Any]:
-    """A tree of plain Python data as checkpoint data, without nesting.
+def random_like_to_plain(obj: object, state: object) -> dict[str, Any]:
+    """A random-like object's state, a tree of plain Python data, as checkpoint
+    data, without nesting.
 
-    ``{"shape": str, "values": [...], "sizes": [...]}``: ``shape`` has one
-    letter per item in prefix order (``i`` int, ``f`` float, ``s`` str, ``b``
+    ``{"class": str, "shape": str, "values": [...], "sizes": [...]}``:
+    ``class`` the object's class path, ``shape`` has one letter per item in
+    prefix order (``i`` int, ``f`` float, ``s`` str, ``b``
     bool, ``n`` None, ``x`` 1-D uint8 CPU tensor, ``t`` tuple, ``l`` list,
     ``d`` dict), ``values`` the scalars other than ``None`` and the tensors
     (copies) in that order, ``sizes`` the length of each container (a dict's
@@ -145,17 +147,27 @@ def _tree_to_plain(value: object) -> dict[str, Any]:
             for j, v in enumerate(item):
                 walk(v, f"{where}[{j}]", depth + 1)
 
-    walk(value, "", 0)
-    return {"shape": "".join(shape), "values": values, "sizes": sizes}
+    try:
+        walk(state, "", 0)
+    except NotPlain as exc:
+        raise NotPlain(
+            f"{exc}, and a snapshot holds only plain data (int, float, str, bool, None, 1-D "
+            f"uint8 CPU tensors, and lists, tuples and dicts of them, at most {_MAX_NODES} "
+            f"items); or make its "
+            f"getstate() return plain data"
+        ) from None
+    return {"class": class_path(obj), "shape": "".join(shape), "values": values, "sizes": sizes}
 
 
-def _tree_from_plain(data: object, path: str) -> object:
-    """The checked inverse of :func:`_tree_to_plain`; ``ValueError`` names the field.
+def random_like_from_plain(obj: object, data: object, path: str) -> object:
+    """The checked inverse of :func:`random_like_to_plain`, for ``obj`` (whose
+    class must be the saved one); ``ValueError`` names the field.
 
     It nests no deeper than :data:`_MAX_DEPTH` (a crafted file cannot exhaust
     the stack), and it allocates no more than the data holds.
     """
-    d = _plain.fields(data, path, ["shape", "values", "sizes"])
+    d = _plain.fields(data, path, ["class", "shape", "values", "sizes"])
+    _plain.text(d["class"], f"{path}.class", choices=(class_path(obj),))
     shape, values, sizes = d["shape"], d["values"], d["sizes"]
     if type(shape) is not str or not shape or len(shape) > _MAX_NODES:
         raise ValueError(f"{path}.shape: expected a str of 1 to {_MAX_NODES} letters")
@@ -215,22 +227,3 @@ def _tree_from_plain(data: object, path: str) -> object:
     if nv < len(values) or ns < len(sizes):
         raise ValueError(f"{path}: values or sizes left over after the shape")
     return root
-
-
-def random_like_to_plain(obj: object, state: object) -> dict[str, Any]:
-    try:
-        tree = _tree_to_plain(state)
-    except NotPlain as exc:
-        raise NotPlain(
-            f"{exc}, and a snapshot holds only plain data (int, float, str, bool, None, 1-D "
-            f"uint8 CPU tensors, and lists, tuples and dicts of them, at most {_MAX_NODES} "
-            f"items); or make its "
-            f"getstate() return plain data"
-        ) from None
-    return {"class": class_path(obj), **tree}
-
-
-def random_like_from_plain(obj: object, data: object, path: str) -> object:
-    d = _plain.fields(data, path, ["class", "shape", "values", "sizes"])
-    _plain.text(d["class"], f"{path}.class", choices=(class_path(obj),))
-    return _tree_from_plain({k: d[k] for k in ("shape", "values", "sizes")}, path)
