@@ -25,64 +25,57 @@ class Kind(NamedTuple):
     """How the public API of one family of RNG reads, writes and seeds its
     state; ``bits``: the width of the seed ``derive_seed`` makes for it;
     ``to_plain(obj, state)`` and ``from_plain(obj, data, path)``: its public
-    state as checkpoint data and back, checked (see :mod:`.persistence`)."""
+    state as checkpoint data and back, checked (see :mod:`.persistence`).
+    ``get``, ``set`` and ``seed`` default to ``random.Random``'s methods
+    (``getstate()``, ``setstate()``, ``seed()``), the random-like protocol."""
 
     name: str
-    get: Callable[[Any], Any]
-    set: Callable[[Any, Any], None]
-    seed: Callable[[Any, int], None]
     bits: int
     to_plain: Callable[[Any, Any], Any]
     from_plain: Callable[[Any, object, str], Any]
+    get: Callable[[Any], Any] = lambda o: o.getstate()
+    set: Callable[[Any, Any], None] = lambda o, s: o.setstate(s)
+    seed: Callable[[Any, int], None] = lambda o, s: o.seed(s)
 
 
 RANDOM = Kind(
     "random.Random",
-    lambda r: r.getstate(),
-    lambda r, s: r.setstate(s),
-    lambda r, s: r.seed(s),
     64,
     lambda r, s: random_state_to_plain(s),
     lambda r, data, path: random_state_from_plain(data, path),
 )
 GENERATOR = Kind(
     "numpy.random.Generator",
+    64,
+    plain.numpy_to_plain,
+    plain.numpy_from_plain,
     lambda g: g.bit_generator.state,
     lambda g, s: setattr(g.bit_generator, "state", s),
     lambda g, s: setattr(g.bit_generator, "state", type(g.bit_generator)(s).state),
-    64,
-    plain.numpy_to_plain,
-    plain.numpy_from_plain,
 )
-RANDOM_STATE = Kind(
+RANDOM_STATE = Kind(  # seeded by its own seed()
     "numpy.random.RandomState",
-    lambda r: r.get_state(legacy=False),
-    lambda r, s: r.set_state(s),
-    lambda r, s: r.seed(s),
     32,
     plain.numpy_to_plain,
     plain.numpy_from_plain,
+    lambda r: r.get_state(legacy=False),
+    lambda r, s: r.set_state(s),
 )
 TORCH = Kind(
     "torch.Generator",
-    lambda g: g.get_state(),
-    lambda g, s: g.set_state(s),
-    lambda g, s: g.manual_seed(s),
     64,
     plain.torch_to_plain,
     plain.torch_from_plain,
+    lambda g: g.get_state(),
+    lambda g, s: g.set_state(s),
+    lambda g, s: g.manual_seed(s),
 )
 #: Any object with ``seed()``, ``getstate()`` and ``setstate()``, through those
 #: methods, as ``random.Random``.  Its seed is 32 bits: ``seed()`` is the
 #: object's own code, and 0 .. 2**32 - 1 is what every integer-seeded generator
 #: accepts (NumPy's legacy seeding, C++ ``std::mt19937``, bindings that take a
 #: ``uint32_t``), where 64 bits would be refused or silently truncated by some.
-RANDOM_LIKE = RANDOM._replace(
-    name="random-like",
-    bits=32,
-    to_plain=plain.random_like_to_plain,
-    from_plain=plain.random_like_from_plain,
-)
+RANDOM_LIKE = Kind("random-like", 32, plain.random_like_to_plain, plain.random_like_from_plain)
 
 #: Every kind by name, as a snapshot saves it.
 BY_NAME = {kind.name: kind for kind in (RANDOM, GENERATOR, RANDOM_STATE, TORCH, RANDOM_LIKE)}
