@@ -275,15 +275,15 @@ def test_crafted_encodings_raise_value_error_only(shape, values, sizes):
 
 
 def test_encoding_limits_and_messages():
-    with pytest.raises(persistence.NotPlain, match=r"getstate\(\)\[1\] is a builtins\.bytes"):
+    with pytest.raises(ValueError, match=r"getstate\(\)\[1\] is a builtins\.bytes"):
         _encode((1, b"raw"))
-    with pytest.raises(persistence.NotPlain, match=r"has a key of type builtins\.tuple"):
+    with pytest.raises(ValueError, match=r"has a key of type builtins\.tuple"):
         _encode({(1, 2): 3})
-    with pytest.raises(persistence.NotPlain, match="more than 65536 items"):
+    with pytest.raises(ValueError, match="more than 65536 items"):
         _encode(list(range(70_000)))
     loop: list[Any] = []
     loop.append(loop)
-    with pytest.raises(persistence.NotPlain, match="deeper than 64 levels"):
+    with pytest.raises(ValueError, match="deeper than 64 levels"):
         _encode(loop)
     bad = [
         ({"shape": "t", "values": [], "sizes": [2]}, "at most the items left"),
@@ -364,13 +364,13 @@ def test_generator_states_in_a_random_like_state_round_trip_through_a_file(tmp_p
 
 
 def test_tensors_a_snapshot_cannot_hold_are_refused_with_their_place():
-    with pytest.raises(persistence.NotPlain, match=r"getstate\(\)\[1\] is a cpu torch.float32"):
+    with pytest.raises(ValueError, match=r"getstate\(\)\[1\] is a cpu torch.float32"):
         _encode((1, torch.zeros(2)))
-    with pytest.raises(persistence.NotPlain, match="only 1-D uint8 CPU tensors"):
+    with pytest.raises(ValueError, match="only 1-D uint8 CPU tensors"):
         _encode([torch.zeros(2, 2, dtype=torch.uint8)])
-    with pytest.raises(persistence.NotPlain, match=r"has a key of type torch\.Tensor"):
+    with pytest.raises(ValueError, match=r"has a key of type torch\.Tensor"):
         _encode({torch.zeros(1, dtype=torch.uint8): 1})
-    with pytest.raises(persistence.NotPlain, match="tensor bytes"):
+    with pytest.raises(ValueError, match="tensor bytes"):
         _encode([torch.zeros(1 << 21, dtype=torch.uint8)] * 3)
     for values, message in [
         ([3], "expected a uint8 tensor, got int"),

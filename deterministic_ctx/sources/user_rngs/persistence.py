@@ -1,10 +1,12 @@
 """Registered RNGs' states as checkpoint data, and back, checked.
 
 For each kind, how a public state becomes plain data (``*_to_plain(obj,
-state)``) and how plain data read from a file becomes a public state again
-(``*_from_plain(obj, data, path)``), checked field by field (``ValueError``
-names the field); :mod:`.kinds` binds them to the kinds (``random.Random``
-to the global ``random``'s codec, :mod:`..python_random`).  A random-like
+state)``; ``ValueError`` says why where a checkpoint cannot hold it, and
+:class:`.source.UserRngSource` names the RNG) and how plain data read from a
+file becomes a public state again (``*_from_plain(obj, data, path)``),
+checked field by field (``ValueError`` names the field); :mod:`.kinds` binds
+them to the kinds (``random.Random`` to the global ``random``'s codec,
+:mod:`..python_random`).  A random-like
 object's ``getstate()`` may return any tree of plain Python data: it is
 flattened (no nesting in the file) and bounded (``_MAX_*``), so that a
 crafted or runaway state cannot make a checkpoint slow to write or load.
@@ -17,7 +19,6 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from ..._errors import DeterministicCtxError
 from .. import _plain
 from ..numpy_global import BIT_GENERATORS, bit_generator_state_from_plain, numpy_state_to_plain
 from ..torch_cpu import generator_state_from_plain
@@ -26,7 +27,7 @@ from ..torch_cpu import generator_state_from_plain
 def numpy_to_plain(obj: Any, state: dict[str, Any]) -> dict[str, Any]:
     name = state.get("bit_generator")
     if name not in BIT_GENERATORS:
-        raise NotPlain(
+        raise ValueError(
             f"its bit generator is a {name}, and a snapshot holds the state of NumPy's own "
             f"bit generators only ({', '.join(BIT_GENERATORS)})"
         )
@@ -76,10 +77,6 @@ _TENSOR = "x"
 _CONTAINERS: dict[type, str] = {tuple: "t", list: "l", dict: "d"}
 
 
-class NotPlain(DeterministicCtxError):
-    """A random-like object's state that a checkpoint cannot hold (says why)."""
-
-
 def random_like_to_plain(obj: object, state: object) -> dict[str, Any]:
     """A random-like object's state, a tree of plain Python data, as checkpoint
     data, without nesting.
@@ -92,7 +89,7 @@ def random_like_to_plain(obj: object, state: object) -> dict[str, Any]:
     (copies) in that order, ``sizes`` the length of each container (a dict's
     items follow it as key, value, key, value, ...; keys are scalars).  Exact
     types only: a subclass (a NamedTuple, an IntEnum) would come back as its
-    base type.  Raises :class:`NotPlain`.
+    base type.  Raises ``ValueError``, saying why a checkpoint cannot hold it.
     """
     shape: list[str] = []
     values: list[object] = []
@@ -103,44 +100,44 @@ def random_like_to_plain(obj: object, state: object) -> dict[str, Any]:
     def walk(item: Any, where: str, depth: int) -> None:
         nonlocal text, nbytes
         if len(shape) >= _MAX_NODES:
-            raise NotPlain(f"getstate() returned more than {_MAX_NODES} items")
+            raise ValueError(f"getstate() returned more than {_MAX_NODES} items")
         kind = type(item)
         if kind is torch.Tensor:
             if item.dtype != torch.uint8 or item.dim() != 1 or item.device.type != "cpu":
-                raise NotPlain(
+                raise ValueError(
                     f"getstate(){where} is a {item.device.type} {item.dtype} tensor of shape "
                     f"{tuple(item.shape)}, and only 1-D uint8 CPU tensors (generator states) "
                     f"are saved"
                 )
             nbytes += item.numel()
             if nbytes > _MAX_TENSOR_BYTES:
-                raise NotPlain(f"getstate() holds more than {_MAX_TENSOR_BYTES} tensor bytes")
+                raise ValueError(f"getstate() holds more than {_MAX_TENSOR_BYTES} tensor bytes")
             shape.append(_TENSOR)
             values.append(item.detach().clone())  # the file is written later: a copy
             return
         letter = _SCALARS.get(kind)
         if letter is not None:
             if kind is int and item.bit_length() > _MAX_INT_BITS:
-                raise NotPlain(f"getstate(){where} is an int of more than {_MAX_INT_BITS} bits")
+                raise ValueError(f"getstate(){where} is an int of more than {_MAX_INT_BITS} bits")
             if kind is str:
                 text += len(item)
                 if text > _MAX_TEXT:
-                    raise NotPlain(f"getstate() holds more than {_MAX_TEXT} characters")
+                    raise ValueError(f"getstate() holds more than {_MAX_TEXT} characters")
             shape.append(letter)
             if letter != "n":
                 values.append(item)
             return
         letter = _CONTAINERS.get(kind)
         if letter is None:
-            raise NotPlain(f"getstate(){where} is a {class_path(item)}")
+            raise ValueError(f"getstate(){where} is a {class_path(item)}")
         if depth >= _MAX_DEPTH:
-            raise NotPlain(f"getstate() nests deeper than {_MAX_DEPTH} levels")
+            raise ValueError(f"getstate() nests deeper than {_MAX_DEPTH} levels")
         shape.append(letter)
         sizes.append(len(item))
         if letter == "d":
             for k, v in item.items():
                 if type(k) not in _SCALARS:
-                    raise NotPlain(f"getstate(){where} has a key of type {class_path(k)}")
+                    raise ValueError(f"getstate(){where} has a key of type {class_path(k)}")
                 walk(k, where, depth + 1)
                 walk(v, f"{where}[{k!r}]", depth + 1)
         else:
@@ -149,8 +146,8 @@ def random_like_to_plain(obj: object, state: object) -> dict[str, Any]:
 
     try:
         walk(state, "", 0)
-    except NotPlain as exc:
-        raise NotPlain(
+    except ValueError as exc:
+        raise ValueError(
             f"{exc}, and a snapshot holds only plain data (int, float, str, bool, None, 1-D "
             f"uint8 CPU tensors, and lists, tuples and dicts of them, at most {_MAX_NODES} "
             f"items); or make its "
