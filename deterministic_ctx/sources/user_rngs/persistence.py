@@ -6,10 +6,10 @@ state)``; ``ValueError`` says why where a checkpoint cannot hold it, and
 file becomes a public state again (``*_from_plain(obj, data, path)``),
 checked field by field (``ValueError`` names the field); :mod:`.kinds` binds
 them to the kinds (``random.Random`` to the global ``random``'s codec,
-:mod:`..python_random`).  A random-like
-object's ``getstate()`` may return any tree of plain Python data: it is
-flattened (no nesting in the file) and bounded (``_MAX_*``), so that a
-crafted or runaway state cannot make a checkpoint slow to write or load.
+:mod:`..python_random`).  A random-like object's ``getstate()`` may return
+any tree of plain Python data: it is flattened (no nesting in the file) and
+bounded (``_MAX_*``), so that a crafted or runaway state cannot make a
+checkpoint slow to write or load.
 """
 
 from __future__ import annotations
