@@ -82,13 +82,12 @@ def _on_collect(
 
 
 def live_entries() -> tuple[Entry, ...]:
-    """The entries in registration order, as an immutable tuple to iterate over."""
-    cache = _cache
-    return cache[1] if cache[0] == _version else _refresh()
-
-
-def _refresh() -> tuple[Entry, ...]:
+    """The entries in registration order, as an immutable tuple to iterate over:
+    the cached one, rebuilt after a change (the first time, after the entry points load)."""
     global _cache
+    cache = _cache
+    if cache[0] == _version:
+        return cache[1]
     if _plugins_pending:
         _load_plugins()
     while True:
