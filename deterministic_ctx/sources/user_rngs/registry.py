@@ -105,11 +105,12 @@ def live_entries() -> tuple[Entry, ...]:
 def _after_fork_in_child() -> None:
     """A thread that was inside ``register_rng`` (or loading the entry points)
     when another thread forked does not exist in the child: give the child
-    free locks.  The table needs no repair: a registration changes it with one
-    dict operation."""
+    free locks, and a new version, for a registration cut short between its
+    one change to the table and its version bump."""
     global _lock, _plugins_lock
     _lock = threading.Lock()
     _plugins_lock = threading.RLock()
+    _changed()
 
 
 if hasattr(os, "register_at_fork"):
