@@ -66,14 +66,13 @@ def _views(obj: Any) -> tuple[memoryview, ...]:
 class Entry:
     """One registered RNG and everything its loops need, bound at registration."""
 
-    __slots__ = ("bg", "get", "key", "kind", "lock", "memo", "remember", "shared", "token", "views")
+    __slots__ = ("bg", "get", "key", "kind", "lock", "memo", "remember", "shared", "views")
 
     def __init__(
         self,
         obj: Any,
         key: str,
         kind: Kind,
-        token: int,
         shared: bool = False,
         *,
         on_collect: Callable[[Any], None] | None = None,
@@ -85,7 +84,7 @@ class Entry:
             self.get = weakref.ref(obj, on_collect)
         except TypeError:  # NumPy's types, torch 2.11's Generator: held (see the package docstring)
             self.get = lambda: obj
-        self.token, self.key, self.kind = token, key, kind
+        self.key, self.kind = key, kind
         #: Seeded from a block's shared seed (``Settings.seed``), not its per-rank one.
         self.shared = shared
         #: ``(block seed, derived seed, the state seeding left or None)``; -1: none yet.
@@ -151,7 +150,7 @@ class Entry:
         if not self.views or (self.lock is not None and type(state) is not bytes):
             return state
         scratch = random.Random() if self.bg is None else type(obj)(type(self.bg)())
-        Entry(scratch, self.key, self.kind, -1).put(scratch, state)
+        Entry(scratch, self.key, self.kind).put(scratch, state)
         return self.kind.get(scratch)
 
     def loaded(self) -> Entry:

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from ..python_random import random_state_from_plain, random_state_to_plain
 from . import persistence as plain
 
 
@@ -24,72 +25,57 @@ class Kind(NamedTuple):
     """How the public API of one family of RNG reads, writes and seeds its
     state; ``bits``: the width of the seed ``derive_seed`` makes for it;
     ``to_plain(obj, state)`` and ``from_plain(obj, data, path)``: its public
-    state as checkpoint data and back, checked (see :mod:`.persistence`)."""
+    state as checkpoint data and back, checked (see :mod:`.persistence`).
+    ``get``, ``set`` and ``seed`` default to ``random.Random``'s methods
+    (``getstate()``, ``setstate()``, ``seed()``), the random-like protocol."""
 
     name: str
-    get: Callable[[Any], Any]
-    set: Callable[[Any, Any], None]
-    seed: Callable[[Any, int], None]
     bits: int
     to_plain: Callable[[Any, Any], Any]
     from_plain: Callable[[Any, object, str], Any]
-
-
-def _np_generator_seed(gen: np.random.Generator, seed: int) -> None:
-    bg = gen.bit_generator
-    bg.state = type(bg)(seed).state
+    get: Callable[[Any], Any] = lambda o: o.getstate()
+    set: Callable[[Any, Any], None] = lambda o, s: o.setstate(s)
+    seed: Callable[[Any, int], None] = lambda o, s: o.seed(s)
 
 
 RANDOM = Kind(
     "random.Random",
-    lambda r: r.getstate(),
-    lambda r, s: r.setstate(s),
-    lambda r, s: r.seed(s),
     64,
-    plain.random_to_plain,
-    plain.random_from_plain,
+    lambda r, s: random_state_to_plain(s),
+    lambda r, data, path: random_state_from_plain(data, path),
 )
 GENERATOR = Kind(
     "numpy.random.Generator",
-    lambda g: g.bit_generator.state,
-    lambda g, s: setattr(g.bit_generator, "state", s),
-    _np_generator_seed,
     64,
     plain.numpy_to_plain,
     plain.numpy_from_plain,
+    lambda g: g.bit_generator.state,
+    lambda g, s: setattr(g.bit_generator, "state", s),
+    lambda g, s: setattr(g.bit_generator, "state", type(g.bit_generator)(s).state),
 )
-RANDOM_STATE = Kind(
+RANDOM_STATE = Kind(  # seeded by its own seed()
     "numpy.random.RandomState",
-    lambda r: r.get_state(legacy=False),
-    lambda r, s: r.set_state(s),
-    lambda r, s: r.seed(s),
     32,
     plain.numpy_to_plain,
     plain.numpy_from_plain,
+    lambda r: r.get_state(legacy=False),
+    lambda r, s: r.set_state(s),
 )
 TORCH = Kind(
     "torch.Generator",
-    lambda g: g.get_state(),
-    lambda g, s: g.set_state(s),
-    lambda g, s: g.manual_seed(s),
     64,
     plain.torch_to_plain,
     plain.torch_from_plain,
+    lambda g: g.get_state(),
+    lambda g, s: g.set_state(s),
+    lambda g, s: g.manual_seed(s),
 )
-#: Any object with ``seed()``, ``getstate()`` and ``setstate()``.  Its seed is
-#: 32 bits: ``seed()`` is the object's own code, and 0 .. 2**32 - 1 is what
-#: every integer-seeded generator accepts (NumPy's legacy seeding, C++
-#: ``std::mt19937``, bindings that take a ``uint32_t``), where 64 bits would be
-#: refused or silently truncated by some.
-RANDOM_LIKE = Kind(
-    "random-like",
-    lambda o: o.getstate(),
-    lambda o, s: o.setstate(s),
-    lambda o, s: o.seed(s),
-    32,
-    plain.random_like_to_plain,
-    plain.random_like_from_plain,
-)
+#: Any object with ``seed()``, ``getstate()`` and ``setstate()``, through those
+#: methods, as ``random.Random``.  Its seed is 32 bits: ``seed()`` is the
+#: object's own code, and 0 .. 2**32 - 1 is what every integer-seeded generator
+#: accepts (NumPy's legacy seeding, C++ ``std::mt19937``, bindings that take a
+#: ``uint32_t``), where 64 bits would be refused or silently truncated by some.
+RANDOM_LIKE = Kind("random-like", 32, plain.random_like_to_plain, plain.random_like_from_plain)
 
 #: Every kind by name, as a snapshot saves it.
 BY_NAME = {kind.name: kind for kind in (RANDOM, GENERATOR, RANDOM_STATE, TORCH, RANDOM_LIKE)}
@@ -99,11 +85,14 @@ KINDS: tuple[tuple[type, Kind], ...] = (
     (np.random.RandomState, RANDOM_STATE),
     (torch.Generator, TORCH),
 )
-_PROTOCOL = "an object with seed(), getstate() and setstate() methods"
 
 
-def random_like(obj: object) -> bool:
-    return all(callable(getattr(obj, name, None)) for name in ("seed", "getstate", "setstate"))
+def manageable(obj: object) -> bool:
+    """Whether ``obj`` is of a kind, by its class or its methods (:func:`kind_of`
+    still refuses a few)."""
+    return isinstance(obj, tuple(cls for cls, _ in KINDS)) or all(
+        callable(getattr(obj, name, None)) for name in ("seed", "getstate", "setstate")
+    )
 
 
 def kind_of(obj: object) -> Kind:
@@ -128,12 +117,12 @@ def kind_of(obj: object) -> Kind:
     for cls, kind in KINDS:
         if isinstance(obj, cls):
             return kind
-    if random_like(obj):
+    if manageable(obj):  # by its methods
         return RANDOM_LIKE
     accepted = ", ".join(k.name for _, k in KINDS)
     raise TypeError(
         f"register_rng() cannot manage {type(obj).__qualname__} {short_repr(obj)}; "
-        f"accepted: {accepted}, or {_PROTOCOL}"
+        f"accepted: {accepted}, or an object with seed(), getstate() and setstate() methods"
     )
 
 

@@ -1,12 +1,15 @@
 """Registered RNGs' states as checkpoint data, and back, checked.
 
 For each kind, how a public state becomes plain data (``*_to_plain(obj,
-state)``) and how plain data read from a file becomes a public state again
-(``*_from_plain(obj, data, path)``), checked field by field (``ValueError``
-names the field); :mod:`.kinds` binds them to the kinds.  A random-like
-object's ``getstate()`` may return any tree of plain Python data: it is
-flattened (no nesting in the file) and bounded (``_MAX_*``), so that a
-crafted or runaway state cannot make a checkpoint slow to write or load.
+state)``; ``ValueError`` says why where a checkpoint cannot hold it, and
+:class:`.source.UserRngSource` names the RNG) and how plain data read from a
+file becomes a public state again (``*_from_plain(obj, data, path)``),
+checked field by field (``ValueError`` names the field); :mod:`.kinds` binds
+them to the kinds (``random.Random`` to the global ``random``'s codec,
+:mod:`..python_random`).  A random-like object's ``getstate()`` may return
+any tree of plain Python data: it is flattened (no nesting in the file) and
+bounded (``_MAX_*``), so that a crafted or runaway state cannot make a
+checkpoint slow to write or load.
 """
 
 from __future__ import annotations
@@ -16,30 +19,15 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from ..._errors import DeterministicCtxError
 from .. import _plain
 from ..numpy_global import BIT_GENERATORS, bit_generator_state_from_plain, numpy_state_to_plain
-from ..python_random import random_state_from_plain, random_state_to_plain
 from ..torch_cpu import generator_state_from_plain
-
-
-def _bit_generator_name(obj: np.random.Generator | np.random.RandomState) -> str:
-    bg = obj.bit_generator if isinstance(obj, np.random.Generator) else obj._bit_generator
-    return type(bg).__name__
-
-
-def random_to_plain(obj: Any, state: tuple[Any, ...]) -> dict[str, Any]:
-    return random_state_to_plain(state)
-
-
-def random_from_plain(obj: Any, data: object, path: str) -> tuple[Any, ...]:
-    return random_state_from_plain(data, path)
 
 
 def numpy_to_plain(obj: Any, state: dict[str, Any]) -> dict[str, Any]:
     name = state.get("bit_generator")
     if name not in BIT_GENERATORS:
-        raise NotPlain(
+        raise ValueError(
             f"its bit generator is a {name}, and a snapshot holds the state of NumPy's own "
             f"bit generators only ({', '.join(BIT_GENERATORS)})"
         )
@@ -49,10 +37,11 @@ def numpy_to_plain(obj: Any, state: dict[str, Any]) -> dict[str, Any]:
 def numpy_from_plain(obj: Any, data: object, path: str) -> dict[str, Any]:
     legacy = isinstance(obj, np.random.RandomState)
     state = bit_generator_state_from_plain(data, path, legacy=legacy)
-    if state["bit_generator"] != _bit_generator_name(obj):
+    uses = type(obj._bit_generator).__name__  # a Generator's or a RandomState's
+    if state["bit_generator"] != uses:
         raise ValueError(
             f"{path}.bit_generator: saved {state['bit_generator']}, but the registered RNG "
-            f"uses {_bit_generator_name(obj)}"
+            f"uses {uses}"
         )
     return state
 
@@ -88,21 +77,19 @@ _TENSOR = "x"
 _CONTAINERS: dict[type, str] = {tuple: "t", list: "l", dict: "d"}
 
 
-class NotPlain(DeterministicCtxError):
-    """A random-like object's state that a checkpoint cannot hold (says why)."""
+def random_like_to_plain(obj: object, state: object) -> dict[str, Any]:
+    """A random-like object's state, a tree of plain Python data, as checkpoint
+    data, without nesting.
 
-
-def _tree_to_plain(value: object) -> dict[str, Any]:
-    """A tree of plain Python data as checkpoint data, without nesting.
-
-    ``{"shape": str, "values": [...], "sizes": [...]}``: ``shape`` has one
-    letter per item in prefix order (``i`` int, ``f`` float, ``s`` str, ``b``
+    ``{"class": str, "shape": str, "values": [...], "sizes": [...]}``:
+    ``class`` the object's class path, ``shape`` has one letter per item in
+    prefix order (``i`` int, ``f`` float, ``s`` str, ``b``
     bool, ``n`` None, ``x`` 1-D uint8 CPU tensor, ``t`` tuple, ``l`` list,
     ``d`` dict), ``values`` the scalars other than ``None`` and the tensors
     (copies) in that order, ``sizes`` the length of each container (a dict's
     items follow it as key, value, key, value, ...; keys are scalars).  Exact
     types only: a subclass (a NamedTuple, an IntEnum) would come back as its
-    base type.  Raises :class:`NotPlain`.
+    base type.  Raises ``ValueError``, saying why a checkpoint cannot hold it.
     """
     shape: list[str] = []
     values: list[object] = []
@@ -113,61 +100,71 @@ def _tree_to_plain(value: object) -> dict[str, Any]:
     def walk(item: Any, where: str, depth: int) -> None:
         nonlocal text, nbytes
         if len(shape) >= _MAX_NODES:
-            raise NotPlain(f"getstate() returned more than {_MAX_NODES} items")
+            raise ValueError(f"getstate() returned more than {_MAX_NODES} items")
         kind = type(item)
         if kind is torch.Tensor:
             if item.dtype != torch.uint8 or item.dim() != 1 or item.device.type != "cpu":
-                raise NotPlain(
+                raise ValueError(
                     f"getstate(){where} is a {item.device.type} {item.dtype} tensor of shape "
                     f"{tuple(item.shape)}, and only 1-D uint8 CPU tensors (generator states) "
                     f"are saved"
                 )
             nbytes += item.numel()
             if nbytes > _MAX_TENSOR_BYTES:
-                raise NotPlain(f"getstate() holds more than {_MAX_TENSOR_BYTES} tensor bytes")
+                raise ValueError(f"getstate() holds more than {_MAX_TENSOR_BYTES} tensor bytes")
             shape.append(_TENSOR)
             values.append(item.detach().clone())  # the file is written later: a copy
             return
         letter = _SCALARS.get(kind)
         if letter is not None:
             if kind is int and item.bit_length() > _MAX_INT_BITS:
-                raise NotPlain(f"getstate(){where} is an int of more than {_MAX_INT_BITS} bits")
+                raise ValueError(f"getstate(){where} is an int of more than {_MAX_INT_BITS} bits")
             if kind is str:
                 text += len(item)
                 if text > _MAX_TEXT:
-                    raise NotPlain(f"getstate() holds more than {_MAX_TEXT} characters")
+                    raise ValueError(f"getstate() holds more than {_MAX_TEXT} characters")
             shape.append(letter)
             if letter != "n":
                 values.append(item)
             return
         letter = _CONTAINERS.get(kind)
         if letter is None:
-            raise NotPlain(f"getstate(){where} is a {class_path(item)}")
+            raise ValueError(f"getstate(){where} is a {class_path(item)}")
         if depth >= _MAX_DEPTH:
-            raise NotPlain(f"getstate() nests deeper than {_MAX_DEPTH} levels")
+            raise ValueError(f"getstate() nests deeper than {_MAX_DEPTH} levels")
         shape.append(letter)
         sizes.append(len(item))
         if letter == "d":
             for k, v in item.items():
                 if type(k) not in _SCALARS:
-                    raise NotPlain(f"getstate(){where} has a key of type {class_path(k)}")
+                    raise ValueError(f"getstate(){where} has a key of type {class_path(k)}")
                 walk(k, where, depth + 1)
                 walk(v, f"{where}[{k!r}]", depth + 1)
         else:
             for j, v in enumerate(item):
                 walk(v, f"{where}[{j}]", depth + 1)
 
-    walk(value, "", 0)
-    return {"shape": "".join(shape), "values": values, "sizes": sizes}
+    try:
+        walk(state, "", 0)
+    except ValueError as exc:
+        raise ValueError(
+            f"{exc}, and a snapshot holds only plain data (int, float, str, bool, None, 1-D "
+            f"uint8 CPU tensors, and lists, tuples and dicts of them, at most {_MAX_NODES} "
+            f"items); or make its "
+            f"getstate() return plain data"
+        ) from None
+    return {"class": class_path(obj), "shape": "".join(shape), "values": values, "sizes": sizes}
 
 
-def _tree_from_plain(data: object, path: str) -> object:
-    """The checked inverse of :func:`_tree_to_plain`; ``ValueError`` names the field.
+def random_like_from_plain(obj: object, data: object, path: str) -> object:
+    """The checked inverse of :func:`random_like_to_plain`, for ``obj`` (whose
+    class must be the saved one); ``ValueError`` names the field.
 
     It nests no deeper than :data:`_MAX_DEPTH` (a crafted file cannot exhaust
     the stack), and it allocates no more than the data holds.
     """
-    d = _plain.fields(data, path, ["shape", "values", "sizes"])
+    d = _plain.fields(data, path, ["class", "shape", "values", "sizes"])
+    _plain.text(d["class"], f"{path}.class", choices=(class_path(obj),))
     shape, values, sizes = d["shape"], d["values"], d["sizes"]
     if type(shape) is not str or not shape or len(shape) > _MAX_NODES:
         raise ValueError(f"{path}.shape: expected a str of 1 to {_MAX_NODES} letters")
@@ -227,22 +224,3 @@ def _tree_from_plain(data: object, path: str) -> object:
     if nv < len(values) or ns < len(sizes):
         raise ValueError(f"{path}: values or sizes left over after the shape")
     return root
-
-
-def random_like_to_plain(obj: object, state: object) -> dict[str, Any]:
-    try:
-        tree = _tree_to_plain(state)
-    except NotPlain as exc:
-        raise NotPlain(
-            f"{exc}, and a snapshot holds only plain data (int, float, str, bool, None, 1-D "
-            f"uint8 CPU tensors, and lists, tuples and dicts of them, at most {_MAX_NODES} "
-            f"items); or make its "
-            f"getstate() return plain data"
-        ) from None
-    return {"class": class_path(obj), **tree}
-
-
-def random_like_from_plain(obj: object, data: object, path: str) -> object:
-    d = _plain.fields(data, path, ["class", "shape", "values", "sizes"])
-    _plain.text(d["class"], f"{path}.class", choices=(class_path(obj),))
-    return _tree_from_plain({k: d[k] for k in ("shape", "values", "sizes")}, path)

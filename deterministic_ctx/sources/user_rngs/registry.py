@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from ...base.errors import StateWarning
 from .entries import Entry
-from .kinds import KINDS, kind_of, random_like, short_repr
+from .kinds import kind_of, manageable, short_repr
 
 T = TypeVar("T")
 
@@ -35,11 +35,11 @@ ENTRY_POINT_GROUP = "deterministic_ctx.rngs"
 #: Serializes ``register_rng`` / ``unregister_rng`` against each other.  Never
 #: taken by a weak-reference callback, which may run while this thread holds it.
 _lock = threading.Lock()
-#: token -> entry, in registration order (tokens only grow; dicts keep insertion order).
+#: id(object) -> its entry, in registration order (dicts keep insertion order);
+#: also the O(1) duplicate check.  A registered object's id is its own while
+#: the entry lives: a held object cannot die, and a weakly referenced one
+#: still occupies its address while its callback removes the entry.
 _entries: dict[int, Entry] = {}
-#: id(object) -> token of its entry: the O(1) duplicate check.
-_by_id: dict[int, int] = {}
-_tokens = itertools.count()
 #: Default keys: the ordinal among registrations without ``key=`` (never reused).
 _counter = itertools.count()
 #: Bumped after every change to ``_entries``; ``_cache`` is valid while it matches.
@@ -58,24 +58,22 @@ def _changed() -> None:
 
 
 def _on_collect(
-    token: int,
     oid: int,
-    _ref: object,
+    ref: object,
     _entries: dict[int, Entry] = _entries,
-    _by_id: dict[int, int] = _by_id,
     _changed: Callable[[], None] = _changed,
 ) -> None:
-    """Drop the entry ``token`` of a collected RNG (whose id was ``oid``).
-    Runs wherever the object died (see the package docstring): no lock,
-    single dict operations only.  The tables (and the version bump) are bound
-    as defaults so that a callback at interpreter shutdown, when module
-    globals may already be None, still finds them."""
-    if _entries.pop(token, None) is None:
+    """Drop the entry of a collected RNG (whose id was ``oid``), if ``ref`` is
+    still its weak reference.  Runs wherever the object died (see the package
+    docstring): no lock, single dict operations only.  The table (and the
+    version bump) are bound as defaults so that a callback at interpreter
+    shutdown, when module globals may already be None, still finds them."""
+    entry = _entries.get(oid)
+    if entry is None or entry.get is not ref:
         return  # unregistered before it died (a snapshot kept the entry alive)
     # The dying object still occupies its address until this returns, so no
-    # other object can have registered under the same id meanwhile.
-    if _by_id.get(oid) == token:
-        _by_id.pop(oid, None)
+    # other object can have registered under the same id since the lookup.
+    _entries.pop(oid, None)
     # Not contextlib.suppress: at interpreter shutdown that module's name may be gone too.
     try:  # noqa: SIM105
         _changed()
@@ -84,13 +82,12 @@ def _on_collect(
 
 
 def live_entries() -> tuple[Entry, ...]:
-    """The entries in registration order, as an immutable tuple to iterate over."""
-    cache = _cache
-    return cache[1] if cache[0] == _version else _refresh()
-
-
-def _refresh() -> tuple[Entry, ...]:
+    """The entries in registration order, as an immutable tuple to iterate over:
+    the cached one, rebuilt after a change (the first time, after the entry points load)."""
     global _cache
+    cache = _cache
+    if cache[0] == _version:
+        return cache[1]
     if _plugins_pending:
         _load_plugins()
     while True:
@@ -106,18 +103,13 @@ def _refresh() -> tuple[Entry, ...]:
 
 
 def _after_fork_in_child() -> None:
-    """A thread that was inside ``register_rng`` when another thread forked does
-    not exist in the child: give the child a free lock, and rebuild the id
-    index from the entries, which a registration cut short may have left
-    without its id."""
+    """A thread that was inside ``register_rng`` (or loading the entry points)
+    when another thread forked does not exist in the child: give the child
+    free locks, and a new version, for a registration cut short between its
+    one change to the table and its version bump."""
     global _lock, _plugins_lock
     _lock = threading.Lock()
     _plugins_lock = threading.RLock()
-    _by_id.clear()
-    for entry in tuple(_entries.copy().values()):
-        obj = entry.get()
-        if obj is not None:
-            _by_id[id(obj)] = entry.token
     _changed()
 
 
@@ -127,10 +119,7 @@ if hasattr(os, "register_at_fork"):
 
 def _find(obj: object) -> Entry | None:
     """The live entry of ``obj``, or ``None``.  Caller holds ``_lock``."""
-    token = _by_id.get(id(obj))
-    if token is None:
-        return None
-    entry = _entries.get(token)
+    entry = _entries.get(id(obj))
     # ``is``: an entry whose object died and whose callback has not run yet
     # (it is on its way) has the same id but another object, or none.
     return entry if entry is not None and entry.get() is obj else None
@@ -193,17 +182,13 @@ def register_rng(obj: T, *, key: str | None = None, shared: bool = False) -> T:
                     f"shared={shared}"
                 )
             return obj
-        token = next(_tokens)
-        entry = Entry(
+        _entries[id(obj)] = Entry(
             obj,
             key if key is not None else str(next(_counter)),
             kind,
-            token,
             shared,
-            on_collect=partial(_on_collect, token, id(obj)),
+            on_collect=partial(_on_collect, id(obj)),
         )
-        _entries[token] = entry
-        _by_id[id(obj)] = token
         _changed()
     return obj
 
@@ -218,11 +203,8 @@ def unregister_rng(obj: object) -> None:
         >>> unregister_rng(rng)
     """
     with _lock:
-        entry = _find(obj)
-        if entry is not None:
-            _entries.pop(entry.token, None)
-            if _by_id.get(id(obj)) == entry.token:
-                _by_id.pop(id(obj), None)
+        if _find(obj) is not None:
+            del _entries[id(obj)]
             _changed()
             return
     raise ValueError(f"unregister_rng(): {obj!r} is not registered")
@@ -332,15 +314,11 @@ def _register_entry_point(ep: Any) -> None:
         )
 
 
-def _manageable(obj: object) -> bool:
-    return isinstance(obj, tuple(cls for cls, _ in KINDS)) or random_like(obj)
-
-
 def _contributions(name: str, produced: object) -> list[tuple[str, object]]:
     """``(key, object)`` pairs from what an entry point's callable returned."""
     if produced is None:
         return []
-    if _manageable(produced):
+    if manageable(produced):
         return [(name, produced)]
     if isinstance(produced, Mapping):
         out = []

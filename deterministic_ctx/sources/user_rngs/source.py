@@ -14,7 +14,7 @@ from ...base.settings import Settings
 from .. import _plain
 from .entries import Entry, Record
 from .kinds import BY_NAME
-from .persistence import NotPlain, class_path
+from .persistence import class_path
 from .registry import live_entries, seed_registered_rngs
 
 
@@ -74,7 +74,7 @@ class UserRngSource:
             keys.add(entry.key)
             try:
                 plain = entry.kind.to_plain(obj, entry.public(obj, saved))
-            except NotPlain as exc:
+            except ValueError as exc:
                 raise ValueError(
                     f"the state of user RNG {entry.key!r} ({class_path(obj)}) cannot be "
                     f"saved: {exc}. Unregister it before saving a snapshot"
