@@ -385,7 +385,7 @@ def _split(tokens: Sequence[str], *, out: bool = False) -> tuple[list[str], list
             if out and rest:  # `--` then OUT: argparse takes it as a positional
                 options += ["--", rest.pop(0)]
             return options, rest
-        if not _is_option(word):
+        if not word.startswith("-") or word == "-":  # `-` is stdin's name, not an option
             if not out:
                 rest.insert(0, word)  # the script
                 return options, rest
@@ -396,11 +396,6 @@ def _split(tokens: Sequence[str], *, out: bool = False) -> tuple[list[str], list
         if word.startswith("-m"):  # -m module, or -mmodule: the module's arguments follow
             return options, rest
     return options, rest
-
-
-def _is_option(word: str) -> bool:
-    """Whether ``word`` is one of our options (``-`` is stdin's name and ``--`` the separator)."""
-    return word.startswith("-") and word not in ("-", "--")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -476,10 +471,7 @@ def _report(*, as_json: bool, init_cuda: bool) -> int:
         if torch.cuda.is_available():
             torch.cuda.init()  # type: ignore[no-untyped-call]
     r = report()
-    if as_json:
-        print(json.dumps(r.to_dict(), indent=2))
-    else:
-        print(r)
+    print(json.dumps(r.to_dict(), indent=2) if as_json else r)
     return EXIT_OK
 
 
@@ -520,7 +512,6 @@ def _run(target: _Target, seed: int, settings: dict[str, Any], collectives: bool
         from ..reporting.collectives import observe
 
         observe()
-    _find_module(target)
     outcome = _Outcome()
     _execute(target, outcome)
     if outcome.exit is not None:
@@ -552,25 +543,6 @@ def _set_up_main(target: _Target) -> None:
     # The current directory for -m, the script's own directory otherwise.
     path0 = os.getcwd() if target.is_module else os.path.dirname(os.path.abspath(target.name))
     sys.path[:1] = [path0]
-
-
-def _find_module(target: _Target) -> None:
-    """Check that the module of ``-m`` exists; a script was checked before the restart.
-
-    Called after seeding: finding a module imports its parent packages, which
-    are part of the program and may draw random numbers at import.
-
-    Raises:
-        _UsageError: the module, or one of its parent packages, cannot be found.
-    """
-    if not target.is_module:
-        return
-    try:
-        found = importlib.util.find_spec(target.name) is not None
-    except (ImportError, ValueError) as exc:
-        raise _UsageError(f"cannot find module {target.name!r}: {exc}") from None
-    if not found:
-        raise _UsageError(f"no module named {target.name!r}")
 
 
 def _set_collectives() -> None:
@@ -641,8 +613,7 @@ def _trace_record(
     outcome = _Outcome()
 
     def script() -> dict[str, Any] | None:
-        _find_module(target)  # in the block: finding it imports its parent packages
-        namespace = _execute(target, outcome)
+        namespace = _execute(target, outcome)  # in the block: see _execute
         return None if namespace is None else script_result(namespace)
 
     name = f"-m {target.name}" if target.is_module else target.name
@@ -694,11 +665,25 @@ def _execute(target: _Target, outcome: _Outcome) -> dict[str, Any] | None:
     """Run ``target``: its global variables, or ``None`` if it did not end normally; how it
     ended goes to ``outcome``.
 
-    Nothing propagates, so that a recording completes: a ``SystemExit`` is
-    kept to be raised once the caller is done (Python then prints its message
-    and picks the status exactly as for ``python script.py``), any other
-    exception printed as Python prints an uncaught one, without our frames.
+    The module of ``-m`` is found first (a script was checked before the
+    restart), after seeding: finding a module imports its parent packages,
+    which are part of the program and may draw random numbers at import.
+    Nothing else propagates, so that a recording completes: a ``SystemExit``
+    is kept to be raised once the caller is done (Python then prints its
+    message and picks the status exactly as for ``python script.py``), any
+    other exception printed as Python prints an uncaught one, without our
+    frames.
+
+    Raises:
+        _UsageError: the module, or one of its parent packages, cannot be found.
     """
+    if target.is_module:
+        try:
+            found = importlib.util.find_spec(target.name) is not None
+        except (ImportError, ValueError) as exc:
+            raise _UsageError(f"cannot find module {target.name!r}: {exc}") from None
+        if not found:
+            raise _UsageError(f"no module named {target.name!r}")
     try:
         return target.run()
     except SystemExit as exc:
@@ -724,10 +709,7 @@ def _trace_compare(a: str, b: str, *, as_json: bool) -> int:
     except (InvalidTraceError, OSError) as exc:
         print(f"{PROG} trace compare: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    if as_json:
-        print(json.dumps(comparison.to_dict(), indent=2))
-    else:
-        print(comparison)
+    print(json.dumps(comparison.to_dict(), indent=2) if as_json else comparison)
     return EXIT_OK if comparison.agree else EXIT_ERROR
 
 
