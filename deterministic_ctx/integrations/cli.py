@@ -229,6 +229,12 @@ def _seed_argument(text: str) -> int:
     raise argparse.ArgumentTypeError(f"must be an integer in 0 .. {MAX_SEED}, got {text!r}")
 
 
+def _add_switches(parser: argparse.ArgumentParser, **helps: str) -> None:
+    """Options that are off unless given (``--warn-only`` sets ``warn_only``), with their help."""
+    for dest, text in helps.items():
+        parser.add_argument(f"--{dest.replace('_', '-')}", action="store_true", help=text)
+
+
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
     """The options of ``run``, which ``trace record`` shares."""
     parser.add_argument(
@@ -238,20 +244,11 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"the seed, an integer in 0 .. {MAX_SEED} (default: 0)",
     )
-    parser.add_argument(
-        "--warn-only",
-        action="store_true",
-        help="operations without a deterministic implementation warn instead of raising",
-    )
-    parser.add_argument(
-        "--no-flags",
-        action="store_true",
-        help="seed only: leave the determinism flags and variables as they are",
-    )
-    parser.add_argument(
-        "--no-fill",
-        action="store_true",
-        help="torch.utils.deterministic.fill_uninitialized_memory off",
+    _add_switches(
+        parser,
+        warn_only="operations without a deterministic implementation warn instead of raising",
+        no_flags="seed only: leave the determinism flags and variables as they are",
+        no_fill="torch.utils.deterministic.fill_uninitialized_memory off",
     )
     parser.add_argument(
         "--compiled-rng",
@@ -285,11 +282,10 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_EXIT_CODES,
         formatter_class=formatter,
     )
-    report.add_argument("--json", action="store_true", help="print the report as JSON, for tools")
-    report.add_argument(
-        "--init-cuda",
-        action="store_true",
-        help="initialize CUDA first, so the report includes device facts "
+    _add_switches(
+        report,
+        json="print the report as JSON, for tools",
+        init_cuda="initialize CUDA first, so the report includes device facts "
         "(does nothing where CUDA is not available)",
     )
 
@@ -302,11 +298,11 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
     )
     _add_run_options(run)
-    run.add_argument(
-        "--deterministic-collectives",
-        action="store_true",
-        help="set NCCL_ALGO=Ring, NCCL_NVLS_ENABLE=0 and NCCL_COLLNET_ENABLE=0 for the script "
-        "and its children, so that NCCL reductions sum in a fixed order",
+    _add_switches(
+        run,
+        deterministic_collectives="set NCCL_ALGO=Ring, NCCL_NVLS_ENABLE=0 and "
+        "NCCL_COLLNET_ENABLE=0 for the script and its children, so that NCCL reductions sum "
+        "in a fixed order",
     )
 
     trace = commands.add_parser(
@@ -327,15 +323,10 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
     )
     _add_run_options(record)
-    record.add_argument(
-        "--backward",
-        action="store_true",
-        help="fingerprint the gradients too (each call's inputs and each module's parameters)",
-    )
-    record.add_argument(
-        "--ops",
-        action="store_true",
-        help="record every aten op call too (its results' fingerprints and the script's "
+    _add_switches(
+        record,
+        backward="fingerprint the gradients too (each call's inputs and each module's parameters)",
+        ops="record every aten op call too (its results' fingerprints and the script's "
         "file:line), so that compare names the first op that differs; several times slower",
     )
     record.add_argument("output", metavar="OUT", help="the trace file to write")
@@ -346,7 +337,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_TRACE_COMPARE_EPILOG,
         formatter_class=formatter,
     )
-    compare.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    _add_switches(compare, json="print the comparison as JSON")
     compare.add_argument("a", metavar="A", help="a trace file")
     compare.add_argument("b", metavar="B", help="another trace file")
     return parser
