@@ -476,13 +476,6 @@ class _Target(NamedTuple):
     args: list[str]
     is_module: bool
 
-    def run(self) -> dict[str, Any]:
-        """Run it as ``__main__``, as ``python script.py`` / ``python -m module`` would;
-        its global variables when it ended."""
-        if self.is_module:
-            return runpy.run_module(self.name, run_name="__main__", alter_sys=True)
-        return runpy.run_path(self.name, run_name="__main__")
-
 
 class _UsageError(DeterministicCtxError):
     """A usage error of ``run``: printed as ``deterministic-ctx run: error: ...``, status 2."""
@@ -653,7 +646,8 @@ def _check_output(output: str) -> None:
 
 
 def _execute(target: _Target, outcome: _Outcome) -> dict[str, Any] | None:
-    """Run ``target``: its global variables, or ``None`` if it did not end normally; how it
+    """Run ``target`` as ``__main__``, as ``python script.py`` / ``python -m module`` would:
+    its global variables when it ended, or ``None`` if it did not end normally; how it
     ended goes to ``outcome``.
 
     The module of ``-m`` is found first (a script was checked before the
@@ -676,7 +670,9 @@ def _execute(target: _Target, outcome: _Outcome) -> dict[str, Any] | None:
         if not found:
             raise _UsageError(f"no module named {target.name!r}")
     try:
-        return target.run()
+        if target.is_module:
+            return runpy.run_module(target.name, run_name="__main__", alter_sys=True)
+        return runpy.run_path(target.name, run_name="__main__")
     except SystemExit as exc:
         outcome.exit = exc
         code = exc.code

@@ -24,7 +24,7 @@ import os
 import secrets
 import sys
 import warnings
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -235,16 +235,8 @@ def _deterministic_ctx(request: pytest.FixtureRequest) -> Iterator[None]:
         block = deterministic(run.seed, warn_only=run.warn_only, **run.options)  # type: ignore[arg-type]
     except (TypeError, ValueError) as exc:
         pytest.fail(f"@pytest.mark.{_MARKER} on {item.nodeid}: {exc}", pytrace=False)
-    with block:
-        item.stash[_RUN] = run
-        item.runtest = _continuing(item.runtest, run)
-        try:
-            yield
-        finally:
-            del item.runtest
+    runtest = item.runtest
 
-
-def _continuing(runtest: Callable[[], None], run: _Run) -> Callable[[], None]:
     def runtest_in_block() -> None:
         # Between setup and call other plugins run their hooks: pytest-randomly reseeds
         # ``random`` and NumPy there.  Putting the block's state back makes the test body
@@ -253,7 +245,13 @@ def _continuing(runtest: Callable[[], None], run: _Run) -> Callable[[], None]:
             run.inner.restore()
         runtest()
 
-    return runtest_in_block
+    with block:
+        item.stash[_RUN] = run
+        item.runtest = runtest_in_block
+        try:
+            yield
+        finally:
+            del item.runtest
 
 
 @pytest.hookimpl(hookwrapper=True)
