@@ -10,10 +10,10 @@
   determinism flags or environment variables the library manages and does not put them back.
 * The ``deterministic_seed`` fixture is the seed the current test runs with.
 
-This module lives outside the ``deterministic_ctx`` package on purpose: pytest imports every
-installed plugin at start-up, in every project of the environment, and importing the package
-imports torch (about a second).  Like Hypothesis' ``_hypothesis_pytestplugin``, the plugin imports
-the library only when a test needs a block, or, for the leak guard, once torch is loaded anyway.
+Importing this module loads neither torch nor NumPy, on purpose: pytest imports every installed
+plugin at start-up, in every project of the environment, and the library's engine imports torch
+(about a second).  Like Hypothesis' ``_hypothesis_pytestplugin``, the plugin imports the library
+only when a test needs a block, or, for the leak guard, once torch is loaded anyway.
 """
 
 from __future__ import annotations
