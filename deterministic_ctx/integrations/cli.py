@@ -229,6 +229,12 @@ def _seed_argument(text: str) -> int:
     raise argparse.ArgumentTypeError(f"must be an integer in 0 .. {MAX_SEED}, got {text!r}")
 
 
+def _add_switches(parser: argparse.ArgumentParser, **helps: str) -> None:
+    """Options that are off unless given (``--warn-only`` sets ``warn_only``), with their help."""
+    for dest, text in helps.items():
+        parser.add_argument(f"--{dest.replace('_', '-')}", action="store_true", help=text)
+
+
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
     """The options of ``run``, which ``trace record`` shares."""
     parser.add_argument(
@@ -238,20 +244,11 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"the seed, an integer in 0 .. {MAX_SEED} (default: 0)",
     )
-    parser.add_argument(
-        "--warn-only",
-        action="store_true",
-        help="operations without a deterministic implementation warn instead of raising",
-    )
-    parser.add_argument(
-        "--no-flags",
-        action="store_true",
-        help="seed only: leave the determinism flags and variables as they are",
-    )
-    parser.add_argument(
-        "--no-fill",
-        action="store_true",
-        help="torch.utils.deterministic.fill_uninitialized_memory off",
+    _add_switches(
+        parser,
+        warn_only="operations without a deterministic implementation warn instead of raising",
+        no_flags="seed only: leave the determinism flags and variables as they are",
+        no_fill="torch.utils.deterministic.fill_uninitialized_memory off",
     )
     parser.add_argument(
         "--compiled-rng",
@@ -285,11 +282,10 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_EXIT_CODES,
         formatter_class=formatter,
     )
-    report.add_argument("--json", action="store_true", help="print the report as JSON, for tools")
-    report.add_argument(
-        "--init-cuda",
-        action="store_true",
-        help="initialize CUDA first, so the report includes device facts "
+    _add_switches(
+        report,
+        json="print the report as JSON, for tools",
+        init_cuda="initialize CUDA first, so the report includes device facts "
         "(does nothing where CUDA is not available)",
     )
 
@@ -302,11 +298,11 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
     )
     _add_run_options(run)
-    run.add_argument(
-        "--deterministic-collectives",
-        action="store_true",
-        help="set NCCL_ALGO=Ring, NCCL_NVLS_ENABLE=0 and NCCL_COLLNET_ENABLE=0 for the script "
-        "and its children, so that NCCL reductions sum in a fixed order",
+    _add_switches(
+        run,
+        deterministic_collectives="set NCCL_ALGO=Ring, NCCL_NVLS_ENABLE=0 and "
+        "NCCL_COLLNET_ENABLE=0 for the script and its children, so that NCCL reductions sum "
+        "in a fixed order",
     )
 
     trace = commands.add_parser(
@@ -327,15 +323,10 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
     )
     _add_run_options(record)
-    record.add_argument(
-        "--backward",
-        action="store_true",
-        help="fingerprint the gradients too (each call's inputs and each module's parameters)",
-    )
-    record.add_argument(
-        "--ops",
-        action="store_true",
-        help="record every aten op call too (its results' fingerprints and the script's "
+    _add_switches(
+        record,
+        backward="fingerprint the gradients too (each call's inputs and each module's parameters)",
+        ops="record every aten op call too (its results' fingerprints and the script's "
         "file:line), so that compare names the first op that differs; several times slower",
     )
     record.add_argument("output", metavar="OUT", help="the trace file to write")
@@ -346,7 +337,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_TRACE_COMPARE_EPILOG,
         formatter_class=formatter,
     )
-    compare.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    _add_switches(compare, json="print the comparison as JSON")
     compare.add_argument("a", metavar="A", help="a trace file")
     compare.add_argument("b", metavar="B", help="another trace file")
     return parser
@@ -385,7 +376,7 @@ def _split(tokens: Sequence[str], *, out: bool = False) -> tuple[list[str], list
             if out and rest:  # `--` then OUT: argparse takes it as a positional
                 options += ["--", rest.pop(0)]
             return options, rest
-        if not _is_option(word):
+        if not word.startswith("-") or word == "-":  # `-` is stdin's name, not an option
             if not out:
                 rest.insert(0, word)  # the script
                 return options, rest
@@ -396,11 +387,6 @@ def _split(tokens: Sequence[str], *, out: bool = False) -> tuple[list[str], list
         if word.startswith("-m"):  # -m module, or -mmodule: the module's arguments follow
             return options, rest
     return options, rest
-
-
-def _is_option(word: str) -> bool:
-    """Whether ``word`` is one of our options (``-`` is stdin's name and ``--`` the separator)."""
-    return word.startswith("-") and word not in ("-", "--")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -476,10 +462,7 @@ def _report(*, as_json: bool, init_cuda: bool) -> int:
         if torch.cuda.is_available():
             torch.cuda.init()  # type: ignore[no-untyped-call]
     r = report()
-    if as_json:
-        print(json.dumps(r.to_dict(), indent=2))
-    else:
-        print(r)
+    print(json.dumps(r.to_dict(), indent=2) if as_json else r)
     return EXIT_OK
 
 
@@ -492,13 +475,6 @@ class _Target(NamedTuple):
     name: str
     args: list[str]
     is_module: bool
-
-    def run(self) -> dict[str, Any]:
-        """Run it as ``__main__``, as ``python script.py`` / ``python -m module`` would;
-        its global variables when it ended."""
-        if self.is_module:
-            return runpy.run_module(self.name, run_name="__main__", alter_sys=True)
-        return runpy.run_path(self.name, run_name="__main__")
 
 
 class _UsageError(DeterministicCtxError):
@@ -520,7 +496,6 @@ def _run(target: _Target, seed: int, settings: dict[str, Any], collectives: bool
         from ..reporting.collectives import observe
 
         observe()
-    _find_module(target)
     outcome = _Outcome()
     _execute(target, outcome)
     if outcome.exit is not None:
@@ -552,25 +527,6 @@ def _set_up_main(target: _Target) -> None:
     # The current directory for -m, the script's own directory otherwise.
     path0 = os.getcwd() if target.is_module else os.path.dirname(os.path.abspath(target.name))
     sys.path[:1] = [path0]
-
-
-def _find_module(target: _Target) -> None:
-    """Check that the module of ``-m`` exists; a script was checked before the restart.
-
-    Called after seeding: finding a module imports its parent packages, which
-    are part of the program and may draw random numbers at import.
-
-    Raises:
-        _UsageError: the module, or one of its parent packages, cannot be found.
-    """
-    if not target.is_module:
-        return
-    try:
-        found = importlib.util.find_spec(target.name) is not None
-    except (ImportError, ValueError) as exc:
-        raise _UsageError(f"cannot find module {target.name!r}: {exc}") from None
-    if not found:
-        raise _UsageError(f"no module named {target.name!r}")
 
 
 def _set_collectives() -> None:
@@ -641,8 +597,7 @@ def _trace_record(
     outcome = _Outcome()
 
     def script() -> dict[str, Any] | None:
-        _find_module(target)  # in the block: finding it imports its parent packages
-        namespace = _execute(target, outcome)
+        namespace = _execute(target, outcome)  # in the block: see _execute
         return None if namespace is None else script_result(namespace)
 
     name = f"-m {target.name}" if target.is_module else target.name
@@ -691,16 +646,33 @@ def _check_output(output: str) -> None:
 
 
 def _execute(target: _Target, outcome: _Outcome) -> dict[str, Any] | None:
-    """Run ``target``: its global variables, or ``None`` if it did not end normally; how it
+    """Run ``target`` as ``__main__``, as ``python script.py`` / ``python -m module`` would:
+    its global variables when it ended, or ``None`` if it did not end normally; how it
     ended goes to ``outcome``.
 
-    Nothing propagates, so that a recording completes: a ``SystemExit`` is
-    kept to be raised once the caller is done (Python then prints its message
-    and picks the status exactly as for ``python script.py``), any other
-    exception printed as Python prints an uncaught one, without our frames.
+    The module of ``-m`` is found first (a script was checked before the
+    restart), after seeding: finding a module imports its parent packages,
+    which are part of the program and may draw random numbers at import.
+    Nothing else propagates, so that a recording completes: a ``SystemExit``
+    is kept to be raised once the caller is done (Python then prints its
+    message and picks the status exactly as for ``python script.py``), any
+    other exception printed as Python prints an uncaught one, without our
+    frames.
+
+    Raises:
+        _UsageError: the module, or one of its parent packages, cannot be found.
     """
+    if target.is_module:
+        try:
+            found = importlib.util.find_spec(target.name) is not None
+        except (ImportError, ValueError) as exc:
+            raise _UsageError(f"cannot find module {target.name!r}: {exc}") from None
+        if not found:
+            raise _UsageError(f"no module named {target.name!r}")
     try:
-        return target.run()
+        if target.is_module:
+            return runpy.run_module(target.name, run_name="__main__", alter_sys=True)
+        return runpy.run_path(target.name, run_name="__main__")
     except SystemExit as exc:
         outcome.exit = exc
         code = exc.code
@@ -724,10 +696,7 @@ def _trace_compare(a: str, b: str, *, as_json: bool) -> int:
     except (InvalidTraceError, OSError) as exc:
         print(f"{PROG} trace compare: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    if as_json:
-        print(json.dumps(comparison.to_dict(), indent=2))
-    else:
-        print(comparison)
+    print(json.dumps(comparison.to_dict(), indent=2) if as_json else comparison)
     return EXIT_OK if comparison.agree else EXIT_ERROR
 
 

@@ -10,10 +10,10 @@
   determinism flags or environment variables the library manages and does not put them back.
 * The ``deterministic_seed`` fixture is the seed the current test runs with.
 
-This module lives outside the ``deterministic_ctx`` package on purpose: pytest imports every
-installed plugin at start-up, in every project of the environment, and importing the package
-imports torch (about a second).  Like Hypothesis' ``_hypothesis_pytestplugin``, the plugin imports
-the library only when a test needs a block, or, for the leak guard, once torch is loaded anyway.
+Importing this module loads neither torch nor NumPy, on purpose: pytest imports every installed
+plugin at start-up, in every project of the environment, and the library's engine imports torch
+(about a second).  Like Hypothesis' ``_hypothesis_pytestplugin``, the plugin imports the library
+only when a test needs a block, or, for the leak guard, once torch is loaded anyway.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import os
 import secrets
 import sys
 import warnings
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -235,16 +235,8 @@ def _deterministic_ctx(request: pytest.FixtureRequest) -> Iterator[None]:
         block = deterministic(run.seed, warn_only=run.warn_only, **run.options)  # type: ignore[arg-type]
     except (TypeError, ValueError) as exc:
         pytest.fail(f"@pytest.mark.{_MARKER} on {item.nodeid}: {exc}", pytrace=False)
-    with block:
-        item.stash[_RUN] = run
-        item.runtest = _continuing(item.runtest, run)
-        try:
-            yield
-        finally:
-            del item.runtest
+    runtest = item.runtest
 
-
-def _continuing(runtest: Callable[[], None], run: _Run) -> Callable[[], None]:
     def runtest_in_block() -> None:
         # Between setup and call other plugins run their hooks: pytest-randomly reseeds
         # ``random`` and NumPy there.  Putting the block's state back makes the test body
@@ -253,7 +245,13 @@ def _continuing(runtest: Callable[[], None], run: _Run) -> Callable[[], None]:
             run.inner.restore()
         runtest()
 
-    return runtest_in_block
+    with block:
+        item.stash[_RUN] = run
+        item.runtest = runtest_in_block
+        try:
+            yield
+        finally:
+            del item.runtest
 
 
 @pytest.hookimpl(hookwrapper=True)

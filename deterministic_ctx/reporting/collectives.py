@@ -41,6 +41,7 @@ communicator (the NCCL version is a constant of the library).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import weakref
@@ -78,18 +79,16 @@ def nccl_env_names() -> tuple[str, ...]:
 # --- what the report remembers ---------------------------------------------------------------
 
 
+@dataclasses.dataclass
 class _Memory:
     """What reports saw: the NCCL values at the latest look before the current group was in
     use, the group, and the values at the first look once it was."""
 
-    __slots__ = ("before", "group", "in_use")
-
-    def __init__(self) -> None:
-        self.before: dict[str, str | None] | None = None
-        #: Tells whether a group is the one remembered: a weak reference where the group
-        #: takes one (a destroyed group must not be kept alive), else its ``id``.
-        self.group: Callable[[object], bool] | None = None
-        self.in_use: dict[str, str | None] | None = None
+    before: dict[str, str | None] | None = None
+    #: Tells whether a group is the one remembered: a weak reference where the group
+    #: takes one (a destroyed group must not be kept alive), else its ``id``.
+    group: Callable[[object], bool] | None = None
+    in_use: dict[str, str | None] | None = None
 
 
 _memory = _Memory()
@@ -146,10 +145,7 @@ def observe() -> None:
     """
     import torch
 
-    dist = getattr(torch, "distributed", None)
-    facts, group = _process_group(dist)
-    env = {name: os.environ.get(name) for name in nccl_env_names()}
-    _remember(group, _in_use(facts), env)
+    collective_facts(torch)  # the look a report makes; only what it remembers counts
 
 
 # --- the facts ---------------------------------------------------------------------------------
@@ -185,7 +181,8 @@ def collective_facts(
     effective: dict[str, str | None] = {}
     meanings: dict[str, str] = {}
     for name, value in env.items():
-        path = None if value is not None else _file_setting(config, name)
+        # An unset variable's value comes from a file: in NCCL's order, the first to set it.
+        path = next((p for p, values in config.items() if value is None and name in values), None)
         effective[name] = value if path is None else config[path][name]
         meanings[name] = meaning(name, effective[name]) + ("" if path is None else f" ({path})")
     return {
@@ -303,12 +300,6 @@ def _config_files(names: tuple[str, ...]) -> dict[str, dict[str, str]]:
         if values:
             found[path] = values
     return found
-
-
-def _file_setting(config: Mapping[str, Mapping[str, str]], name: str) -> str | None:
-    """The file NCCL would take an unset variable's value from, else ``None``."""
-    # In NCCL's order: the first file to set it wins.
-    return next((path for path, values in config.items() if name in values), None)
 
 
 # --- what a value means ---------------------------------------------------------------------------

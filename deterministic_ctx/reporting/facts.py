@@ -84,22 +84,18 @@ def flags(torch: Any, snapshot: Any) -> dict[str, Any]:
     return flags
 
 
-def _in_bad_fork(cuda: Any) -> bool:
-    """Whether this is a child forked after CUDA initialized (it cannot use CUDA)."""
+def cuda_facts(torch: Any) -> dict[str, Any]:
     from ..internal import bad_fork_check
 
-    check = bad_fork_check(cuda)
-    return bool(check()) if check is not None else False
-
-
-def cuda_facts(torch: Any) -> dict[str, Any]:
     cuda = torch.cuda
+    # Whether this is a child forked after CUDA initialized (it cannot use CUDA).
+    in_bad_fork = bad_fork_check(cuda)
     facts: dict[str, Any] = {
         "built": bool(torch.backends.cuda.is_built()),
         "compiled_version": torch.version.cuda or getattr(torch.version, "hip", None),
         "cudnn_built": bool(torch.backends.cudnn.is_available()),
         "initialized": bool(cuda.is_initialized()),
-        "bad_fork": _in_bad_fork(cuda),
+        "bad_fork": bool(in_bad_fork()) if in_bad_fork is not None else False,
     }
     if not facts["initialized"]:
         return facts  # querying devices would initialize CUDA: never here

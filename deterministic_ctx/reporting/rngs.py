@@ -96,25 +96,19 @@ def _torch_cpu_rng(facts: RngFacts) -> RngStatus:
 def _cuda_rng(facts: RngFacts) -> tuple[RngStatus, ...]:
     """The CUDA default generators: read once CUDA started, else what they will start from.
 
-    Nothing on a build without CUDA.
+    Reading the generators of a CUDA not started would start it, so the snapshot
+    tells instead.  Nothing on a build without CUDA.
     """
     torch = facts.torch
     if torch.cuda.is_initialized():
-        return (_started_cuda_rng(facts),)
-    if torch.backends.cuda.is_built() and "torch.cuda" in facts.snapshot.sources:
-        return (_pending_cuda_rng(facts),)
-    return ()
-
-
-def _started_cuda_rng(facts: RngFacts) -> RngStatus:
-    seeds = [int(g.initial_seed()) for g in facts.torch.cuda.default_generators]
-    seeded = facts.in_block or any(s != TORCH_DEFAULT_SEED for s in seeds)
-    detail = f"initial seed per device: {seeds}" + ("" if seeded else " (torch's fixed default)")
-    return RngStatus("torch.cuda", seeded, seeds[0] if len(set(seeds)) == 1 else None, detail)
-
-
-def _pending_cuda_rng(facts: RngFacts) -> RngStatus:
-    """CUDA not started: reading its generators would start it, so the snapshot tells instead."""
+        seeds = [int(g.initial_seed()) for g in torch.cuda.default_generators]
+        seeded = facts.in_block or any(s != TORCH_DEFAULT_SEED for s in seeds)
+        detail = f"initial seed per device: {seeds}"
+        detail += "" if seeded else " (torch's fixed default)"
+        unique = seeds[0] if len(set(seeds)) == 1 else None
+        return (RngStatus("torch.cuda", seeded, unique, detail),)
+    if not torch.backends.cuda.is_built() or "torch.cuda" not in facts.snapshot.sources:
+        return ()
     lazy = facts.snapshot.state_of("torch.cuda")
     queued = any(getattr(lazy, name, None) is not None for name in ("seed_all", "seed_one"))
     if facts.in_block:
@@ -125,7 +119,7 @@ def _pending_cuda_rng(facts: RngFacts) -> RngStatus:
         detail = (
             f"not initialized; it would start from torch's fixed default seed {TORCH_DEFAULT_SEED}"
         )
-    return RngStatus("torch.cuda", facts.in_block or queued, None, detail)
+    return (RngStatus("torch.cuda", facts.in_block or queued, None, detail),)
 
 
 def _user_rngs(facts: RngFacts) -> tuple[RngStatus, ...]:

@@ -1,7 +1,8 @@
-"""The report's problems: one function per rule, listed in :data:`RULES`.
+"""The report's problems: one rule per problem, listed in :data:`RULES`.
 
-:func:`problems` is a pure function of the facts, so each rule is testable
-on its own.
+Most rules have one shape, a condition and a message (a :class:`_Rule` row of
+the table); the rest are functions.  :func:`problems` is a pure function of
+the facts, so each rule is testable on its own.
 """
 
 from __future__ import annotations
@@ -43,148 +44,31 @@ class Facts:
         return self.env.get("CUBLAS_WORKSPACE_CONFIG")
 
 
-def _when(applies: object, level: str, code: str, message: str) -> Problem | None:
-    """A rule's answer: the problem where it ``applies``, else ``None``."""
-    return Problem(level, code, message) if applies else None
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """A rule of the common shape: its problem where ``applies``, else ``None``.
+
+    ``message`` is the text, or makes it from the facts.
+    """
+
+    level: str
+    code: str
+    applies: Callable[[Facts], object]
+    message: str | Callable[[Facts], str]
+
+    def __call__(self, f: Facts) -> Problem | None:
+        if not self.applies(f):
+            return None
+        message = self.message if isinstance(self.message, str) else self.message(f)
+        return Problem(self.level, self.code, message)
 
 
-def _nondeterministic_algorithms(f: Facts) -> Problem | None:
-    return _when(
-        not f.flags["deterministic_algorithms"],
-        "warning",
-        "nondeterministic-algorithms",
-        "torch.use_deterministic_algorithms is off: operations with nondeterministic kernels "
-        "(scatter_add_, index_add_, embedding backward, ... mostly on CUDA) may differ run to run",
-    )
+def _internal() -> Any:
+    """:mod:`deterministic_ctx.internal`, for its constants: imported when a rule runs, since
+    it imports torch and this module must not."""
+    from .. import internal
 
-
-def _warn_only(f: Facts) -> Problem | None:
-    # torch reads warn_only only with deterministic algorithms on.
-    return _when(
-        f.flags["deterministic_algorithms"] and f.flags["deterministic_warn_only"],
-        "note",
-        "warn-only",
-        "nondeterministic operations only warn (warn_only=True) instead of raising",
-    )
-
-
-def _uninitialized_memory(f: Facts) -> Problem | None:
-    # Like warn_only, torch reads this flag only with deterministic algorithms on; and of
-    # these three rules, only the first that applies reports.
-    flags = f.flags
-    return _when(
-        flags["deterministic_algorithms"]
-        and not flags["deterministic_warn_only"]
-        and flags["fill_uninitialized_memory"] is False,  # None: this torch lacks it
-        "note",
-        "uninitialized-memory",
-        "fill_uninitialized_memory is off: torch.empty() may expose whatever the memory held "
-        "before",
-    )
-
-
-def _cudnn_benchmark(f: Facts) -> Problem | None:
-    return _when(
-        f.flags["cudnn_benchmark"],
-        "warning",
-        "cudnn-benchmark",
-        "torch.backends.cudnn.benchmark is on: cuDNN times several algorithms at first use and "
-        "may choose a different one in each run",
-    )
-
-
-def _cudnn_nondeterministic(f: Facts) -> Problem | None:
-    # Deterministic algorithms make cuDNN deterministic too, whatever its own flag says.
-    flags = f.flags
-    return _when(
-        f.gpu and not (flags["cudnn_deterministic"] or flags["deterministic_algorithms"]),
-        "warning",
-        "cudnn-nondeterministic",
-        "torch.backends.cudnn.deterministic is off (and deterministic algorithms too): cuDNN may "
-        "pick nondeterministic convolution algorithms",
-    )
-
-
-def _cublas_workspace(f: Facts) -> Problem | None:
-    from ..internal import CUBLAS_VALID
-
-    shown = "unset" if f.cublas is None else repr(f.cublas)
-    return _when(
-        f.gpu and f.cublas not in CUBLAS_VALID,
-        "warning",
-        "cublas-workspace",
-        f"CUBLAS_WORKSPACE_CONFIG is {shown}: cuBLAS is only deterministic with "
-        f"{' or '.join(CUBLAS_VALID)} (with deterministic algorithms on, cuBLAS calls raise); "
-        "set it before starting Python",
-    )
-
-
-def _cublas_workspace_late(f: Facts) -> Problem | None:
-    # A valid value that the process did not start with (an invalid one is the rule
-    # above's; initialized CUDA implies f.gpu).  Unknown start environment: no claim.
-    from ..internal import CUBLAS_VALID
-
-    return _when(
-        f.cuda.get("initialized")
-        and f.cublas in CUBLAS_VALID
-        and f.startup_env is not None
-        and f.startup_env.get("CUBLAS_WORKSPACE_CONFIG") != f.cublas,
-        "warning",
-        "cublas-workspace-late",
-        "CUBLAS_WORKSPACE_CONFIG was set after the process started and CUDA is initialized: "
-        "cuBLAS reads it when it creates its first handle, so it may have no effect in this "
-        "process; set it before starting Python",
-    )
-
-
-def _pythonhashseed_spawn(f: Facts) -> Problem | None:
-    # Forked children inherit the parent's hash secret; spawned ones draw a new one.
-    hashseed = f.env.get("PYTHONHASHSEED")
-    return _when(
-        f.start_method in ("spawn", "forkserver") and hashseed in (None, "random"),
-        "warning",
-        "pythonhashseed-spawn",
-        f"PYTHONHASHSEED is {'unset' if hashseed is None else 'random'} and new processes start "
-        f"with {f.start_method!r}: DataLoader workers and other child processes hash str and "
-        "bytes differently in each run (set iteration order changes); deterministic blocks set "
-        "it for their duration, or set it before starting Python",
-    )
-
-
-def _cuda_bad_fork(f: Facts) -> Problem | None:
-    return _when(
-        f.cuda.get("bad_fork"),
-        "warning",
-        "cuda-bad-fork",
-        "this is a forked child of a process that had initialized CUDA: CUDA cannot be used here",
-    )
-
-
-def _tf32(f: Facts) -> Problem | None:
-    tf32 = (
-        f.flags["float32_matmul_precision"] != "highest"
-        or "tf32" in f.flags.get("fp32_precision", {}).values()
-    )
-    return _when(
-        f.gpu and tf32,
-        "note",
-        "tf32",
-        "TF32 is allowed for float32 math: deterministic on one GPU model, but results differ "
-        "between GPU generations and from CPU results",
-    )
-
-
-def _inductor(f: Facts) -> Problem | None:
-    from ..internal import INDUCTOR_CONFIG
-
-    # ``None`` when torch._inductor is not imported: the report never imports it to ask.
-    return _when(
-        f.flags.get("inductor_deterministic") is False,
-        "note",
-        "inductor",
-        f"{INDUCTOR_CONFIG}.deterministic is off: torch.compile may autotune and pick "
-        "different kernels in each run",
-    )
+    return internal
 
 
 def _compiled_rng(f: Facts) -> Problem | None:
@@ -213,22 +97,6 @@ def _compiled_rng(f: Facts) -> Problem | None:
         f"{INDUCTOR_CONFIG}.fallback_random = True, in effect when the compiled code first "
         f"runs (code compiled before keeps its numbers until {DYNAMO}.reset()); random ops "
         "then run eager's kernels, unfused: slower",
-    )
-
-
-def _compiled_numpy_rng(f: Facts) -> Problem | None:
-    from ..internal import DYNAMO_CONFIG
-
-    # Absent when torch._dynamo is not imported.  Dynamo traces np.random calls into
-    # torch._numpy.random, which draws from torch's generator unless told otherwise.
-    return _when(
-        f.torch_compile.get(f"{DYNAMO_CONFIG}.use_numpy_random_stream") is False,
-        "note",
-        "compiled-numpy-rng",
-        f"{DYNAMO_CONFIG}.use_numpy_random_stream is off: np.random calls inside code "
-        "compiled with torch.compile draw from torch's generator, not NumPy's (other numbers "
-        "than eager, and NumPy's state does not advance); set it to True to keep NumPy's "
-        "stream (each such call is then a graph break)",
     )
 
 
@@ -340,50 +208,163 @@ def _nccl_nvls(f: Facts) -> Problem | None:
     )
 
 
-def _nccl_collnet(f: Facts) -> Problem | None:
-    effective = f.collectives.get("effective", {})
-    value = effective.get("NCCL_COLLNET_ENABLE")
-    return _when(
-        _nccl_in_network(f, "NCCL_COLLNET_ENABLE", COLLNET_ALGORITHMS, value == "1")
-        and (f.collectives.get("nccl_available") or _group(f).get("uses_nccl")),
-        "warning",
-        "nccl-collnet",
-        "NCCL_COLLNET_ENABLE is '1': NCCL may reduce in the network's switches (SHARP), in an "
-        "order it does not control; set NCCL_COLLNET_ENABLE=0 (or NCCL_ALGO=Ring) before "
-        "init_process_group",
-    )
-
-
-def _unseeded(f: Facts) -> Problem | None:
-    return _when(
-        any(r.name == "torch.cpu" and r.seeded is False for r in f.rngs),
-        "note",
-        "unseeded",
-        "torch's global generator was never seeded in this process: use "
-        "deterministic(seed=...) or seed_everything(...)",
-    )
-
-
 #: The rules, in report order: each gives its problem, or ``None`` when the facts are fine.
 RULES: tuple[Callable[[Facts], Problem | None], ...] = (
-    _nondeterministic_algorithms,
-    _warn_only,
-    _uninitialized_memory,
-    _cudnn_benchmark,
-    _cudnn_nondeterministic,
-    _cublas_workspace,
-    _cublas_workspace_late,
-    _pythonhashseed_spawn,
-    _cuda_bad_fork,
-    _tf32,
-    _inductor,
+    _Rule(
+        "warning",
+        "nondeterministic-algorithms",
+        lambda f: not f.flags["deterministic_algorithms"],
+        "torch.use_deterministic_algorithms is off: operations with nondeterministic kernels "
+        "(scatter_add_, index_add_, embedding backward, ... mostly on CUDA) may differ run to run",
+    ),
+    # torch reads warn_only only with deterministic algorithms on.
+    _Rule(
+        "note",
+        "warn-only",
+        lambda f: f.flags["deterministic_algorithms"] and f.flags["deterministic_warn_only"],
+        "nondeterministic operations only warn (warn_only=True) instead of raising",
+    ),
+    # Like warn_only, torch reads this flag only with deterministic algorithms on; and of
+    # these three rules, only the first that applies reports.
+    _Rule(
+        "note",
+        "uninitialized-memory",
+        lambda f: (
+            f.flags["deterministic_algorithms"]
+            and not f.flags["deterministic_warn_only"]
+            and f.flags["fill_uninitialized_memory"] is False  # None: this torch lacks it
+        ),
+        "fill_uninitialized_memory is off: torch.empty() may expose whatever the memory held "
+        "before",
+    ),
+    _Rule(
+        "warning",
+        "cudnn-benchmark",
+        lambda f: f.flags["cudnn_benchmark"],
+        "torch.backends.cudnn.benchmark is on: cuDNN times several algorithms at first use and "
+        "may choose a different one in each run",
+    ),
+    # Deterministic algorithms make cuDNN deterministic too, whatever its own flag says.
+    _Rule(
+        "warning",
+        "cudnn-nondeterministic",
+        lambda f: (
+            f.gpu and not (f.flags["cudnn_deterministic"] or f.flags["deterministic_algorithms"])
+        ),
+        "torch.backends.cudnn.deterministic is off (and deterministic algorithms too): cuDNN may "
+        "pick nondeterministic convolution algorithms",
+    ),
+    _Rule(
+        "warning",
+        "cublas-workspace",
+        lambda f: f.gpu and f.cublas not in _internal().CUBLAS_VALID,
+        lambda f: (
+            f"CUBLAS_WORKSPACE_CONFIG is {_value(f.cublas)}: cuBLAS is only deterministic with "
+            f"{' or '.join(_internal().CUBLAS_VALID)} (with deterministic algorithms on, cuBLAS "
+            "calls raise); set it before starting Python"
+        ),
+    ),
+    # A valid value that the process did not start with (an invalid one is the rule
+    # above's; initialized CUDA implies f.gpu).  Unknown start environment: no claim.
+    _Rule(
+        "warning",
+        "cublas-workspace-late",
+        lambda f: (
+            f.cuda.get("initialized")
+            and f.cublas in _internal().CUBLAS_VALID
+            and f.startup_env is not None
+            and f.startup_env.get("CUBLAS_WORKSPACE_CONFIG") != f.cublas
+        ),
+        "CUBLAS_WORKSPACE_CONFIG was set after the process started and CUDA is initialized: "
+        "cuBLAS reads it when it creates its first handle, so it may have no effect in this "
+        "process; set it before starting Python",
+    ),
+    # Forked children inherit the parent's hash secret; spawned ones draw a new one.
+    _Rule(
+        "warning",
+        "pythonhashseed-spawn",
+        lambda f: (
+            f.start_method in ("spawn", "forkserver")
+            and f.env.get("PYTHONHASHSEED") in (None, "random")
+        ),
+        lambda f: (
+            f"PYTHONHASHSEED is {f.env.get('PYTHONHASHSEED') or 'unset'} and new processes "
+            f"start with {f.start_method!r}: DataLoader workers and other child processes hash str "
+            "and bytes differently in each run (set iteration order changes); deterministic blocks "
+            "set it for their duration, or set it before starting Python"
+        ),
+    ),
+    _Rule(
+        "warning",
+        "cuda-bad-fork",
+        lambda f: f.cuda.get("bad_fork"),
+        "this is a forked child of a process that had initialized CUDA: CUDA cannot be used here",
+    ),
+    _Rule(
+        "note",
+        "tf32",
+        lambda f: (
+            f.gpu
+            and (
+                f.flags["float32_matmul_precision"] != "highest"
+                or "tf32" in f.flags.get("fp32_precision", {}).values()
+            )
+        ),
+        "TF32 is allowed for float32 math: deterministic on one GPU model, but results differ "
+        "between GPU generations and from CPU results",
+    ),
+    # ``None`` when torch._inductor is not imported: the report never imports it to ask.
+    _Rule(
+        "note",
+        "inductor",
+        lambda f: f.flags.get("inductor_deterministic") is False,
+        lambda f: (
+            f"{_internal().INDUCTOR_CONFIG}.deterministic is off: torch.compile may "
+            "autotune and pick different kernels in each run"
+        ),
+    ),
     _compiled_rng,
-    _compiled_numpy_rng,
+    # Absent when torch._dynamo is not imported.  Dynamo traces np.random calls into
+    # torch._numpy.random, which draws from torch's generator unless told otherwise.
+    _Rule(
+        "note",
+        "compiled-numpy-rng",
+        lambda f: (
+            f.torch_compile.get(f"{_internal().DYNAMO_CONFIG}.use_numpy_random_stream") is False
+        ),
+        lambda f: (
+            f"{_internal().DYNAMO_CONFIG}.use_numpy_random_stream is off: np.random calls inside "
+            "code compiled with torch.compile draw from torch's generator, not NumPy's (other "
+            "numbers than eager, and NumPy's state does not advance); set it to True to keep "
+            "NumPy's stream (each such call is then a graph break)"
+        ),
+    ),
     _nccl_env_late,
     _nccl_env_changed,
     _nccl_nvls,
-    _nccl_collnet,
-    _unseeded,
+    _Rule(
+        "warning",
+        "nccl-collnet",
+        lambda f: (
+            _nccl_in_network(
+                f,
+                "NCCL_COLLNET_ENABLE",
+                COLLNET_ALGORITHMS,
+                f.collectives.get("effective", {}).get("NCCL_COLLNET_ENABLE") == "1",
+            )
+            and (f.collectives.get("nccl_available") or _group(f).get("uses_nccl"))
+        ),
+        "NCCL_COLLNET_ENABLE is '1': NCCL may reduce in the network's switches (SHARP), in an "
+        "order it does not control; set NCCL_COLLNET_ENABLE=0 (or NCCL_ALGO=Ring) before "
+        "init_process_group",
+    ),
+    _Rule(
+        "note",
+        "unseeded",
+        lambda f: any(r.name == "torch.cpu" and r.seeded is False for r in f.rngs),
+        "torch's global generator was never seeded in this process: use "
+        "deterministic(seed=...) or seed_everything(...)",
+    ),
 )
 
 
