@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import random
 import struct
-import warnings
 from typing import Any, NamedTuple
 
-from ..base.errors import StateWarning
 from ..base.settings import Settings
 from . import _plain
 from ._memory import RANDOM_LAYOUT, MTLayout
@@ -16,7 +14,6 @@ from ._seeded import SeededCache
 __all__ = [
     "PythonRandomSource",
     "PythonRandomState",
-    "fast_layout_for",
     "public_state",
     "random_state_from_plain",
     "random_state_to_plain",
@@ -42,12 +39,6 @@ def public_state(state: PythonRandomState) -> tuple[Any, ...]:
         index, *words = struct.unpack("=i624I", state.raw)
         return (3, (*words, index), state.gauss_next)
     return (3, state.raw, state.gauss_next)
-
-
-def fast_layout_for(rng: object) -> MTLayout | None:
-    """The proven layout, for exact ``random.Random`` instances only: a subclass
-    may override ``random()`` or ``seed()`` and must go through its own methods."""
-    return RANDOM_LAYOUT if type(rng) is random.Random else None
 
 
 class PythonRandomSource:
@@ -94,8 +85,19 @@ class PythonRandomSource:
             self._rng.setstate((3, state.raw, state.gauss_next))
 
     def apply(self, settings: Settings) -> None:
-        if getattr(random.random, "__self__", None) is not self._rng:
-            self.check_binding()  # rebound: say so (once)
+        bound = getattr(random.random, "__self__", None)
+        if bound is not self._rng and self._warned is not None and bound is not self._warned:
+            # ``random.random = other.random`` (a test double, a library's own
+            # instance) makes ``random.random()`` draw from an object blocks do
+            # not seed, so every later block would silently stop being
+            # reproducible: say so, once per rebinding.
+            self._warned = bound
+            _plain.warn(
+                "random.random is no longer a method of the random module's own generator, "
+                "so deterministic blocks do not seed or restore what it draws; put it back "
+                "(random.random = random._inst.random) or register the new generator with "
+                "register_rng()"
+            )
         seed = settings.rank_seed
         if not self._exact:
             self._rng.seed(seed)
@@ -111,23 +113,6 @@ class PythonRandomSource:
         else:
             view[:] = raw
             self._rng.gauss_next = None  # type: ignore[attr-defined]
-
-    def check_binding(self) -> None:
-        # ``random.random = other.random`` (a test double, a library's own
-        # instance) makes ``random.random()`` draw from an object blocks do
-        # not seed, so every later block would silently stop being
-        # reproducible: say so, once per rebinding.
-        bound = getattr(random.random, "__self__", None)
-        if self._warned is not None and bound is not self._rng and bound is not self._warned:
-            self._warned = bound
-            warnings.warn(
-                "random.random is no longer a method of the random module's own generator, "
-                "so deterministic blocks do not seed or restore what it draws; put it back "
-                "(random.random = random._inst.random) or register the new generator with "
-                "register_rng()",
-                StateWarning,
-                stacklevel=5,
-            )
 
     to_public = staticmethod(public_state)
 
