@@ -49,8 +49,7 @@ __all__ = [
     "ENABLED",
     "NUMPY_LAYOUT",
     "RANDOM_LAYOUT",
-    "MTLayout",
-    "NumpyGaussLayout",
+    "Layout",
     "PcgRecord",
     "mt19937_view",
     "proven_records",
@@ -93,22 +92,29 @@ def _view(address: int, size: int) -> memoryview:
 # -- CPython's random.Random -------------------------------------------------------
 
 
-class MTLayout(NamedTuple):
-    """Where a CPython ``random.Random`` keeps its Mersenne Twister state
-    (``id(rng) + offset``: CPython documents no address for it)."""
+class Layout(NamedTuple):
+    """Where an object keeps a record its owner documents no address for:
+    ``size`` bytes at ``id(obj) + offset``.  Two are probed: CPython's
+    ``random.Random`` keeps its Mersenne Twister state there (:data:`RANDOM_LAYOUT`),
+    NumPy's ``RandomState`` its legacy gaussian cache (:data:`NUMPY_LAYOUT`:
+    ``has_gauss``, a C int, and ``gauss``, a double, together in the object's
+    ``aug_bitgen_t``, read and written as one 16-byte record: NumPy has no public
+    accessor but ``get_state()``, which builds the whole 624-word state; see the
+    module docstring)."""
 
     offset: int
+    size: int
 
-    def view(self, rng: random.Random) -> memoryview:
-        """The 2500-byte record of ``rng`` (see :func:`_view`)."""
-        return _view(id(rng) + self.offset, MT_BYTES)
+    def view(self, obj: object) -> memoryview:
+        """The record of ``obj`` (see :func:`_view`)."""
+        return _view(id(obj) + self.offset, self.size)
 
 
-def _probe_random() -> MTLayout | None:
+def _probe_random() -> Layout | None:
     base = random.Random.__mro__[1]  # _random.Random, the C type holding the state
     if not _is_cpython() or base.__basicsize__ < _HEAD + MT_BYTES:
         return None
-    layout = MTLayout(_HEAD)
+    layout = Layout(_HEAD, MT_BYTES)
     try:
         a = random.Random(20_240_521)
         a.random()  # move the index away from its seeded value
@@ -134,23 +140,7 @@ def mt19937_view(bit_generator: Any) -> memoryview:
     return _view(bit_generator.ctypes.state_address, MT_BYTES)
 
 
-class NumpyGaussLayout(NamedTuple):
-    """Where NumPy's ``RandomState`` keeps its legacy gaussian cache.
-
-    ``has_gauss`` (C int) and ``gauss`` (double) sit together in the object's
-    ``aug_bitgen_t``, read and written as one 16-byte record at
-    ``id(rs) + offset``: NumPy has no public accessor but ``get_state()``,
-    which builds the whole 624-word state (see the module docstring).
-    """
-
-    offset: int
-
-    def view(self, rs: np.random.RandomState) -> memoryview:
-        """The 16-byte record of ``rs`` (see :func:`_view`)."""
-        return _view(id(rs) + self.offset, 16)
-
-
-def _probe_numpy() -> NumpyGaussLayout | None:
+def _probe_numpy() -> Layout | None:
     if not _is_cpython() or type(np.random.mtrand._rand) is not np.random.RandomState:
         return None
     try:
@@ -173,7 +163,7 @@ def _probe_numpy() -> NumpyGaussLayout | None:
         hits = [i for i in range(_HEAD, size - 7) if memory[i : i + 8] == packed]
         if len(hits) != 1 or hits[0] - 8 < _HEAD:
             return None
-        layout = NumpyGaussLayout(hits[0] - 8)
+        layout = Layout(hits[0] - 8, 16)
         if bytes(layout.view(rs))[:4] != struct.pack("=i", 1):
             return None
         # 3. writing through the layout is what the public API then reports
@@ -277,5 +267,5 @@ def proven_records() -> dict[type, Callable[[Any], memoryview | None]]:
 
 
 #: ``None`` where the fast paths are off, or the layout could not be proven.
-RANDOM_LAYOUT: MTLayout | None = _probe_random() if ENABLED else None
-NUMPY_LAYOUT: NumpyGaussLayout | None = _probe_numpy() if ENABLED else None
+RANDOM_LAYOUT: Layout | None = _probe_random() if ENABLED else None
+NUMPY_LAYOUT: Layout | None = _probe_numpy() if ENABLED else None

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..base.settings import Settings
 from . import _plain
-from ._memory import NUMPY_LAYOUT, NumpyGaussLayout, mt19937_view
+from ._memory import NUMPY_LAYOUT, Layout, mt19937_view
 from ._seeded import SeededCache
 
 __all__ = [
@@ -83,7 +83,7 @@ class NumpyGlobalSource:
     def __init__(
         self,
         rs: np.random.RandomState | None = None,
-        layout: NumpyGaussLayout | None = NUMPY_LAYOUT,
+        layout: Layout | None = NUMPY_LAYOUT,
     ) -> None:
         self._rs: np.random.RandomState = rs if rs is not None else np.random.mtrand._rand
         self._layout = layout if type(self._rs) is np.random.RandomState else None

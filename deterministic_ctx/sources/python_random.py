@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 from ..base.settings import Settings
 from . import _plain
-from ._memory import RANDOM_LAYOUT, MTLayout
+from ._memory import RANDOM_LAYOUT, Layout
 from ._seeded import SeededCache
 
 __all__ = [
@@ -48,7 +48,7 @@ class PythonRandomSource:
     device_type: str | None = None  # not a device generator: saved under "sources"
 
     def __init__(
-        self, rng: random.Random | None = None, layout: MTLayout | None = RANDOM_LAYOUT
+        self, rng: random.Random | None = None, layout: Layout | None = RANDOM_LAYOUT
     ) -> None:
         # Module-level functions are bound methods of this instance, so it is the
         # one to manage even if someone rebinds ``random._inst``.
