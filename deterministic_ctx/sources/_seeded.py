@@ -79,10 +79,6 @@ class SeededCache(Generic[T]):
         entries[seed] = value
         self._seen.pop(seed, None)
 
-    def clear(self) -> None:
-        self._entries.clear()
-        self._seen.clear()
-
 
 def _bounded(d: dict[int, Any], size: int) -> None:
     """Make room for one more key in ``d`` (oldest first out)."""

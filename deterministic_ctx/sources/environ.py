@@ -159,54 +159,38 @@ _MANAGED_SET = frozenset(_MANAGED)
 MAX_ENV_CHARS = 1 << 20
 
 
-def _env_problem(value: str, *, name: bool = False) -> str | None:
-    """Why ``value`` cannot be an environment variable's value (or, with
-    ``name=True``, name), or ``None`` if it can.
+def _env_text(value: object, path: str, *, name: bool = False) -> str:
+    """A ``str`` that the environment can hold, as a value (or, with ``name=True``,
+    a name); ``ValueError`` naming ``path`` and why otherwise.
 
     The environment holds bytes without NUL; ``os.environ`` encodes a str with
     ``os.fsencode``'s rules (the file-system encoding and ``surrogateescape``),
     which refuse surrogates other than the escaped bytes ``\\udc80``-``\\udcff``.
     A name must be non-empty and hold no ``=``.
     """
-    if "\0" in value:
-        return "it holds a NUL character"
-    if name and not value:
-        return "it is empty"
-    if name and "=" in value:
-        return "it holds '='"
-    try:
-        os.fsencode(value)
-    except UnicodeEncodeError as exc:
-        return f"it cannot be encoded ({exc.reason} at index {exc.start})"
-    return None
-
-
-def _env_text(value: object, path: str, *, name: bool = False) -> str:
-    """A ``str`` that the environment can hold, as a value (or, with ``name=True``,
-    a name): see :func:`_env_problem`."""
     what = "an environment variable name" if name else "an environment variable value"
     if type(value) is not str or len(value) > MAX_ENV_CHARS:
         raise ValueError(
             f"{path}: expected a string (at most {MAX_ENV_CHARS} characters) as {what}, "
             f"got {_plain.shown(value)}"
         )
-    problem = _env_problem(value, name=name)
+    problem = None
+    if "\0" in value:
+        problem = "it holds a NUL character"
+    elif name and not value:
+        problem = "it is empty"
+    elif name and "=" in value:
+        problem = "it holds '='"
+    else:
+        try:
+            os.fsencode(value)
+        except UnicodeEncodeError as exc:
+            problem = f"it cannot be encoded ({exc.reason} at index {exc.start})"
     if problem is not None:
         raise ValueError(
             f"{path}: expected a string usable as {what}, got {_plain.shown(value)}; {problem}"
         )
     return value
-
-
-def _check_name(name: object) -> str:
-    """``name`` if the environment can hold it, else ``TypeError``/``ValueError``."""
-    if not isinstance(name, str):
-        raise TypeError(f"an environment variable name must be a str, got {type(name).__name__}")
-    name = str.__str__(name)  # an exact str: a subclass's methods could say anything later
-    problem = _env_problem(name, name=True)
-    if problem is not None:
-        raise ValueError(f"{name!r} cannot be an environment variable name: {problem}")
-    return name
 
 
 def register_env_var(name: str) -> None:
@@ -232,7 +216,10 @@ def register_env_var(name: str) -> None:
         False
     """
     global _MANAGED, _MANAGED_SET
-    name = _check_name(name)
+    if not isinstance(name, str):
+        raise TypeError(f"an environment variable name must be a str, got {type(name).__name__}")
+    # An exact str: a subclass's methods could say anything later.
+    name = _env_text(str.__str__(name), "register_env_var(name)", name=True)
     with _lock:
         if name not in _MANAGED_SET:
             _MANAGED = (*_MANAGED, name)
@@ -357,17 +344,14 @@ class EnvironSource:
     def __init__(self, environ: MutableMapping[str, str] | None = None) -> None:
         self._env = environ if environ is not None else os.environ
         self._access = access = _access(self._env)
+        #: Whether ``os.environ`` is read and written through its proven C-level dict.
+        self.fast = access.fast
         # (names, their keys): replaced as a whole when a name is registered.
         self._cache: tuple[tuple[str, ...], tuple[Any, ...]] = (_MANAGED, access.keys(_MANAGED))
         self._cublas_key = access.encodekey(CUBLAS)
         self._hash_key = access.encodekey(HASHSEED)
         self._cublas_valid = tuple(map(access.encode, CUBLAS_VALID))
         self._hash_values: dict[int, Any] = {}  # seed -> PYTHONHASHSEED's raw value
-
-    @property
-    def fast(self) -> bool:
-        """Whether ``os.environ`` is read and written through its proven C-level dict."""
-        return self._access.fast
 
     def capture(self) -> EnvState:
         names, keys = self._cache
