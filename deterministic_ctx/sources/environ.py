@@ -384,18 +384,10 @@ class EnvironSource:
         if names is not cached:  # captured before a registration, or loaded from a checkpoint
             keys = access.keys(names)
         now = tuple(map(access.get, keys))
-        if now != saved:
-            self._write(names, keys, saved, now)
-
-    def _write(
-        self,
-        names: tuple[str, ...],
-        keys: tuple[Any, ...],
-        saved: tuple[Any, ...],
-        now: tuple[Any, ...],
-    ) -> None:
-        """Write the names whose values ``now`` differ from ``saved``; one name
-        that fails does not keep the others from being restored."""
+        if now == saved:
+            return
+        # Write the names whose values differ; one name that fails does not
+        # keep the others from being restored.
         rows: Iterable[tuple[Any, Any, Any]]
         if names is _MANAGED and now[2:] == saved[2:]:
             # Only the two a block sets may differ (the common case): no loop
@@ -403,16 +395,15 @@ class EnvironSource:
             rows = ((keys[0], saved[0], now[0]), (keys[1], saved[1], now[1]))
         else:  # only the names that differ, picked in C
             rows = compress(zip(keys, saved, now, strict=True), map(ne, saved, now))
-        put, delete = self._access.put, self._access.delete
         error: Exception | None = None
         for key, was, is_now in rows:
             if was == is_now:
                 continue
             try:
                 if was is None:
-                    delete(key)
+                    access.delete(key)
                 else:
-                    put(key, was)
+                    access.put(key, was)
             except Exception as exc:
                 error = error or exc
         if error is not None:

@@ -159,7 +159,7 @@ class NumpyGlobalSource:
             return
         rs.seed(seed)  # legacy seeding; also clears the gaussian cache
         if views is not None:  # remembered (a 2.5 KB read)
-            with bg.lock: _SEEDED.put(seed, views[0].tobytes())  # noqa: E701  # fmt: skip
+            with bg.lock: _SEEDED.offer(seed, views[0].tobytes)  # noqa: E701  # fmt: skip
 
     def to_public(self, state: NumpyState) -> dict[str, Any]:
         """The state in ``RandomState.get_state(legacy=False)`` form: a copied

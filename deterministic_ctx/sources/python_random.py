@@ -109,7 +109,7 @@ class PythonRandomSource:
         raw = _SEEDED.lookup(seed)
         if raw is None:
             random.Random.seed(self._rng, seed)  # a miss costs a 2.5 KB read more
-            _SEEDED.put(seed, view.tobytes())
+            _SEEDED.offer(seed, view.tobytes)
         else:
             view[:] = raw
             self._rng.gauss_next = None  # type: ignore[attr-defined]
