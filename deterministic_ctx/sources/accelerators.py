@@ -135,10 +135,6 @@ def _is_rng_call(entry: Any) -> bool:
     return "rng_state" in name or "seed" in name
 
 
-def _never() -> bool:
-    return False
-
-
 class LazyAcceleratorSource:
     """The default generators of an accelerator device type: a lazily initialized
     one (CUDA, XPU, MTIA), or MPS through :class:`_MPSModule`."""
@@ -166,7 +162,7 @@ class LazyAcceleratorSource:
         self.applies_nothing = not self.can_initialize
         #: Whether this is a child forked after the device initialized, which
         #: cannot use it (like ``torch.manual_seed``, nothing is done then).
-        self._bad_fork: Callable[[], bool] = bad_fork_check(module) or _never
+        self._bad_fork: Callable[[], bool] = bad_fork_check(module) or (lambda: False)
         # torch's seed tracker and queue of calls for initialization: objects made
         # once, when torch imports the device module, and only mutated since.
         self._tracker, self._queued = lazy_seed_queue(module)

@@ -151,7 +151,6 @@ if hasattr(os, "register_at_fork"):
 #: replaced (under ``_lock``), never mutated, so a capture that read it holds a
 #: consistent tuple, and comparing by identity tells whether it changed.
 _MANAGED: tuple[str, ...] = tuple(name for name, _ in ENV_VARS)
-_MANAGED_SET = frozenset(_MANAGED)
 
 
 #: Far above any real environment variable, far below trouble (Linux refuses to
@@ -215,15 +214,14 @@ def register_env_var(name: str) -> None:
         >>> "MY_APP_SEED" in os.environ
         False
     """
-    global _MANAGED, _MANAGED_SET
+    global _MANAGED
     if not isinstance(name, str):
         raise TypeError(f"an environment variable name must be a str, got {type(name).__name__}")
     # An exact str: a subclass's methods could say anything later.
     name = _env_text(str.__str__(name), "register_env_var(name)", name=True)
     with _lock:
-        if name not in _MANAGED_SET:
+        if name not in _MANAGED:  # a few dozen names, registered once each
             _MANAGED = (*_MANAGED, name)
-            _MANAGED_SET = _MANAGED_SET | {name}
 
 
 def managed_env_vars() -> tuple[str, ...]:
@@ -342,8 +340,7 @@ class EnvironSource:
     device_type: str | None = None  # not a device generator: saved under "sources"
 
     def __init__(self, environ: MutableMapping[str, str] | None = None) -> None:
-        self._env = environ if environ is not None else os.environ
-        self._access = access = _access(self._env)
+        self._access = access = _access(environ if environ is not None else os.environ)
         #: Whether ``os.environ`` is read and written through its proven C-level dict.
         self.fast = access.fast
         # (names, their keys): replaced as a whole when a name is registered.
