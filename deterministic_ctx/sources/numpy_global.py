@@ -132,8 +132,7 @@ class NumpyGlobalSource:
         if isinstance(state.raw, tuple):
             cached = self._cache
             views = cached[1] if cached[0] is bg else self._views(bg)
-            if views is None:
-                raise ValueError("NumPy state was captured through the fast path, which is off")
+            assert views is not None  # only this source's own capture holds records
             mt, gauss = views
             raw_mt, raw_gauss = state.raw
             with bg.lock: mt[:], gauss[:] = raw_mt, raw_gauss  # noqa: E701  # fmt: skip

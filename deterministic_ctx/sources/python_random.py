@@ -14,7 +14,6 @@ from ._seeded import SeededCache
 __all__ = [
     "PythonRandomSource",
     "PythonRandomState",
-    "public_state",
     "random_state_from_plain",
     "random_state_to_plain",
 ]
@@ -31,14 +30,6 @@ class PythonRandomState(NamedTuple):
 
 #: The 2500-byte record ``random.Random.seed(seed)`` produces, by seed.
 _SEEDED: SeededCache[bytes] = SeededCache()
-
-
-def public_state(state: PythonRandomState) -> tuple[Any, ...]:
-    """The state in ``random.getstate()`` form, whichever path captured it."""
-    if isinstance(state.raw, bytes):
-        index, *words = struct.unpack("=i624I", state.raw)
-        return (3, (*words, index), state.gauss_next)
-    return (3, state.raw, state.gauss_next)
 
 
 class PythonRandomSource:
@@ -77,8 +68,7 @@ class PythonRandomSource:
     def restore(self, state: PythonRandomState) -> None:
         if type(state.raw) is bytes:
             view = self._view
-            if view is None:
-                raise ValueError("random state was captured through the fast path, which is off")
+            assert view is not None  # only this source's own capture holds a record
             view[:] = state.raw
             self._rng.gauss_next = state.gauss_next  # type: ignore[attr-defined]
         else:
@@ -114,11 +104,17 @@ class PythonRandomSource:
             view[:] = raw
             self._rng.gauss_next = None  # type: ignore[attr-defined]
 
-    to_public = staticmethod(public_state)
+    @staticmethod
+    def to_public(state: PythonRandomState) -> tuple[Any, ...]:
+        """The state in ``random.getstate()`` form, whichever path captured it."""
+        if isinstance(state.raw, bytes):
+            index, *words = struct.unpack("=i624I", state.raw)
+            return (3, (*words, index), state.gauss_next)
+        return (3, state.raw, state.gauss_next)
 
     def export_state(self, state: PythonRandomState) -> dict[str, Any]:
         """The state as plain data for a checkpoint (see :func:`random_state_to_plain`)."""
-        return random_state_to_plain(public_state(state))
+        return random_state_to_plain(self.to_public(state))
 
     def import_state(self, data: object, path: str) -> PythonRandomState:
         """Check saved data and rebuild a state; ``ValueError`` names the bad field.
