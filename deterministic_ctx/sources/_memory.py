@@ -143,17 +143,16 @@ def mt19937_view(bit_generator: Any) -> memoryview:
 def _probe_numpy() -> Layout | None:
     if not _is_cpython() or type(np.random.mtrand._rand) is not np.random.RandomState:
         return None
+
+    def public(rs: np.random.RandomState) -> tuple[Any, ...]:
+        s = rs.get_state(legacy=False)
+        return s["state"]["key"].tolist(), s["state"]["pos"], s["has_gauss"], s["gauss"]
+
     try:
         size = np.random.RandomState.__basicsize__
         rs = np.random.RandomState(np.random.MT19937(5))
-        # 1. the MT19937 record matches the public state
-        bg = rs._bit_generator
-        raw = bytes(mt19937_view(bg))
-        *key, pos = struct.unpack(f"={_MT_WORDS}Ii", raw)
-        public = bg.state["state"]
-        if list(key) != public["key"].tolist() or pos != public["pos"]:
-            return None
-        # 2. find the gaussian cache by planting a distinctive value
+        rs.random()  # move the position away from its seeded value
+        # 1. find the gaussian cache by planting a distinctive value
         marker = 1234.5678901234567
         state = rs.get_state(legacy=False)
         state["has_gauss"], state["gauss"] = 1, marker
@@ -164,19 +163,16 @@ def _probe_numpy() -> Layout | None:
         if len(hits) != 1 or hits[0] - 8 < _HEAD:
             return None
         layout = Layout(hits[0] - 8, 16)
-        if bytes(layout.view(rs))[:4] != struct.pack("=i", 1):
-            return None
-        # 3. writing through the layout is what the public API then reports
+        # 2. both records copied into another RandomState give it the same
+        # public state and the same draws, the cached gaussian first
         other = np.random.RandomState(np.random.MT19937(9))
-        layout.view(other)[:] = struct.pack("=i4xd", 1, -0.25)
-        mt19937_view(other._bit_generator)[:] = raw
-        check = other.get_state(legacy=False)
-        if check["has_gauss"] != 1 or check["gauss"] != -0.25:
+        layout.view(other)[:] = layout.view(rs)
+        mt19937_view(other._bit_generator)[:] = mt19937_view(rs._bit_generator)
+        if public(other) != public(rs) or other.standard_normal() != marker:
             return None
-        if check["state"]["key"].tolist() != list(key):
+        if rs.standard_normal() != marker or other.random(3).tolist() != rs.random(3).tolist():
             return None
-        if other.standard_normal() != -0.25:  # the cache is consumed first
-            return None
+        # 3. a cleared cache record is an empty cache
         layout.view(other)[:] = bytes(16)
         if other.get_state(legacy=False)["has_gauss"] != 0:
             return None
