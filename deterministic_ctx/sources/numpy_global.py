@@ -110,8 +110,7 @@ class NumpyGlobalSource:
     def capture(self) -> NumpyState:
         rs = self._rs
         bg = rs._bit_generator
-        cached = self._cache  # _views' cache hit inline (every block)
-        views = cached[1] if cached[0] is bg else self._views(bg)
+        views = self._views(bg)
         if views is not None:
             mt, gauss = views
             # The bit generator's lock keeps a draw in another thread (NumPy
@@ -130,8 +129,7 @@ class NumpyGlobalSource:
         if rs._bit_generator is not bg:
             _set_bit_generator(bg)
         if isinstance(state.raw, tuple):
-            cached = self._cache
-            views = cached[1] if cached[0] is bg else self._views(bg)
+            views = self._views(bg)
             assert views is not None  # only this source's own capture holds records
             mt, gauss = views
             raw_mt, raw_gauss = state.raw
@@ -147,8 +145,7 @@ class NumpyGlobalSource:
             # the user's bit generator.
             _set_bit_generator(np.random.MT19937(0))
         bg = rs._bit_generator
-        cached = self._cache
-        views = cached[1] if cached[0] is bg else self._views(bg)
+        views = self._views(bg)
         seed = settings.rank_seed
         # Exactly ``np.random.seed(seed)``: the record it left for a seed seen
         # before and a cleared gaussian cache, as two copies.
