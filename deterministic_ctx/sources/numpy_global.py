@@ -213,13 +213,8 @@ def numpy_state_to_plain(state: dict[str, Any]) -> dict[str, Any]:
     def plain(value: Any) -> Any:
         if isinstance(value, dict):
             return {str(k): plain(v) for k, v in value.items()}
-        if isinstance(value, np.ndarray):
-            return [int(x) for x in value.tolist()]
-        if isinstance(value, np.integer):
-            return int(value)
-        if isinstance(value, np.floating):
-            return float(value)
-        return value
+        # An array's tolist() is a list of Python ints, a NumPy scalar's a Python scalar.
+        return value.tolist() if isinstance(value, np.ndarray | np.generic) else value
 
     result: dict[str, Any] = plain(state)
     return result
