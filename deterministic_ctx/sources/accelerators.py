@@ -359,7 +359,7 @@ class LazyAcceleratorSource:
 
 
 def refuse_inside_graph_capture(sources: tuple[object, ...]) -> None:
-    """Raise :class:`GraphCaptureError` if any lazily initialized device among
+    """Raise :class:`GraphCaptureError` if any accelerator device among
     ``sources`` is capturing a graph on the current stream.
 
     What ``Snapshot.restore()`` checks first, so that a refusal changes no
