@@ -61,10 +61,11 @@ SWITCH = "DETERMINISTIC_CTX_NO_FAST_PATHS"
 #: anything but ``""`` or ``"0"``.
 ENABLED: bool = os.environ.get(SWITCH, "") in ("", "0")
 
-_MT_WORDS = 624
+#: The 32-bit words of a Mersenne Twister state.
+MT_WORDS = 624
 #: ``int index; uint32_t state[624]`` (CPython) and ``uint32_t key[624]; int pos``
 #: (NumPy) are both 2500 bytes.
-MT_BYTES = 4 + 4 * _MT_WORDS
+MT_BYTES = 4 + 4 * MT_WORDS
 _HEAD = object.__basicsize__  # PyObject_HEAD
 _POINTER = struct.calcsize("@P")
 
@@ -119,7 +120,7 @@ def _probe_random() -> Layout | None:
         a = random.Random(20_240_521)
         a.random()  # move the index away from its seeded value
         raw = bytes(layout.view(a))
-        index, *words = struct.unpack(f"=i{_MT_WORDS}I", raw)
+        index, *words = struct.unpack(f"=i{MT_WORDS}I", raw)
         if (*words, index) != a.getstate()[1]:
             return None
         b = random.Random(7)

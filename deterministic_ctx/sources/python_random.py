@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 from ..base.settings import Settings
 from . import _plain
-from ._memory import RANDOM_LAYOUT, Layout
+from ._memory import MT_WORDS, RANDOM_LAYOUT, Layout
 from ._seeded import SeededCache
 
 __all__ = [
@@ -17,9 +17,6 @@ __all__ = [
     "random_state_from_plain",
     "random_state_to_plain",
 ]
-
-_MT_WORDS = 624
-
 
 class PythonRandomState(NamedTuple):
     """``raw`` is the 2500-byte C record (fast path) or ``getstate()[1]``."""
@@ -108,7 +105,7 @@ class PythonRandomSource:
     def to_public(state: PythonRandomState) -> tuple[Any, ...]:
         """The state in ``random.getstate()`` form, whichever path captured it."""
         if isinstance(state.raw, bytes):
-            index, *words = struct.unpack("=i624I", state.raw)
+            index, *words = struct.unpack(f"=i{MT_WORDS}I", state.raw)
             return (3, (*words, index), state.gauss_next)
         return (3, state.raw, state.gauss_next)
 
@@ -141,8 +138,8 @@ def random_state_to_plain(public: tuple[Any, ...]) -> dict[str, Any]:
 def random_state_from_plain(data: object, path: str) -> tuple[Any, ...]:
     """The checked inverse of :func:`random_state_to_plain`, in ``getstate()`` form."""
     d = _plain.fields(data, path, ["state"], ["gauss_next"])
-    words = _plain.integers(d["state"], f"{path}.state", _MT_WORDS + 1, 0, 2**32 - 1)
-    _plain.integer(words[-1], f"{path}.state[{_MT_WORDS}] (the index)", 0, _MT_WORDS)
+    words = _plain.integers(d["state"], f"{path}.state", MT_WORDS + 1, 0, 2**32 - 1)
+    _plain.integer(words[-1], f"{path}.state[{MT_WORDS}] (the index)", 0, MT_WORDS)
     gauss = _plain.real(d["gauss_next"], f"{path}.gauss_next") if "gauss_next" in d else None
     public = (3, tuple(words), gauss)
     try:  # CPython's own check, on a throw-away generator
