@@ -93,7 +93,6 @@ def registry(monkeypatch: pytest.MonkeyPatch) -> None:
     from deterministic_ctx.sources import environ
 
     monkeypatch.setattr(environ, "_MANAGED", environ._MANAGED)
-    monkeypatch.setattr(environ, "_MANAGED_SET", environ._MANAGED_SET)
 
 
 def pytest_configure(config: pytest.Config) -> None:

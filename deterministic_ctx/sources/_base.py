@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from ..base.settings import Settings
 
 __all__ = ["DeviceSource", "Source"]
 
 
-@runtime_checkable
 class Source(Protocol):
     """One piece of process-global state that decides random draws or algorithms.
 

@@ -49,8 +49,7 @@ __all__ = [
     "ENABLED",
     "NUMPY_LAYOUT",
     "RANDOM_LAYOUT",
-    "MTLayout",
-    "NumpyGaussLayout",
+    "Layout",
     "PcgRecord",
     "mt19937_view",
     "proven_records",
@@ -62,10 +61,11 @@ SWITCH = "DETERMINISTIC_CTX_NO_FAST_PATHS"
 #: anything but ``""`` or ``"0"``.
 ENABLED: bool = os.environ.get(SWITCH, "") in ("", "0")
 
-_MT_WORDS = 624
+#: The 32-bit words of a Mersenne Twister state.
+MT_WORDS = 624
 #: ``int index; uint32_t state[624]`` (CPython) and ``uint32_t key[624]; int pos``
 #: (NumPy) are both 2500 bytes.
-MT_BYTES = 4 + 4 * _MT_WORDS
+MT_BYTES = 4 + 4 * MT_WORDS
 _HEAD = object.__basicsize__  # PyObject_HEAD
 _POINTER = struct.calcsize("@P")
 
@@ -93,27 +93,34 @@ def _view(address: int, size: int) -> memoryview:
 # -- CPython's random.Random -------------------------------------------------------
 
 
-class MTLayout(NamedTuple):
-    """Where a CPython ``random.Random`` keeps its Mersenne Twister state
-    (``id(rng) + offset``: CPython documents no address for it)."""
+class Layout(NamedTuple):
+    """Where an object keeps a record its owner documents no address for:
+    ``size`` bytes at ``id(obj) + offset``.  Two are probed: CPython's
+    ``random.Random`` keeps its Mersenne Twister state there (:data:`RANDOM_LAYOUT`),
+    NumPy's ``RandomState`` its legacy gaussian cache (:data:`NUMPY_LAYOUT`:
+    ``has_gauss``, a C int, and ``gauss``, a double, together in the object's
+    ``aug_bitgen_t``, read and written as one 16-byte record: NumPy has no public
+    accessor but ``get_state()``, which builds the whole 624-word state; see the
+    module docstring)."""
 
     offset: int
+    size: int
 
-    def view(self, rng: random.Random) -> memoryview:
-        """The 2500-byte record of ``rng`` (see :func:`_view`)."""
-        return _view(id(rng) + self.offset, MT_BYTES)
+    def view(self, obj: object) -> memoryview:
+        """The record of ``obj`` (see :func:`_view`)."""
+        return _view(id(obj) + self.offset, self.size)
 
 
-def _probe_random() -> MTLayout | None:
+def _probe_random() -> Layout | None:
     base = random.Random.__mro__[1]  # _random.Random, the C type holding the state
     if not _is_cpython() or base.__basicsize__ < _HEAD + MT_BYTES:
         return None
-    layout = MTLayout(_HEAD)
+    layout = Layout(_HEAD, MT_BYTES)
     try:
         a = random.Random(20_240_521)
         a.random()  # move the index away from its seeded value
         raw = bytes(layout.view(a))
-        index, *words = struct.unpack(f"=i{_MT_WORDS}I", raw)
+        index, *words = struct.unpack(f"=i{MT_WORDS}I", raw)
         if (*words, index) != a.getstate()[1]:
             return None
         b = random.Random(7)
@@ -134,36 +141,19 @@ def mt19937_view(bit_generator: Any) -> memoryview:
     return _view(bit_generator.ctypes.state_address, MT_BYTES)
 
 
-class NumpyGaussLayout(NamedTuple):
-    """Where NumPy's ``RandomState`` keeps its legacy gaussian cache.
-
-    ``has_gauss`` (C int) and ``gauss`` (double) sit together in the object's
-    ``aug_bitgen_t``, read and written as one 16-byte record at
-    ``id(rs) + offset``: NumPy has no public accessor but ``get_state()``,
-    which builds the whole 624-word state (see the module docstring).
-    """
-
-    offset: int
-
-    def view(self, rs: np.random.RandomState) -> memoryview:
-        """The 16-byte record of ``rs`` (see :func:`_view`)."""
-        return _view(id(rs) + self.offset, 16)
-
-
-def _probe_numpy() -> NumpyGaussLayout | None:
+def _probe_numpy() -> Layout | None:
     if not _is_cpython() or type(np.random.mtrand._rand) is not np.random.RandomState:
         return None
+
+    def public(rs: np.random.RandomState) -> tuple[Any, ...]:
+        s = rs.get_state(legacy=False)
+        return s["state"]["key"].tolist(), s["state"]["pos"], s["has_gauss"], s["gauss"]
+
     try:
         size = np.random.RandomState.__basicsize__
         rs = np.random.RandomState(np.random.MT19937(5))
-        # 1. the MT19937 record matches the public state
-        bg = rs._bit_generator
-        raw = bytes(mt19937_view(bg))
-        *key, pos = struct.unpack(f"={_MT_WORDS}Ii", raw)
-        public = bg.state["state"]
-        if list(key) != public["key"].tolist() or pos != public["pos"]:
-            return None
-        # 2. find the gaussian cache by planting a distinctive value
+        rs.random()  # move the position away from its seeded value
+        # 1. find the gaussian cache by planting a distinctive value
         marker = 1234.5678901234567
         state = rs.get_state(legacy=False)
         state["has_gauss"], state["gauss"] = 1, marker
@@ -173,20 +163,17 @@ def _probe_numpy() -> NumpyGaussLayout | None:
         hits = [i for i in range(_HEAD, size - 7) if memory[i : i + 8] == packed]
         if len(hits) != 1 or hits[0] - 8 < _HEAD:
             return None
-        layout = NumpyGaussLayout(hits[0] - 8)
-        if bytes(layout.view(rs))[:4] != struct.pack("=i", 1):
-            return None
-        # 3. writing through the layout is what the public API then reports
+        layout = Layout(hits[0] - 8, 16)
+        # 2. both records copied into another RandomState give it the same
+        # public state and the same draws, the cached gaussian first
         other = np.random.RandomState(np.random.MT19937(9))
-        layout.view(other)[:] = struct.pack("=i4xd", 1, -0.25)
-        mt19937_view(other._bit_generator)[:] = raw
-        check = other.get_state(legacy=False)
-        if check["has_gauss"] != 1 or check["gauss"] != -0.25:
+        layout.view(other)[:] = layout.view(rs)
+        mt19937_view(other._bit_generator)[:] = mt19937_view(rs._bit_generator)
+        if public(other) != public(rs) or other.standard_normal() != marker:
             return None
-        if check["state"]["key"].tolist() != list(key):
+        if rs.standard_normal() != marker or other.random(3).tolist() != rs.random(3).tolist():
             return None
-        if other.standard_normal() != -0.25:  # the cache is consumed first
-            return None
+        # 3. a cleared cache record is an empty cache
         layout.view(other)[:] = bytes(16)
         if other.get_state(legacy=False)["has_gauss"] != 0:
             return None
@@ -277,5 +264,5 @@ def proven_records() -> dict[type, Callable[[Any], memoryview | None]]:
 
 
 #: ``None`` where the fast paths are off, or the layout could not be proven.
-RANDOM_LAYOUT: MTLayout | None = _probe_random() if ENABLED else None
-NUMPY_LAYOUT: NumpyGaussLayout | None = _probe_numpy() if ENABLED else None
+RANDOM_LAYOUT: Layout | None = _probe_random() if ENABLED else None
+NUMPY_LAYOUT: Layout | None = _probe_numpy() if ENABLED else None

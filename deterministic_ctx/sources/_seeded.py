@@ -10,12 +10,13 @@ dict insert.  Where taking the result costs an allocation (torch's state
 tensor), it is taken only for a seed seen before (``eager=False``).
 
 The cache is bounded (oldest first out) and safe without a lock: every
-operation is a single dict or set call under the GIL, and a race at worst
+operation is one or two dict calls under the GIL, and a race at worst
 evicts an entry early or keeps one extra.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from ._memory import ENABLED
@@ -29,25 +30,24 @@ class SeededCache(Generic[T]):
     """Seed -> what seeding produced, for at most ``size`` seeds.
 
     ``enabled`` defaults to :data:`._memory.ENABLED`: with the fast paths
-    off, nothing is remembered (:meth:`wants` is always false).
+    off, nothing is remembered.
 
     Example:
         >>> cache: SeededCache[bytes] = SeededCache(size=2, enabled=True)
         >>> cache.lookup(7) is None
         True
-        >>> cache.wants(7)
-        True
-        >>> cache.put(7, b"state")
+        >>> cache.offer(7, lambda: b"state")
         >>> cache.lookup(7)
         b'state'
     """
 
-    __slots__ = ("_eager", "_enabled", "_entries", "_seen", "_size", "lookup")
+    __slots__ = ("_eager", "_enabled", "_entries", "_size", "lookup")
 
     def __init__(self, size: int = 64, *, eager: bool = True, enabled: bool = ENABLED) -> None:
         self._enabled = enabled
-        self._entries: dict[int, T] = {}
-        self._seen: dict[int, None] = {}  # misses not stored yet (eager=False), oldest first
+        #: Seed -> value, oldest first; ``None`` for a seed that missed once and
+        #: was not taken yet (``eager=False``).
+        self._entries: dict[int, T | None] = {}
         self._size = size
         self._eager = eager
         #: ``lookup(seed)``: the remembered value or ``None``; a bound C method,
@@ -55,33 +55,19 @@ class SeededCache(Generic[T]):
         #: remembered: the dict stays empty.
         self.lookup = self._entries.get
 
-    def wants(self, seed: int) -> bool:
-        """Whether a miss for ``seed`` should be :meth:`put`: always when eager,
-        else only the second time the seed misses; never with the fast paths off."""
-        if not self._enabled:
-            return False
-        if self._eager:
-            return True
-        seen = self._seen
-        if seed in seen:
-            return True
-        _bounded(seen, self._size)
-        seen[seed] = None
-        return False
-
-    def put(self, seed: int, value: T) -> None:
-        """Remember ``value`` for ``seed``, evicting the oldest seed when full
-        (nothing with the fast paths off)."""
+    def offer(self, seed: int, take: Callable[[], T]) -> None:
+        """After a miss for ``seed``, remember ``take()``, what seeding left (the
+        oldest seed goes when full): always when eager, else only the second
+        time the seed misses, so that ``take`` runs for seeds seen before only;
+        never with the fast paths off."""
         if not self._enabled:
             return
         entries = self._entries
+        if seed in entries:  # missed once before (eager=False)
+            entries[seed] = take()
+            return
         _bounded(entries, self._size)
-        entries[seed] = value
-        self._seen.pop(seed, None)
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self._seen.clear()
+        entries[seed] = take() if self._eager else None
 
 
 def _bounded(d: dict[int, Any], size: int) -> None:

@@ -1,5 +1,10 @@
 """Accelerator generators: CUDA, XPU and MTIA (lazily initialized), and MPS.
 
+One source implementation serves them all (:class:`LazyAcceleratorSource`):
+MPS is seen as a device module that is always initialized, with one generator
+and nothing queued (:class:`_MPSModule`), so it takes the initialized path of
+the others, load-time checks included.
+
 CUDA, XPU and MTIA share torch's lazy-initialization design, and its traps:
 
 * ``torch.cuda.get_rng_state()`` *initializes* CUDA (and breaks forked
@@ -79,7 +84,6 @@ __all__ = [
     "PHILOX_DEVICES",
     "GraphCaptureError",
     "LazyAcceleratorSource",
-    "MPSSource",
     "SavedState",
     "accelerator_sources",
     "check_foreign_devices",
@@ -131,12 +135,9 @@ def _is_rng_call(entry: Any) -> bool:
     return "rng_state" in name or "seed" in name
 
 
-def _never() -> bool:
-    return False
-
-
 class LazyAcceleratorSource:
-    """The default generators of a lazily initialized device type."""
+    """The default generators of an accelerator device type: a lazily initialized
+    one (CUDA, XPU, MTIA), or MPS through :class:`_MPSModule`."""
 
     def __init__(
         self,
@@ -146,7 +147,8 @@ class LazyAcceleratorSource:
     ) -> None:
         self.name = f"torch.{device_type}"
         self._m = module
-        self._device_type = device_type
+        #: ``"cuda"``, ``"xpu"``, ``"mtia"`` or ``"mps"``: the key of this device in a checkpoint.
+        self.device_type = device_type
         self._fresh_state = fresh_state or self._torch_fresh_state
         compiled = is_compiled_check(module)
         #: Whether this build can ever initialize the device: without it (a CPU
@@ -155,23 +157,15 @@ class LazyAcceleratorSource:
         #: used: entering a block skips it.  Its tracker is still captured and
         #: restored, because ``torch.manual_seed`` inside the block queues there.
         self.can_initialize = bool(compiled()) if compiled is not None else True
+        #: Whether :meth:`apply` always returns at once (this build can never
+        #: initialize the device): ``apply_all`` may skip it.
+        self.applies_nothing = not self.can_initialize
         #: Whether this is a child forked after the device initialized, which
         #: cannot use it (like ``torch.manual_seed``, nothing is done then).
-        self._bad_fork: Callable[[], bool] = bad_fork_check(module) or _never
+        self._bad_fork: Callable[[], bool] = bad_fork_check(module) or (lambda: False)
         # torch's seed tracker and queue of calls for initialization: objects made
         # once, when torch imports the device module, and only mutated since.
         self._tracker, self._queued = lazy_seed_queue(module)
-
-    @property
-    def applies_nothing(self) -> bool:
-        """Whether :meth:`apply` always returns at once (this build can never
-        initialize the device): ``apply_all`` may skip it."""
-        return not self.can_initialize
-
-    @property
-    def device_type(self) -> str:
-        """``"cuda"``, ``"xpu"`` or ``"mtia"``: the key of this device in a checkpoint."""
-        return self._device_type
 
     def _torch_fresh_state(self, index: int) -> torch.Tensor:
         # What initialization gives a default generator: torch seeds it from the
@@ -179,28 +173,33 @@ class LazyAcceleratorSource:
         # unpredictable, not the fixed ``default_rng_seed_val`` of a bare
         # ``torch.Generator(device)`` (seen on an H200: torch.cuda.initial_seed()
         # differs from process to process).
-        generator = torch.Generator(device=torch.device(self._device_type, index))
+        generator = torch.Generator(device=torch.device(self.device_type, index))
         generator.seed()
         return generator.get_state()
 
-    def capturing(self) -> bool:
-        """Whether the calling thread's current stream of this device is capturing
-        a graph now; ``False`` where the device is not initialized (asking never
-        initializes it) or its module has no graphs."""
-        return self.can_initialize and self._m.is_initialized() and self._capturing_now()
-
-    def _capturing_now(self) -> bool:
-        # Only asked on the initialized path: on a build without the device
-        # torch's function is a stub that raises.  Looked up per call, not
-        # bound at construction, so that tests can patch the module.
-        query = getattr(self._m, "is_current_stream_capturing", None)
-        return query is not None and bool(query())
-
     def _refuse_inside_capture(self, what: str = "put the generator states back") -> None:
-        """Raise :class:`GraphCaptureError` if a graph is being captured (the
-        device is initialized: the caller checked)."""
-        if self._capturing_now():
-            raise GraphCaptureError(_capture_message(self.name, self._device_type, what))
+        """Raise :class:`GraphCaptureError` if the calling thread's current stream
+        of this device is capturing a graph now.
+
+        Only asked on the initialized path (the caller checked): asking never
+        initializes the device, but on a build without it torch's query is a
+        stub that raises.  A module without graphs (MPS) is never capturing.
+        """
+        # Looked up per call, not bound at construction, so that tests can patch the module.
+        query = getattr(self._m, "is_current_stream_capturing", None)
+        if query is not None and query():
+            graphs = f"{self.device_type.upper()} graph"
+            raise GraphCaptureError(
+                f"{self.name}: cannot {what} while a {graphs} is being captured on the current "
+                f"stream. torch forbids reading or setting a generator's state during capture, "
+                f"and a captured graph reads the seed and offset when it is replayed, not when "
+                f"it is captured. Enter the deterministic block (or take the snapshot) before "
+                f"the capture begins and replay inside a block instead, e.g. "
+                f"`with deterministic(seed=0): g.replay()`, or seed before the capture. To "
+                f"switch generators within one graph, register each with the graph before "
+                f"capture (`g.register_generator_state(gen)`) and swap them with "
+                f"`torch.Generator.graphsafe_set_state`."
+            )
 
     def capture(self) -> LiveState | LazyState:
         m = self._m
@@ -309,16 +308,25 @@ class LazyAcceleratorSource:
         states = (
             ()
             if data is None
-            else device_states_from_plain(data, path, device_type=self._device_type)
+            else device_states_from_plain(data, path, device_type=self.device_type)
         )
-        if states:
-            m = self._m
-            here = len(m.default_generators) if m.is_initialized() else int(m.device_count())
-            if len(states) != here:
-                device_mismatch(path, self.name, len(states), here, strict=strict)
-                states = states[:here]
-                if not states:
-                    return None
+        if not states and self._tracker is not None:
+            return SavedState(states, strict)  # not initialized there: see _keep_unsaved
+        # MPS (no tracker) is always initialized: no states there is a device mismatch.
+        m = self._m
+        initialized = m.is_initialized()
+        here = len(m.default_generators) if initialized else int(m.device_count())
+        if len(states) != here:
+            device_mismatch(path, self.name, len(states), here, strict=strict)
+            states = states[:here]
+            if not states:
+                return None
+        if initialized and self.device_type not in PHILOX_DEVICES:
+            # No rule of torch's is known here for these states (MPS, MTIA) but
+            # their size, which a live generator's shows.
+            size = _get_state(m.default_generators[0]).numel()
+            for i, state in enumerate(states):
+                _plain.byte_tensor(state, f"{path}.states[{i}]", numel=size)
         return SavedState(states, strict)
 
     def _keep_unsaved(self, strict: bool) -> None:
@@ -350,23 +358,8 @@ class LazyAcceleratorSource:
         self._queued.append((set_rng_states, _RESTORE_NOTE))
 
 
-def _capture_message(name: str, device_type: str, what: str) -> str:
-    graphs = f"{device_type.upper()} graph"
-    return (
-        f"{name}: cannot {what} while a {graphs} is being captured on the current stream. "
-        f"torch forbids reading or setting a generator's state during capture, and a "
-        f"captured graph reads the seed and offset when it is replayed, not when it is "
-        f"captured. Enter the deterministic block (or take the snapshot) before the capture "
-        f"begins and replay inside a block instead, e.g. "
-        f"`with deterministic(seed=0): g.replay()`, or seed before the capture. To switch "
-        f"generators within one graph, register each with the graph before capture "
-        f"(`g.register_generator_state(gen)`) and swap them with "
-        f"`torch.Generator.graphsafe_set_state`."
-    )
-
-
 def refuse_inside_graph_capture(sources: tuple[object, ...]) -> None:
-    """Raise :class:`GraphCaptureError` if any lazily initialized device among
+    """Raise :class:`GraphCaptureError` if any accelerator device among
     ``sources`` is capturing a graph on the current stream.
 
     What ``Snapshot.restore()`` checks first, so that a refusal changes no
@@ -383,10 +376,8 @@ def refuse_inside_graph_capture(sources: tuple[object, ...]) -> None:
         )
         _graph_devices = (sources, devices)
     for source in devices:
-        if source.capturing():
-            raise GraphCaptureError(
-                _capture_message(source.name, source.device_type, "put the generator states back")
-            )
+        if source._m.is_initialized():
+            source._refuse_inside_capture()
 
 
 #: The last ``sources`` tuple :func:`refuse_inside_graph_capture` was given,
@@ -408,37 +399,27 @@ def _set_states(generators: Sequence[Any], states: tuple[torch.Tensor, ...]) -> 
         gen.set_state(saved)
 
 
-class MPSSource:
-    """Apple's MPS generator (one device, no lazy initialization)."""
+class _MPSModule:
+    """``torch.mps`` (or a stand-in with its ``get_rng_state``, ``set_rng_state``
+    and ``manual_seed``) in the shape of a lazily initialized device module that
+    is always initialized: one device, whose generator (this object) those
+    public functions read, set and seed; no seed tracker, nothing queued, no
+    graphs."""
 
-    name = "torch.mps"
+    _lazy_seed_tracker = _queued_calls = None
 
-    def capture(self) -> torch.Tensor:
-        return torch.mps.get_rng_state()
+    def __init__(self, mps: Any) -> None:
+        self.default_generators = (self,)
+        self.get_state = mps.get_rng_state
+        self.set_state = mps.set_rng_state
+        self.manual_seed = mps.manual_seed
 
-    def restore(self, state: torch.Tensor) -> None:
-        torch.mps.set_rng_state(state)
-
-    def apply(self, settings: Settings) -> None:
-        torch.mps.manual_seed(settings.seed)
-
-    device_type = "mps"
-
-    def export_state(self, state: torch.Tensor) -> dict[str, Any]:
-        """The state as plain data, in the same form as the lazy devices'."""
-        return {"initialized": True, "states": [state.clone()]}
-
-    def import_state(self, data: object, path: str, *, strict: bool = False) -> torch.Tensor | None:
-        """Check saved data (``None``: no entry) against the one MPS device here."""
-        states = () if data is None else device_states_from_plain(data, path, device_type="mps")
-        if len(states) != 1:
-            device_mismatch(path, self.name, len(states), 1, strict=strict)
-            if not states:
-                return None
-        return _plain.byte_tensor(states[0], f"{path}.states[0]", numel=self.capture().numel())
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
 
 
-def accelerator_sources() -> Sequence[LazyAcceleratorSource | MPSSource]:
+def accelerator_sources() -> Sequence[LazyAcceleratorSource]:
     """The accelerator sources this torch build has.
 
     CUDA, XPU and MTIA are managed even on builds without them: ``torch.manual_seed``
@@ -449,13 +430,13 @@ def accelerator_sources() -> Sequence[LazyAcceleratorSource | MPSSource]:
     out, and :func:`~deterministic_ctx.report` names it: no torch of those
     versions seeds its generators from ``torch.manual_seed`` either.
     """
-    found: list[LazyAcceleratorSource | MPSSource] = []
+    found: list[LazyAcceleratorSource] = []
     for device_type in ("cuda", "xpu", "mtia"):
         module = _torch.lazy_device(device_type)
         if module is not None:
             found.append(LazyAcceleratorSource(module, device_type))
     if HAS_MPS and torch.backends.mps.is_available():
-        found.append(MPSSource())
+        found.append(LazyAcceleratorSource(_MPSModule(torch.mps), "mps"))
     return found
 
 

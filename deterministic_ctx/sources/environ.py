@@ -151,7 +151,6 @@ if hasattr(os, "register_at_fork"):
 #: replaced (under ``_lock``), never mutated, so a capture that read it holds a
 #: consistent tuple, and comparing by identity tells whether it changed.
 _MANAGED: tuple[str, ...] = tuple(name for name, _ in ENV_VARS)
-_MANAGED_SET = frozenset(_MANAGED)
 
 
 #: Far above any real environment variable, far below trouble (Linux refuses to
@@ -159,54 +158,38 @@ _MANAGED_SET = frozenset(_MANAGED)
 MAX_ENV_CHARS = 1 << 20
 
 
-def _env_problem(value: str, *, name: bool = False) -> str | None:
-    """Why ``value`` cannot be an environment variable's value (or, with
-    ``name=True``, name), or ``None`` if it can.
+def _env_text(value: object, path: str, *, name: bool = False) -> str:
+    """A ``str`` that the environment can hold, as a value (or, with ``name=True``,
+    a name); ``ValueError`` naming ``path`` and why otherwise.
 
     The environment holds bytes without NUL; ``os.environ`` encodes a str with
     ``os.fsencode``'s rules (the file-system encoding and ``surrogateescape``),
     which refuse surrogates other than the escaped bytes ``\\udc80``-``\\udcff``.
     A name must be non-empty and hold no ``=``.
     """
-    if "\0" in value:
-        return "it holds a NUL character"
-    if name and not value:
-        return "it is empty"
-    if name and "=" in value:
-        return "it holds '='"
-    try:
-        os.fsencode(value)
-    except UnicodeEncodeError as exc:
-        return f"it cannot be encoded ({exc.reason} at index {exc.start})"
-    return None
-
-
-def _env_text(value: object, path: str, *, name: bool = False) -> str:
-    """A ``str`` that the environment can hold, as a value (or, with ``name=True``,
-    a name): see :func:`_env_problem`."""
     what = "an environment variable name" if name else "an environment variable value"
     if type(value) is not str or len(value) > MAX_ENV_CHARS:
         raise ValueError(
             f"{path}: expected a string (at most {MAX_ENV_CHARS} characters) as {what}, "
             f"got {_plain.shown(value)}"
         )
-    problem = _env_problem(value, name=name)
+    problem = None
+    if "\0" in value:
+        problem = "it holds a NUL character"
+    elif name and not value:
+        problem = "it is empty"
+    elif name and "=" in value:
+        problem = "it holds '='"
+    else:
+        try:
+            os.fsencode(value)
+        except UnicodeEncodeError as exc:
+            problem = f"it cannot be encoded ({exc.reason} at index {exc.start})"
     if problem is not None:
         raise ValueError(
             f"{path}: expected a string usable as {what}, got {_plain.shown(value)}; {problem}"
         )
     return value
-
-
-def _check_name(name: object) -> str:
-    """``name`` if the environment can hold it, else ``TypeError``/``ValueError``."""
-    if not isinstance(name, str):
-        raise TypeError(f"an environment variable name must be a str, got {type(name).__name__}")
-    name = str.__str__(name)  # an exact str: a subclass's methods could say anything later
-    problem = _env_problem(name, name=True)
-    if problem is not None:
-        raise ValueError(f"{name!r} cannot be an environment variable name: {problem}")
-    return name
 
 
 def register_env_var(name: str) -> None:
@@ -231,12 +214,14 @@ def register_env_var(name: str) -> None:
         >>> "MY_APP_SEED" in os.environ
         False
     """
-    global _MANAGED, _MANAGED_SET
-    name = _check_name(name)
+    global _MANAGED
+    if not isinstance(name, str):
+        raise TypeError(f"an environment variable name must be a str, got {type(name).__name__}")
+    # An exact str: a subclass's methods could say anything later.
+    name = _env_text(str.__str__(name), "register_env_var(name)", name=True)
     with _lock:
-        if name not in _MANAGED_SET:
+        if name not in _MANAGED:  # a few dozen names, registered once each
             _MANAGED = (*_MANAGED, name)
-            _MANAGED_SET = _MANAGED_SET | {name}
 
 
 def managed_env_vars() -> tuple[str, ...]:
@@ -355,19 +340,15 @@ class EnvironSource:
     device_type: str | None = None  # not a device generator: saved under "sources"
 
     def __init__(self, environ: MutableMapping[str, str] | None = None) -> None:
-        self._env = environ if environ is not None else os.environ
-        self._access = access = _access(self._env)
+        self._access = access = _access(environ if environ is not None else os.environ)
+        #: Whether ``os.environ`` is read and written through its proven C-level dict.
+        self.fast = access.fast
         # (names, their keys): replaced as a whole when a name is registered.
         self._cache: tuple[tuple[str, ...], tuple[Any, ...]] = (_MANAGED, access.keys(_MANAGED))
         self._cublas_key = access.encodekey(CUBLAS)
         self._hash_key = access.encodekey(HASHSEED)
         self._cublas_valid = tuple(map(access.encode, CUBLAS_VALID))
         self._hash_values: dict[int, Any] = {}  # seed -> PYTHONHASHSEED's raw value
-
-    @property
-    def fast(self) -> bool:
-        """Whether ``os.environ`` is read and written through its proven C-level dict."""
-        return self._access.fast
 
     def capture(self) -> EnvState:
         names, keys = self._cache
@@ -400,18 +381,10 @@ class EnvironSource:
         if names is not cached:  # captured before a registration, or loaded from a checkpoint
             keys = access.keys(names)
         now = tuple(map(access.get, keys))
-        if now != saved:
-            self._write(names, keys, saved, now)
-
-    def _write(
-        self,
-        names: tuple[str, ...],
-        keys: tuple[Any, ...],
-        saved: tuple[Any, ...],
-        now: tuple[Any, ...],
-    ) -> None:
-        """Write the names whose values ``now`` differ from ``saved``; one name
-        that fails does not keep the others from being restored."""
+        if now == saved:
+            return
+        # Write the names whose values differ; one name that fails does not
+        # keep the others from being restored.
         rows: Iterable[tuple[Any, Any, Any]]
         if names is _MANAGED and now[2:] == saved[2:]:
             # Only the two a block sets may differ (the common case): no loop
@@ -419,16 +392,15 @@ class EnvironSource:
             rows = ((keys[0], saved[0], now[0]), (keys[1], saved[1], now[1]))
         else:  # only the names that differ, picked in C
             rows = compress(zip(keys, saved, now, strict=True), map(ne, saved, now))
-        put, delete = self._access.put, self._access.delete
         error: Exception | None = None
         for key, was, is_now in rows:
             if was == is_now:
                 continue
             try:
                 if was is None:
-                    delete(key)
+                    access.delete(key)
                 else:
-                    put(key, was)
+                    access.put(key, was)
             except Exception as exc:
                 error = error or exc
         if error is not None:

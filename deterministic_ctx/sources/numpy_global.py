@@ -15,7 +15,7 @@ import numpy as np
 
 from ..base.settings import Settings
 from . import _plain
-from ._memory import NUMPY_LAYOUT, NumpyGaussLayout, mt19937_view
+from ._memory import NUMPY_LAYOUT, Layout, mt19937_view
 from ._seeded import SeededCache
 
 __all__ = [
@@ -83,7 +83,7 @@ class NumpyGlobalSource:
     def __init__(
         self,
         rs: np.random.RandomState | None = None,
-        layout: NumpyGaussLayout | None = NUMPY_LAYOUT,
+        layout: Layout | None = NUMPY_LAYOUT,
     ) -> None:
         self._rs: np.random.RandomState = rs if rs is not None else np.random.mtrand._rand
         self._layout = layout if type(self._rs) is np.random.RandomState else None
@@ -110,8 +110,7 @@ class NumpyGlobalSource:
     def capture(self) -> NumpyState:
         rs = self._rs
         bg = rs._bit_generator
-        cached = self._cache  # _views' cache hit inline (every block)
-        views = cached[1] if cached[0] is bg else self._views(bg)
+        views = self._views(bg)
         if views is not None:
             mt, gauss = views
             # The bit generator's lock keeps a draw in another thread (NumPy
@@ -130,10 +129,8 @@ class NumpyGlobalSource:
         if rs._bit_generator is not bg:
             _set_bit_generator(bg)
         if isinstance(state.raw, tuple):
-            cached = self._cache
-            views = cached[1] if cached[0] is bg else self._views(bg)
-            if views is None:
-                raise ValueError("NumPy state was captured through the fast path, which is off")
+            views = self._views(bg)
+            assert views is not None  # only this source's own capture holds records
             mt, gauss = views
             raw_mt, raw_gauss = state.raw
             with bg.lock: mt[:], gauss[:] = raw_mt, raw_gauss  # noqa: E701  # fmt: skip
@@ -148,8 +145,7 @@ class NumpyGlobalSource:
             # the user's bit generator.
             _set_bit_generator(np.random.MT19937(0))
         bg = rs._bit_generator
-        cached = self._cache
-        views = cached[1] if cached[0] is bg else self._views(bg)
+        views = self._views(bg)
         seed = settings.rank_seed
         # Exactly ``np.random.seed(seed)``: the record it left for a seed seen
         # before and a cleared gaussian cache, as two copies.
@@ -159,7 +155,7 @@ class NumpyGlobalSource:
             return
         rs.seed(seed)  # legacy seeding; also clears the gaussian cache
         if views is not None:  # remembered (a 2.5 KB read)
-            with bg.lock: _SEEDED.put(seed, views[0].tobytes())  # noqa: E701  # fmt: skip
+            with bg.lock: _SEEDED.offer(seed, views[0].tobytes)  # noqa: E701  # fmt: skip
 
     def to_public(self, state: NumpyState) -> dict[str, Any]:
         """The state in ``RandomState.get_state(legacy=False)`` form: a copied
@@ -217,13 +213,8 @@ def numpy_state_to_plain(state: dict[str, Any]) -> dict[str, Any]:
     def plain(value: Any) -> Any:
         if isinstance(value, dict):
             return {str(k): plain(v) for k, v in value.items()}
-        if isinstance(value, np.ndarray):
-            return [int(x) for x in value.tolist()]
-        if isinstance(value, np.integer):
-            return int(value)
-        if isinstance(value, np.floating):
-            return float(value)
-        return value
+        # An array's tolist() is a list of Python ints, a NumPy scalar's a Python scalar.
+        return value.tolist() if isinstance(value, np.ndarray | np.generic) else value
 
     result: dict[str, Any] = plain(state)
     return result

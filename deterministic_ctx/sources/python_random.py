@@ -4,26 +4,19 @@ from __future__ import annotations
 
 import random
 import struct
-import warnings
 from typing import Any, NamedTuple
 
-from ..base.errors import StateWarning
 from ..base.settings import Settings
 from . import _plain
-from ._memory import RANDOM_LAYOUT, MTLayout
+from ._memory import MT_WORDS, RANDOM_LAYOUT, Layout
 from ._seeded import SeededCache
 
 __all__ = [
     "PythonRandomSource",
     "PythonRandomState",
-    "fast_layout_for",
-    "public_state",
     "random_state_from_plain",
     "random_state_to_plain",
 ]
-
-_MT_WORDS = 624
-
 
 class PythonRandomState(NamedTuple):
     """``raw`` is the 2500-byte C record (fast path) or ``getstate()[1]``."""
@@ -36,20 +29,6 @@ class PythonRandomState(NamedTuple):
 _SEEDED: SeededCache[bytes] = SeededCache()
 
 
-def public_state(state: PythonRandomState) -> tuple[Any, ...]:
-    """The state in ``random.getstate()`` form, whichever path captured it."""
-    if isinstance(state.raw, bytes):
-        index, *words = struct.unpack("=i624I", state.raw)
-        return (3, (*words, index), state.gauss_next)
-    return (3, state.raw, state.gauss_next)
-
-
-def fast_layout_for(rng: object) -> MTLayout | None:
-    """The proven layout, for exact ``random.Random`` instances only: a subclass
-    may override ``random()`` or ``seed()`` and must go through its own methods."""
-    return RANDOM_LAYOUT if type(rng) is random.Random else None
-
-
 class PythonRandomSource:
     """The hidden ``random.Random`` instance behind ``random.random()`` & co."""
 
@@ -57,7 +36,7 @@ class PythonRandomSource:
     device_type: str | None = None  # not a device generator: saved under "sources"
 
     def __init__(
-        self, rng: random.Random | None = None, layout: MTLayout | None = RANDOM_LAYOUT
+        self, rng: random.Random | None = None, layout: Layout | None = RANDOM_LAYOUT
     ) -> None:
         # Module-level functions are bound methods of this instance, so it is the
         # one to manage even if someone rebinds ``random._inst``.
@@ -86,16 +65,26 @@ class PythonRandomSource:
     def restore(self, state: PythonRandomState) -> None:
         if type(state.raw) is bytes:
             view = self._view
-            if view is None:
-                raise ValueError("random state was captured through the fast path, which is off")
+            assert view is not None  # only this source's own capture holds a record
             view[:] = state.raw
             self._rng.gauss_next = state.gauss_next  # type: ignore[attr-defined]
         else:
             self._rng.setstate((3, state.raw, state.gauss_next))
 
     def apply(self, settings: Settings) -> None:
-        if getattr(random.random, "__self__", None) is not self._rng:
-            self.check_binding()  # rebound: say so (once)
+        bound = getattr(random.random, "__self__", None)
+        if bound is not self._rng and self._warned is not None and bound is not self._warned:
+            # ``random.random = other.random`` (a test double, a library's own
+            # instance) makes ``random.random()`` draw from an object blocks do
+            # not seed, so every later block would silently stop being
+            # reproducible: say so, once per rebinding.
+            self._warned = bound
+            _plain.warn(
+                "random.random is no longer a method of the random module's own generator, "
+                "so deterministic blocks do not seed or restore what it draws; put it back "
+                "(random.random = random._inst.random) or register the new generator with "
+                "register_rng()"
+            )
         seed = settings.rank_seed
         if not self._exact:
             self._rng.seed(seed)
@@ -107,33 +96,22 @@ class PythonRandomSource:
         raw = _SEEDED.lookup(seed)
         if raw is None:
             random.Random.seed(self._rng, seed)  # a miss costs a 2.5 KB read more
-            _SEEDED.put(seed, view.tobytes())
+            _SEEDED.offer(seed, view.tobytes)
         else:
             view[:] = raw
             self._rng.gauss_next = None  # type: ignore[attr-defined]
 
-    def check_binding(self) -> None:
-        # ``random.random = other.random`` (a test double, a library's own
-        # instance) makes ``random.random()`` draw from an object blocks do
-        # not seed, so every later block would silently stop being
-        # reproducible: say so, once per rebinding.
-        bound = getattr(random.random, "__self__", None)
-        if self._warned is not None and bound is not self._rng and bound is not self._warned:
-            self._warned = bound
-            warnings.warn(
-                "random.random is no longer a method of the random module's own generator, "
-                "so deterministic blocks do not seed or restore what it draws; put it back "
-                "(random.random = random._inst.random) or register the new generator with "
-                "register_rng()",
-                StateWarning,
-                stacklevel=5,
-            )
-
-    to_public = staticmethod(public_state)
+    @staticmethod
+    def to_public(state: PythonRandomState) -> tuple[Any, ...]:
+        """The state in ``random.getstate()`` form, whichever path captured it."""
+        if isinstance(state.raw, bytes):
+            index, *words = struct.unpack(f"=i{MT_WORDS}I", state.raw)
+            return (3, (*words, index), state.gauss_next)
+        return (3, state.raw, state.gauss_next)
 
     def export_state(self, state: PythonRandomState) -> dict[str, Any]:
         """The state as plain data for a checkpoint (see :func:`random_state_to_plain`)."""
-        return random_state_to_plain(public_state(state))
+        return random_state_to_plain(self.to_public(state))
 
     def import_state(self, data: object, path: str) -> PythonRandomState:
         """Check saved data and rebuild a state; ``ValueError`` names the bad field.
@@ -160,8 +138,8 @@ def random_state_to_plain(public: tuple[Any, ...]) -> dict[str, Any]:
 def random_state_from_plain(data: object, path: str) -> tuple[Any, ...]:
     """The checked inverse of :func:`random_state_to_plain`, in ``getstate()`` form."""
     d = _plain.fields(data, path, ["state"], ["gauss_next"])
-    words = _plain.integers(d["state"], f"{path}.state", _MT_WORDS + 1, 0, 2**32 - 1)
-    _plain.integer(words[-1], f"{path}.state[{_MT_WORDS}] (the index)", 0, _MT_WORDS)
+    words = _plain.integers(d["state"], f"{path}.state", MT_WORDS + 1, 0, 2**32 - 1)
+    _plain.integer(words[-1], f"{path}.state[{MT_WORDS}] (the index)", 0, MT_WORDS)
     gauss = _plain.real(d["gauss_next"], f"{path}.gauss_next") if "gauss_next" in d else None
     public = (3, tuple(words), gauss)
     try:  # CPython's own check, on a throw-away generator

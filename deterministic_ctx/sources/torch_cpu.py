@@ -45,8 +45,7 @@ class TorchCPUSource:
             self._gen.set_state(state)
             return
         self._gen.manual_seed(seed)
-        if _SEEDED.wants(seed):
-            _SEEDED.put(seed, self._gen.get_state())
+        _SEEDED.offer(seed, self._gen.get_state)
 
     def export_state(self, state: torch.Tensor) -> dict[str, Any]:
         """The state as plain data for a checkpoint: ``{"state": uint8 tensor}``."""

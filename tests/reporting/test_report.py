@@ -201,7 +201,6 @@ def test_environment_at_start_is_read_from_proc():
 def test_env_section_covers_the_managed_list_and_registered_names(monkeypatch):
     # Registrations are process-wide: put the registry back after the test.
     monkeypatch.setattr(environ_mod, "_MANAGED", environ_mod._MANAGED)
-    monkeypatch.setattr(environ_mod, "_MANAGED_SET", environ_mod._MANAGED_SET)
     monkeypatch.setenv("DCTX_TEST_REPORTED", "on")
     monkeypatch.setenv("PL_GLOBAL_SEED", "123")
     register_env_var("DCTX_TEST_REPORTED")

@@ -11,10 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from deterministic_ctx import _torch
+from deterministic_ctx import StateWarning, _torch
 from deterministic_ctx.base.settings import Settings
-from deterministic_ctx.sources import SOURCES
-from deterministic_ctx.sources.accelerators import LazyAcceleratorSource, LazyState, LiveState
+from deterministic_ctx.sources import SOURCES, accelerators
+from deterministic_ctx.sources.accelerators import (
+    LazyAcceleratorSource,
+    LazyState,
+    LiveState,
+    refuse_inside_graph_capture,
+)
 from deterministic_ctx.sources.environ import EnvironSource
 from deterministic_ctx.sources.flags import TorchFlagsSource
 from deterministic_ctx.sources.numpy_global import NumpyGlobalSource
@@ -316,6 +321,74 @@ def test_live_device_count_mismatch_is_a_clear_error():
     dev.default_generators = dev.default_generators[:1]
     with pytest.raises(RuntimeError, match="2 device generator"):
         source.restore(state)
+
+
+class FakeMPS:
+    """``torch.mps``'s RNG functions over a CPU generator (no MPS device here)."""
+
+    def __init__(self) -> None:
+        self.generator = torch.Generator()
+
+    def get_rng_state(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
+    def manual_seed(self, seed: int) -> None:
+        self.generator.manual_seed(seed)
+
+    def draw(self) -> list[float]:
+        return torch.rand(3, generator=self.generator).tolist()
+
+
+def _mps_source(mps: FakeMPS) -> LazyAcceleratorSource:
+    return LazyAcceleratorSource(accelerators._MPSModule(mps), "mps")
+
+
+def test_mps_roundtrip_and_seed():
+    mps = FakeMPS()
+    source = _mps_source(mps)
+    state = source.capture()
+    assert isinstance(state, LiveState) and len(state.states) == 1
+    expected = mps.draw()
+    source.apply(Settings(4, False))
+    assert mps.draw() == torch.rand(3, generator=torch.Generator().manual_seed(4)).tolist()
+    source.restore(state)
+    assert mps.draw() == expected
+    refuse_inside_graph_capture((source,))  # MPS has no graphs: never refused
+
+
+def test_mps_checkpoint_entry_is_checked_at_load():
+    mps = FakeMPS()
+    source = _mps_source(mps)
+    data = source.export_state(source.capture())
+    assert data["initialized"] is True and len(data["states"]) == 1
+    expected = mps.draw()
+    source.restore(source.import_state(data, "devices.mps", strict=True))
+    assert mps.draw() == expected
+    size = mps.get_rng_state().numel()
+    wrong = {"initialized": True, "states": [torch.zeros(16, dtype=torch.uint8)]}
+    with pytest.raises(
+        ValueError, match=rf"devices\.mps\.states\[0\]: expected {size} bytes, got 16"
+    ):
+        source.import_state(wrong, "devices.mps")
+    # No entry (saved where there was no MPS): a device mismatch, at load.
+    with pytest.warns(StateWarning, match=r"0 torch.mps generator state\(s\), this process has 1"):
+        assert source.import_state(None, "devices.mps") is None
+    with pytest.raises(ValueError, match=r"strict_devices=True"):
+        source.import_state({"initialized": False, "states": []}, "devices.mps", strict=True)
+    two = {"initialized": True, "states": data["states"] * 2}
+    with pytest.warns(StateWarning, match="restoring the first 1"):
+        loaded = source.import_state(two, "devices.mps")
+    assert loaded is not None and len(loaded.states) == 1
+
+
+def test_mps_is_a_source_where_the_build_has_it(monkeypatch):
+    monkeypatch.setattr(accelerators, "HAS_MPS", True)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    (mps,) = [s for s in accelerators.accelerator_sources() if s.device_type == "mps"]
+    assert mps.name == "torch.mps" and not mps.applies_nothing
 
 
 def test_real_cuda_module_is_never_initialized_by_sources():
