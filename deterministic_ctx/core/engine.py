@@ -307,7 +307,8 @@ def _completed(step: Callable[[], None]) -> None:
 drain_signals = time.perf_counter
 
 
-#: The state at the moment of a fork made from inside a block, for the child.
+#: The state at the moment of the last fork, for the child, if it was made
+#: from inside a block.
 _at_fork: World | None = None
 
 
@@ -316,13 +317,7 @@ def _before_fork() -> None:
     # CPython reseeds ``random`` in every forked child.  Inside a block that
     # breaks reproducibility (NumPy and torch are inherited as they are), so
     # the child gets back exactly the state the forking thread had.
-    if LOCK.mine():
-        _at_fork = World.capture()
-
-
-def _after_fork_in_parent() -> None:
-    global _at_fork
-    _at_fork = None
+    _at_fork = World.capture() if LOCK.mine() else None
 
 
 def _after_fork_in_child() -> None:
@@ -347,8 +342,4 @@ def _after_fork_in_child() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(
-        before=_before_fork,
-        after_in_parent=_after_fork_in_parent,
-        after_in_child=_after_fork_in_child,
-    )
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
