@@ -47,7 +47,6 @@ Rank: TypeAlias = int | Literal["auto"] | None
 #: What ``compiled_rng=`` accepts: ``None`` (inductor's setting stays as it
 #: is) or ``"eager"`` (compiled random ops fall back to eager's kernels).
 CompiledRng: TypeAlias = Literal["eager"] | None
-COMPILED_RNG_CHOICES: tuple[CompiledRng, ...] = (None, "eager")
 
 
 def validate_rank(rank: object) -> Rank:
@@ -110,7 +109,7 @@ def validate_switches(
 
 
 def validate_compiled_rng(compiled_rng: object) -> CompiledRng:
-    """``compiled_rng`` if it is one of :data:`COMPILED_RNG_CHOICES`, else raise.
+    """``compiled_rng`` if it is ``None`` or ``"eager"``, else raise.
 
     Example:
         >>> validate_compiled_rng("eager")

@@ -60,60 +60,68 @@ def _send(it: Any, value: Any, to_throw: BaseException | None) -> tuple[Any, boo
 
 @types.coroutine
 def _steps(it: Any, block: Block, *, final: bool) -> Generator[Any, Any, Any]:
-    """Drive ``it`` (generator, coroutine, or awaitable iterator) step by step,
-    resuming ``block`` around each step; whatever ends the driving with an
-    exception, ``it`` is closed in its own world first.
+    """Drive ``it`` step by step in ``block`` (:func:`_drive`); whatever ends the
+    driving with an exception, ``it`` is closed in its own world first.
 
     ``yield from`` it in a generator, ``await`` it in a coroutine: ``it`` may
     be an awaitable object (an async generator's ``asend()``), driven through
-    its ``__await__``.  When ``it`` is done the block is left by ``stop``
-    (``final``: generators, coroutines), or by ``suspend`` when more steps of
-    the same world follow (async generators).  Each step enters and leaves
-    the block inside one ``try`` whose handler leaves it again
-    (``stop``/``suspend`` are idempotent), so an interrupt at any point of
-    the step still leaves the caller's state restored.
-    """
+    its ``__await__``.  :func:`_drive` is a frame of its own: an interrupt
+    at the line of its ``try:`` around a ``yield`` (as ``close()`` resumes
+    it) has no handler in that frame, and is caught here."""
     if not hasattr(it, "send"):
         it = it.__await__()
     end = block.stop if final else block.suspend
-    send_value: Any = None
-    to_throw: BaseException | None = None
     try:
-        while True:
-            try:
-                block.start()
-                value, done, error = _send(it, send_value, to_throw)
-                to_throw = None
-                if done:
-                    end()
-                else:
-                    block.suspend()
-            except BaseException:
-                # Interrupted: keep the body's world (the handler below closes
-                # the body in it); a no-op if the block already left.
-                block.suspend()
-                raise
-            if error is not None:
-                _reraise(error)
-            if done:
-                return value
-            try:
-                send_value = yield value
-            except GeneratorExit:
-                # close() or garbage collection: run the body's cleanup in its own world.
-                try:
-                    block.start()
-                    it.close()
-                    end()
-                except BaseException:
-                    block.suspend()  # as above: the handler below finishes the closing
-                    raise
-                raise
-            except BaseException as exc:
-                to_throw, send_value = exc, None
+        return (yield from _drive(it, block, end))
     except BaseException:
         _abandon(it, block, end)
         raise
+
+
+def _drive(it: Any, block: Block, end: Callable[[], None]) -> Generator[Any, Any, Any]:
+    """Drive ``it`` (generator, coroutine, or awaitable iterator) step by step,
+    resuming ``block`` around each step.
+
+    ``end`` leaves the block when ``it`` is done: ``stop`` (generators,
+    coroutines), or ``suspend`` when more steps of the same world follow
+    (async generators).  Each step enters and leaves the block inside one ``try`` whose handler
+    leaves it again (``stop``/``suspend`` are idempotent), so an interrupt
+    at any point of the step still leaves the caller's state restored.
+    """
+    send_value: Any = None
+    to_throw: BaseException | None = None
+    while True:
+        try:
+            block.start()
+            value, done, error = _send(it, send_value, to_throw)
+            to_throw = None
+            if done:
+                end()
+            else:
+                block.suspend()
+        except BaseException:
+            # Interrupted: keep the body's world (``_steps`` closes the body in
+            # it); a no-op if the block already left.
+            block.suspend()
+            raise
+        if error is not None:
+            _reraise(error)
+        if done:
+            return value
+        try:
+            send_value = yield value
+        except GeneratorExit:
+            # close() or garbage collection: run the body's cleanup in its own world.
+            try:
+                block.start()
+                it.close()
+                end()
+            except BaseException:
+                block.suspend()  # as above: ``_steps`` finishes the closing
+                raise
+            raise
+        except BaseException as exc:
+            to_throw, send_value = exc, None
 
 
 def _abandon(it: Any, block: Block, end: Callable[[], None]) -> None:
@@ -201,11 +209,8 @@ def _wrap_async_generator(
         to_throw: BaseException | None = None
         try:
             while True:
-                if to_throw is not None:
-                    exc, to_throw = to_throw, None
-                    step = agen.athrow(exc)
-                else:
-                    step = agen.asend(send_value)
+                step = agen.asend(send_value) if to_throw is None else agen.athrow(to_throw)
+                to_throw = None
                 try:
                     value = await _steps(step, block, final=False)
                 except StopAsyncIteration:
