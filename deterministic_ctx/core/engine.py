@@ -129,17 +129,14 @@ class Block:
 
     def _rollback(self) -> None:
         i = _position(self)
-        if i is not None:
-            self._carry(i)  # carried blocks that were being put back go back again
-            del _active[i]
-            outer, self._outer = self._outer, None
-            try:
+        outer, self._outer = self._outer, None
+        try:
+            if i is not None:  # else not listed yet: nothing was applied
+                self._carry(i)  # carried blocks that were being put back go back again
+                del _active[i]
                 if outer is not None:
                     outer.restore()
-            finally:
-                LOCK.release()
-        else:
-            self._outer = None
+        finally:
             LOCK.release()
 
     def _carry(self, i: int) -> None:
