@@ -23,7 +23,6 @@ from typing import Any, Literal, TypeAlias
 
 import numpy as np
 
-from .._errors import DeterministicCtxError
 from .._torch import FILL_UNINITIALIZED_MEMORY
 from .errors import StateWarning
 from .seed import derive_seed, show_int, validate_seed
@@ -32,6 +31,7 @@ __all__ = [
     "AUTO",
     "Rank",
     "Settings",
+    "check_bool",
     "process_rank",
     "seed_for_rank",
     "validate_compiled_rng",
@@ -47,7 +47,6 @@ Rank: TypeAlias = int | Literal["auto"] | None
 #: What ``compiled_rng=`` accepts: ``None`` (inductor's setting stays as it
 #: is) or ``"eager"`` (compiled random ops fall back to eager's kernels).
 CompiledRng: TypeAlias = Literal["eager"] | None
-COMPILED_RNG_CHOICES: tuple[CompiledRng, ...] = (None, "eager")
 
 
 def validate_rank(rank: object) -> Rank:
@@ -78,6 +77,13 @@ def validate_rank(rank: object) -> Rank:
     return value
 
 
+def check_bool(value: object, name: str) -> bool:
+    """``value``, checked to be ``True`` or ``False``; else ``TypeError`` naming ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r:.80}")
+    return value
+
+
 def validate_switches(
     warn_only: object, flags: object, fill_uninitialized_memory: object
 ) -> tuple[bool, bool, bool]:
@@ -94,8 +100,7 @@ def validate_switches(
     values = (warn_only, flags, fill_uninitialized_memory)
     names = ("warn_only", "flags", "fill_uninitialized_memory")
     for name, value in zip(names, values, strict=True):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
+        check_bool(value, name)
     if not fill_uninitialized_memory:
         # Asked for explicitly: a torch without the flag cannot honour it (the
         # default, True, is simply off there, and report() says so).
@@ -104,7 +109,7 @@ def validate_switches(
 
 
 def validate_compiled_rng(compiled_rng: object) -> CompiledRng:
-    """``compiled_rng`` if it is one of :data:`COMPILED_RNG_CHOICES`, else raise.
+    """``compiled_rng`` if it is ``None`` or ``"eager"``, else raise.
 
     Example:
         >>> validate_compiled_rng("eager")
@@ -232,28 +237,26 @@ def launcher_variables(*, strict: bool = True) -> dict[str, int] | None:
         return None
     try:
         # Parsed once per distinct set of values: ``rank="auto"`` asks at every block.
-        return dict(_checked_launcher_variables(raw))
-    except _Partial as partial:
-        if strict and partial.args[0] not in _WARNED_PARTIAL:
-            _WARNED_PARTIAL.add(partial.args[0])
-            warnings.warn(
-                f"rank='auto': the environment variable {partial.args[0]} is set but "
-                f"{partial.args[1]} is not (Lightning's launcher, for one, exports WORLD_SIZE "
-                f"and passes the rank to init_process_group), so this process's global rank "
-                f"cannot be known before init_process_group: 0 is used until a process group "
-                f"exists.  Seed after init_process_group, or pass rank= explicitly",
-                StateWarning,
-                stacklevel=3,
-            )
-        return None
+        found = _checked_launcher_variables(raw)
     except ValueError:
         if strict:
             raise
         return None
-
-
-class _Partial(DeterministicCtxError):
-    """Only one of ``RANK`` and ``WORLD_SIZE`` is set: (the one set, the one missing)."""
+    if found:
+        return dict(found)
+    given, missing = ("RANK", "WORLD_SIZE") if raw[1] is None else ("WORLD_SIZE", "RANK")
+    if strict and given not in _WARNED_PARTIAL:
+        _WARNED_PARTIAL.add(given)
+        warnings.warn(
+            f"rank='auto': the environment variable {given} is set but "
+            f"{missing} is not (Lightning's launcher, for one, exports WORLD_SIZE "
+            f"and passes the rank to init_process_group), so this process's global rank "
+            f"cannot be known before init_process_group: 0 is used until a process group "
+            f"exists.  Seed after init_process_group, or pass rank= explicitly",
+            StateWarning,
+            stacklevel=3,
+        )
+    return None
 
 
 #: Variables already warned about by :func:`launcher_variables`.
@@ -281,8 +284,8 @@ def _checked_launcher_variables(raw: tuple[object, ...]) -> dict[str, int]:
         return int(text)
 
     rank, world = number("RANK"), number("WORLD_SIZE", 1)
-    if rank is None or world is None:
-        raise _Partial(*(("RANK", "WORLD_SIZE") if world is None else ("WORLD_SIZE", "RANK")))
+    if rank is None or world is None:  # only one of them is set: no rank, said by the caller
+        return {}
     found = {"RANK": rank, "WORLD_SIZE": world}
     for name, least in (("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1), ("GROUP_RANK", 0)):
         if (value := number(name, least)) is not None:

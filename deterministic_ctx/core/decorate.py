@@ -65,7 +65,9 @@ def _steps(it: Any, block: Block, *, final: bool) -> Generator[Any, Any, Any]:
 
     ``yield from`` it in a generator, ``await`` it in a coroutine: ``it`` may
     be an awaitable object (an async generator's ``asend()``), driven through
-    its ``__await__``."""
+    its ``__await__``.  :func:`_drive` is a frame of its own: an interrupt
+    at the line of its ``try:`` around a ``yield`` (as ``close()`` resumes
+    it) has no handler in that frame, and is caught here."""
     if not hasattr(it, "send"):
         it = it.__await__()
     end = block.stop if final else block.suspend
@@ -207,11 +209,8 @@ def _wrap_async_generator(
         to_throw: BaseException | None = None
         try:
             while True:
-                if to_throw is not None:
-                    exc, to_throw = to_throw, None
-                    step = agen.athrow(exc)
-                else:
-                    step = agen.asend(send_value)
+                step = agen.asend(send_value) if to_throw is None else agen.athrow(to_throw)
+                to_throw = None
                 try:
                     value = await _steps(step, block, final=False)
                 except StopAsyncIteration:

@@ -87,8 +87,10 @@ class Block:
         self._outer: World | None = None  # the caller's state, while the block is open
         self._inner: World | None = None  # the block's own state, while it is suspended
         self._started = False
-        self._carried: tuple[Block, ...] = ()  # blocks opened inside this one's suspended step
-        self._carrier: Block | None = None  # the suspended block carrying this one
+        self._carried: list[Block] | None = None  # blocks opened inside this one's suspended step
+        # The block that last carried this one: it carries it still unless the
+        # block is in ``_active`` (resuming puts carried blocks back there).
+        self._carrier: Block | None = None
 
     def start(self) -> None:
         """Take the lock, capture the caller's state and enter the block's world:
@@ -112,7 +114,9 @@ class Block:
             if self._started:
                 assert self._inner is not None
                 self._inner.restore()
-                self._uncarry()
+                if self._carried:  # the blocks opened in its last step are open again
+                    _active.extend(self._carried)
+                    self._carried = None
                 self._inner = None  # last: until here a retry can still restore it
             else:
                 if self._settings is not None:  # None: isolation only, nothing applied
@@ -125,29 +129,24 @@ class Block:
 
     def _rollback(self) -> None:
         i = _position(self)
-        if i is not None:
-            if not self._carried:  # carried blocks that were being put back go back again
-                self._carried = tuple(_active[i + 1 :])
-            for block in self._carried:
-                block._carrier = self
-            del _active[i:]
-            outer, self._outer = self._outer, None
-            try:
+        outer, self._outer = self._outer, None
+        try:
+            if i is not None:  # else not listed yet: nothing was applied
+                self._carry(i)  # carried blocks that were being put back go back again
+                del _active[i]
                 if outer is not None:
                     outer.restore()
-            finally:
-                LOCK.release()
-        else:
-            self._outer = None
+        finally:
             LOCK.release()
 
-    def _uncarry(self) -> None:
-        carried = self._carried
-        if carried:
-            _active.extend(carried)
+    def _carry(self, i: int) -> None:
+        """Take the blocks above this one (at ``_active[i]``) off ``_active``:
+        opened in its step, they stay in its world until it resumes."""
+        if i + 1 < len(_active):
+            self._carried = carried = _active[i + 1 :]
             for block in carried:
-                block._carrier = None
-            self._carried = ()
+                block._carrier = self
+            del _active[i + 1 :]
 
     @property
     def suspended(self) -> bool:
@@ -166,12 +165,7 @@ class Block:
         if i is not None:
             if self._inner is None:  # not captured yet in this suspension
                 self._inner = World.capture()
-            if i + 1 < len(_active):  # blocks opened in this step stay in its world
-                carried = tuple(_active[i + 1 :])
-                self._carried = carried
-                for block in carried:
-                    block._carrier = self
-                del _active[i + 1 :]
+            self._carry(i)
             assert self._outer is not None
             self._outer.restore()
             del _active[i]
@@ -188,38 +182,28 @@ class Block:
 
     def _finish(self) -> None:
         error: RestoreError | None = None
+        blocks, carrier = _active, self._carrier
         i = _position(self)
+        if i is None and carrier is not None and carrier._carried:  # left while carried
+            blocks = carrier._carried
+            i = _position(self, blocks)
         if i is not None:
-            if i + 1 == len(_active):
+            if i + 1 < len(blocks):  # a later block is open: its world is the live one
+                blocks[i + 1]._outer = self._outer
+            elif blocks is not _active:  # the carrier's world as it was before this block
+                assert carrier is not None
+                carrier._inner = self._outer
+            else:
                 assert self._outer is not None
                 try:
                     self._outer.restore()
                 except RestoreError as exc:  # every other source was restored: leave anyway
                     error = exc
-            else:  # a later block is open: its world is the live one (class docstring)
-                _active[i + 1]._outer = self._outer
-            del _active[i]
-            self._outer = None
-        elif self._carrier is not None:
-            self._leave_carrier()
+            del blocks[i]
+        self._outer = self._carrier = None
         LOCK.release()
         if error is not None:
             raise error
-
-    def _leave_carrier(self) -> None:
-        carrier = self._carrier
-        assert carrier is not None
-        carried = carrier._carried
-        i = next((k for k, block in enumerate(carried) if block is self), None)
-        if i is None:  # a retry after the carrier was already updated
-            self._carrier = self._outer = None
-            return
-        if i + 1 == len(carried):
-            carrier._inner = self._outer  # the carrier's world as it was before this block
-        else:
-            carried[i + 1]._outer = self._outer
-        carrier._carried = carried[:i] + carried[i + 1 :]
-        self._carrier = self._outer = None
 
     def commit(self) -> None:
         """Keep the block's state as the process's own: the caller's state
@@ -241,10 +225,10 @@ def inside_block() -> bool:
     return LOCK.mine()
 
 
-def _position(block: Block) -> int | None:
+def _position(block: Block, blocks: list[Block] = _active) -> int | None:
     # From the top: the block that leaves or suspends is nearly always the last one.
-    for i in range(len(_active) - 1, -1, -1):
-        if _active[i] is block:
+    for i in range(len(blocks) - 1, -1, -1):
+        if blocks[i] is block:
             return i
     return None
 
@@ -320,7 +304,8 @@ def _completed(step: Callable[[], None]) -> None:
 drain_signals = time.perf_counter
 
 
-#: The state at the moment of a fork made from inside a block, for the child.
+#: The state at the moment of the last fork, for the child, if it was made
+#: from inside a block.
 _at_fork: World | None = None
 
 
@@ -329,13 +314,7 @@ def _before_fork() -> None:
     # CPython reseeds ``random`` in every forked child.  Inside a block that
     # breaks reproducibility (NumPy and torch are inherited as they are), so
     # the child gets back exactly the state the forking thread had.
-    if LOCK.mine():
-        _at_fork = World.capture()
-
-
-def _after_fork_in_parent() -> None:
-    global _at_fork
-    _at_fork = None
+    _at_fork = World.capture() if LOCK.mine() else None
 
 
 def _after_fork_in_child() -> None:
@@ -360,8 +339,4 @@ def _after_fork_in_child() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(
-        before=_before_fork,
-        after_in_parent=_after_fork_in_parent,
-        after_in_child=_after_fork_in_child,
-    )
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
