@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._errors import DeterministicCtxError as DeterministicCtxError
 from ._errors import DeterministicCtxWarning as DeterministicCtxWarning
+from ._errors import StateWarning as StateWarning
 from .base.version import __version__ as __version__
 
 if TYPE_CHECKING:  # what the names below resolve to, for type checkers and readers
@@ -37,7 +38,6 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
         InvalidSnapshotError,
         LockWaitWarning,
         RestoreError,
-        StateWarning,
         UnregisteredRngError,
     )
     from .base.lock import set_lock_warning
@@ -149,7 +149,6 @@ _WHERE: dict[str, tuple[str, str]] = {
     "SeededIndex": (".parallel.keyed", "SeededIndex"),
     "SeededSampler": (".parallel.keyed", "SeededSampler"),
     "Snapshot": (".state.snapshot", "Snapshot"),
-    "StateWarning": (".base.errors", "StateWarning"),
     "Trace": (".trace", "Trace"),
     "TorchFeatureError": ("._torch", "TorchFeatureError"),
     "TraceComparison": (".trace", "TraceComparison"),

@@ -1,4 +1,5 @@
-"""The two base classes of everything deterministic-ctx raises or warns.
+"""The two base classes of everything deterministic-ctx raises or warns, and
+:class:`StateWarning`, the warning every layer issues.
 
 They live in this leaf module, below every layer (``.importlinter``), because
 errors are defined in every layer, ``_torch`` included; users import them from
@@ -10,7 +11,12 @@ defined in.
 
 from __future__ import annotations
 
-__all__ = ["PUBLIC_MODULE", "DeterministicCtxError", "DeterministicCtxWarning"]
+__all__ = [
+    "PUBLIC_MODULE",
+    "DeterministicCtxError",
+    "DeterministicCtxWarning",
+    "StateWarning",
+]
 
 #: The ``__module__`` of every public error and warning: the path users import it from.
 PUBLIC_MODULE = "deterministic_ctx"
@@ -49,6 +55,25 @@ class DeterministicCtxWarning(Warning):
         >>> issubclass(LockWaitWarning, DeterministicCtxWarning)
         True
         >>> issubclass(LockWaitWarning, RuntimeWarning)
+        True
+    """
+
+    __module__ = PUBLIC_MODULE
+
+
+class StateWarning(DeterministicCtxWarning, RuntimeWarning):
+    """Random state or its inputs are not what they should be, and the library went on.
+
+    Issued where raising would break a program that worked before: a forked
+    child whose random state could not be put back, launcher variables that
+    contradict the process group (``rank="auto"`` then follows the group),
+    only one of ``RANK`` and ``WORLD_SIZE`` set, a snapshot loaded on a
+    machine with other devices, ``random.random`` rebound to a generator
+    blocks do not manage, or an RNG entry point that failed to load.  The
+    message says what was done instead.
+
+    Example:
+        >>> issubclass(StateWarning, RuntimeWarning)
         True
     """
 

@@ -33,6 +33,7 @@ from ._torch import (
     is_compiling,
     missing_capabilities,
 )
+from ._torch.distributed import launcher_variables, process_rank
 from ._torch.flags import current_autograd_node
 from ._torch.internals import (
     AUTOGRAD_ENGINE_ENTRIES,
@@ -63,8 +64,6 @@ from .base.settings import (
     Rank,
     Settings,
     check_bool,
-    launcher_variables,
-    process_rank,
     seed_for_rank,
     validate_compiled_rng,
     validate_rank,

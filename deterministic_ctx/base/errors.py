@@ -13,7 +13,6 @@ __all__ = [
     "InvalidSnapshotError",
     "LockWaitWarning",
     "RestoreError",
-    "StateWarning",
     "UnregisteredRngError",
 ]
 
@@ -67,23 +66,6 @@ class AbandonedBlockWarning(DeterministicCtxWarning, RuntimeWarning):
 
     Example:
         >>> issubclass(AbandonedBlockWarning, RuntimeWarning)
-        True
-    """
-
-
-class StateWarning(DeterministicCtxWarning, RuntimeWarning):
-    """Random state or its inputs are not what they should be, and the library went on.
-
-    Issued where raising would break a program that worked before: a forked
-    child whose random state could not be put back, launcher variables that
-    contradict the process group (``rank="auto"`` then follows the group),
-    only one of ``RANK`` and ``WORLD_SIZE`` set, a snapshot loaded on a
-    machine with other devices, ``random.random`` rebound to a generator
-    blocks do not manage, or an RNG entry point that failed to load.  The
-    message says what was done instead.
-
-    Example:
-        >>> issubclass(StateWarning, RuntimeWarning)
         True
     """
 

@@ -32,7 +32,8 @@ from collections.abc import Callable
 from contextlib import suppress
 
 from .. import sources as _sources
-from ..base.errors import AbandonedBlockWarning, RestoreError, StateWarning
+from .._errors import StateWarning
+from ..base.errors import AbandonedBlockWarning, RestoreError
 from ..base.lock import LOCK
 from ..base.settings import Settings
 from ..sources.compiler import opaque, pause_compiler, refuse_while_tracing, resume_compiler

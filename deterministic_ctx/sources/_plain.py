@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..base.errors import StateWarning
+from .._errors import StateWarning
 
 __all__ = [
     "byte_tensor",

@@ -346,9 +346,8 @@ def test_malformed_launcher_variables_are_named(variables, message):
     ],
 )
 def test_half_a_launcher_warns_and_means_rank_0_until_a_group_exists(variables, message):
-    settings_module = importlib.import_module("deterministic_ctx.base.settings")
-    settings_module._WARNED_PARTIAL.clear()
-    settings_module._last_rank = None  # an answer remembered from before would not warn
+    distributed = importlib.import_module("deterministic_ctx._torch.distributed")
+    distributed._WARNED_PARTIAL.clear()
     with launched(**variables):
         with pytest.warns(RuntimeWarning, match=message):
             assert resolve_rank("auto") == 0
@@ -356,7 +355,7 @@ def test_half_a_launcher_warns_and_means_rank_0_until_a_group_exists(variables, 
             warnings.simplefilter("error")  # said once
             with deterministic(seed=0, rank="auto"):
                 pass
-    settings_module._WARNED_PARTIAL.clear()
+    distributed._WARNED_PARTIAL.clear()
 
 
 @needs_gloo
@@ -392,15 +391,14 @@ def test_a_launcher_of_several_processes_needs_the_group_to_broadcast():
 
 @needs_gloo
 def test_the_group_wins_over_inherited_launcher_variables_with_a_warning(gloo_of_one):
-    import deterministic_ctx.base.settings as settings_module
+    import deterministic_ctx._torch.distributed as distributed
 
     with launched():  # spawned by hand: no launcher
         assert ranks() == Ranks(0, 1, 0, 0)
     with launched(**torchrun_vars(0, 1, 1)):
         assert ranks() == Ranks(0, 1, 0, 0)
         assert resolve_rank("auto") == 0
-    settings_module._WARNED.clear()
-    settings_module._last_rank = None  # an answer remembered from before would not warn
+    distributed._WARNED.clear()
     with launched(**torchrun_vars(1, 1, 2)):  # inherited from a worker of another job
         with pytest.warns(
             RuntimeWarning, match=r"the process group says rank 0 of 1, but .* RANK=1, WORLD_SIZE=2"
@@ -411,7 +409,7 @@ def test_the_group_wins_over_inherited_launcher_variables_with_a_warning(gloo_of
             assert resolve_rank("auto") == 0
             assert ranks().rank == 0
         assert resolve_rank(1) == 1  # given by hand, nothing is looked up
-    settings_module._WARNED.clear()
+    distributed._WARNED.clear()
 
 
 @needs_gloo

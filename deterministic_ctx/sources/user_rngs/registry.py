@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import Any, TypeVar
 
-from ...base.errors import StateWarning
+from ..._errors import StateWarning
 from .entries import Entry
 from .kinds import kind_of, manageable, short_repr
 
