@@ -13,7 +13,7 @@ structure with other seeds or ranks (unlike ``seed + rank``).
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
 import numpy as np
@@ -151,13 +151,10 @@ class Settings:
     # ``None`` only for ``rank="auto"``, which is resolved each time a block
     # starts: a decorator is often built at import, before the process group.
     _fixed_rank_seed: int | None = field(init=False, repr=False, compare=False)
-    #: For ``rank="auto"``: the settings :meth:`resolved` built, by rank.
-    _by_rank: dict[int, Settings] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         fixed = None if self.rank == AUTO else seed_for_rank(self.seed, self.rank or 0)
         object.__setattr__(self, "_fixed_rank_seed", fixed)
-        object.__setattr__(self, "_by_rank", {})
 
     @property
     def rank_seed(self) -> int:
@@ -167,17 +164,18 @@ class Settings:
 
     def resolved(self) -> Settings:
         """These settings with ``rank="auto"`` looked up now: a block starting
-        resolves it once, not once per source that reads :attr:`rank_seed`."""
+        resolves it once, not once per source that reads :attr:`rank_seed`.
+        Built through :meth:`build`, whose cache makes a repeat a dict lookup."""
         if self._fixed_rank_seed is not None:
             return self
-        rank = process_rank()
-        found = self._by_rank.get(rank)
-        if found is None:
-            found = replace(self, rank=rank)
-            if len(self._by_rank) >= 64:  # one rank per process, but keep it bounded
-                self._by_rank.clear()
-            self._by_rank[rank] = found
-        return found
+        return self.build(
+            self.seed,
+            self.warn_only,
+            process_rank(),
+            self.flags,
+            self.fill_uninitialized_memory,
+            self.compiled_rng,
+        )
 
     @classmethod
     def build(
