@@ -50,8 +50,7 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import torch
 
@@ -138,22 +137,18 @@ _get_onednn, _set_onednn = _torch.ONEDNN_ALLOW_TF32.value or (None, None)
 ONEDNN = _get_onednn is not None
 
 
-#: Taken by whoever writes the precision state here: a probe (which unsets
-#: parents for a moment, see the docstring) or a restore.  Held only around
-#: torch's C calls, so it cannot deadlock.
-_lock = threading.Lock()
-#: Odd while the holder of ``_lock`` writes.  Reading needs no lock: a reader
-#: that saw it odd, or changed by the end, reads again under the lock, so it
-#: never records a probe's passing state (a seqlock; the GIL orders the reads).
-writes = 0
-_T = TypeVar("_T")
+#: Held by every read and write of the precision state here: a read may unset
+#: parents for a moment (see the docstring), which no other thread's read may
+#: record or undo.  Uncontended, taking it costs about one C call.  Re-entrant:
+#: a signal handler that enters a block while its thread holds it goes on.
+#: Held only around torch's C calls, so it cannot deadlock.
+_lock = threading.RLock()
 
 
 def _new_lock_in_child() -> None:
     # A fork while another thread held it would leave the child's lock held forever.
-    global _lock, writes
-    _lock = threading.Lock()
-    writes = 0
+    global _lock
+    _lock = threading.RLock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -200,62 +195,28 @@ def read(find_default: bool = False) -> _Hidden:
     """The resolved values torch reports, each entry's own value, the legacy
     matmul precision and the legacy cuDNN flag.
 
-    With no parent set, an entry resolves to its own value, except that
-    cuDNN's initial state reads "tf32" like an explicit "tf32"; they behave
-    alike until a parent is set, so they are told apart only for
-    ``find_default``.  Otherwise the parents are unset for a moment (under
-    ``_lock``).
-    """
-    seen = writes
-    if not seen & 1:
-        found = _quick(_precisions(), find_default)
-        if found is not None and writes == seen:
-            return found
-    return _exclusively(lambda: _probe(_precisions(), find_default))
-
-
-def _exclusively(step: Callable[[], _T]) -> _T:
-    """Run ``step`` holding ``_lock``, with ``writes`` odd meanwhile.
-
     The ``with`` is one line: CPython gives a ``with``'s exit the statement's
     own line, so with the body on another line a tracer raising at that line
     event would skip the release and leave the lock held for good.
     """
-    with _lock: return _counted(step)  # noqa: E701  # fmt: skip
+    with _lock: return _read(find_default)  # noqa: E701  # fmt: skip
 
 
-def _counted(step: Callable[[], _T]) -> _T:
-    global writes
-    writes += 1
-    try:
-        return step()
-    finally:
-        writes += 1
+def _read(find_default: bool) -> _Hidden:
+    """:func:`read`, the caller holding ``_lock``.
 
-
-def _quick(eff: tuple[str, ...], find_default: bool) -> _Hidden | None:
-    """:func:`read` by reading alone; ``None`` where that cannot tell."""
-    if EXACT and (
-        eff[GENERIC] != "none"
-        or eff[CUDA] != "none"
-        or eff[MKLDNN] != "none"
-        or (find_default and "tf32" in (eff[CONV], eff[RNN]))
+    With no parent set, an entry resolves to its own value, except that
+    cuDNN's initial state reads "tf32" like an explicit "tf32"; they behave
+    alike until a parent is set, so they are told apart only for
+    ``find_default``.  Otherwise the parents are unset for a moment and put
+    back.  (Older torches: the resolved values are all that is known.)
+    """
+    eff = _precisions()
+    if not EXACT or (
+        eff[GENERIC] == eff[CUDA] == eff[MKLDNN] == "none"
+        and not (find_default and "tf32" in (eff[CONV], eff[RNN]))
     ):
-        return None
-    try:
-        return (eff, eff, *_legacy(eff, None))
-    except LookupError:  # conv and rnn disagree: only a probe can tell
-        return None
-
-
-def _probe(eff: tuple[str, ...], find_default: bool) -> _Hidden:
-    """:func:`read` where reading alone cannot tell: the parents are unset for
-    a moment and put back.  The caller holds ``_lock``."""
-    if not EXACT:
-        return eff, eff, *_legacy(eff, eff)
-    found = _quick(eff, find_default)
-    if found is not None:  # the read without the lock only met another thread's write
-        return found
+        return eff, eff, *_legacy(eff)
     assert _get_precision is not None
     assert _set_precision is not None
     get, put = _get_precision, _set_precision
@@ -279,11 +240,10 @@ def _probe(eff: tuple[str, ...], find_default: bool) -> _Hidden:
         # The legacy getters raise when the matmul (or conv and rnn) entries
         # contradict the legacy fields; a parent set through the new API alone
         # does that on every read (19 µs per raise), the entries alone rarely.
-        window = ("none", "none", *own[2:5], "none", *own[6:])
-        legacy, cudnn = _legacy(window, window)
+        legacy, cudnn = _legacy(("none", "none", *own[2:5], "none", *own[6:]))
         # cuDNN's initial state reads "tf32" but follows a parent: set one.  (With
-        # no parent set it behaves as "tf32" and is written so, as by _quick.)
-        if (undo or find_default) and "tf32" in (own[CONV], own[RNN]):
+        # no parent set it behaves as "tf32" and is written so, as above.)
+        if "tf32" in (own[CONV], own[RNN]):
             if own[CUDA] == "none":
                 undo.append(("cuda", "none"))
             put("cuda", "all", "ieee")
@@ -320,11 +280,10 @@ def _matmul_refused(legacy: str, cuda: str, mkldnn: str) -> bool:
     )
 
 
-def _legacy(eff: tuple[str, ...], own: tuple[str, ...] | None) -> tuple[str | None, bool | None]:
+def _legacy(eff: tuple[str, ...]) -> tuple[str | None, bool | None]:
     """The legacy matmul precision and cuDNN TF32 flag, also where torch's
-    getters refuse to report them (``None``: cannot be known).  ``own``: the
-    entries' own values, known only under ``_lock`` (without, ``LookupError``
-    where only a write could tell)."""
+    getters refuse to report them (``None``: cannot be known), with ``eff``
+    in force and (torch >= 2.9) no parent set.  The caller holds ``_lock``."""
     legacy: str | None
     cudnn: bool | None
     try:
@@ -334,7 +293,7 @@ def _legacy(eff: tuple[str, ...], own: tuple[str, ...] | None) -> tuple[str | No
     try:
         cudnn = get_cudnn_allow_tf32()
     except RuntimeError:
-        cudnn = _refused_cudnn_allow_tf32(eff, own)
+        cudnn = _refused_cudnn_allow_tf32(eff)
     return legacy, cudnn
 
 
@@ -357,30 +316,27 @@ def _refused_matmul_precision(eff: tuple[str, ...]) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
-def _refused_cudnn_allow_tf32(eff: tuple[str, ...], own: tuple[str, ...] | None) -> bool | None:
+def _refused_cudnn_allow_tf32(eff: tuple[str, ...]) -> bool | None:
     """The legacy cuDNN TF32 flag where its getter raised, with ``eff`` in force."""
     if not EXACT:
         return None
     conv, rnn = eff[CONV] == "tf32", eff[RNN] == "tf32"
     if conv == rnn:
         return not conv  # it raises exactly when the flag disagrees with both
-    if own is None:
-        raise LookupError("conv and rnn disagree")
-    # conv and rnn disagree, which hides the flag: make them agree for one call
-    # through an entry whose own value is known and writable (not "default").
-    i, value = (CONV, "tf32") if not conv else (RNN, "tf32")
-    if own[i] == DEFAULT:
-        i, value = (RNN if i == CONV else CONV), "ieee"
+    # conv and rnn disagree, which hides the flag: make them agree for one call.
+    # The one not reading "tf32" is set to it: with no parent set it reads its
+    # own value (not cuDNN's initial state, which reads "tf32"), written back.
+    i = RNN if conv else CONV
     assert _set_precision is not None
-    _set_precision("cuda", PRECISION_OPNAMES[i], value)
+    _set_precision("cuda", PRECISION_OPNAMES[i], "tf32")
     try:
         get_cudnn_allow_tf32()
         agrees = True
     except RuntimeError:
         agrees = False
     finally:
-        _set_precision("cuda", PRECISION_OPNAMES[i], own[i])
-    return (value == "tf32") == agrees
+        _set_precision("cuda", PRECISION_OPNAMES[i], eff[i])
+    return agrees
 
 
 def onednn_allow_tf32() -> bool | None:
@@ -476,14 +432,20 @@ def import_precision(
 
 
 def restore_precision(state: PrecisionFields) -> None:
-    """Put back the precision state of ``state``, if the body changed it."""
+    """Put back the precision state of ``state``, if the body changed it: the
+    legacy fields first (their setters overwrite entries), then each entry
+    whose own value differs.  The ``with`` is one line (see :func:`read`)."""
+    with _lock: _restore(state)  # noqa: E701  # fmt: skip
+
+
+def _restore(state: PrecisionFields) -> None:
     want = state.fp32_precision_own
     # A "tf32" read with no parent set may be cuDNN's initial state: that
     # matters where the target sets a cuda parent (they differ under it) or holds it.
     find_default = EXACT and (
         want[GENERIC] != "none" or want[CUDA] != "none" or DEFAULT in (want[CONV], want[RNN])
     )
-    _, own, legacy, cudnn = read(find_default)
+    _, own, legacy, cudnn = _read(find_default)
     if (
         own == want
         and state.float32_matmul_precision in (None, legacy)
@@ -491,21 +453,6 @@ def restore_precision(state: PrecisionFields) -> None:
         and not ONEDNN
     ):
         return  # the common case: the body changed no precision
-
-    def write() -> None:
-        # Read again: another thread may have written since.
-        _, own, legacy, cudnn = _probe(_precisions(), find_default)
-        _write(state, own, legacy, cudnn)
-
-    _exclusively(write)
-
-
-def _write(
-    state: PrecisionFields, own: tuple[str, ...], legacy: str | None, cudnn: bool | None
-) -> None:
-    """Write what differs between ``state`` and the current ``own``, ``legacy``
-    and ``cudnn``: the legacy fields first (their setters overwrite entries),
-    then each entry whose own value differs.  The caller holds ``_lock``."""
     written: dict[int, str] = {}  # by position in PRECISION_OPS, what the legacy setters wrote
     if state.float32_matmul_precision not in (None, legacy):
         set_float32_matmul_precision(state.float32_matmul_precision)
@@ -516,7 +463,6 @@ def _write(
         written[CONV] = written[RNN] = "tf32" if state.cudnn_allow_tf32 else "none"
     if ONEDNN and state.onednn_allow_tf32 not in (None, onednn_allow_tf32()):
         _set_onednn(state.onednn_allow_tf32)
-    want = state.fp32_precision_own
     if not EXACT:
         # Older rules: where any resolved value differs, write every one, parents first.
         if _precisions() != want:
