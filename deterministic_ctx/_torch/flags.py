@@ -33,7 +33,6 @@ __all__ = [
     "HAS_CUDA",
     "HAS_MPS",
     "current_autograd_node",
-    "get_cublas_allow_tf32",
     "get_cudnn_allow_tf32",
     "get_cudnn_benchmark",
     "get_cudnn_deterministic",
@@ -111,12 +110,6 @@ and rnn disagree with it)."""
 
 set_cudnn_allow_tf32: Callable[[bool], None] = _C._set_cudnn_allow_tf32
 """``torch._C._set_cudnn_allow_tf32`` (every supported torch)."""
-
-get_cublas_allow_tf32: Callable[[], bool] = _C._get_cublas_allow_tf32
-"""``torch._C._get_cublas_allow_tf32``: ``torch.backends.cuda.matmul.allow_tf32`` (every
-supported torch; raises ``RuntimeError`` from torch 2.9 where ``cuda.matmul``'s
-``fp32_precision`` disagrees with it)."""
-
 
 # -- torch's process defaults (sources/torch_defaults.py) ---------------------------------
 

@@ -23,7 +23,7 @@ precision, and TF32 results are themselves deterministic).  In torch ≥ 2.9
   (ieee/ieee, tf32/tf32, tf32/bf16); ``cuda.matmul.allow_tf32`` writes it
   (high/highest) and ``cuda.matmul`` (tf32/ieee).  Its getter raises ("mix
   of the legacy and new APIs") when the resolved matmul entries contradict
-  it; the field is then inferred from which getters raise.
+  it; the field is then read with both matmul entries unset for one call.
 * the legacy cuDNN ``allow_tf32`` flag, a separate field, written with conv
   and rnn (tf32 or none) by ``cudnn.allow_tf32``.  Its getter answers only
   while conv and rnn both resolve to tf32 or both not, and raises when the
@@ -56,7 +56,6 @@ import torch
 
 from .. import _torch
 from .._torch.flags import (
-    get_cublas_allow_tf32,
     get_cudnn_allow_tf32,
     get_float32_matmul_precision,
     set_cudnn_allow_tf32,
@@ -221,17 +220,17 @@ def _read(find_default: bool) -> _Hidden:
     assert _set_precision is not None
     get, put = _get_precision, _set_precision
     own = list(eff)
-    undo: list[tuple[str, str]] = []  # (backend, value) of each "all" to write back, last first
+    undo: list[tuple[str, str, str]] = []  # (backend, "all", value) to write back, last first
     try:
         if eff[GENERIC] != "none":
-            undo.append(("generic", eff[GENERIC]))
+            undo.append(("generic", "all", eff[GENERIC]))
             put("generic", "all", "none")
             # With generic.all unset, a backend's "all" reads as its own value.
             own[CUDA] = get("cuda", "all")
             own[MKLDNN] = get("mkldnn", "all")
         for i, backend in ((CUDA, "cuda"), (MKLDNN, "mkldnn")):
             if own[i] != "none":
-                undo.append((backend, own[i]))
+                undo.append((backend, "all", own[i]))
                 put(backend, "all", "none")
         # Every parent unset: each child reads as its own value (cuDNN's initial
         # state as "tf32", see below).
@@ -245,7 +244,7 @@ def _read(find_default: bool) -> _Hidden:
         # no parent set it behaves as "tf32" and is written so, as above.)
         if "tf32" in (own[CONV], own[RNN]):
             if own[CUDA] == "none":
-                undo.append(("cuda", "none"))
+                undo.append(("cuda", "all", "none"))
             put("cuda", "all", "ieee")
             for i, op in ((CONV, "conv"), (RNN, "rnn")):
                 if own[i] == "tf32" and get("cuda", op) == "ieee":
@@ -255,19 +254,34 @@ def _read(find_default: bool) -> _Hidden:
     return eff, tuple(own), legacy, cudnn
 
 
-def _put_back(put: Any, undo: list[tuple[str, str]]) -> None:
-    """Write back every parent :func:`_probe` unset, last first, even if a signal
-    handler raises after one of the writes (each C call is a point where it
-    can): that write is made again, the rest follow, then the exception."""
+def _put_back(put: Any, undo: list[tuple[str, str, str]]) -> None:
+    """Write back every ``(backend, op, value)`` in ``undo``, last first, even if
+    a signal handler raises after one of the writes (each C call is a point
+    where it can): that write is made again, the rest follow, then the exception."""
     pending: BaseException | None = None
-    for backend, value in reversed(undo):
+    for entry in reversed(undo):
         try:
-            put(backend, "all", value)
+            put(*entry)
         except BaseException as exc:
             pending = pending or exc
-            put(backend, "all", value)
+            put(*entry)
     if pending is not None:
         raise pending
+
+
+def _read_with(entries: tuple[int, ...], value: str, eff: tuple[str, ...], get: Any) -> Any:
+    """``get()`` with the ``entries`` set to ``value`` for the call, then put back
+    to ``eff`` (their own values: no parent is set); ``None`` where it raises."""
+    assert _set_precision is not None
+    undo = [(*PRECISION_OPS[i], eff[i]) for i in entries]
+    try:
+        for i in entries:
+            _set_precision(*PRECISION_OPS[i], value)
+        return get()
+    except RuntimeError:
+        return None
+    finally:
+        _put_back(_set_precision, undo)
 
 
 def _matmul_refused(legacy: str, cuda: str, mkldnn: str) -> bool:
@@ -289,31 +303,15 @@ def _legacy(eff: tuple[str, ...]) -> tuple[str | None, bool | None]:
     try:
         legacy = get_float32_matmul_precision()
     except RuntimeError:
-        legacy = _refused_matmul_precision(eff)
+        # The matmul entries contradict the field, which hides it: with both
+        # unset (and no parent set) the getter answers.
+        matmul = (_CUDA_MATMUL, _MKLDNN_MATMUL)
+        legacy = _read_with(matmul, "none", eff, get_float32_matmul_precision) if EXACT else None
     try:
         cudnn = get_cudnn_allow_tf32()
     except RuntimeError:
         cudnn = _refused_cudnn_allow_tf32(eff)
     return legacy, cudnn
-
-
-def _refused_matmul_precision(eff: tuple[str, ...]) -> str | None:
-    """The legacy matmul precision where its getter raised, with ``eff`` in force:
-    one of the values the getter refuses with these matmul entries."""
-    if not EXACT:
-        return None
-    cuda, mkldnn = eff[_CUDA_MATMUL], eff[_MKLDNN_MATMUL]
-    found = tuple(v for v in _MATMUL_ENTRIES if _matmul_refused(v, cuda, mkldnn))
-    if len(found) > 1:
-        # The cuBLAS getter tells "highest" apart: it raises exactly when the
-        # field's TF32 and cuda.matmul's disagree.
-        try:
-            get_cublas_allow_tf32()
-            cublas_refused = False
-        except RuntimeError:
-            cublas_refused = True
-        found = tuple(v for v in found if ((v != "highest") != (cuda == "tf32")) == cublas_refused)
-    return found[0] if len(found) == 1 else None
 
 
 def _refused_cudnn_allow_tf32(eff: tuple[str, ...]) -> bool | None:
@@ -326,17 +324,7 @@ def _refused_cudnn_allow_tf32(eff: tuple[str, ...]) -> bool | None:
     # conv and rnn disagree, which hides the flag: make them agree for one call.
     # The one not reading "tf32" is set to it: with no parent set it reads its
     # own value (not cuDNN's initial state, which reads "tf32"), written back.
-    i = RNN if conv else CONV
-    assert _set_precision is not None
-    _set_precision("cuda", PRECISION_OPNAMES[i], "tf32")
-    try:
-        get_cudnn_allow_tf32()
-        agrees = True
-    except RuntimeError:
-        agrees = False
-    finally:
-        _set_precision("cuda", PRECISION_OPNAMES[i], eff[i])
-    return agrees
+    return _read_with((RNN if conv else CONV,), "tf32", eff, get_cudnn_allow_tf32) is not None
 
 
 def onednn_allow_tf32() -> bool | None:
