@@ -99,12 +99,9 @@ PRECISION_OPS: tuple[tuple[str, str], ...] = tuple(
 # Read with one ``map`` over a C function: no Python frame per op.
 PRECISION_BACKENDS = tuple(b for b, _ in PRECISION_OPS)
 PRECISION_OPNAMES = tuple(o for _, o in PRECISION_OPS)
-_CHILD_BACKENDS = tuple(b for b, o in PRECISION_OPS if o != "all")
-_CHILD_OPNAMES = tuple(o for _, o in PRECISION_OPS if o != "all")
 
 # Positions in PRECISION_OPS (when all nine exist).
 GENERIC, CUDA, _CUDA_MATMUL, CONV, RNN, MKLDNN, _MKLDNN_MATMUL = range(7)
-_CHILDREN = (2, 3, 4, 6, 7, 8)
 #: Each entry's backend ``all`` (``generic.all`` for itself).
 _BACKEND_ALL = (0, 1, 1, 1, 1, 5, 5, 5, 5)
 #: cuDNN's initial conv/rnn state, which no setter accepts (see the docstring).
@@ -234,12 +231,12 @@ def _read(find_default: bool) -> _Hidden:
                 put(backend, "all", "none")
         # Every parent unset: each child reads as its own value (cuDNN's initial
         # state as "tf32", see below).
-        for i, value in zip(_CHILDREN, map(get, _CHILD_BACKENDS, _CHILD_OPNAMES), strict=True):
-            own[i] = value
+        window = _precisions()
+        own[2:5], own[6:] = window[2:5], window[6:]
         # The legacy getters raise when the matmul (or conv and rnn) entries
         # contradict the legacy fields; a parent set through the new API alone
         # does that on every read (19 µs per raise), the entries alone rarely.
-        legacy, cudnn = _legacy(("none", "none", *own[2:5], "none", *own[6:]))
+        legacy, cudnn = _legacy(window)
         # cuDNN's initial state reads "tf32" but follows a parent: set one.  (With
         # no parent set it behaves as "tf32" and is written so, as above.)
         if "tf32" in (own[CONV], own[RNN]):
