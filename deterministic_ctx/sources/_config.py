@@ -29,6 +29,7 @@ it in the module's ``_default`` table; see ``config_default`` in
 from __future__ import annotations
 
 import contextlib
+import enum
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -44,25 +45,17 @@ from .._torch.internals import (
 __all__ = ["AT_DEFAULT", "ConfigEntry", "unchanged_config"]
 
 
-class _AtDefault:
-    """An entry as nobody set it: at its default, or its module not imported yet."""
+class _AtDefault(enum.Enum):
+    """An entry as nobody set it: at its default, or its module not imported yet.
+    An enum member: one object, also after a copy or a pickle, compared by identity."""
 
-    __slots__ = ()
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _AtDefault)
-
-    def __hash__(self) -> int:
-        return hash(_AtDefault)
+    AT_DEFAULT = "default"
 
     def __repr__(self) -> str:
         return "default"
 
-    def __reduce__(self) -> str:
-        return "AT_DEFAULT"
 
-
-AT_DEFAULT = _AtDefault()
+AT_DEFAULT = _AtDefault.AT_DEFAULT
 
 
 class _Found(NamedTuple):
@@ -161,24 +154,17 @@ class ConfigEntry:
         if found is None:
             return
         if found.entry is None:
-            setattr(found.config, self.key, self.default(found) if want == AT_DEFAULT else want)
+            if want is AT_DEFAULT:
+                known, want = config_default(found.config, self.key)
+                if not known and self._unknown_default is not None:
+                    want = self._unknown_default()
+            setattr(found.config, self.key, want)
             return
-        # ``is`` first: ``==`` would call AT_DEFAULT's Python ``__eq__``.
-        self._write(found, found.unset if want is AT_DEFAULT or want == AT_DEFAULT else want)
+        self._write(found, found.unset if want is AT_DEFAULT else want)
 
     def _write(self, found: _Found, target: object) -> None:
         if _get(found) is not target:
             write_config_override(found.config, found.entry, found.var, self.key, target)
-
-    def default(self, found: _Found | None = None) -> Any:
-        """The entry's default, where its module is imported (else ``None``)."""
-        found = found or self.located()
-        if found is None:
-            return None
-        known, value = config_default(found.config, self.key)
-        if known:
-            return value
-        return None if self._unknown_default is None else self._unknown_default()
 
 
 def _inspect(config: Any, key: str) -> _Found:

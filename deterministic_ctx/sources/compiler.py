@@ -58,13 +58,10 @@ from typing import Any, TypeVar
 
 from .. import _torch
 from .._torch.flags import set_eval_frame
-from .._torch.internals import (
-    DYNAMO_CONFIG,
-    FUNCTORCH_CONFIG,
-    INDUCTOR_CONFIG,
-    is_config_unset,
-    mark_opaque_to_dynamo,
-)
+from .._torch.internals import DYNAMO_CONFIG as _DYNAMO
+from .._torch.internals import FUNCTORCH_CONFIG as _FUNCTORCH
+from .._torch.internals import INDUCTOR_CONFIG as _INDUCTOR
+from .._torch.internals import config_unset, mark_opaque_to_dynamo
 from ..base.settings import Settings
 from . import _plain
 from ._config import AT_DEFAULT, ConfigEntry
@@ -78,10 +75,6 @@ __all__ = [
     "refuse_while_tracing",
     "resume_compiler",
 ]
-
-_INDUCTOR = INDUCTOR_CONFIG
-_FUNCTORCH = FUNCTORCH_CONFIG
-_DYNAMO = DYNAMO_CONFIG
 
 #: The entries captured and restored, in the state's order.
 ENTRIES: tuple[ConfigEntry, ...] = (
@@ -161,7 +154,7 @@ class TorchCompileSource:
             # A saved override of a module not imported here is applied all
             # the same: the module is imported (rare: someone set it and saved).
             for entry, want in zip(ENTRIES, state, strict=True):
-                if want != AT_DEFAULT and entry.module not in sys.modules:
+                if want is not AT_DEFAULT and entry.module not in sys.modules:
                     importlib.import_module(entry.module)
         for entry, want in zip(ENTRIES, state, strict=True):
             entry.restore(want)
@@ -170,10 +163,11 @@ class TorchCompileSource:
         """The state as plain data: ``{"module.key": value}`` for each entry
         someone set (an entry at its default is left out)."""
         out: dict[str, Any] = {}
+        unset = config_unset()
         for entry, override in zip(ENTRIES, state, strict=True):
             # torch's own "nobody set it" sentinel: what a capture that reads
             # the override directly holds for an entry at its default
-            if override == AT_DEFAULT or is_config_unset(override):
+            if override is AT_DEFAULT or (unset is not None and override is unset):
                 continue
             if type(override) is not bool:
                 raise ValueError(
