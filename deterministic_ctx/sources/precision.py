@@ -50,6 +50,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+from itertools import starmap
 from typing import Any, Protocol
 
 import torch
@@ -96,10 +97,6 @@ PRECISION_OPS: tuple[tuple[str, str], ...] = tuple(
     )
     if _supported(pair)
 )
-# Read with one ``map`` over a C function: no Python frame per op.
-PRECISION_BACKENDS = tuple(b for b, _ in PRECISION_OPS)
-PRECISION_OPNAMES = tuple(o for _, o in PRECISION_OPS)
-
 # Positions in PRECISION_OPS (when all nine exist).
 GENERIC, CUDA, _CUDA_MATMUL, CONV, RNN, MKLDNN, _MKLDNN_MATMUL = range(7)
 #: Each entry's backend ``all`` (``generic.all`` for itself).
@@ -118,12 +115,8 @@ def _version(text: str) -> tuple[int, int]:
 #: there the resolved values are captured and written back as they are.
 EXACT = len(PRECISION_OPS) == 9 and _version(torch.__version__) >= (2, 9)
 
-#: What set_float32_matmul_precision writes to cuda.matmul and mkldnn.matmul.
-_MATMUL_ENTRIES = {
-    "highest": ("ieee", "ieee"),
-    "high": ("tf32", "tf32"),
-    "medium": ("tf32", "bf16"),
-}
+#: What set_float32_matmul_precision accepts.
+_MATMUL_VALUES = ("highest", "high", "medium")
 
 #: Only XPU builds keep the oneDNN TF32 flag: elsewhere the getter returns
 #: None and the setter warns and ignores it.
@@ -154,7 +147,7 @@ if hasattr(os, "register_at_fork"):
 def _precisions() -> tuple[str, ...]:
     if _get_precision is None:  # a torch without the fp32_precision API
         return ()
-    return tuple(map(_get_precision, PRECISION_BACKENDS, PRECISION_OPNAMES))
+    return tuple(starmap(_get_precision, PRECISION_OPS))  # C calls: no Python frame per op
 
 
 def resolve(own: tuple[str, ...], i: int) -> str:
@@ -307,21 +300,17 @@ def _legacy(eff: tuple[str, ...]) -> tuple[str | None, bool | None]:
     try:
         cudnn = get_cudnn_allow_tf32()
     except RuntimeError:
-        cudnn = _refused_cudnn_allow_tf32(eff)
+        if not EXACT:
+            cudnn = None
+        elif (eff[CONV] == "tf32") == (eff[RNN] == "tf32"):
+            cudnn = eff[CONV] != "tf32"  # it raises exactly when the flag disagrees with both
+        else:
+            # conv and rnn disagree, which hides the flag: make them agree for one
+            # call.  The one not reading "tf32" is set to it: with no parent set it
+            # reads its own value (not cuDNN's initial state, which reads "tf32").
+            hidden = (CONV if eff[CONV] != "tf32" else RNN,)
+            cudnn = _read_with(hidden, "tf32", eff, get_cudnn_allow_tf32) is not None
     return legacy, cudnn
-
-
-def _refused_cudnn_allow_tf32(eff: tuple[str, ...]) -> bool | None:
-    """The legacy cuDNN TF32 flag where its getter raised, with ``eff`` in force."""
-    if not EXACT:
-        return None
-    conv, rnn = eff[CONV] == "tf32", eff[RNN] == "tf32"
-    if conv == rnn:
-        return not conv  # it raises exactly when the flag disagrees with both
-    # conv and rnn disagree, which hides the flag: make them agree for one call.
-    # The one not reading "tf32" is set to it: with no parent set it reads its
-    # own value (not cuDNN's initial state, which reads "tf32"), written back.
-    return _read_with((RNN if conv else CONV,), "tf32", eff, get_cudnn_allow_tf32) is not None
 
 
 def onednn_allow_tf32() -> bool | None:
@@ -393,7 +382,7 @@ def import_precision(
     where = f"{path}.fp32_precision"
     precision = _plain.fields(d["fp32_precision"], where, PRECISION_KEYS)
     legacy = _plain.text(
-        d["float32_matmul_precision"], f"{path}.float32_matmul_precision", choices=_MATMUL_ENTRIES
+        d["float32_matmul_precision"], f"{path}.float32_matmul_precision", choices=_MATMUL_VALUES
     )
     for key in PRECISION_KEYS:
         value = _plain.text(precision[key], f"{where}.{key}", choices=_FP32_VALUES)
@@ -438,14 +427,10 @@ def _restore(state: PrecisionFields) -> None:
         and not ONEDNN
     ):
         return  # the common case: the body changed no precision
-    written: dict[int, str] = {}  # by position in PRECISION_OPS, what the legacy setters wrote
     if state.float32_matmul_precision not in (None, legacy):
         set_float32_matmul_precision(state.float32_matmul_precision)
-        matmul = _MATMUL_ENTRIES[state.float32_matmul_precision]
-        written[_CUDA_MATMUL], written[_MKLDNN_MATMUL] = matmul
     if state.cudnn_allow_tf32 not in (None, cudnn):
         set_cudnn_allow_tf32(state.cudnn_allow_tf32)
-        written[CONV] = written[RNN] = "tf32" if state.cudnn_allow_tf32 else "none"
     if ONEDNN and state.onednn_allow_tf32 not in (None, onednn_allow_tf32()):
         _set_onednn(state.onednn_allow_tf32)
     if not EXACT:
@@ -454,13 +439,13 @@ def _restore(state: PrecisionFields) -> None:
             for op, value in zip(PRECISION_OPS, want, strict=True):
                 _set_precision(*op, value)
         return
-    # Entries are separate cells: once the legacy fields are written, the
-    # order of these writes does not matter.  cuDNN's initial state takes no
-    # setter: it is written as what behaves the same under the target's
-    # parents, and a kept one already does.
+    # The legacy setters overwrite entries: read what they left.  Entries are
+    # separate cells: the order of these writes does not matter.  cuDNN's
+    # initial state takes no setter: it is written as what behaves the same
+    # under the target's parents, and a kept one already does.
+    own = _read(find_default)[1]
     closest = _closest(want)
-    for i, (op, target) in enumerate(zip(PRECISION_OPS, want, strict=True)):
-        have = written.get(i, own[i])
+    for op, target, have in zip(PRECISION_OPS, want, own, strict=True):
         if target == DEFAULT:
             target = closest
         if target != have and not (have == DEFAULT and target == closest):
