@@ -114,11 +114,8 @@ def _optional_flag(field: str, capability: _torch.Capability, inside: bool | str
     it reads ``False`` (``bool()``: an older torch behaves as if it were off: it
     never fills memory, oneDNN has no switch of its own), is never written, and
     a block leaves it ``False`` too."""
-    found = capability.value
-    if not found:
-        return _Flag(field, bool, None, False)
-    get, put = found
-    return _Flag(field, get, put, inside)
+    get, put = capability.value or (bool, None)
+    return _Flag(field, get, put, inside if put is not None else False)
 
 
 #: The boolean flags, in :class:`FlagState`'s order (its first fields): each
