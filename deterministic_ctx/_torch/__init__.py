@@ -212,17 +212,12 @@ def accelerator_type() -> str:
 # -- torch.compile (sources/compiler.py, sources/flags.py) ----------------------------
 
 
-def _is_compiling_probe() -> Callable[[], bool] | None:
-    compiler = getattr(_torch(), "compiler", None)
-    return getattr(compiler, "is_compiling", None)
-
-
 IS_COMPILING = Capability(
     "is_compiling",
     reads="torch.compiler.is_compiling",
     since="2.3",
     fallback="torch._dynamo.external_utils.is_compiling once dynamo is imported",
-    probe=_is_compiling_probe,
+    probe=lambda: getattr(getattr(_torch(), "compiler", None), "is_compiling", None),
 )
 """``torch.compiler.is_compiling``."""
 
