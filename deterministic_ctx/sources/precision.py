@@ -51,7 +51,7 @@ import os
 import re
 import threading
 from itertools import starmap
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -64,7 +64,10 @@ from .._torch.flags import (
 )
 from . import _plain
 
-__all__ = ["PRECISION_OPS", "PrecisionFields"]
+if TYPE_CHECKING:  # flags.py imports this module
+    from .flags import FlagState
+
+__all__ = ["PRECISION_OPS"]
 
 _get_precision: Any
 _set_precision: Any
@@ -317,24 +320,10 @@ def onednn_allow_tf32() -> bool | None:
     return bool(_get_onednn()) if _get_onednn is not None else None
 
 
-class PrecisionFields(Protocol):
-    """The precision fields of a :class:`~deterministic_ctx.sources.flags.FlagState`,
-    what this module saves and writes back (see its docstring for their meaning)."""
-
-    @property
-    def fp32_precision_own(self) -> tuple[str, ...]: ...
-    @property
-    def float32_matmul_precision(self) -> str | None: ...
-    @property
-    def cudnn_allow_tf32(self) -> bool | None: ...
-    @property
-    def onednn_allow_tf32(self) -> bool | None: ...
-
-
 # -- saving and loading ------------------------------------------------------------
 
 
-def export_precision(state: PrecisionFields) -> dict[str, Any]:
+def export_precision(state: FlagState) -> dict[str, Any]:
     """``float32_matmul_precision`` (only a value torch can report) and
     ``fp32_precision``: ``{"backend.op": own value}``, cuDNN's initial state
     as the value that behaves the same (it cannot be loaded)."""
@@ -405,14 +394,14 @@ def import_precision(
 # -- restoring the precision ---------------------------------------------------------
 
 
-def restore_precision(state: PrecisionFields) -> None:
+def restore_precision(state: FlagState) -> None:
     """Put back the precision state of ``state``, if the body changed it: the
     legacy fields first (their setters overwrite entries), then each entry
     whose own value differs.  The ``with`` is one line (see :func:`read`)."""
     with _lock: _restore(state)  # noqa: E701  # fmt: skip
 
 
-def _restore(state: PrecisionFields) -> None:
+def _restore(state: FlagState) -> None:
     want = state.fp32_precision_own
     # A "tf32" read with no parent set may be cuDNN's initial state: that
     # matters where the target sets a cuda parent (they differ under it) or holds it.
