@@ -240,16 +240,6 @@ _MODE_KEYS: tuple[Any, ...]
 _get_mode, _MODE_KEYS = _torch.DISPATCH_MODES.value or (None, ())
 
 
-def _tracing_here() -> bool:
-    """Whether this thread traces: ``is_compiling()`` is process-wide (true in
-    every thread while one compiles), the fake or proxy tensor mode of a
-    tracer is per thread."""
-    if _get_mode is None or not _MODE_KEYS:
-        return True  # an older torch: trust is_compiling() alone
-    # map over the C getter, not a generator: this runs at every block's start.
-    return any(map(_get_mode, _MODE_KEYS))
-
-
 def refuse_while_tracing() -> None:
     """Raise ``RuntimeError`` if torch is tracing the calling code into a graph.
 
@@ -263,8 +253,12 @@ def refuse_while_tracing() -> None:
     generators have when it runs: refused.  Code dynamo runs eagerly after a
     graph break is not tracing, and blocks there work.
     """
-    # The per-thread modes first: two C calls, where is_compiling() is a Python one.
-    if _tracing_here() and _is_compiling():
+    # Whether this thread traces: is_compiling() is process-wide (true in every
+    # thread while one compiles), the fake or proxy tensor mode of a tracer is per
+    # thread (an older torch without them: trust is_compiling() alone).  The modes
+    # first: two C calls, mapped (this runs at every block's start), where
+    # is_compiling() is a Python one.
+    if (_get_mode is None or any(map(_get_mode, _MODE_KEYS))) and _is_compiling():
         raise RuntimeError(
             "deterministic-ctx: a block cannot start while torch traces a graph "
             "(torch.compiler.is_compiling() is True: torch.export, say): it would seed and "
