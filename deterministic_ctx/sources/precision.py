@@ -147,12 +147,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
-def _precisions() -> tuple[str, ...]:
-    if _get_precision is None:  # a torch without the fp32_precision API
-        return ()
-    return tuple(starmap(_get_precision, PRECISION_OPS))  # C calls: no Python frame per op
-
-
 def resolve(own: tuple[str, ...], i: int) -> str:
     """What torch reports for entry ``i`` when the entries hold ``own``
     (``Context::float32Precision``)."""
@@ -203,7 +197,8 @@ def _read(find_default: bool) -> _Hidden:
     ``find_default``.  Otherwise the parents are unset for a moment and put
     back.  (Older torches: the resolved values are all that is known.)
     """
-    eff = _precisions()
+    # C calls, no Python frame per entry (no entry on a torch without the API).
+    eff = tuple(starmap(_get_precision, PRECISION_OPS))
     if not EXACT or (
         eff[GENERIC] == eff[CUDA] == eff[MKLDNN] == "none"
         and not (find_default and "tf32" in (eff[CONV], eff[RNN]))
@@ -227,7 +222,7 @@ def _read(find_default: bool) -> _Hidden:
                 put(backend, "all", "none")
         # Every parent unset: each child reads as its own value (cuDNN's initial
         # state as "tf32", see below).
-        window = _precisions()
+        window = tuple(starmap(get, PRECISION_OPS))
         own[2:5], own[6:] = window[2:5], window[6:]
         # The legacy getters raise when the matmul (or conv and rnn) entries
         # contradict the legacy fields; a parent set through the new API alone
@@ -424,7 +419,7 @@ def _restore(state: FlagState) -> None:
         _set_onednn(state.onednn_allow_tf32)
     if not EXACT:
         # Older rules: where any resolved value differs, write every one, parents first.
-        if _precisions() != want:
+        if tuple(starmap(_get_precision, PRECISION_OPS)) != want:
             for op, value in zip(PRECISION_OPS, want, strict=True):
                 _set_precision(*op, value)
         return
