@@ -126,16 +126,6 @@ class ConfigEntry:
         value = override if found.plain else getattr(found.config, self.key)
         return value, override
 
-    def override(self) -> object:
-        """What :meth:`read` returns second, alone (one read of the override)."""
-        found = self.located()
-        if found is None:
-            return AT_DEFAULT
-        if found.entry is None:
-            return getattr(found.config, self.key)
-        override = _get(found)
-        return AT_DEFAULT if override is found.unset else override
-
     def set(self, value: object) -> None:
         """Override the entry with ``value`` (``config.key = value``); nothing
         where the module is not imported."""

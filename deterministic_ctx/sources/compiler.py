@@ -90,7 +90,6 @@ _FALLBACK_RANDOM = ENTRIES[0]
 #: The state when none of the config modules is imported (the usual case
 #: outside compiled programs): every entry nobody's.
 _UNTOUCHED: tuple[object, ...] = (AT_DEFAULT,) * len(ENTRIES)
-_override = ConfigEntry.override
 #: ``(the config modules as last seen, every entry's override variable, their
 #: get)``: the variables (torch's ``ContextVar``) where every entry is imported
 #: and in the known layout, read with one ``map`` over their unbound ``get`` (a
@@ -130,7 +129,7 @@ class TorchCompileSource:
         variables, get = _variables(modules)
         if variables is not None:  # all imported, torch's layout: the overrides as they are
             return tuple(map(get, variables))
-        return tuple(map(_override, ENTRIES))
+        return tuple(entry.read()[1] for entry in ENTRIES)
 
     def apply(self, settings: Settings) -> None:
         if settings.compiled_rng == "eager":

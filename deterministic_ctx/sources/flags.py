@@ -208,7 +208,7 @@ class TorchFlagsSource:
         if now != want:
             _write_flags(want, now)
         # inductor's flag, unless set already (nested blocks)
-        if _INDUCTOR in sys.modules and _ENTRY.override() is not True:
+        if _INDUCTOR in sys.modules and _ENTRY.read()[1] is not True:
             _ENTRY.set(True)
 
     def restore(self, state: FlagState) -> None:
