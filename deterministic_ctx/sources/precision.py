@@ -404,18 +404,19 @@ def _restore(state: FlagState) -> None:
         want[GENERIC] != "none" or want[CUDA] != "none" or DEFAULT in (want[CONV], want[RNN])
     )
     _, own, legacy, cudnn = _read(find_default)
+    onednn = onednn_allow_tf32() if ONEDNN else None
     if (
         own == want
         and state.float32_matmul_precision in (None, legacy)
         and state.cudnn_allow_tf32 in (None, cudnn)
-        and not ONEDNN
+        and state.onednn_allow_tf32 in (None, onednn)
     ):
         return  # the common case: the body changed no precision
     if state.float32_matmul_precision not in (None, legacy):
         set_float32_matmul_precision(state.float32_matmul_precision)
     if state.cudnn_allow_tf32 not in (None, cudnn):
         set_cudnn_allow_tf32(state.cudnn_allow_tf32)
-    if ONEDNN and state.onednn_allow_tf32 not in (None, onednn_allow_tf32()):
+    if state.onednn_allow_tf32 not in (None, onednn):
         _set_onednn(state.onednn_allow_tf32)
     if not EXACT:
         # Older rules: where any resolved value differs, write every one, parents first.
