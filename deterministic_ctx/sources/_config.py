@@ -77,6 +77,12 @@ def _get(found: _Found) -> object:
     return override.get() if found.var else override
 
 
+def _put(found: _Found, key: str, target: object) -> None:
+    """Write the entry's user override, unless it is ``target`` already."""
+    if _get(found) is not target:
+        write_config_override(found.config, found.entry, found.var, key, target)
+
+
 class ConfigEntry:
     """One entry of one torch config module, e.g. ``ConfigEntry("torch._inductor.config",
     "fallback_random")``."""
@@ -135,7 +141,7 @@ class ConfigEntry:
         if found.entry is None or not found.plain:
             setattr(found.config, self.key, value)
         else:
-            self._write(found, value)
+            _put(found, self.key, value)
 
     def restore(self, want: object) -> None:
         """Put back an override :meth:`read` returned (:data:`AT_DEFAULT`:
@@ -150,12 +156,7 @@ class ConfigEntry:
                     want = self._unknown_default()
             setattr(found.config, self.key, want)
             return
-        self._write(found, found.unset if want is AT_DEFAULT else want)
-
-    def _write(self, found: _Found, target: object) -> None:
-        if _get(found) is not target:
-            write_config_override(found.config, found.entry, found.var, self.key, target)
-
+        _put(found, self.key, found.unset if want is AT_DEFAULT else want)
 
 def _inspect(config: Any, key: str) -> _Found:
     entries = config_entries(config)
@@ -193,5 +194,4 @@ def unchanged_config(module: str) -> Iterator[None]:
         yield
     finally:
         for key, f, override in saved:
-            if _get(f) is not override:
-                write_config_override(f.config, f.entry, f.var, key, override)
+            _put(f, key, override)
