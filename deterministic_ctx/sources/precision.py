@@ -151,16 +151,11 @@ def resolve(own: tuple[str, ...], i: int) -> str:
     """What torch reports for entry ``i`` when the entries hold ``own``
     (``Context::float32Precision``)."""
     value = own[i]
-    if value == DEFAULT:
-        value = own[_BACKEND_ALL[i]]
-        if value in ("none", DEFAULT):
-            value = own[GENERIC]
-            if value in ("none", DEFAULT):
-                value = "tf32"
-    elif value == "none":
-        value = own[_BACKEND_ALL[i]]
-        if value == "none":
-            value = own[GENERIC]
+    if value in ("none", DEFAULT):  # inherited (no "all" entry is ever DEFAULT)
+        inherited = own[_BACKEND_ALL[i]]
+        if inherited == "none":
+            inherited = own[GENERIC]
+        value = "tf32" if value == DEFAULT and inherited == "none" else inherited
     if CUDA <= i <= RNN and value == "bf16":
         return "none"  # cuda has no bf16
     return value
