@@ -46,7 +46,6 @@ __all__ = [
     "FILL_UNINITIALIZED_MEMORY",
     "FP32_PRECISION",
     "FRAME_EXEC_STRATEGY",
-    "INDUCTOR_DETERMINISTIC",
     "INDUCTOR_FALLBACK_RANDOM",
     "IS_COMPILING",
     "LAZY_DEVICES",
@@ -213,17 +212,12 @@ def accelerator_type() -> str:
 # -- torch.compile (sources/compiler.py, sources/flags.py) ----------------------------
 
 
-def _is_compiling_probe() -> Callable[[], bool] | None:
-    compiler = getattr(_torch(), "compiler", None)
-    return getattr(compiler, "is_compiling", None)
-
-
 IS_COMPILING = Capability(
     "is_compiling",
     reads="torch.compiler.is_compiling",
     since="2.3",
     fallback="torch._dynamo.external_utils.is_compiling once dynamo is imported",
-    probe=_is_compiling_probe,
+    probe=lambda: getattr(getattr(_torch(), "compiler", None), "is_compiling", None),
 )
 """``torch.compiler.is_compiling``."""
 
@@ -282,31 +276,19 @@ FRAME_EXEC_STRATEGY = Capability(
 """``(set_code_exec_strategy, _FrameExecStrategy, _FrameAction)`` of dynamo's C frame hook."""
 
 
-def _inductor_entry(key: str) -> Callable[[], object | None]:
-    def probe() -> object | None:
-        config = sys.modules.get("torch._inductor.config")
-        if config is None:
-            raise ProbeLater
-        return config if hasattr(config, key) else None
+def _fallback_random() -> object | None:
+    config = sys.modules.get("torch._inductor.config")
+    if config is None:
+        raise ProbeLater
+    return config if hasattr(config, "fallback_random") else None
 
-    return probe
-
-
-INDUCTOR_DETERMINISTIC = Capability(
-    "inductor_deterministic",
-    reads="torch._inductor.config.deterministic",
-    since="2.7",
-    fallback="torch.compile's own determinism switch is not captured or set",
-    probe=_inductor_entry("deterministic"),
-)
-"""``torch._inductor.config`` where it has ``deterministic`` (probed once inductor is imported)."""
 
 INDUCTOR_FALLBACK_RANDOM = Capability(
     "inductor_fallback_random",
     reads="torch._inductor.config.fallback_random",
     since="2.0",
     fallback="compiled random numbers cannot be made equal to eager ones (compiled_rng='eager')",
-    probe=_inductor_entry("fallback_random"),
+    probe=_fallback_random,
 )
 """``torch._inductor.config`` where it has ``fallback_random`` (probed once inductor is
 imported)."""

@@ -105,9 +105,11 @@ class Capability:
         """The value, or :class:`TorchFeatureError` saying that ``what`` needs it."""
         value = self.value
         if value is None:
+            import torch
+
             raise TorchFeatureError(
                 f"{what} needs {self.reads} (torch >= {self.since}), which torch "
-                f"{_torch_version()} does not have"
+                f"{torch.__version__} does not have"
             )
         return value
 
@@ -121,12 +123,6 @@ class Capability:
 
 
 _REGISTRY: dict[str, Capability] = {}
-
-
-def _torch_version() -> str:
-    import torch
-
-    return str(torch.__version__)
 
 
 def all_capabilities() -> tuple[Capability, ...]:

@@ -33,7 +33,6 @@ __all__ = [
     "HAS_CUDA",
     "HAS_MPS",
     "current_autograd_node",
-    "get_cublas_allow_tf32",
     "get_cudnn_allow_tf32",
     "get_cudnn_benchmark",
     "get_cudnn_deterministic",
@@ -52,14 +51,6 @@ __all__ = [
 ]
 
 _C: Any = torch._C
-
-
-def _no_autograd_node() -> None:
-    return None
-
-
-def _cpu_device() -> str:
-    return "cpu"
 
 
 # -- determinism flags (sources/flags.py) ----------------------------------------------
@@ -112,12 +103,6 @@ and rnn disagree with it)."""
 set_cudnn_allow_tf32: Callable[[bool], None] = _C._set_cudnn_allow_tf32
 """``torch._C._set_cudnn_allow_tf32`` (every supported torch)."""
 
-get_cublas_allow_tf32: Callable[[], bool] = _C._get_cublas_allow_tf32
-"""``torch._C._get_cublas_allow_tf32``: ``torch.backends.cuda.matmul.allow_tf32`` (every
-supported torch; raises ``RuntimeError`` from torch 2.9 where ``cuda.matmul``'s
-``fp32_precision`` disagrees with it)."""
-
-
 # -- torch's process defaults (sources/torch_defaults.py) ---------------------------------
 
 set_default_dtype: Callable[[Any], None] = _C._set_default_dtype
@@ -127,9 +112,9 @@ set_default_dtype: Callable[[Any], None] = _C._set_default_dtype
 set_default_tensor_type: Callable[[Any], None] = _C._set_default_tensor_type
 """``torch._C._set_default_tensor_type`` (every supported torch)."""
 
-get_default_device: Callable[[], str] = getattr(_C, "_get_default_device", _cpu_device)
+get_default_device: Callable[[], str] = _C._get_default_device
 """``torch._C._get_default_device``: the device of the default tensor type, as a string
-(torch >= 2.1 has it); without it, ``"cpu"``."""
+(every supported torch)."""
 
 HAS_CUDA: bool = bool(getattr(_C, "_has_cuda", True))
 """``torch._C._has_cuda``: whether this build has CUDA (every supported torch); where it is
@@ -142,10 +127,9 @@ is missing, ``False``: MPS generators are not captured."""
 
 # -- autograd and dynamo (audit, verify.ops, sources/compiler.py) -------------------------
 
-current_autograd_node: Callable[[], Any] = getattr(_C, "_current_autograd_node", _no_autograd_node)
+current_autograd_node: Callable[[], Any] = _C._current_autograd_node
 """``torch._C._current_autograd_node``: the autograd node whose backward runs now on this
-thread, ``None`` outside a backward pass (torch >= 2.1 has it); without it, always
-``None``: every op reads as a forward one."""
+thread, ``None`` outside a backward pass (every supported torch)."""
 
 set_eval_frame: Callable[[Any], Any] | None = getattr(
     getattr(getattr(_C, "_dynamo", None), "eval_frame", None), "set_eval_frame", None

@@ -67,7 +67,6 @@ __all__ = [
     "inductor_config",
     "inductor_mode_options",
     "is_compiled_check",
-    "is_config_unset",
     "is_device_context",
     "lazy_seed_queue",
     "mark_opaque_to_dynamo",
@@ -113,13 +112,6 @@ def config_unset() -> object | None:
     ``torch.utils._config_module._UNSET_SENTINEL`` (torch >= 2.6; ``None`` before, or
     while no config module is imported: then entries are read and written by value)."""
     return getattr(sys.modules.get(CONFIG_MODULE), "_UNSET_SENTINEL", None)
-
-
-def is_config_unset(override: object) -> bool:
-    """Whether ``override`` is :func:`config_unset`'s sentinel (``False`` where there is
-    none)."""
-    unset = getattr(sys.modules.get(CONFIG_MODULE), "_UNSET_SENTINEL", None)
-    return unset is not None and override is unset
 
 
 def config_entries(config: object) -> dict[str, Any] | None:

@@ -29,6 +29,7 @@ it in the module's ``_default`` table; see ``config_default`` in
 from __future__ import annotations
 
 import contextlib
+import enum
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -44,25 +45,17 @@ from .._torch.internals import (
 __all__ = ["AT_DEFAULT", "ConfigEntry", "unchanged_config"]
 
 
-class _AtDefault:
-    """An entry as nobody set it: at its default, or its module not imported yet."""
+class _AtDefault(enum.Enum):
+    """An entry as nobody set it: at its default, or its module not imported yet.
+    An enum member: one object, also after a copy or a pickle, compared by identity."""
 
-    __slots__ = ()
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _AtDefault)
-
-    def __hash__(self) -> int:
-        return hash(_AtDefault)
+    AT_DEFAULT = "default"
 
     def __repr__(self) -> str:
         return "default"
 
-    def __reduce__(self) -> str:
-        return "AT_DEFAULT"
 
-
-AT_DEFAULT = _AtDefault()
+AT_DEFAULT = _AtDefault.AT_DEFAULT
 
 
 class _Found(NamedTuple):
@@ -82,6 +75,12 @@ def _get(found: _Found) -> object:
     """The entry's user override (torch's sentinel where nobody set it)."""
     override = found.entry.user_override
     return override.get() if found.var else override
+
+
+def _put(found: _Found, key: str, target: object) -> None:
+    """Write the entry's user override, unless it is ``target`` already."""
+    if _get(found) is not target:
+        write_config_override(found.config, found.entry, found.var, key, target)
 
 
 class ConfigEntry:
@@ -133,16 +132,6 @@ class ConfigEntry:
         value = override if found.plain else getattr(found.config, self.key)
         return value, override
 
-    def override(self) -> object:
-        """What :meth:`read` returns second, alone (one read of the override)."""
-        found = self.located()
-        if found is None:
-            return AT_DEFAULT
-        if found.entry is None:
-            return getattr(found.config, self.key)
-        override = _get(found)
-        return AT_DEFAULT if override is found.unset else override
-
     def set(self, value: object) -> None:
         """Override the entry with ``value`` (``config.key = value``); nothing
         where the module is not imported."""
@@ -152,7 +141,7 @@ class ConfigEntry:
         if found.entry is None or not found.plain:
             setattr(found.config, self.key, value)
         else:
-            self._write(found, value)
+            _put(found, self.key, value)
 
     def restore(self, want: object) -> None:
         """Put back an override :meth:`read` returned (:data:`AT_DEFAULT`:
@@ -161,25 +150,13 @@ class ConfigEntry:
         if found is None:
             return
         if found.entry is None:
-            setattr(found.config, self.key, self.default(found) if want == AT_DEFAULT else want)
+            if want is AT_DEFAULT:
+                known, want = config_default(found.config, self.key)
+                if not known and self._unknown_default is not None:
+                    want = self._unknown_default()
+            setattr(found.config, self.key, want)
             return
-        # ``is`` first: ``==`` would call AT_DEFAULT's Python ``__eq__``.
-        self._write(found, found.unset if want is AT_DEFAULT or want == AT_DEFAULT else want)
-
-    def _write(self, found: _Found, target: object) -> None:
-        if _get(found) is not target:
-            write_config_override(found.config, found.entry, found.var, self.key, target)
-
-    def default(self, found: _Found | None = None) -> Any:
-        """The entry's default, where its module is imported (else ``None``)."""
-        found = found or self.located()
-        if found is None:
-            return None
-        known, value = config_default(found.config, self.key)
-        if known:
-            return value
-        return None if self._unknown_default is None else self._unknown_default()
-
+        _put(found, self.key, found.unset if want is AT_DEFAULT else want)
 
 def _inspect(config: Any, key: str) -> _Found:
     entries = config_entries(config)
@@ -217,5 +194,4 @@ def unchanged_config(module: str) -> Iterator[None]:
         yield
     finally:
         for key, f, override in saved:
-            if _get(f) is not override:
-                write_config_override(f.config, f.entry, f.var, key, override)
+            _put(f, key, override)

@@ -58,13 +58,10 @@ from typing import Any, TypeVar
 
 from .. import _torch
 from .._torch.flags import set_eval_frame
-from .._torch.internals import (
-    DYNAMO_CONFIG,
-    FUNCTORCH_CONFIG,
-    INDUCTOR_CONFIG,
-    is_config_unset,
-    mark_opaque_to_dynamo,
-)
+from .._torch.internals import DYNAMO_CONFIG as _DYNAMO
+from .._torch.internals import FUNCTORCH_CONFIG as _FUNCTORCH
+from .._torch.internals import INDUCTOR_CONFIG as _INDUCTOR
+from .._torch.internals import config_unset, mark_opaque_to_dynamo
 from ..base.settings import Settings
 from . import _plain
 from ._config import AT_DEFAULT, ConfigEntry
@@ -78,10 +75,6 @@ __all__ = [
     "refuse_while_tracing",
     "resume_compiler",
 ]
-
-_INDUCTOR = INDUCTOR_CONFIG
-_FUNCTORCH = FUNCTORCH_CONFIG
-_DYNAMO = DYNAMO_CONFIG
 
 #: The entries captured and restored, in the state's order.
 ENTRIES: tuple[ConfigEntry, ...] = (
@@ -97,7 +90,6 @@ _FALLBACK_RANDOM = ENTRIES[0]
 #: The state when none of the config modules is imported (the usual case
 #: outside compiled programs): every entry nobody's.
 _UNTOUCHED: tuple[object, ...] = (AT_DEFAULT,) * len(ENTRIES)
-_override = ConfigEntry.override
 #: ``(the config modules as last seen, every entry's override variable, their
 #: get)``: the variables (torch's ``ContextVar``) where every entry is imported
 #: and in the known layout, read with one ``map`` over their unbound ``get`` (a
@@ -137,7 +129,7 @@ class TorchCompileSource:
         variables, get = _variables(modules)
         if variables is not None:  # all imported, torch's layout: the overrides as they are
             return tuple(map(get, variables))
-        return tuple(map(_override, ENTRIES))
+        return tuple(entry.read()[1] for entry in ENTRIES)
 
     def apply(self, settings: Settings) -> None:
         if settings.compiled_rng == "eager":
@@ -161,7 +153,7 @@ class TorchCompileSource:
             # A saved override of a module not imported here is applied all
             # the same: the module is imported (rare: someone set it and saved).
             for entry, want in zip(ENTRIES, state, strict=True):
-                if want != AT_DEFAULT and entry.module not in sys.modules:
+                if want is not AT_DEFAULT and entry.module not in sys.modules:
                     importlib.import_module(entry.module)
         for entry, want in zip(ENTRIES, state, strict=True):
             entry.restore(want)
@@ -170,10 +162,11 @@ class TorchCompileSource:
         """The state as plain data: ``{"module.key": value}`` for each entry
         someone set (an entry at its default is left out)."""
         out: dict[str, Any] = {}
+        unset = config_unset()
         for entry, override in zip(ENTRIES, state, strict=True):
             # torch's own "nobody set it" sentinel: what a capture that reads
             # the override directly holds for an entry at its default
-            if override == AT_DEFAULT or is_config_unset(override):
+            if override is AT_DEFAULT or (unset is not None and override is unset):
                 continue
             if type(override) is not bool:
                 raise ValueError(
@@ -246,16 +239,6 @@ _MODE_KEYS: tuple[Any, ...]
 _get_mode, _MODE_KEYS = _torch.DISPATCH_MODES.value or (None, ())
 
 
-def _tracing_here() -> bool:
-    """Whether this thread traces: ``is_compiling()`` is process-wide (true in
-    every thread while one compiles), the fake or proxy tensor mode of a
-    tracer is per thread."""
-    if _get_mode is None or not _MODE_KEYS:
-        return True  # an older torch: trust is_compiling() alone
-    # map over the C getter, not a generator: this runs at every block's start.
-    return any(map(_get_mode, _MODE_KEYS))
-
-
 def refuse_while_tracing() -> None:
     """Raise ``RuntimeError`` if torch is tracing the calling code into a graph.
 
@@ -269,8 +252,12 @@ def refuse_while_tracing() -> None:
     generators have when it runs: refused.  Code dynamo runs eagerly after a
     graph break is not tracing, and blocks there work.
     """
-    # The per-thread modes first: two C calls, where is_compiling() is a Python one.
-    if _tracing_here() and _is_compiling():
+    # Whether this thread traces: is_compiling() is process-wide (true in every
+    # thread while one compiles), the fake or proxy tensor mode of a tracer is per
+    # thread (an older torch without them: trust is_compiling() alone).  The modes
+    # first: two C calls, mapped (this runs at every block's start), where
+    # is_compiling() is a Python one.
+    if (_get_mode is None or any(map(_get_mode, _MODE_KEYS))) and _is_compiling():
         raise RuntimeError(
             "deterministic-ctx: a block cannot start while torch traces a graph "
             "(torch.compiler.is_compiling() is True: torch.export, say): it would seed and "

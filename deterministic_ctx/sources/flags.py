@@ -97,45 +97,25 @@ class FlagState(NamedTuple):
 # -- the boolean flags -----------------------------------------------------------
 
 
-def _set_deterministic_algorithms(on: bool) -> None:
-    # torch writes the mode and warn_only together: keep warn_only as it is
-    # (left out, it is written False, and the call costs 0.1 µs less).
-    if get_deterministic_algorithms_warn_only():
-        set_deterministic_algorithms(on, warn_only=True)
-    else:
-        set_deterministic_algorithms(on)
-
-
-def _set_deterministic_warn_only(warn_only: bool) -> None:
-    # Likewise, keep the mode as it is.
-    set_deterministic_algorithms(get_deterministic_algorithms(), warn_only=warn_only)
-
-
 class _Flag(NamedTuple):
     """A boolean flag: its field of :class:`FlagState` (and key in a checkpoint),
-    its getter and setter, and its value inside a block: ``True`` or
+    its getter and setter (``None``: the mode and warn_only, written together
+    by :func:`_write_flags`), and its value inside a block: ``True`` or
     ``False``, or the name of the block's :class:`Settings` field that holds it."""
 
     field: str
     get: Callable[[], bool]
-    set: Callable[[bool], None]
+    set: Callable[[bool], None] | None
     inside: bool | str
 
 
 def _optional_flag(field: str, capability: _torch.Capability, inside: bool | str) -> _Flag:
     """A flag that not every torch has: where this one lacks it (see ``capability``),
-    it reads ``False`` (an older torch behaves as if it were off: it never fills
-    memory, oneDNN has no switch of its own), is never written, and a block
-    leaves it ``False`` too."""
-    found = capability.value
-    if not found:
-        return _Flag(field, bool, _absent_set, False)
-    get, put = found
-    return _Flag(field, get, put, inside)
-
-
-def _absent_set(value: bool) -> None:
-    return None
+    it reads ``False`` (``bool()``: an older torch behaves as if it were off: it
+    never fills memory, oneDNN has no switch of its own), is never written, and
+    a block leaves it ``False`` too."""
+    get, put = capability.value or (bool, None)
+    return _Flag(field, get, put, inside if put is not None else False)
 
 
 #: The boolean flags, in :class:`FlagState`'s order (its first fields): each
@@ -146,19 +126,9 @@ _FLAGS = (
     # torch.backends.cudnn.benchmark: off in a block (autotuning picks kernels by timing them).
     _Flag("cudnn_benchmark", get_cudnn_benchmark, set_cudnn_benchmark, False),
     # torch.use_deterministic_algorithms(mode): on in a block.
-    _Flag(
-        "deterministic_algorithms",
-        get_deterministic_algorithms,
-        _set_deterministic_algorithms,
-        True,
-    ),
+    _Flag("deterministic_algorithms", get_deterministic_algorithms, None, True),
     # torch.use_deterministic_algorithms(..., warn_only=): the block's ``warn_only``.
-    _Flag(
-        "deterministic_warn_only",
-        get_deterministic_algorithms_warn_only,
-        _set_deterministic_warn_only,
-        "warn_only",
-    ),
+    _Flag("deterministic_warn_only", get_deterministic_algorithms_warn_only, None, "warn_only"),
     # torch.utils.deterministic.fill_uninitialized_memory: the block's own (default on).
     _optional_flag(
         "fill_uninitialized_memory",
@@ -171,9 +141,7 @@ _FLAGS = (
 _BOOLS = tuple(flag.field for flag in _FLAGS)
 
 #: The flags this torch lacks: held ``False`` in every state, never written.
-UNSUPPORTED_FLAGS: frozenset[str] = frozenset(
-    flag.field for flag in _FLAGS if flag.set is _absent_set
-)
+UNSUPPORTED_FLAGS: frozenset[str] = frozenset(flag.field for flag in _FLAGS if flag.get is bool)
 assert FlagState._fields[: len(_BOOLS)] == _BOOLS
 assert len(FlagState._fields) == len(_BOOLS) + 7
 _GETTERS = tuple(flag.get for flag in _FLAGS)
@@ -181,11 +149,7 @@ _MODE = _BOOLS.index("deterministic_algorithms")
 _WARN_ONLY = _BOOLS.index("deterministic_warn_only")
 #: The flags each written by a setter of its own (all but the mode and warn_only,
 #: and the flags this torch lacks), as ``(position, setter)``.
-_SINGLES = tuple(
-    (i, flag.set)
-    for i, flag in enumerate(_FLAGS)
-    if i not in (_MODE, _WARN_ONLY) and flag.set is not _absent_set
-)
+_SINGLES = tuple((i, flag.set) for i, flag in enumerate(_FLAGS) if flag.set is not None)
 #: ``_call(f)`` is ``f()`` (``operator.call``, Python 3.11+).
 _call: Callable[[Callable[[], bool]], bool] = getattr(operator, "call", lambda f: f())
 #: Each flag's value inside a block, by the block's ``(warn_only, fill_uninitialized_memory)``.
@@ -244,7 +208,7 @@ class TorchFlagsSource:
         if now != want:
             _write_flags(want, now)
         # inductor's flag, unless set already (nested blocks)
-        if _INDUCTOR in sys.modules and _ENTRY.override() is not True:
+        if _INDUCTOR in sys.modules and _ENTRY.read()[1] is not True:
             _ENTRY.set(True)
 
     def restore(self, state: FlagState) -> None:

@@ -23,7 +23,7 @@ precision, and TF32 results are themselves deterministic).  In torch ≥ 2.9
   (ieee/ieee, tf32/tf32, tf32/bf16); ``cuda.matmul.allow_tf32`` writes it
   (high/highest) and ``cuda.matmul`` (tf32/ieee).  Its getter raises ("mix
   of the legacy and new APIs") when the resolved matmul entries contradict
-  it; the field is then inferred from which getters raise.
+  it; the field is then read with both matmul entries unset for one call.
 * the legacy cuDNN ``allow_tf32`` flag, a separate field, written with conv
   and rnn (tf32 or none) by ``cudnn.allow_tf32``.  Its getter answers only
   while conv and rnn both resolve to tf32 or both not, and raises when the
@@ -50,14 +50,13 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from itertools import starmap
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import _torch
 from .._torch.flags import (
-    get_cublas_allow_tf32,
     get_cudnn_allow_tf32,
     get_float32_matmul_precision,
     set_cudnn_allow_tf32,
@@ -65,7 +64,10 @@ from .._torch.flags import (
 )
 from . import _plain
 
-__all__ = ["PRECISION_OPS", "PrecisionFields"]
+if TYPE_CHECKING:  # flags.py imports this module
+    from .flags import FlagState
+
+__all__ = ["PRECISION_OPS"]
 
 _get_precision: Any
 _set_precision: Any
@@ -98,15 +100,8 @@ PRECISION_OPS: tuple[tuple[str, str], ...] = tuple(
     )
     if _supported(pair)
 )
-# Read with one ``map`` over a C function: no Python frame per op.
-PRECISION_BACKENDS = tuple(b for b, _ in PRECISION_OPS)
-PRECISION_OPNAMES = tuple(o for _, o in PRECISION_OPS)
-_CHILD_BACKENDS = tuple(b for b, o in PRECISION_OPS if o != "all")
-_CHILD_OPNAMES = tuple(o for _, o in PRECISION_OPS if o != "all")
-
 # Positions in PRECISION_OPS (when all nine exist).
 GENERIC, CUDA, _CUDA_MATMUL, CONV, RNN, MKLDNN, _MKLDNN_MATMUL = range(7)
-_CHILDREN = (2, 3, 4, 6, 7, 8)
 #: Each entry's backend ``all`` (``generic.all`` for itself).
 _BACKEND_ALL = (0, 1, 1, 1, 1, 5, 5, 5, 5)
 #: cuDNN's initial conv/rnn state, which no setter accepts (see the docstring).
@@ -123,12 +118,8 @@ def _version(text: str) -> tuple[int, int]:
 #: there the resolved values are captured and written back as they are.
 EXACT = len(PRECISION_OPS) == 9 and _version(torch.__version__) >= (2, 9)
 
-#: What set_float32_matmul_precision writes to cuda.matmul and mkldnn.matmul.
-_MATMUL_ENTRIES = {
-    "highest": ("ieee", "ieee"),
-    "high": ("tf32", "tf32"),
-    "medium": ("tf32", "bf16"),
-}
+#: What set_float32_matmul_precision accepts.
+_MATMUL_VALUES = ("highest", "high", "medium")
 
 #: Only XPU builds keep the oneDNN TF32 flag: elsewhere the getter returns
 #: None and the setter warns and ignores it.
@@ -138,48 +129,33 @@ _get_onednn, _set_onednn = _torch.ONEDNN_ALLOW_TF32.value or (None, None)
 ONEDNN = _get_onednn is not None
 
 
-#: Taken by whoever writes the precision state here: a probe (which unsets
-#: parents for a moment, see the docstring) or a restore.  Held only around
-#: torch's C calls, so it cannot deadlock.
-_lock = threading.Lock()
-#: Odd while the holder of ``_lock`` writes.  Reading needs no lock: a reader
-#: that saw it odd, or changed by the end, reads again under the lock, so it
-#: never records a probe's passing state (a seqlock; the GIL orders the reads).
-writes = 0
-_T = TypeVar("_T")
+#: Held by every read and write of the precision state here: a read may unset
+#: parents for a moment (see the docstring), which no other thread's read may
+#: record or undo.  Uncontended, taking it costs about one C call.  Re-entrant:
+#: a signal handler that enters a block while its thread holds it goes on.
+#: Held only around torch's C calls, so it cannot deadlock.
+_lock = threading.RLock()
 
 
 def _new_lock_in_child() -> None:
     # A fork while another thread held it would leave the child's lock held forever.
-    global _lock, writes
-    _lock = threading.Lock()
-    writes = 0
+    global _lock
+    _lock = threading.RLock()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
-def _precisions() -> tuple[str, ...]:
-    if _get_precision is None:  # a torch without the fp32_precision API
-        return ()
-    return tuple(map(_get_precision, PRECISION_BACKENDS, PRECISION_OPNAMES))
-
-
 def resolve(own: tuple[str, ...], i: int) -> str:
     """What torch reports for entry ``i`` when the entries hold ``own``
     (``Context::float32Precision``)."""
     value = own[i]
-    if value == DEFAULT:
-        value = own[_BACKEND_ALL[i]]
-        if value in ("none", DEFAULT):
-            value = own[GENERIC]
-            if value in ("none", DEFAULT):
-                value = "tf32"
-    elif value == "none":
-        value = own[_BACKEND_ALL[i]]
-        if value == "none":
-            value = own[GENERIC]
+    if value in ("none", DEFAULT):  # inherited (no "all" entry is ever DEFAULT)
+        inherited = own[_BACKEND_ALL[i]]
+        if inherited == "none":
+            inherited = own[GENERIC]
+        value = "tf32" if value == DEFAULT and inherited == "none" else inherited
     if CUDA <= i <= RNN and value == "bf16":
         return "none"  # cuda has no bf16
     return value
@@ -200,92 +176,58 @@ def read(find_default: bool = False) -> _Hidden:
     """The resolved values torch reports, each entry's own value, the legacy
     matmul precision and the legacy cuDNN flag.
 
-    With no parent set, an entry resolves to its own value, except that
-    cuDNN's initial state reads "tf32" like an explicit "tf32"; they behave
-    alike until a parent is set, so they are told apart only for
-    ``find_default``.  Otherwise the parents are unset for a moment (under
-    ``_lock``).
-    """
-    seen = writes
-    if not seen & 1:
-        found = _quick(_precisions(), find_default)
-        if found is not None and writes == seen:
-            return found
-    return _exclusively(lambda: _probe(_precisions(), find_default))
-
-
-def _exclusively(step: Callable[[], _T]) -> _T:
-    """Run ``step`` holding ``_lock``, with ``writes`` odd meanwhile.
-
     The ``with`` is one line: CPython gives a ``with``'s exit the statement's
     own line, so with the body on another line a tracer raising at that line
     event would skip the release and leave the lock held for good.
     """
-    with _lock: return _counted(step)  # noqa: E701  # fmt: skip
+    with _lock: return _read(find_default)  # noqa: E701  # fmt: skip
 
 
-def _counted(step: Callable[[], _T]) -> _T:
-    global writes
-    writes += 1
-    try:
-        return step()
-    finally:
-        writes += 1
+def _read(find_default: bool) -> _Hidden:
+    """:func:`read`, the caller holding ``_lock``.
 
-
-def _quick(eff: tuple[str, ...], find_default: bool) -> _Hidden | None:
-    """:func:`read` by reading alone; ``None`` where that cannot tell."""
-    if EXACT and (
-        eff[GENERIC] != "none"
-        or eff[CUDA] != "none"
-        or eff[MKLDNN] != "none"
-        or (find_default and "tf32" in (eff[CONV], eff[RNN]))
+    With no parent set, an entry resolves to its own value, except that
+    cuDNN's initial state reads "tf32" like an explicit "tf32"; they behave
+    alike until a parent is set, so they are told apart only for
+    ``find_default``.  Otherwise the parents are unset for a moment and put
+    back.  (Older torches: the resolved values are all that is known.)
+    """
+    # C calls, no Python frame per entry (no entry on a torch without the API).
+    eff = tuple(starmap(_get_precision, PRECISION_OPS))
+    if not EXACT or (
+        eff[GENERIC] == eff[CUDA] == eff[MKLDNN] == "none"
+        and not (find_default and "tf32" in (eff[CONV], eff[RNN]))
     ):
-        return None
-    try:
-        return (eff, eff, *_legacy(eff, None))
-    except LookupError:  # conv and rnn disagree: only a probe can tell
-        return None
-
-
-def _probe(eff: tuple[str, ...], find_default: bool) -> _Hidden:
-    """:func:`read` where reading alone cannot tell: the parents are unset for
-    a moment and put back.  The caller holds ``_lock``."""
-    if not EXACT:
-        return eff, eff, *_legacy(eff, eff)
-    found = _quick(eff, find_default)
-    if found is not None:  # the read without the lock only met another thread's write
-        return found
+        return eff, eff, *_legacy(eff)
     assert _get_precision is not None
     assert _set_precision is not None
     get, put = _get_precision, _set_precision
     own = list(eff)
-    undo: list[tuple[str, str]] = []  # (backend, value) of each "all" to write back, last first
+    undo: list[tuple[str, str, str]] = []  # (backend, "all", value) to write back, last first
     try:
         if eff[GENERIC] != "none":
-            undo.append(("generic", eff[GENERIC]))
+            undo.append(("generic", "all", eff[GENERIC]))
             put("generic", "all", "none")
             # With generic.all unset, a backend's "all" reads as its own value.
             own[CUDA] = get("cuda", "all")
             own[MKLDNN] = get("mkldnn", "all")
         for i, backend in ((CUDA, "cuda"), (MKLDNN, "mkldnn")):
             if own[i] != "none":
-                undo.append((backend, own[i]))
+                undo.append((backend, "all", own[i]))
                 put(backend, "all", "none")
         # Every parent unset: each child reads as its own value (cuDNN's initial
         # state as "tf32", see below).
-        for i, value in zip(_CHILDREN, map(get, _CHILD_BACKENDS, _CHILD_OPNAMES), strict=True):
-            own[i] = value
+        window = tuple(starmap(get, PRECISION_OPS))
+        own[2:5], own[6:] = window[2:5], window[6:]
         # The legacy getters raise when the matmul (or conv and rnn) entries
         # contradict the legacy fields; a parent set through the new API alone
         # does that on every read (19 µs per raise), the entries alone rarely.
-        window = ("none", "none", *own[2:5], "none", *own[6:])
-        legacy, cudnn = _legacy(window, window)
+        legacy, cudnn = _legacy(window)
         # cuDNN's initial state reads "tf32" but follows a parent: set one.  (With
-        # no parent set it behaves as "tf32" and is written so, as by _quick.)
-        if (undo or find_default) and "tf32" in (own[CONV], own[RNN]):
+        # no parent set it behaves as "tf32" and is written so, as above.)
+        if "tf32" in (own[CONV], own[RNN]):
             if own[CUDA] == "none":
-                undo.append(("cuda", "none"))
+                undo.append(("cuda", "all", "none"))
             put("cuda", "all", "ieee")
             for i, op in ((CONV, "conv"), (RNN, "rnn")):
                 if own[i] == "tf32" and get("cuda", op) == "ieee":
@@ -295,19 +237,34 @@ def _probe(eff: tuple[str, ...], find_default: bool) -> _Hidden:
     return eff, tuple(own), legacy, cudnn
 
 
-def _put_back(put: Any, undo: list[tuple[str, str]]) -> None:
-    """Write back every parent :func:`_probe` unset, last first, even if a signal
-    handler raises after one of the writes (each C call is a point where it
-    can): that write is made again, the rest follow, then the exception."""
+def _put_back(put: Any, undo: list[tuple[str, str, str]]) -> None:
+    """Write back every ``(backend, op, value)`` in ``undo``, last first, even if
+    a signal handler raises after one of the writes (each C call is a point
+    where it can): that write is made again, the rest follow, then the exception."""
     pending: BaseException | None = None
-    for backend, value in reversed(undo):
+    for entry in reversed(undo):
         try:
-            put(backend, "all", value)
+            put(*entry)
         except BaseException as exc:
             pending = pending or exc
-            put(backend, "all", value)
+            put(*entry)
     if pending is not None:
         raise pending
+
+
+def _read_with(entries: tuple[int, ...], value: str, eff: tuple[str, ...], get: Any) -> Any:
+    """``get()`` with the ``entries`` set to ``value`` for the call, then put back
+    to ``eff`` (their own values: no parent is set); ``None`` where it raises."""
+    assert _set_precision is not None
+    undo = [(*PRECISION_OPS[i], eff[i]) for i in entries]
+    try:
+        for i in entries:
+            _set_precision(*PRECISION_OPS[i], value)
+        return get()
+    except RuntimeError:
+        return None
+    finally:
+        _put_back(_set_precision, undo)
 
 
 def _matmul_refused(legacy: str, cuda: str, mkldnn: str) -> bool:
@@ -320,91 +277,43 @@ def _matmul_refused(legacy: str, cuda: str, mkldnn: str) -> bool:
     )
 
 
-def _legacy(eff: tuple[str, ...], own: tuple[str, ...] | None) -> tuple[str | None, bool | None]:
+def _legacy(eff: tuple[str, ...]) -> tuple[str | None, bool | None]:
     """The legacy matmul precision and cuDNN TF32 flag, also where torch's
-    getters refuse to report them (``None``: cannot be known).  ``own``: the
-    entries' own values, known only under ``_lock`` (without, ``LookupError``
-    where only a write could tell)."""
+    getters refuse to report them (``None``: cannot be known), with ``eff``
+    in force and (torch >= 2.9) no parent set.  The caller holds ``_lock``."""
     legacy: str | None
     cudnn: bool | None
     try:
         legacy = get_float32_matmul_precision()
     except RuntimeError:
-        legacy = _refused_matmul_precision(eff)
+        # The matmul entries contradict the field, which hides it: with both
+        # unset (and no parent set) the getter answers.
+        matmul = (_CUDA_MATMUL, _MKLDNN_MATMUL)
+        legacy = _read_with(matmul, "none", eff, get_float32_matmul_precision) if EXACT else None
     try:
         cudnn = get_cudnn_allow_tf32()
     except RuntimeError:
-        cudnn = _refused_cudnn_allow_tf32(eff, own)
+        if not EXACT:
+            cudnn = None
+        elif (eff[CONV] == "tf32") == (eff[RNN] == "tf32"):
+            cudnn = eff[CONV] != "tf32"  # it raises exactly when the flag disagrees with both
+        else:
+            # conv and rnn disagree, which hides the flag: make them agree for one
+            # call.  The one not reading "tf32" is set to it: with no parent set it
+            # reads its own value (not cuDNN's initial state, which reads "tf32").
+            hidden = (CONV if eff[CONV] != "tf32" else RNN,)
+            cudnn = _read_with(hidden, "tf32", eff, get_cudnn_allow_tf32) is not None
     return legacy, cudnn
-
-
-def _refused_matmul_precision(eff: tuple[str, ...]) -> str | None:
-    """The legacy matmul precision where its getter raised, with ``eff`` in force:
-    one of the values the getter refuses with these matmul entries."""
-    if not EXACT:
-        return None
-    cuda, mkldnn = eff[_CUDA_MATMUL], eff[_MKLDNN_MATMUL]
-    found = tuple(v for v in _MATMUL_ENTRIES if _matmul_refused(v, cuda, mkldnn))
-    if len(found) > 1:
-        # The cuBLAS getter tells "highest" apart: it raises exactly when the
-        # field's TF32 and cuda.matmul's disagree.
-        try:
-            get_cublas_allow_tf32()
-            cublas_refused = False
-        except RuntimeError:
-            cublas_refused = True
-        found = tuple(v for v in found if ((v != "highest") != (cuda == "tf32")) == cublas_refused)
-    return found[0] if len(found) == 1 else None
-
-
-def _refused_cudnn_allow_tf32(eff: tuple[str, ...], own: tuple[str, ...] | None) -> bool | None:
-    """The legacy cuDNN TF32 flag where its getter raised, with ``eff`` in force."""
-    if not EXACT:
-        return None
-    conv, rnn = eff[CONV] == "tf32", eff[RNN] == "tf32"
-    if conv == rnn:
-        return not conv  # it raises exactly when the flag disagrees with both
-    if own is None:
-        raise LookupError("conv and rnn disagree")
-    # conv and rnn disagree, which hides the flag: make them agree for one call
-    # through an entry whose own value is known and writable (not "default").
-    i, value = (CONV, "tf32") if not conv else (RNN, "tf32")
-    if own[i] == DEFAULT:
-        i, value = (RNN if i == CONV else CONV), "ieee"
-    assert _set_precision is not None
-    _set_precision("cuda", PRECISION_OPNAMES[i], value)
-    try:
-        get_cudnn_allow_tf32()
-        agrees = True
-    except RuntimeError:
-        agrees = False
-    finally:
-        _set_precision("cuda", PRECISION_OPNAMES[i], own[i])
-    return (value == "tf32") == agrees
 
 
 def onednn_allow_tf32() -> bool | None:
     return bool(_get_onednn()) if _get_onednn is not None else None
 
 
-class PrecisionFields(Protocol):
-    """The precision fields of a :class:`~deterministic_ctx.sources.flags.FlagState`,
-    what this module saves and writes back (see its docstring for their meaning)."""
-
-    @property
-    def fp32_precision_own(self) -> tuple[str, ...]: ...
-    @property
-    def float32_matmul_precision(self) -> str | None: ...
-    @property
-    def cudnn_allow_tf32(self) -> bool | None: ...
-    @property
-    def onednn_allow_tf32(self) -> bool | None: ...
-
-
 # -- saving and loading ------------------------------------------------------------
 
 
-def export_precision(state: PrecisionFields) -> dict[str, Any]:
+def export_precision(state: FlagState) -> dict[str, Any]:
     """``float32_matmul_precision`` (only a value torch can report) and
     ``fp32_precision``: ``{"backend.op": own value}``, cuDNN's initial state
     as the value that behaves the same (it cannot be loaded)."""
@@ -452,7 +361,7 @@ def import_precision(
     where = f"{path}.fp32_precision"
     precision = _plain.fields(d["fp32_precision"], where, PRECISION_KEYS)
     legacy = _plain.text(
-        d["float32_matmul_precision"], f"{path}.float32_matmul_precision", choices=_MATMUL_ENTRIES
+        d["float32_matmul_precision"], f"{path}.float32_matmul_precision", choices=_MATMUL_VALUES
     )
     for key in PRECISION_KEYS:
         value = _plain.text(precision[key], f"{where}.{key}", choices=_FP32_VALUES)
@@ -475,61 +384,48 @@ def import_precision(
 # -- restoring the precision ---------------------------------------------------------
 
 
-def restore_precision(state: PrecisionFields) -> None:
-    """Put back the precision state of ``state``, if the body changed it."""
+def restore_precision(state: FlagState) -> None:
+    """Put back the precision state of ``state``, if the body changed it: the
+    legacy fields first (their setters overwrite entries), then each entry
+    whose own value differs.  The ``with`` is one line (see :func:`read`)."""
+    with _lock: _restore(state)  # noqa: E701  # fmt: skip
+
+
+def _restore(state: FlagState) -> None:
     want = state.fp32_precision_own
     # A "tf32" read with no parent set may be cuDNN's initial state: that
     # matters where the target sets a cuda parent (they differ under it) or holds it.
     find_default = EXACT and (
         want[GENERIC] != "none" or want[CUDA] != "none" or DEFAULT in (want[CONV], want[RNN])
     )
-    _, own, legacy, cudnn = read(find_default)
+    _, own, legacy, cudnn = _read(find_default)
+    onednn = onednn_allow_tf32() if ONEDNN else None
     if (
         own == want
         and state.float32_matmul_precision in (None, legacy)
         and state.cudnn_allow_tf32 in (None, cudnn)
-        and not ONEDNN
+        and state.onednn_allow_tf32 in (None, onednn)
     ):
         return  # the common case: the body changed no precision
-
-    def write() -> None:
-        # Read again: another thread may have written since.
-        _, own, legacy, cudnn = _probe(_precisions(), find_default)
-        _write(state, own, legacy, cudnn)
-
-    _exclusively(write)
-
-
-def _write(
-    state: PrecisionFields, own: tuple[str, ...], legacy: str | None, cudnn: bool | None
-) -> None:
-    """Write what differs between ``state`` and the current ``own``, ``legacy``
-    and ``cudnn``: the legacy fields first (their setters overwrite entries),
-    then each entry whose own value differs.  The caller holds ``_lock``."""
-    written: dict[int, str] = {}  # by position in PRECISION_OPS, what the legacy setters wrote
     if state.float32_matmul_precision not in (None, legacy):
         set_float32_matmul_precision(state.float32_matmul_precision)
-        matmul = _MATMUL_ENTRIES[state.float32_matmul_precision]
-        written[_CUDA_MATMUL], written[_MKLDNN_MATMUL] = matmul
     if state.cudnn_allow_tf32 not in (None, cudnn):
         set_cudnn_allow_tf32(state.cudnn_allow_tf32)
-        written[CONV] = written[RNN] = "tf32" if state.cudnn_allow_tf32 else "none"
-    if ONEDNN and state.onednn_allow_tf32 not in (None, onednn_allow_tf32()):
+    if state.onednn_allow_tf32 not in (None, onednn):
         _set_onednn(state.onednn_allow_tf32)
-    want = state.fp32_precision_own
     if not EXACT:
         # Older rules: where any resolved value differs, write every one, parents first.
-        if _precisions() != want:
+        if tuple(starmap(_get_precision, PRECISION_OPS)) != want:
             for op, value in zip(PRECISION_OPS, want, strict=True):
                 _set_precision(*op, value)
         return
-    # Entries are separate cells: once the legacy fields are written, the
-    # order of these writes does not matter.  cuDNN's initial state takes no
-    # setter: it is written as what behaves the same under the target's
-    # parents, and a kept one already does.
+    # The legacy setters overwrite entries: read what they left.  Entries are
+    # separate cells: the order of these writes does not matter.  cuDNN's
+    # initial state takes no setter: it is written as what behaves the same
+    # under the target's parents, and a kept one already does.
+    own = _read(find_default)[1]
     closest = _closest(want)
-    for i, (op, target) in enumerate(zip(PRECISION_OPS, want, strict=True)):
-        have = written.get(i, own[i])
+    for op, target, have in zip(PRECISION_OPS, want, own, strict=True):
         if target == DEFAULT:
             target = closest
         if target != have and not (have == DEFAULT and target == closest):

@@ -94,21 +94,17 @@ KEPT_DAZ_PROBE = math.ldexp(1.0, -74)
 KEPT_FTZ_PROBE = math.ldexp(float(0x5555555555555), -974)
 
 #: What ``torch.set_default_dtype`` accepts (it refuses complex, integer and
-#: float8 types), by the name a checkpoint stores.
-_DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-}
-_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
-#: The legacy tensor type of each default dtype (``torch.set_default_tensor_type``).
-_TENSOR_TYPES = {
-    torch.float16: "HalfTensor",
-    torch.bfloat16: "BFloat16Tensor",
-    torch.float32: "FloatTensor",
-    torch.float64: "DoubleTensor",
-}
+#: float8 types), by the name a checkpoint stores, with the legacy tensor type
+#: of each (``torch.set_default_tensor_type``).
+_DTYPE_TABLE = (
+    ("float16", torch.float16, "HalfTensor"),
+    ("bfloat16", torch.bfloat16, "BFloat16Tensor"),
+    ("float32", torch.float32, "FloatTensor"),
+    ("float64", torch.float64, "DoubleTensor"),
+)
+_DTYPES = {name: dtype for name, dtype, _ in _DTYPE_TABLE}
+_DTYPE_NAMES = {dtype: name for name, dtype, _ in _DTYPE_TABLE}
+_TENSOR_TYPES = {dtype: tensor_type for _, dtype, tensor_type in _DTYPE_TABLE}
 #: The devices a default tensor type can have: torch only has CPU and CUDA ones.
 _TENSOR_TYPE_DEVICES = ("cpu", "cuda")
 #: A loaded thread count above this is refused: far above any machine's cores,
@@ -174,8 +170,10 @@ class TorchDefaultsSource:
             _set_dtype(dtype)
         if now[THREADS] != threads:
             _set_threads(threads)
-        if now[DAZ_PROBE] != daz or now[FTZ_PROBE] != ftz:
-            _restore_flush(_flush_mode(daz, ftz))
+        if (now[DAZ_PROBE] != daz or now[FTZ_PROBE] != ftz) and not _set_flush(
+            _flush_mode(daz, ftz)
+        ):
+            raise ValueError("torch.set_flush_denormal is not supported on this CPU")
         if now[DEVICE_CONTEXT] is not context:
             self._restore_context(now[DEVICE_CONTEXT], context)
 
@@ -292,8 +290,3 @@ def _flush_mode(daz_probe: float, ftz_probe: float) -> bool:
             "something other than torch.set_flush_denormal, which can only set both or neither"
         )
     return False
-
-
-def _restore_flush(flush: bool) -> None:
-    if not _set_flush(flush):
-        raise ValueError("torch.set_flush_denormal is not supported on this CPU")
