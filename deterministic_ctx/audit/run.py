@@ -165,7 +165,6 @@ def audit_nondeterminism(
             try:
                 with functions, auditor.mode:
                     result = call_and_consume(fn, args, kwargs)
-                    auditor.resolve()
                     ran_backward = auditor.backward_calls > 0
                     if backward and not ran_backward:
                         outputs = _differentiable(result)
