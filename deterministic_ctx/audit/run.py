@@ -23,8 +23,7 @@ from .model import (
     nearest_checked,
     release_of,
 )
-from .recorder import Auditor, Functions, watched_functions
-from .sites import Modules
+from .recorder import Auditor, Functions, Modules, watched_functions
 
 __all__ = ["audit_nondeterminism"]
 
