@@ -27,10 +27,10 @@ a note when such a module ran (torch documents them as deterministic on CUDA
 only with ``CUBLAS_WORKSPACE_CONFIG`` set).
 
 One module per part: :mod:`.table` reads the table (a data file, with the types
-of :mod:`.model` and the predicates of :mod:`.conditions`), :mod:`.sites` names
-where a call comes from, :mod:`.recorder` is the dispatch mode that matches
-calls against the table, :mod:`.findings` holds what it found, and :mod:`.run`
-runs ``fn`` and makes the report.
+of :mod:`.model` and the predicates of :mod:`.conditions`), :mod:`.recorder` is
+the dispatch mode that matches calls against the table and names where each
+came from, :mod:`.findings` holds what it found, and :mod:`.run` runs ``fn``
+and makes the report.
 
 Example:
     >>> import torch

@@ -72,13 +72,9 @@ CONDITIONS: Mapping[str, Callable[[OpCall], bool]] = {
     "index_put-races": _index_put_races,
     "accumulate-false": lambda call: not call.get("accumulate", False),
     "accumulate-true": lambda call: bool(call.get("accumulate", False)),
-    "reduce-sum-or-mean-floating": lambda call: (
-        call.get("reduce") in ("sum", "mean") and _floating(call.get("self"))
-    ),
+    "reduce-sum-or-mean-floating": _reduce_of_floating("sum", "mean"),
     "reduce-prod": lambda call: call.get("reduce") == "prod",
-    "reduce-amax-or-amin-floating": lambda call: (
-        call.get("reduce") in ("amax", "amin") and _floating(call.get("self"))
-    ),
+    "reduce-amax-or-amin-floating": _reduce_of_floating("amax", "amin"),
     "src-tensor-reduce-add-floating": lambda call: (
         isinstance(call.get("src"), torch.Tensor) and _reduce_of_floating("add")(call)
     ),

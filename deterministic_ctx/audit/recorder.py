@@ -1,6 +1,8 @@
 """The audit's dispatch mode: sees every aten op call of the run (and calls of the torch
 functions the table names) and keeps the ones that match the table, with where they came
-from; memory read before anything wrote it is found here too."""
+from (the module that made the call, from global module hooks, and the user's ``file:line``
+and the torch functions on the way, from :func:`~deterministic_ctx.verify.ops.user_frame`);
+memory read before anything wrote it is found here too."""
 
 from __future__ import annotations
 
@@ -8,41 +10,29 @@ import dataclasses
 import inspect
 import os
 import sys
-import weakref
-from collections.abc import Iterable, Iterator, Mapping
+import threading
+from collections.abc import Iterable, Mapping
 from types import FrameType
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..internal import current_autograd_node, node_sequence_nr
-from ..verify.ops import QuietDispatchMode, user_frame
+from ..internal import TORCH_MACHINERY, current_autograd_node
+from ..verify.ops import (
+    NodeOrigins,
+    QuietDispatchMode,
+    op_arguments,
+    op_schema,
+    op_tensors,
+    user_frame,
+)
+from ..verify.record import ModuleNames
 from .findings import AuditFinding
 from .model import OpCall, OpEntry
-from .sites import Modules, Site, called_outside_torch
 from .table import entries_for, table, uninitialized_entry
 
-__all__ = ["Auditor", "Functions", "watched_functions"]
-
-#: A node's ``_sequence_nr()`` when it has none (``AccumulateGrad``): UINT64_MAX.
-_NO_SEQUENCE_NR = 2**64 - 1
-
-
-def _node_key(node: Any) -> tuple[str, int] | None:
-    """A key that names an autograd node for its whole life; ``None`` for a node without one.
-
-    Not ``hash(node)``: once no reference to a C++ node's Python object is left, torch may
-    free it and make a new one at the next access (torch 2.11 does), and the freed
-    object's id, which is its hash, comes back for another node.  A node's sequence
-    number is set when the node is made and is unique among the nodes its thread made;
-    with the class name it names the node across Python objects.
-    """
-    number = node_sequence_nr(node)
-    if number is None:
-        return None
-    return None if number == _NO_SEQUENCE_NR else (type(node).__name__, number)
-
+__all__ = ["Auditor", "Functions", "Modules", "Site", "watched_functions"]
 
 #: Ops that run on cuBLAS on CUDA: before torch 2.10 they raise in deterministic mode
 #: without a valid ``CUBLAS_WORKSPACE_CONFIG``.
@@ -85,30 +75,6 @@ _METADATA = frozenset(
 )
 
 
-def _arguments(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The call's arguments by their schema names, defaults filled in."""
-    out: dict[str, Any] = {}
-    for i, arg in enumerate(func._schema.arguments):
-        if i < len(args) and not arg.kwarg_only:
-            out[arg.name] = args[i]
-        elif arg.name in kwargs:
-            out[arg.name] = kwargs[arg.name]
-        elif arg.has_default_value():
-            out[arg.name] = arg.default_value
-    return out
-
-
-def _tensors(*groups: Iterable[Any]) -> Iterator[torch.Tensor]:
-    """The tensors among op arguments or results: at the top level or in a list or tuple
-    (``Tensor[]``, ``Tensor?[]``, several results), all an aten schema has."""
-    for group in groups:
-        for value in group:
-            if isinstance(value, torch.Tensor):
-                yield value
-            elif isinstance(value, (list, tuple)):
-                yield from (v for v in value if isinstance(v, torch.Tensor))
-
-
 def _storage_key(t: torch.Tensor) -> int | None:
     try:
         return int(t.untyped_storage()._cdata)
@@ -126,6 +92,70 @@ def _reads_values(func: Any, name: str, create: frozenset[str]) -> bool:
     if torch.Tag.inplace_view in getattr(func, "tags", ()):
         return False
     return not getattr(func, "is_view", False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """Where an op call was made: the user's line, the module, torch's Python callers."""
+
+    location: str
+    module: str | None
+    module_type: str | None
+    callers: frozenset[str]
+
+
+def called_outside_torch(frame: FrameType | None) -> bool:
+    """Whether the op was called by code outside torch (the user's, or an example of the
+    table), rather than by torch's Python code.
+
+    Memory that torch creates, torch fills, sometimes in C++ through a data pointer,
+    which the dispatch mode cannot see (``F.ctc_loss`` builds a tensor of lengths so):
+    only memory the user's code creates is watched for reads before writes.
+    """
+    while frame is not None:
+        name = str(frame.f_globals.get("__name__", ""))
+        if not name.startswith(TORCH_MACHINERY):
+            return name.partition(".")[0] != "torch"
+        frame = frame.f_back
+    return True
+
+
+class Modules:
+    """Which module is running, from global module hooks: names within their root models.
+
+    Roots are the modules passed to the audit, then any module whose name is
+    not known when it is first called (see :class:`~deterministic_ctx.verify.record.ModuleNames`).
+    """
+
+    def __init__(self, roots: Iterable[torch.nn.Module]) -> None:
+        self._names = ModuleNames(roots)
+        self._stack: list[tuple[torch.nn.Module, str, str]] = []
+        self._thread = threading.get_ident()
+        #: Class names of the recurrent modules that ran (see the package's docstring).
+        self.recurrent: set[str] = set()
+
+    def current(self) -> tuple[str | None, str | None]:
+        if not self._stack:
+            return None, None
+        _, name, kind = self._stack[-1]
+        return name, kind
+
+    def pre_hook(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        if threading.get_ident() == self._thread:
+            _, name, kind = self._names.of(module)
+            self._stack.append((module, name, kind))
+            if isinstance(module, torch.nn.RNNBase):
+                self.recurrent.add(type(module).__qualname__)
+
+    def post_hook(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        # Calls nest: the last one started ends first (a module that raised and was
+        # caught inside fn left its entry: found further down and cut there).
+        for depth in range(len(self._stack) - 1, -1, -1):
+            if self._stack[depth][0] is module:
+                del self._stack[depth:]
+                return
 
 
 class Auditor:
@@ -146,12 +176,9 @@ class Auditor:
         self.backward_calls = 0
         self.cublas = False
         self.findings: dict[tuple[Any, ...], AuditFinding] = {}
-        # Outputs of the last forward op that needed gradients: their autograd nodes
-        # exist only once the op has returned, so they are looked up at the next call.
-        self._pending: list[tuple[weakref.ref[torch.Tensor], Site]] = []
-        # Autograd node (see _node_key) -> where its forward op was called: a backward op
-        # is attributed to that call.
-        self._nodes: dict[tuple[str, int], Site] = {}
+        #: Where the forward op that made each autograd node was called: a backward op is
+        #: attributed to that call.
+        self.origins = NodeOrigins[Site]()
         # Storage -> (storage, where and by which op it was created), while nothing wrote it.
         self._uninitialized: dict[int, tuple[Any, Site, str]] = {}
         # The table's entry for reads of such memory, and the ops that create it (the table
@@ -168,11 +195,9 @@ class Auditor:
         torch, of this package and of the standard library skipped), the module running,
         and the torch functions on the way (``torch.nn.functional.pad``).  For an op that
         autograd's engine runs for ``node``: where the forward op that made it was called."""
-        if node is not None:
-            key = _node_key(node)
-            known = None if key is None else self._nodes.get(key)
-            if known is not None:
-                return known
+        known = None if node is None else self.origins.of(node)
+        if known is not None:
+            return known
         found, _, callers = user_frame(frame)
         location = "<unknown>"
         if found is not None:
@@ -181,15 +206,6 @@ class Auditor:
         # frame now is the best there is, e.g. a line of its backward(), in no module.
         module, module_type = self.modules.current() if node is None else (None, None)
         return Site(location, module, module_type, callers)
-
-    def resolve(self) -> None:
-        """Attribute the autograd nodes of the last forward op's outputs to its call."""
-        for ref, site in self._pending:
-            t = ref()
-            key = None if t is None or t.grad_fn is None else _node_key(t.grad_fn)
-            if key is not None:
-                self._nodes[key] = site
-        self._pending.clear()
 
     # Findings.
 
@@ -215,8 +231,6 @@ class Auditor:
         self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], frame: FrameType | None
     ) -> Any:
         self.calls += 1
-        if self._pending:
-            self.resolve()
         name = func.overloadpacket.__name__
         node = current_autograd_node()
         site: Site | None = None
@@ -231,7 +245,7 @@ class Auditor:
             entries = entries_for(name)
             if entries:
                 site = self.site(frame, node)
-                call = OpCall(str(func), name, _arguments(func, args, kwargs), site.callers)
+                call = OpCall(str(func), name, op_arguments(func, args, kwargs), site.callers)
                 for entry in entries:
                     if entry.kind == "op" and entry.matches(call):
                         self.add(entry, call.op, site, "forward" if node is None else "backward")
@@ -256,14 +270,8 @@ class Auditor:
                         site = self.site(frame)
                     self._uninitialized[key] = (created.untyped_storage(), site, str(func))
         # Forward ops whose outputs get an autograd node: remember where they were called.
-        if (
-            node is None
-            and torch.is_grad_enabled()
-            and any(t.requires_grad for t in _tensors(args, kwargs.values()))
-        ):
-            if site is None:
-                site = self.site(frame)
-            self._pending += [(weakref.ref(t), site) for t in _tensors((out,))]
+        if node is None:
+            self.origins.made(args, kwargs, out, lambda: site or self.site(frame))
         return out
 
     def _check_reads(
@@ -277,18 +285,17 @@ class Auditor:
         """Memory that nothing wrote: written now (forget it), or read (a finding)."""
         if not _reads_values(func, name, self._create):
             return
-        values = _arguments(func, args, kwargs)
+        values = op_arguments(func, args, kwargs)
         # put_/index_put_ with accumulate=True, scatter_ with reduce= read what they write to.
         write_only = (
             name in _WRITE_ONLY and not values.get("accumulate") and values.get("reduce") is None
         )
-        schema_args = func._schema.arguments
-        for arg in schema_args:
-            written = arg.alias_info is not None and arg.alias_info.is_write
-            for t in _tensors((values.get(arg.name),)):
+        written = op_schema(func)[1]
+        for argument, value in values.items():
+            for t in op_tensors((value,)):
                 key = _storage_key(t)
                 created = None if key is None else self._uninitialized.pop(key, None)
-                if created is None or (written and (write_only or arg.is_out)):
+                if created is None or (argument in written and (write_only or written[argument])):
                     continue
                 _, site, op = created
                 reader = self.site(frame)

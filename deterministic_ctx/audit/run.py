@@ -23,8 +23,7 @@ from .model import (
     nearest_checked,
     release_of,
 )
-from .recorder import Auditor, Functions, watched_functions
-from .sites import Modules
+from .recorder import Auditor, Functions, Modules, watched_functions
 
 __all__ = ["audit_nondeterminism"]
 
@@ -165,7 +164,6 @@ def audit_nondeterminism(
             try:
                 with functions, auditor.mode:
                     result = call_and_consume(fn, args, kwargs)
-                    auditor.resolve()
                     ran_backward = auditor.backward_calls > 0
                     if backward and not ran_backward:
                         outputs = _differentiable(result)

@@ -56,14 +56,13 @@ import contextlib
 import dataclasses
 import functools
 import os
-import re
 import sys
 import sysconfig
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import CodeType, FrameType, TracebackType
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -74,18 +73,23 @@ from ..internal import (
     current_autograd_node,
     current_dispatch_mode,
     dynamo_disable,
+    node_sequence_nr,
 )
 from .compare import tensor_leaves
 from .fingerprint import FingerprintStore
 
 __all__ = [
     "PHASES",
+    "NodeOrigins",
     "OpCall",
     "OpDifference",
     "OpRecorder",
     "QuietDispatchMode",
     "TensorPrint",
     "first_op_difference",
+    "op_arguments",
+    "op_schema",
+    "op_tensors",
     "user_frame",
 ]
 
@@ -100,6 +104,9 @@ _Leaf = tuple[str, tuple[int, ...], str, Any]
 #: What the recorder keeps per op call until it exits: op, ``(location, function)``,
 #: autograd node, outputs, inputs from outside.
 _Record = tuple[str, tuple[str, str] | None, str | None, list[_Leaf], list[_Leaf]]
+
+#: What a :class:`NodeOrigins` keeps per autograd node.
+_Where = TypeVar("_Where")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,7 +350,6 @@ def _library_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
 _SITE_DIRS = ("site-packages", "dist-packages")
 
 
-@functools.lru_cache(maxsize=4096)  # per file: anomaly mode's stacks name files, not code
 def _is_library_file(filename: str) -> bool:
     """Whether ``filename`` is library code (see :func:`_library_roots`): told by path,
     as a module name says too little (``sys.stdlib_module_names`` has ``test``,
@@ -405,49 +411,119 @@ def user_frame(frame: FrameType | None) -> tuple[FrameType | None, bool, frozens
     return None, engine, frozenset(callers)
 
 
-_TRACEBACK_LINE = re.compile(r'\s*File "(?P<file>.*)", line (?P<line>\d+), in (?P<function>.*)')
+# --- where autograd nodes were made --------------------------------------------------------------
+
+#: A node's ``_sequence_nr()`` when it has none (``AccumulateGrad``): UINT64_MAX.
+_NO_SEQUENCE_NR = 2**64 - 1
 
 
-def _node_location(node: Any) -> tuple[str, str] | None:
-    """``(file:line, function)`` of the user's forward code that created autograd node
-    ``node``, from the stack anomaly mode saved with it (``None`` without one)."""
-    try:
-        stack = node.metadata.get("traceback_")
-    except (AttributeError, RuntimeError):
+def _node_key(node: Any) -> tuple[str, int] | None:
+    """A key that names an autograd node for its whole life; ``None`` for a node without one.
+
+    Not ``hash(node)``: once no reference to a C++ node's Python object is left, torch may
+    free it and make a new one at the next access (torch 2.11 does), and the freed
+    object's id, which is its hash, comes back for another node.  A node's sequence
+    number is set when the node is made and is unique among the nodes its thread made;
+    with the class name it names the node across Python objects.
+    """
+    number = node_sequence_nr(node)
+    if number is None:
         return None
-    if not isinstance(stack, list):
-        return None
-    for entry in reversed(stack):  # innermost frame last
-        match = _TRACEBACK_LINE.match(str(entry))
-        if match is not None and not _is_library_file(match["file"]):
-            return f"{match['file']}:{match['line']}", match["function"]
-    return None
+    return None if number == _NO_SEQUENCE_NR else (type(node).__name__, number)
+
+
+def op_tensors(*groups: Iterable[Any]) -> Iterator[torch.Tensor]:
+    """The tensors among op arguments or results: at the top level or in a list or tuple
+    (``Tensor[]``, ``Tensor?[]``, several results), all an aten schema has."""
+    for group in groups:
+        for value in group:
+            if isinstance(value, torch.Tensor):
+                yield value
+            elif isinstance(value, (list, tuple)):
+                yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+class NodeOrigins(Generic[_Where]):
+    """Where the forward op call that made each autograd node was made, as a dispatch mode
+    sees the forward pass: a backward op of a built-in formula is placed there.
+
+    A node exists only once its forward op has returned through autograd, above the
+    dispatch mode: :meth:`made` keeps the outputs of a forward op call that needs
+    gradients (weakly) with where it was made, and the next call of :meth:`made` or
+    :meth:`of` looks up their nodes, while the outputs are still the arguments of the
+    op calls that use them.  That costs a look-up per forward op call that needs
+    gradients (autograd's anomaly mode would keep a Python stack per node instead).
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[weakref.ref[torch.Tensor], _Where]] = []
+        # Autograd node (see _node_key) -> where its forward op was called.
+        self._nodes: dict[tuple[str, int], _Where] = {}
+
+    def made(
+        self,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        out: Any,
+        where: Callable[[], _Where],
+    ) -> None:
+        """After each forward op call: if its outputs get autograd nodes, they come from
+        ``where()``."""
+        self._resolve()
+        if torch.is_grad_enabled() and any(
+            t.requires_grad for t in op_tensors(args, kwargs.values())
+        ):
+            site = where()
+            self._pending = [(weakref.ref(t), site) for t in op_tensors((out,))]
+
+    def of(self, node: Any) -> _Where | None:
+        """Where the forward op call that made ``node`` was made, if it was seen."""
+        self._resolve()
+        key = _node_key(node)
+        return None if key is None else self._nodes.get(key)
+
+    def _resolve(self) -> None:
+        pending, self._pending = self._pending, []
+        for ref, where in pending:
+            t = ref()
+            key = None if t is None or t.grad_fn is None else _node_key(t.grad_fn)
+            if key is not None:
+                self._nodes[key] = where
 
 
 # --- the recorder ---------------------------------------------------------------------------------
 
 
+#: A default value's stand-in for an argument without one.
+_NO_DEFAULT = object()
+
+
 @functools.lru_cache(maxsize=4096)  # one entry per overload used
-def _schema(func: Any) -> tuple[tuple[str, ...], frozenset[str]]:
-    """Argument names of op ``func``, in order, and those it writes to."""
-    try:
-        arguments = func._schema.arguments
-    except AttributeError:
-        return (), frozenset()
-    names = tuple(a.name for a in arguments)
-    written = frozenset(
-        a.name for a in arguments if a.alias_info is not None and a.alias_info.is_write
+def op_schema(func: Any) -> tuple[tuple[tuple[str, bool, Any], ...], dict[str, bool]]:
+    """Per argument of op ``func``, in order: its name, whether it is keyword-only, and its
+    default (``_NO_DEFAULT`` when it has none); and the arguments it writes to, by name,
+    each with whether it is an ``out=`` argument."""
+    arguments = func._schema.arguments
+    named = tuple(
+        (a.name, a.kwarg_only, a.default_value if a.has_default_value() else _NO_DEFAULT)
+        for a in arguments
     )
-    return names, written
+    written = {a.name: a.is_out for a in arguments if a.alias_info and a.alias_info.is_write}
+    return named, written
 
 
-def _named_args(
-    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Iterator[tuple[str, Any]]:
-    names = _schema(func)[0]
-    for i, value in enumerate(args):
-        yield (names[i] if i < len(names) else f"args[{i}]"), value
-    yield from kwargs.items()
+def op_arguments(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The arguments of a call of op ``func`` by their schema names, in the schema's order,
+    defaults filled in."""
+    out: dict[str, Any] = {}
+    for i, (name, kwarg_only, default) in enumerate(op_schema(func)[0]):
+        if i < len(args) and not kwarg_only:
+            out[name] = args[i]
+        elif name in kwargs:
+            out[name] = kwargs[name]
+        elif default is not _NO_DEFAULT:
+            out[name] = default
+    return out
 
 
 class _Paused(threading.local):
@@ -522,11 +598,10 @@ class OpRecorder:
     autograd's engine runs) or ``"backward"`` (only those).  With
     ``inputs=True`` (the default), each tensor input that no earlier recorded
     op made is fingerprinted before every op that reads it.  With
-    ``node_locations=True`` autograd's anomaly mode (without its NaN check) is
-    on while the recorder is, so that every autograd node keeps the stack that
-    created it, and the ops of built-in backward formulas are placed at the
-    user's forward line; that costs a Python stack per autograd node in the
-    forward pass.
+    ``node_locations=True`` the recorder also notes where each forward op
+    call that gets autograd nodes was made (:class:`NodeOrigins`), recorded
+    or not, and the ops of built-in backward formulas are placed at the
+    user's forward line that made their node.
 
     :meth:`stop` ends the recording early (the rest of the block runs
     unrecorded) and :meth:`pause` leaves out a stretch of one thread's op
@@ -555,11 +630,10 @@ class OpRecorder:
                 raise TypeError(f"{name} must be True or False, got {value!r}")
         self.phase = phase
         self.inputs = inputs
-        self.node_locations = node_locations
+        self._origins = NodeOrigins[tuple[str, str] | None]() if node_locations else None
         self._mode = QuietDispatchMode(self._dispatch)
         self._state = "new"  # -> "recording" -> ("stopped" ->) "done"
         self._mode_on = False
-        self._anomaly: Any = None
         self._owner = 0
         self._paused = _Paused()
         self._lock = threading.Lock()  # backward ops of other devices run on autograd's threads
@@ -580,13 +654,7 @@ class OpRecorder:
         if self._state != "new":
             raise RuntimeError("an OpRecorder records once: make a new one")
         self._owner = threading.get_ident()
-        if self.node_locations:
-            self._anomaly = torch.autograd.set_detect_anomaly(True, check_nan=False)
-        try:
-            self._mode.__enter__()  # type: ignore[no-untyped-call]
-        except BaseException:
-            self._restore_anomaly()
-            raise
+        self._mode.__enter__()  # type: ignore[no-untyped-call]
         self._mode_on = True
         self._state = "recording"
         return self
@@ -600,12 +668,9 @@ class OpRecorder:
         if self._state == "done":
             return
         self._state = "done"
-        try:
-            if self._mode_on:
-                self._mode_on = False
-                self._mode.__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
-        finally:
-            self._restore_anomaly()
+        if self._mode_on:
+            self._mode_on = False
+            self._mode.__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
         data = self._store.host()
         self._calls = [
             OpCall(
@@ -621,11 +686,6 @@ class OpRecorder:
         ]
         self._records.clear()
         self._known.clear()
-
-    def _restore_anomaly(self) -> None:
-        anomaly, self._anomaly = self._anomaly, None
-        if anomaly is not None:
-            anomaly.__exit__(None, None, None)
 
     @property
     def calls(self) -> list[OpCall]:
@@ -689,35 +749,44 @@ class OpRecorder:
         if self._state != "recording" or self._paused.depth:
             return func(*args, **kwargs)
         node = current_autograd_node()
-        if (self.phase == "backward" and node is None) or (
-            self.phase == "forward" and node is not None
-        ):
-            return func(*args, **kwargs)
+        origins = self._origins if node is None else None  # forward op calls make nodes
+        if self.phase == ("backward" if node is None else "forward"):
+            out = func(*args, **kwargs)
+            if origins is not None:
+                origins.made(args, kwargs, out, lambda: self._where(caller, None))
+            return out
+        where = self._where(caller, node)
+        arguments = op_arguments(func, args, kwargs)
+        with self._lock:
+            inputs = self._outside_inputs(arguments) if self.inputs else []
+        out = func(*args, **kwargs)
+        with self._lock:
+            outputs = self._outputs(func, arguments, out)
+            self._records.append(
+                (str(func), where, None if node is None else node.name(), outputs, inputs)
+            )
+        if origins is not None:
+            origins.made(args, kwargs, out, lambda: where)
+        return out
+
+    def _where(self, caller: FrameType | None, node: Any) -> tuple[str, str] | None:
+        """``(file:line, function)`` of the user's code responsible for an op call made
+        from ``caller`` (for autograd node ``node``, if any)."""
         frame, engine, _ = user_frame(caller)
         where = None
         if frame is not None:
             where = f"{frame.f_code.co_filename}:{frame.f_lineno}", _qualname(frame.f_code)
-        if node is not None and (frame is None or engine):
+        if node is not None and (frame is None or engine) and self._origins is not None:
             # A built-in backward formula: the user's line is where the node was made.
-            where = _node_location(node) or where
-        with self._lock:
-            inputs = self._outside_inputs(func, args, kwargs) if self.inputs else []
-        out = func(*args, **kwargs)
-        with self._lock:
-            outputs = self._outputs(func, args, kwargs, out)
-            self._records.append(
-                (str(func), where, None if node is None else node.name(), outputs, inputs)
-            )
-        return out
+            where = self._origins.of(node) or where
+        return where
 
     def _leaf(self, path: str, t: torch.Tensor) -> _Leaf:
         return path, tuple(t.shape), str(t.dtype).removeprefix("torch."), self._store.add(t)
 
-    def _outside_inputs(
-        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> list[_Leaf]:
+    def _outside_inputs(self, arguments: dict[str, Any]) -> list[_Leaf]:
         found: list[_Leaf] = []
-        for name, value in _named_args(func, args, kwargs):
+        for name, value in arguments.items():
             for path, t in tensor_leaves(value, f"input {name!r}"):
                 known = self._known.get(id(t))
                 if known is not None and known() is t:
@@ -725,9 +794,7 @@ class OpRecorder:
                 found.append(self._leaf(path, t))
         return found
 
-    def _outputs(
-        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
-    ) -> list[_Leaf]:
+    def _outputs(self, func: Any, arguments: dict[str, Any], out: Any) -> list[_Leaf]:
         leaves: list[_Leaf] = []
         returned: list[torch.Tensor] = []
         if isinstance(out, (bool, int, float, complex)):  # .item(), is_nonzero, equal, ...
@@ -736,9 +803,9 @@ class OpRecorder:
             for path, t in tensor_leaves(out, "output"):
                 leaves.append(self._leaf(path, t))
                 returned.append(t)
-        written = _schema(func)[1]
+        written = op_schema(func)[1]
         if written:
-            for name, value in _named_args(func, args, kwargs):
+            for name, value in arguments.items():
                 if name not in written:
                     continue
                 for path, t in tensor_leaves(value, name):

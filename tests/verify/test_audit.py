@@ -22,11 +22,11 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from deterministic_ctx import UncheckedTorchWarning, deterministic, isolated
 from deterministic_ctx.audit import AuditFinding, AuditReport, audit_nondeterminism
-from deterministic_ctx.audit import recorder as audit_recorder
 from deterministic_ctx.audit import run as audit_run
 from deterministic_ctx.audit import table as audit_table
 from deterministic_ctx.audit.model import CHECKED_TORCH, CHECKS, OpCall, nearest_checked, release_of
 from deterministic_ctx.audit.table import entries_for, table, uninitialized_entry
+from deterministic_ctx.verify import ops as verify_ops
 from tests._oracle import World
 from tests.helpers import ROOT, run_python
 from tests.verify.audit_examples import EXAMPLES
@@ -988,10 +988,10 @@ def test_autograd_nodes_are_named_across_their_python_objects():
     chain = []
     node = out.grad_fn
     while node is not None:
-        chain.append(audit_recorder._node_key(node))
+        chain.append(verify_ops._node_key(node))
         node = node.next_functions[0][0] if node.next_functions else None
     assert chain[-1] is None  # AccumulateGrad has no sequence number
-    assert len(set(chain[:-1])) == 3 and chain[0] == audit_recorder._node_key(out.grad_fn)
+    assert len(set(chain[:-1])) == 3 and chain[0] == verify_ops._node_key(out.grad_fn)
     assert audit_run._graph_leaves([out]) == [x]
 
 
