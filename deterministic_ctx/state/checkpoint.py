@@ -101,7 +101,6 @@ __all__ = [
     "origin_of",
     "read",
     "to_state_dict",
-    "with_origin",
     "write",
 ]
 
@@ -170,13 +169,6 @@ def from_state_dict(data: object, origin: str, *, strict_devices: bool) -> World
         raise InvalidSnapshotError(origin, str(exc)) from exc
     except Exception as exc:  # whatever a field made a check trip over is bad input too
         raise InvalidSnapshotError(origin, f"{type(exc).__name__}: {exc}") from exc
-
-
-def with_origin(error: InvalidSnapshotError, origin: str) -> InvalidSnapshotError:
-    """``error`` naming ``origin`` instead (where the snapshot came from), of the same class."""
-    if isinstance(error, UnregisteredRngError):
-        return UnregisteredRngError(origin, error.key, error.kind)
-    return type(error)(origin, error.problem)
 
 
 def _not_a_snapshot(data: object) -> str | None:
