@@ -90,6 +90,7 @@ import secrets
 import sys
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -310,23 +311,19 @@ class _StreamStates:
         return f"<RngStreams states {sorted(self._varies)}>"
 
 
+@dataclass(slots=True, eq=False)  # eq=False: frames are found by identity
 class _Frame:
     """An open fork: its stream and world, and per swapped device
     ``[device, generator, state]``, where ``state`` is the caller's (the state
     the generator gets back at the exit)."""
 
-    __slots__ = ("holder", "name", "swapped", "token")
-
-    def __init__(
-        self, name: str, token: int, swapped: list[list[Any]], holder: _Frame | None
-    ) -> None:
-        self.name = name
-        self.token = token
-        self.swapped = swapped
-        #: For a fork of a stream open lower in the stack: the frame entered
-        #: right above that one, whose callers' states hold the stream's live
-        #: state (its exit gives them back to the generators).
-        self.holder = holder
+    name: str
+    token: int
+    swapped: list[list[Any]]
+    #: For a fork of a stream open lower in the stack: the frame entered
+    #: right above that one, whose callers' states hold the stream's live
+    #: state (its exit gives them back to the generators).
+    holder: _Frame | None
 
 
 class _Fork:

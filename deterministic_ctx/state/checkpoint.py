@@ -481,12 +481,8 @@ def write(path: str | os.PathLike[str], data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
-    _fsync_directory(directory)
-
-
-def _fsync_directory(directory: str) -> None:
-    # Makes the rename itself durable.  Not possible on Windows, and some
-    # file systems refuse it: the rename is atomic all the same.
+    # Fsyncing the directory makes the rename itself durable.  Not possible on
+    # Windows, and some file systems refuse it: the rename is atomic all the same.
     if os.name != "posix":
         return
     with contextlib.suppress(OSError):
