@@ -91,7 +91,6 @@ import sys
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -389,12 +388,7 @@ class _Fork:
                 gen.set_state(caller)
             raise
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         if not self._frames:
             raise RuntimeError(f"fork({self._name!r}) exited without being entered")
         frame = self._frames.pop()
