@@ -403,6 +403,9 @@ def _attach(header: object, blob: memoryview) -> StateDict:
     def attach(value: Any, path: str, depth: int) -> Any:
         if depth > _MAX_DEPTH:
             raise ValueError(f"{path}: nested deeper than {_MAX_DEPTH} levels")
+        # Scalars are taken as they are, without a call or a path each (traces hold
+        # many); below the depth limit only, which they would exceed.
+        flat = depth < _MAX_DEPTH
         if isinstance(value, dict):
             if value.keys() == {_TENSOR}:
                 i = _plain.integer(value[_TENSOR], path, 0, len(tensors) - 1)
@@ -410,15 +413,11 @@ def _attach(header: object, blob: memoryview) -> StateDict:
                     raise ValueError(f"{path}: tensor {i} is used twice")
                 used.add(i)
                 return tensors[i]
-            # Scalars are taken as they are, without a call or a path each (traces hold
-            # many); below the depth limit only, which they would exceed.
-            flat = depth < _MAX_DEPTH
             return {
                 k: v if flat and type(v) in _SCALARS else attach(v, f"{path}.{k}", depth + 1)
                 for k, v in value.items()
             }
         if isinstance(value, list):
-            flat = depth < _MAX_DEPTH
             return [
                 v if flat and type(v) in _SCALARS else attach(v, f"{path}[{j}]", depth + 1)
                 for j, v in enumerate(value)
