@@ -184,8 +184,8 @@ class _StreamStates:
         self._base = base
         self._token = next(_TOKENS)
         self._states: _States = {}
-        #: Stream seeds for one base: ``(base, {name: seed})``.
-        self._seeds: tuple[int, dict[str, int]] = (base, {})
+        #: Stream seeds: ``(base, name) -> seed``.
+        self._seeds: dict[tuple[int, str], int] = {}
         #: Every open fork, in order of entry (runtime bookkeeping, not state).
         self._open: list[_Frame] = []
         #: ``id(states) -> (states, base)`` for states dicts made or checked
@@ -272,23 +272,18 @@ class _StreamStates:
     # -- seeds ---------------------------------------------------------------------
 
     def seed_for(self, base: int, name: str) -> int:
-        """The seed of stream ``name`` under ``base`` (remembered for the current base)."""
-        cached_base, seeds = self._seeds
-        if cached_base != base:
-            if base != self._base:
-                return self._derive(base, name)
-            seeds = {}
-            self._seeds = (base, seeds)
-        seed = seeds.get(name)
+        """The seed of stream ``name`` under ``base``, remembered: blocks start the
+        streams over from the same few bases again and again (a stream's dimensions
+        never change once declared, so neither does its seed)."""
+        seed = self._seeds.get((base, name))
         if seed is None:
-            seed = seeds[name] = self._derive(base, name)
+            if len(self._seeds) >= 256:  # a bound: forgetting costs one derivation later
+                self._seeds.clear()
+            keys: list[int | str] = ["stream", name]
+            for dim in self._varies[name]:
+                keys += (dim, self._coords[dim][0])
+            seed = self._seeds[base, name] = derive_seed(base, *keys, bits=64)
         return seed
-
-    def _derive(self, base: int, name: str) -> int:
-        keys: list[int | str] = ["stream", name]
-        for dim in self._varies[name]:
-            keys += (dim, self._coords[dim][0])
-        return derive_seed(base, *keys, bits=64)
 
     def record(self, name: str, token: int, advanced: dict[str, torch.Tensor]) -> None:
         """Keep what a fork of ``name`` opened in world ``token`` drew, if that
