@@ -337,26 +337,23 @@ class _Fork:
         token = states._token
         open_ = states._open
         # The open forks of this world (a suspended decorated generator's stay
-        # open in its own world), innermost first, down to this stream's.
+        # open in its own world), innermost first, down to this stream's;
+        # ``holder``: the last one seen, entered right after the one found.
         holder: _Frame | None = None
-        above: _Frame | None = None
-        found: _Frame | None = None
         for other in reversed(open_):
             if other.token != token:
                 continue
-            if other.name == name:
-                found = other
+            if other.name == name:  # forked already in this world
+                if holder is None:  # and it is the live stream: nothing to swap
+                    self._frames.append(None)
+                    return
+                # Another stream was forked inside it: the stream's live state is
+                # what that fork (the holder) gives back at its exit.
+                saved = {entry[0]: entry[2] for entry in holder.swapped}
                 break
-            above = other
-        if found is not None:  # forked already in this world
-            if above is None:  # and it is the live stream: nothing to swap
-                self._frames.append(None)
-                return
-            # Another stream was forked inside it: the stream's live state is
-            # what that fork (the one entered right after it) gives back at its exit.
-            holder = above
-            saved = {entry[0]: entry[2] for entry in holder.swapped}
+            holder = other
         else:
+            holder = None
             entry = states._states.get(name)
             saved = entry[1] if entry is not None else {}
         swapped: list[list[Any]] = []
