@@ -405,10 +405,9 @@ class _Fork:
         finally:  # whatever happens, the caller's generators come back
             for _device, gen, caller in frame.swapped:
                 gen.set_state(caller)
-            if open_[-1] is frame:
-                del open_[-1]
-            else:  # a suspended generator's fork is open above it, in another world
-                open_.remove(frame)
+            # Not always the last: a suspended generator's fork may be open above
+            # it, in another world.
+            open_.remove(frame)
         holder = frame.holder
         if holder is None:
             self._states.record(self._name, frame.token, advanced)
