@@ -342,8 +342,7 @@ class SeededDataset(torch.utils.data.Dataset[T_co], Generic[T_co]):
         return i
 
     def __getitem__(self, index: int) -> T_co:
-        result: T_co = self.__getitems__((index,))[0]
-        return result
+        return self.__getitems__((index,))[0]
 
     def __getitems__(self, indices: Iterable[int]) -> list[T_co]:
         """``[self[i] for i in indices]``, with the process's state saved and put

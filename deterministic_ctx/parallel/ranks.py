@@ -102,11 +102,9 @@ def ranks() -> Ranks:
         world = found["WORLD_SIZE"]
     else:
         world = int(os.environ.get("WORLD_SIZE", "1")) if _digits("WORLD_SIZE") else 1
-        if world == 1:
-            return Ranks(0, 1, 0, 0)
     if found is None:
-        # A group without a (whole) launcher: mp.spawn, or Lightning's launcher, which
-        # exports LOCAL_RANK but no RANK; a well-formed LOCAL_RANK still says the device.
+        # No (whole) launcher: one process, or a group from mp.spawn or Lightning's launcher,
+        # which exports LOCAL_RANK but no RANK; a well-formed LOCAL_RANK still says the device.
         local = int(os.environ["LOCAL_RANK"]) if _digits("LOCAL_RANK") else None
         if world == 1:
             return Ranks(0, 1, 0, 0)

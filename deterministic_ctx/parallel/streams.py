@@ -90,7 +90,7 @@ import secrets
 import sys
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
-from types import TracebackType
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -184,8 +184,8 @@ class _StreamStates:
         self._base = base
         self._token = next(_TOKENS)
         self._states: _States = {}
-        #: Stream seeds for one base: ``(base, {name: seed})``.
-        self._seeds: tuple[int, dict[str, int]] = (base, {})
+        #: Stream seeds: ``(base, name) -> seed``.
+        self._seeds: dict[tuple[int, str], int] = {}
         #: Every open fork, in order of entry (runtime bookkeeping, not state).
         self._open: list[_Frame] = []
         #: ``id(states) -> (states, base)`` for states dicts made or checked
@@ -272,23 +272,18 @@ class _StreamStates:
     # -- seeds ---------------------------------------------------------------------
 
     def seed_for(self, base: int, name: str) -> int:
-        """The seed of stream ``name`` under ``base`` (remembered for the current base)."""
-        cached_base, seeds = self._seeds
-        if cached_base != base:
-            if base != self._base:
-                return self._derive(base, name)
-            seeds = {}
-            self._seeds = (base, seeds)
-        seed = seeds.get(name)
+        """The seed of stream ``name`` under ``base``, remembered: blocks start the
+        streams over from the same few bases again and again (a stream's dimensions
+        never change once declared, so neither does its seed)."""
+        seed = self._seeds.get((base, name))
         if seed is None:
-            seed = seeds[name] = self._derive(base, name)
+            if len(self._seeds) >= 256:  # a bound: forgetting costs one derivation later
+                self._seeds.clear()
+            keys: list[int | str] = ["stream", name]
+            for dim in self._varies[name]:
+                keys += (dim, self._coords[dim][0])
+            seed = self._seeds[base, name] = derive_seed(base, *keys, bits=64)
         return seed
-
-    def _derive(self, base: int, name: str) -> int:
-        keys: list[int | str] = ["stream", name]
-        for dim in self._varies[name]:
-            keys += (dim, self._coords[dim][0])
-        return derive_seed(base, *keys, bits=64)
 
     def record(self, name: str, token: int, advanced: dict[str, torch.Tensor]) -> None:
         """Keep what a fork of ``name`` opened in world ``token`` drew, if that
@@ -310,23 +305,19 @@ class _StreamStates:
         return f"<RngStreams states {sorted(self._varies)}>"
 
 
+@dataclass(slots=True, eq=False)  # eq=False: frames are found by identity
 class _Frame:
     """An open fork: its stream and world, and per swapped device
     ``[device, generator, state]``, where ``state`` is the caller's (the state
     the generator gets back at the exit)."""
 
-    __slots__ = ("holder", "name", "swapped", "token")
-
-    def __init__(
-        self, name: str, token: int, swapped: list[list[Any]], holder: _Frame | None
-    ) -> None:
-        self.name = name
-        self.token = token
-        self.swapped = swapped
-        #: For a fork of a stream open lower in the stack: the frame entered
-        #: right above that one, whose callers' states hold the stream's live
-        #: state (its exit gives them back to the generators).
-        self.holder = holder
+    name: str
+    token: int
+    swapped: list[list[Any]]
+    #: For a fork of a stream open lower in the stack: the frame entered
+    #: right above that one, whose callers' states hold the stream's live
+    #: state (its exit gives them back to the generators).
+    holder: _Frame | None
 
 
 class _Fork:
@@ -346,26 +337,23 @@ class _Fork:
         token = states._token
         open_ = states._open
         # The open forks of this world (a suspended decorated generator's stay
-        # open in its own world), innermost first, down to this stream's.
+        # open in its own world), innermost first, down to this stream's;
+        # ``holder``: the last one seen, entered right after the one found.
         holder: _Frame | None = None
-        above: _Frame | None = None
-        found: _Frame | None = None
         for other in reversed(open_):
             if other.token != token:
                 continue
-            if other.name == name:
-                found = other
+            if other.name == name:  # forked already in this world
+                if holder is None:  # and it is the live stream: nothing to swap
+                    self._frames.append(None)
+                    return
+                # Another stream was forked inside it: the stream's live state is
+                # what that fork (the holder) gives back at its exit.
+                saved = {entry[0]: entry[2] for entry in holder.swapped}
                 break
-            above = other
-        if found is not None:  # forked already in this world
-            if above is None:  # and it is the live stream: nothing to swap
-                self._frames.append(None)
-                return
-            # Another stream was forked inside it: the stream's live state is
-            # what that fork (the one entered right after it) gives back at its exit.
-            holder = above
-            saved = {entry[0]: entry[2] for entry in holder.swapped}
+            holder = other
         else:
+            holder = None
             entry = states._states.get(name)
             saved = entry[1] if entry is not None else {}
         swapped: list[list[Any]] = []
@@ -392,12 +380,7 @@ class _Fork:
                 gen.set_state(caller)
             raise
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         if not self._frames:
             raise RuntimeError(f"fork({self._name!r}) exited without being entered")
         frame = self._frames.pop()
@@ -422,10 +405,9 @@ class _Fork:
         finally:  # whatever happens, the caller's generators come back
             for _device, gen, caller in frame.swapped:
                 gen.set_state(caller)
-            if open_[-1] is frame:
-                del open_[-1]
-            else:  # a suspended generator's fork is open above it, in another world
-                open_.remove(frame)
+            # Not always the last: a suspended generator's fork may be open above
+            # it, in another world.
+            open_.remove(frame)
         holder = frame.holder
         if holder is None:
             self._states.record(self._name, frame.token, advanced)

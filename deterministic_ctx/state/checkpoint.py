@@ -101,7 +101,6 @@ __all__ = [
     "origin_of",
     "read",
     "to_state_dict",
-    "with_origin",
     "write",
 ]
 
@@ -170,13 +169,6 @@ def from_state_dict(data: object, origin: str, *, strict_devices: bool) -> World
         raise InvalidSnapshotError(origin, str(exc)) from exc
     except Exception as exc:  # whatever a field made a check trip over is bad input too
         raise InvalidSnapshotError(origin, f"{type(exc).__name__}: {exc}") from exc
-
-
-def with_origin(error: InvalidSnapshotError, origin: str) -> InvalidSnapshotError:
-    """``error`` naming ``origin`` instead (where the snapshot came from), of the same class."""
-    if isinstance(error, UnregisteredRngError):
-        return UnregisteredRngError(origin, error.key, error.kind)
-    return type(error)(origin, error.problem)
 
 
 def _not_a_snapshot(data: object) -> str | None:
@@ -411,6 +403,9 @@ def _attach(header: object, blob: memoryview) -> StateDict:
     def attach(value: Any, path: str, depth: int) -> Any:
         if depth > _MAX_DEPTH:
             raise ValueError(f"{path}: nested deeper than {_MAX_DEPTH} levels")
+        # Scalars are taken as they are, without a call or a path each (traces hold
+        # many); below the depth limit only, which they would exceed.
+        flat = depth < _MAX_DEPTH
         if isinstance(value, dict):
             if value.keys() == {_TENSOR}:
                 i = _plain.integer(value[_TENSOR], path, 0, len(tensors) - 1)
@@ -418,15 +413,11 @@ def _attach(header: object, blob: memoryview) -> StateDict:
                     raise ValueError(f"{path}: tensor {i} is used twice")
                 used.add(i)
                 return tensors[i]
-            # Scalars are taken as they are, without a call or a path each (traces hold
-            # many); below the depth limit only, which they would exceed.
-            flat = depth < _MAX_DEPTH
             return {
                 k: v if flat and type(v) in _SCALARS else attach(v, f"{path}.{k}", depth + 1)
                 for k, v in value.items()
             }
         if isinstance(value, list):
-            flat = depth < _MAX_DEPTH
             return [
                 v if flat and type(v) in _SCALARS else attach(v, f"{path}[{j}]", depth + 1)
                 for j, v in enumerate(value)
@@ -489,12 +480,8 @@ def write(path: str | os.PathLike[str], data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
-    _fsync_directory(directory)
-
-
-def _fsync_directory(directory: str) -> None:
-    # Makes the rename itself durable.  Not possible on Windows, and some
-    # file systems refuse it: the rename is atomic all the same.
+    # Fsyncing the directory makes the rename itself durable.  Not possible on
+    # Windows, and some file systems refuse it: the rename is atomic all the same.
     if os.name != "posix":
         return
     with contextlib.suppress(OSError):

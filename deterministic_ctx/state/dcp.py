@@ -234,7 +234,7 @@ class RngState:
         check_everywhere("RngState: saving the random state", problem)
         assert entry is not None  # else check_everywhere raised
         meta = torch.tensor([_META_TAG, VERSION, world, 0], dtype=torch.int64, device="cpu")
-        return {"meta": meta, _key(rank): entry}
+        return {"meta": meta, f"rank{rank}": entry}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore this rank's own state from what DCP loaded into :meth:`state_dict`'s tensors.
@@ -278,7 +278,7 @@ class RngState:
         apply_everywhere(snapshot, problem, "RngState: restoring the random state")
 
     def _snapshot(self, state_dict: dict[str, Any], rank: int, world: int) -> Snapshot:
-        key = _key(rank)
+        key = f"rank{rank}"
         origin = f"of rank {rank} in the checkpoint (RngState entry {key!r})"
         if key not in state_dict:
             raise InvalidSnapshotError(origin, "there is no such entry")
@@ -292,10 +292,6 @@ class RngState:
             f"RngState(on_world_size_change={self._on_world_size_change!r}, "
             f"capacity={self._capacity}, strict_devices={self._strict_devices})"
         )
-
-
-def _key(rank: int) -> str:
-    return f"rank{rank}"
 
 
 def _pack(data: bytes, rank: int, world: int, capacity: int) -> torch.Tensor:

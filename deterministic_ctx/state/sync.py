@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from .._errors import PUBLIC_MODULE, DeterministicCtxError
 from ..internal import accelerator_type, registered_rngs
-from .checkpoint import InvalidSnapshotError, decode, encode, with_origin
+from .checkpoint import InvalidSnapshotError, decode, encode, from_state_dict
 from .snapshot import Snapshot
 
 __all__ = [
@@ -172,17 +172,7 @@ def sync_rng_state(src: int = 0, group: dist.ProcessGroup | None = None) -> None
     # A src outside the group is found in the first collective, so that every rank
     # raises rather than one, while the others wait for it.
     group_src = members.index(src) if src in members else -1
-    _sync(src, group_src, me, group, collective_device(group), _ranks(members))
-
-
-def _sync(
-    src: int,
-    group_src: int,
-    me: int,
-    group: dist.ProcessGroup | None,
-    device: torch.device,
-    members: str,
-) -> None:
+    device = collective_device(group)
     what = f"sync_rng_state from rank {src}"
     payload = b""
     problem: BaseException | None = None
@@ -200,14 +190,14 @@ def _sync(
         device=device,
     )
     dist.all_reduce(head, op=dist.ReduceOp.MAX, group=group)
-    high, low, length, src_failed, outside = (int(v) for v in head.tolist())
+    high, low, length, src_failed, src_outside = (int(v) for v in head.tolist())
     if high != -low:
         raise ValueError(
             f"sync_rng_state: the ranks passed different src (from {-low} to {high}); every "
             f"rank must pass the same"
         )
-    if outside:
-        raise ValueError(f"src {src} is not a rank of the group; its ranks are {members}")
+    if src_outside:
+        raise ValueError(f"src {src} is not a rank of the group; its ranks are {_ranks(members)}")
     if src_failed:
         check_everywhere(what, problem, group, device)  # src failed: raises on every rank
     if me == group_src:
@@ -232,12 +222,9 @@ def received(
     """The snapshot in a snapshot file's bytes from another rank (or a checkpoint), every
     field checked, with this rank's own setup (and, with ``keep_rank_local``, its own
     rank-local RNGs: see :func:`random_state_only`) in place of the sender's (internal)."""
-    state = decode(data, origin)
-    try:
-        state = random_state_only(state, keep_rank_local=keep_rank_local)
-        return Snapshot.from_state_dict(state, strict_devices=strict_devices)
-    except InvalidSnapshotError as exc:  # it names "state_dict": say where it came from
-        raise with_origin(exc, origin) from None
+    state = random_state_only(decode(data, origin), keep_rank_local=keep_rank_local)
+    # Read as Snapshot.load reads a file: every error names ``origin``.
+    return Snapshot._of(from_state_dict(state, origin, strict_devices=strict_devices))
 
 
 #: The sources of a snapshot that are this process's setup, not its random state:
@@ -290,14 +277,11 @@ def apply_everywhere(
     anywhere, every rank puts back the state it had just before.  Without a
     process group of several ranks it restores or raises ``problem`` itself.
     """
+    check_everywhere(what, problem, group, device)  # one process: raises problem itself
     if not _several(group):
-        if problem is not None:
-            raise problem
         if snapshot is not None:
             snapshot.restore()
         return
-    device = collective_device(group) if device is None else device
-    check_everywhere(what, problem, group, device)
     before = None if snapshot is None else Snapshot.capture()
     interrupt: BaseException | None = None
     try:

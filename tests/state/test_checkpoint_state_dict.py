@@ -277,12 +277,20 @@ def test_an_rng_registered_after_the_snapshot_is_left_alone():
         assert rngs["late"].getstate() == before
 
 
-def test_another_origin_keeps_the_class_and_the_key():
+def test_a_received_snapshot_names_where_it_came_from():
     # sync_rng_state and RngState name where a snapshot came from (a rank, a DCP entry).
-    from deterministic_ctx.state.checkpoint import with_origin
+    from deterministic_ctx.state.checkpoint import encode
+    from deterministic_ctx.state.sync import received
 
-    moved = with_origin(UnregisteredRngError("state_dict", "aug", "random.Random"), "from rank 0")
-    assert type(moved) is UnregisteredRngError
-    assert str(moved).startswith("cannot restore snapshot from rank 0 here: it holds user RNG 'aug'")
-    plain = with_origin(InvalidSnapshotError("state_dict", "truncated"), "from rank 0")
-    assert (type(plain), str(plain)) == (InvalidSnapshotError, "invalid snapshot from rank 0: truncated")
+    with registered(aug=random.Random(1)):
+        data = encode(fresh_state())
+    with pytest.raises(UnregisteredRngError) as info:
+        received(data, "from rank 0")
+    assert str(info.value).startswith(
+        "cannot restore snapshot from rank 0 here: it holds user RNG 'aug'"
+    )
+    assert info.value.key == "aug"
+    with pytest.raises(InvalidSnapshotError) as bad:
+        received(data[:-1], "from rank 0")
+    assert type(bad.value) is InvalidSnapshotError
+    assert str(bad.value).startswith("invalid snapshot from rank 0: truncated")
