@@ -50,8 +50,9 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from .parallel.seeding import seed_everything
     from .parallel.streams import RngStreams
     from .reporting import DeterminismReport, report
+    from .reporting.collectives import DETERMINISTIC_COLLECTIVES
     from .sources import register_rng, registered_rngs, unregister_rng
-    from .sources.environ import DETERMINISTIC_COLLECTIVES, managed_env_vars, register_env_var
+    from .sources.environ import managed_env_vars, register_env_var
     from .state.dcp import RngState
     from .state.snapshot import Snapshot
     from .state.sync import RngStateError, sync_rng_state
@@ -132,7 +133,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "AuditReport": (".audit", "AuditReport"),
     "BatchInvarianceError": (".verify", "BatchInvarianceError"),
     "CompiledMismatchError": (".verify", "CompiledMismatchError"),
-    "DETERMINISTIC_COLLECTIVES": (".sources.environ", "DETERMINISTIC_COLLECTIVES"),
+    "DETERMINISTIC_COLLECTIVES": (".reporting.collectives", "DETERMINISTIC_COLLECTIVES"),
     "DeterminismReport": (".reporting", "DeterminismReport"),
     "DivergenceReport": (".verify.locate", "DivergenceReport"),
     "GraphCaptureError": (".base.errors", "GraphCaptureError"),

@@ -46,9 +46,46 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
-__all__ = ["collective_facts", "may_use", "meaning", "nccl_env_names", "observe"]
+__all__ = [
+    "DETERMINISTIC_COLLECTIVES",
+    "collective_facts",
+    "may_use",
+    "meaning",
+    "nccl_env_names",
+    "observe",
+]
+
+#: Environment values for reproducible NCCL reductions, to set before
+#: ``torch.distributed.init_process_group`` (in the launcher's environment, or
+#: ``os.environ.update(DETERMINISTIC_COLLECTIVES)`` first thing in the script):
+#: NCCL reads them when it creates a communicator, or once per process.
+#: A deterministic block never sets them (see :mod:`deterministic_ctx.sources.environ`).
+#:
+#: * ``NCCL_ALGO=Ring``: NCCL's ring sums every element in an order fixed by
+#:   the ring, whatever the message size (NCCL's tuner otherwise switches
+#:   between Ring, Tree, NVLS, CollNet and PAT by size and topology, and its
+#:   thresholds change between versions); Megatron-LM's deterministic mode
+#:   makes the same choice.  Cost: Tree's lower latency for small messages
+#:   across many nodes, and NVLS's switch offload.
+#: * ``NCCL_NVLS_ENABLE=0``: NVLink SHARP reduces inside the NVSwitch, in an
+#:   order that is not fixed from one call to the next (NCCL issue 1497); ``0``
+#:   also allocates no NVLS memory.  Cost: NVLS bandwidth on NVSwitch systems
+#:   with Hopper or later GPUs.
+#: * ``NCCL_COLLNET_ENABLE=0``: CollNet reduces in the network (SHARP
+#:   switches), outside NCCL's control.  Already NCCL's default; set so that an
+#:   ``nccl.conf`` file cannot turn it on (NCCL applies those files only to
+#:   variables the environment leaves unset).
+#:
+#: ``NCCL_ALGO=Ring`` alone already excludes NVLS and CollNet; the other two
+#: keep them off if ``NCCL_ALGO`` is changed later.  ``NCCL_PROTO`` is left to
+#: NCCL: its protocol choice depends only on message size and topology, and
+#: NCCL's documentation advises against setting it.
+DETERMINISTIC_COLLECTIVES: Mapping[str, str] = MappingProxyType(
+    {"NCCL_ALGO": "Ring", "NCCL_NVLS_ENABLE": "0", "NCCL_COLLNET_ENABLE": "0"}
+)
 
 #: NCCL reads these when it creates each communicator (NCCL 2.2x); the other
 #: managed ``NCCL_*`` variables once per process, at its first use.

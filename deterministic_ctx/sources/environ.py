@@ -23,8 +23,8 @@ them when it creates a communicator (``NCCL_ALGO``, ``NCCL_PROTO``,
 ``NCCL_COLLNET_ENABLE``, ``NCCL_TOPO_FILE``, the tuner plugin) or once per
 process, at its first use, and keeps them (the others), so a value set in a
 block would reach only the communicators created in it, and outlive the
-block in them.  :data:`DETERMINISTIC_COLLECTIVES` holds the values to set
-before ``init_process_group`` instead; see its comment.
+block in them.  :data:`~deterministic_ctx.DETERMINISTIC_COLLECTIVES` holds the values to
+set before ``init_process_group`` instead; see its comment.
 
 Example:
     >>> import os
@@ -48,10 +48,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, MutableMapping
 from itertools import compress
 from operator import ne
-from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from ..base.settings import Settings
@@ -60,7 +59,6 @@ from ._memory import ENABLED
 
 __all__ = [
     "CUBLAS_VALID",
-    "DETERMINISTIC_COLLECTIVES",
     "ENV_VARS",
     "SEED",
     "EnvironSource",
@@ -112,35 +110,6 @@ ENV_VARS: tuple[tuple[str, str], ...] = (
     ("TORCHINDUCTOR_DETERMINISTIC", "default of inductor's deterministic flag at its first import"),
     ("MKL_CBWR", "Intel MKL's conditional numerical reproducibility (torch's x86 CPU BLAS)"),
     (SEED, "seed_everything's exported seed: seed_everything() in a child process reuses it"),
-)
-
-#: Environment values for reproducible NCCL reductions, to set before
-#: ``torch.distributed.init_process_group`` (in the launcher's environment, or
-#: ``os.environ.update(DETERMINISTIC_COLLECTIVES)`` first thing in the script):
-#: NCCL reads them when it creates a communicator, or once per process.
-#: A deterministic block never sets them (see the module's docstring).
-#:
-#: * ``NCCL_ALGO=Ring``: NCCL's ring sums every element in an order fixed by
-#:   the ring, whatever the message size (NCCL's tuner otherwise switches
-#:   between Ring, Tree, NVLS, CollNet and PAT by size and topology, and its
-#:   thresholds change between versions); Megatron-LM's deterministic mode
-#:   makes the same choice.  Cost: Tree's lower latency for small messages
-#:   across many nodes, and NVLS's switch offload.
-#: * ``NCCL_NVLS_ENABLE=0``: NVLink SHARP reduces inside the NVSwitch, in an
-#:   order that is not fixed from one call to the next (NCCL issue 1497); ``0``
-#:   also allocates no NVLS memory.  Cost: NVLS bandwidth on NVSwitch systems
-#:   with Hopper or later GPUs.
-#: * ``NCCL_COLLNET_ENABLE=0``: CollNet reduces in the network (SHARP
-#:   switches), outside NCCL's control.  Already NCCL's default; set so that an
-#:   ``nccl.conf`` file cannot turn it on (NCCL applies those files only to
-#:   variables the environment leaves unset).
-#:
-#: ``NCCL_ALGO=Ring`` alone already excludes NVLS and CollNet; the other two
-#: keep them off if ``NCCL_ALGO`` is changed later.  ``NCCL_PROTO`` is left to
-#: NCCL: its protocol choice depends only on message size and topology, and
-#: NCCL's documentation advises against setting it.
-DETERMINISTIC_COLLECTIVES: Mapping[str, str] = MappingProxyType(
-    {"NCCL_ALGO": "Ring", "NCCL_NVLS_ENABLE": "0", "NCCL_COLLNET_ENABLE": "0"}
 )
 
 _lock = threading.Lock()

@@ -455,7 +455,7 @@ def test_run_without_restart_is_one_interpreter(tmp_path):
 def test_deterministic_collectives_are_the_librarys():
     """``run --deterministic-collectives`` sets its own copy of the values (no torch before the
     restart): the library's."""
-    from deterministic_ctx.sources.environ import DETERMINISTIC_COLLECTIVES
+    from deterministic_ctx import DETERMINISTIC_COLLECTIVES
 
     assert dict(DETERMINISTIC_COLLECTIVES) == cli_module.DETERMINISTIC_COLLECTIVES
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deterministic_ctx import deterministic
+from deterministic_ctx import DETERMINISTIC_COLLECTIVES, deterministic
 from deterministic_ctx.reporting import collectives, report, rules
 from deterministic_ctx.reporting.collectives import (
     COLLNET_ALGORITHMS,
@@ -40,7 +40,6 @@ from deterministic_ctx.reporting.collectives import (
     observe,
 )
 from deterministic_ctx.sources import environ as environ_mod
-from deterministic_ctx.sources.environ import DETERMINISTIC_COLLECTIVES
 from tests._oracle import ENV_NAMES
 from tests.helpers import free_port, needs_gloo, spawn_ranks
 
