@@ -21,106 +21,63 @@ This module imports IPython; ``import deterministic_ctx`` never imports it.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import io
 import json
 import sys
 import tokenize
 from types import CodeType
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NoReturn
 
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ..core.context import deterministic as _block
-from ..internal import MAX_SEED, CompiledRng, validate_seed
+from .cli import add_block_options, block_settings
 
 __all__ = ["DeterministicMagics", "load_ipython_extension", "unload_ipython_extension"]
 
 CELL_USAGE = "%%deterministic [SEED] [--warn-only] [--no-flags] [--no-fill] [--compiled-rng=eager]"
 
 
-class CellOptions(NamedTuple):
-    """What a ``%%deterministic`` line asks for: :class:`deterministic`'s arguments."""
-
-    seed: int
-    warn_only: bool = False
-    flags: bool = True
-    fill_uninitialized_memory: bool = True
-    compiled_rng: CompiledRng = None
-
-
 REPORT_USAGE = "%deterministic_report [--json]"
 
 
-def parse_cell_line(line: str) -> CellOptions:
-    """The options of a ``%%deterministic`` line, or :class:`UsageError`.
+class _CellParser(argparse.ArgumentParser):
+    """The arguments of a ``%%deterministic`` line: the block options of ``deterministic-ctx
+    run`` (one definition, :func:`~.cli.add_block_options`), with the seed as ``SEED``.
+    A bad argument or ``--help`` raises :class:`UsageError`, which IPython shows without a
+    traceback.
 
     Example:
-        >>> parse_cell_line("")  # doctest: +NORMALIZE_WHITESPACE
-        CellOptions(seed=0, warn_only=False, flags=True, fill_uninitialized_memory=True,
-                    compiled_rng=None)
-        >>> parse_cell_line("--warn-only 3").seed, parse_cell_line("--warn-only 3").warn_only
-        (3, True)
-        >>> parse_cell_line("7 --no-flags").flags
-        False
-        >>> parse_cell_line("--compiled-rng=eager").compiled_rng
-        'eager'
-        >>> parse_cell_line("3 --compiled-rng eager").compiled_rng
-        'eager'
-        >>> parse_cell_line("abc")  # doctest: +ELLIPSIS
+        >>> args = _CELL_PARSER.parse_args("7 --no-flags --compiled-rng eager".split())
+        >>> block_settings(args)  # doctest: +NORMALIZE_WHITESPACE
+        {'seed': 7, 'warn_only': False, 'flags': False, 'fill_uninitialized_memory': True,
+         'compiled_rng': 'eager'}
+        >>> _CELL_PARSER.parse_args(["abc"])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        IPython.core.error.UsageError: %%deterministic: SEED must be an integer ..., got 'abc'
+        IPython.core.error.UsageError: %%deterministic: argument SEED: must be an integer ...
         usage: %%deterministic [SEED] [--warn-only] [--no-flags] [--no-fill] [--compiled-rng=eager]
     """
-    seed: int | None = None
-    switches = {"--warn-only": False, "--no-flags": False, "--no-fill": False}
-    compiled_rng: CompiledRng = None
-    words = line.split()
-    # ``--compiled-rng eager`` as the command line writes it, or ``--compiled-rng=eager``.
-    for k, word in enumerate(words[:-1]):
-        if word == "--compiled-rng":
-            words[k : k + 2] = [f"--compiled-rng={words[k + 1]}"]
-            break
-    for word in words:
-        if word in switches:
-            switches[word] = True
-        elif word.startswith("--compiled-rng"):
-            if word != "--compiled-rng=eager":
-                _usage_error(f"--compiled-rng takes one value, eager: got {word!r}", CELL_USAGE)
-            compiled_rng = "eager"
-        elif word in ("-h", "--help"):
-            _usage_error(
-                "runs the cell in a deterministic block: seeded with SEED (default 0), restored "
-                "after, so re-running the cell gives the same output and later cells are "
-                "unaffected; --warn-only: operations without a deterministic implementation warn "
-                "instead of raising; --no-flags: seed and isolate only, the determinism flags "
-                "and variables stay as they are; --no-fill: "
-                "torch.utils.deterministic.fill_uninitialized_memory off in the cell; "
-                "--compiled-rng=eager: code compiled with torch.compile draws eager's random "
-                "numbers in the cell",
-                CELL_USAGE,
-            )
-        elif word.startswith("-") and not word[1:].isdigit():
-            _usage_error(f"unknown option {word!r}", CELL_USAGE)
-        elif seed is not None:
-            _usage_error(f"expected at most one SEED, got {seed} and {word!r}", CELL_USAGE)
-        else:
-            try:
-                seed = validate_seed(int(word, 10))
-            except ValueError:
-                _usage_error(
-                    f"SEED must be an integer in 0 .. {MAX_SEED}, got {word!r}", CELL_USAGE
-                )
-    return CellOptions(
-        0 if seed is None else seed,
-        warn_only=switches["--warn-only"],
-        flags=not switches["--no-flags"],
-        fill_uninitialized_memory=not switches["--no-fill"],
-        compiled_rng=compiled_rng,
-    )
+
+    def error(self, message: str) -> NoReturn:
+        _usage_error(message, CELL_USAGE)
+
+    def print_help(self, file: object = None) -> NoReturn:
+        raise UsageError(self.format_help().rstrip())
+
+
+_CELL_PARSER = _CellParser(
+    prog="%%deterministic",
+    usage=CELL_USAGE.replace("%", "%%"),  # argparse %-formats it
+    description="runs the cell in a deterministic block: seeded with SEED (default 0), restored "
+    "after, so re-running the cell gives the same output and later cells are unaffected",
+    allow_abbrev=False,
+)
+add_block_options(_CELL_PARSER, seed="SEED")
 
 
 def _usage_error(message: str, usage: str) -> NoReturn:
@@ -251,11 +208,11 @@ class DeterministicMagics(Magics):
         and restored too.
         """
         __tracebackhide__ = True
-        options = parse_cell_line(line)
+        args = _CELL_PARSER.parse_args(line.split())
         shell = self.shell
         assert shell is not None
         body, last = _compile_cell(shell, line, cell)  # a SyntaxError here runs nothing
-        with _block(**options._asdict()):
+        with _block(**block_settings(args)):
             exec(body, shell.user_global_ns, shell.user_ns)
             value = None if last is None else eval(last, shell.user_global_ns, shell.user_ns)
         return None if _ends_with_semicolon(cell) else value
