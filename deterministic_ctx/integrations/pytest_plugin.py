@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from .._errors import DeterministicCtxWarning
+from .cli import MAX_SEED, parse_seed
 
 if TYPE_CHECKING:
     from .. import Snapshot
@@ -40,9 +41,6 @@ __all__ = ["DEFAULT_SEED", "DeterministicLeakWarning", "deterministic_seed"]
 #: It is also the seed of a bare ``@reproducible``.
 DEFAULT_SEED = 0
 
-# deterministic_ctx.base.seed.MAX_SEED, repeated so that parsing options imports no torch; a test
-# checks that the two agree.
-_MAX_SEED = 2**32 - 1
 _MARKER = "deterministic"
 _MARKER_ARGS = ("seed", "warn_only", "flags", "fill_uninitialized_memory", "compiled_rng")
 _CACHE_KEY = "deterministic_ctx/seed"
@@ -91,14 +89,11 @@ def _seed_option(value: str) -> int | str:
     if value in ("last", "random"):
         return value
     try:
-        seed = int(value)
-    except ValueError:
-        seed = -1
-    if not 0 <= seed <= _MAX_SEED:
+        return parse_seed(value)  # the CLI's: it imports no torch either
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
-            f"expected an integer in 0 .. {_MAX_SEED}, 'last' or 'random', got {value!r}"
-        )
-    return seed
+            f"expected an integer in 0 .. {MAX_SEED}, 'last' or 'random', got {value!r}"
+        ) from None
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -164,7 +159,7 @@ def _session_seed(config: pytest.Config) -> int:
                 "is disabled"
             )
         last = cache.get(_CACHE_KEY, DEFAULT_SEED)
-        valid = isinstance(last, int) and not isinstance(last, bool) and 0 <= last <= _MAX_SEED
+        valid = isinstance(last, int) and not isinstance(last, bool) and 0 <= last <= MAX_SEED
         seed = last if valid else DEFAULT_SEED
     else:
         seed = int(option)
