@@ -73,12 +73,12 @@ class _Run:
     """How one test runs in a block, and the block's state at the end of its setup."""
 
     seed: int
-    warn_only: bool
     from_marker: bool
+    #: The block's other arguments: the marker's (``warn_only``, ``flags``,
+    #: ``fill_uninitialized_memory``, ``compiled_rng``) as given, ``warn_only`` first and
+    #: ``False`` unless given, as a failure's report always shows it.
+    options: dict[str, object] = dataclasses.field(default_factory=lambda: {"warn_only": False})
     inner: Snapshot | None = None
-    #: The marker's other arguments (``flags``, ``fill_uninitialized_memory``,
-    #: ``compiled_rng``), as given.
-    options: dict[str, object] = dataclasses.field(default_factory=dict)
 
 
 _SESSION = pytest.StashKey[_Session]()
@@ -188,7 +188,7 @@ def _run_for(item: pytest.Item, session: _Session) -> _Run | None:
     """The block ``item`` runs in (``None``: none), from its closest marker or the options."""
     marker = item.get_closest_marker(_MARKER)
     if marker is None:
-        return _Run(session.seed, warn_only=False, from_marker=False) if session.run_all else None
+        return _Run(session.seed, from_marker=False) if session.run_all else None
     where = f"@pytest.mark.{_MARKER} on {item.nodeid}"
     if marker.args:
         pytest.fail(
@@ -206,9 +206,8 @@ def _run_for(item: pytest.Item, session: _Session) -> _Run | None:
     seed = marker.kwargs.get("seed")
     return _Run(
         session.seed if seed is None else seed,
-        warn_only=marker.kwargs.get("warn_only", False),
         from_marker=seed is not None,
-        options={k: v for k, v in marker.kwargs.items() if k not in ("seed", "warn_only")},
+        options={"warn_only": False, **{k: v for k, v in marker.kwargs.items() if k != "seed"}},
     )
 
 
@@ -227,7 +226,7 @@ def _deterministic_ctx(request: pytest.FixtureRequest) -> Iterator[None]:
     from .. import deterministic
 
     try:
-        block = deterministic(run.seed, warn_only=run.warn_only, **run.options)  # type: ignore[arg-type]
+        block = deterministic(run.seed, **run.options)  # type: ignore[arg-type]
     except (TypeError, ValueError) as exc:
         pytest.fail(f"@pytest.mark.{_MARKER} on {item.nodeid}: {exc}", pytrace=False)
     runtest = item.runtest
@@ -274,7 +273,7 @@ def pytest_runtest_makereport(
         origin = f"from @pytest.mark.{_MARKER}(seed={run.seed})"
     else:
         origin = f"from the session; replay with --deterministic-seed={run.seed}"
-    text = f"ran in a deterministic block: seed={run.seed} ({origin}), warn_only={run.warn_only}"
+    text = f"ran in a deterministic block: seed={run.seed} ({origin})"
     text += "".join(f", {key}={value!r}" for key, value in run.options.items())
     # A traceback's own section prints right under it, even with --show-capture=no.
     addsection = getattr(report.longrepr, "addsection", None)
