@@ -64,7 +64,7 @@ class _CellParser(argparse.ArgumentParser):
     """
 
     def error(self, message: str) -> NoReturn:
-        _usage_error(message, CELL_USAGE)
+        raise UsageError(f"{self.prog}: {message}\nusage: {CELL_USAGE}")
 
     def print_help(self, file: object = None) -> NoReturn:
         raise UsageError(self.format_help().rstrip())
@@ -78,11 +78,6 @@ _CELL_PARSER = _CellParser(
     allow_abbrev=False,
 )
 add_block_options(_CELL_PARSER, seed="SEED")
-
-
-def _usage_error(message: str, usage: str) -> NoReturn:
-    name = usage.split()[0]
-    raise UsageError(f"{name}: {message}\nusage: {usage}")
 
 
 def _ends_with_semicolon(source: str) -> bool:
@@ -148,12 +143,11 @@ def _compile_cell(shell: Any, line: str, cell: str) -> tuple[CodeType, CodeType 
         tree = transformed_tree
     awaiting = _top_level_await(tree)
     if awaiting is not None:
-        _usage_error(
+        _CELL_PARSER.error(
             f"top-level await (line {getattr(awaiting, 'lineno', '?')} of the cell) cannot run "
             f"inside the magic, which runs the cell as a plain call. Put the awaiting code in "
             f"an async function decorated with @reproducible(seed=SEED) (it swaps the block's "
-            f"state in and out at every await) and await it in a cell without the magic",
-            CELL_USAGE,
+            f"state in and out at every await) and await it in a cell without the magic"
         )
     last: ast.Expression | None = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
@@ -233,7 +227,9 @@ class DeterministicMagics(Magics):
         words = line.split()
         unknown = [w for w in words if w != "--json"]
         if unknown:
-            _usage_error(f"unknown argument {unknown[0]!r}", REPORT_USAGE)
+            raise UsageError(
+                f"%deterministic_report: unknown argument {unknown[0]!r}\nusage: {REPORT_USAGE}"
+            )
         from ..reporting import report
 
         r = report()
