@@ -439,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version and usage errors
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if ns.command == "report":
-        return _report(as_json=ns.json, init_cuda=ns.init_cuda)
+        return print_report(as_json=ns.json, init_cuda=ns.init_cuda)
     if ns.command == "trace" and ns.trace_command == "compare":
         return _trace_compare(ns.a, ns.b, as_json=ns.json)
     record = ns.command == "trace"
@@ -468,7 +468,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 # --- report ---------------------------------------------------------------------------------------
 
 
-def _report(*, as_json: bool, init_cuda: bool) -> int:
+def print_report(*, as_json: bool, init_cuda: bool = False) -> int:
+    """The determinism report, printed as text or JSON (``report``, ``%deterministic_report``)."""
     from ..reporting import report
 
     if init_cuda:

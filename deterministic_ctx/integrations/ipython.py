@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import ast
 import io
-import json
 import sys
 import tokenize
 from types import CodeType
@@ -35,7 +34,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ..core.context import deterministic as _block
-from .cli import add_block_options, block_settings
+from .cli import add_block_options, block_settings, print_report
 
 __all__ = ["DeterministicMagics", "load_ipython_extension", "unload_ipython_extension"]
 
@@ -230,10 +229,7 @@ class DeterministicMagics(Magics):
             raise UsageError(
                 f"%deterministic_report: unknown argument {unknown[0]!r}\nusage: {REPORT_USAGE}"
             )
-        from ..reporting import report
-
-        r = report()
-        print(json.dumps(r.to_dict(), indent=2) if words else r)
+        print_report(as_json=bool(words))
 
 
 def load_ipython_extension(ipython: InteractiveShell) -> None:
