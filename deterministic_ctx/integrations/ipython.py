@@ -137,9 +137,7 @@ def _compile_cell(shell: Any, line: str, cell: str) -> tuple[CodeType, CodeType 
     shown = f"%%deterministic {line}".rstrip() + "\n" + transformed
     filename = shell.compile.cache(shown, number)
     tree = shell.compile.ast_parse("\n" + transformed, filename=filename)
-    transformed_tree = shell.transform_ast(tree)
-    if transformed_tree is not None:
-        tree = transformed_tree
+    tree = shell.transform_ast(tree)  # as IPython's run_cell applies it: it returns the tree
     awaiting = _top_level_await(tree)
     if awaiting is not None:
         _CELL_PARSER.error(
