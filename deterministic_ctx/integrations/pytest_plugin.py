@@ -252,12 +252,10 @@ def _deterministic_ctx(request: pytest.FixtureRequest) -> Iterator[None]:
 def pytest_runtest_setup(item: pytest.Item) -> Generator[None, Any, None]:
     outcome = yield
     run = item.stash.get(_RUN, None)
-    if run is not None:
-        run.inner = None
-        if outcome.excinfo is None:
-            from .. import Snapshot
+    if run is not None and outcome.excinfo is None:  # each setup makes a _Run: inner is None
+        from .. import Snapshot
 
-            run.inner = Snapshot.capture()
+        run.inner = Snapshot.capture()
 
 
 @pytest.hookimpl(hookwrapper=True)
