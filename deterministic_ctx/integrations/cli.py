@@ -216,11 +216,12 @@ is not a readable trace.
 """
 
 
-def _seed_argument(text: str) -> int:
-    """argparse type of ``--seed``: an integer in ``0 .. 2**32 - 1``.
+def parse_seed(text: str) -> int:
+    """argparse type of a seed: an integer in ``0 .. 2**32 - 1``.
 
     Parsed without the library's ``validate_seed``, which would import NumPy
-    before ``run`` decides to restart the interpreter.
+    before ``run`` decides to restart the interpreter.  The pytest plugin and
+    the ``%%deterministic`` magic parse their seeds with it too.
     """
     with contextlib.suppress(ValueError):  # not an integer: the same error as out of range
         seed = int(text, 10)
@@ -235,15 +236,18 @@ def _add_switches(parser: argparse.ArgumentParser, **helps: str) -> None:
         parser.add_argument(f"--{dest.replace('_', '-')}", action="store_true", help=text)
 
 
-def _add_run_options(parser: argparse.ArgumentParser) -> None:
-    """The options of ``run``, which ``trace record`` shares."""
-    parser.add_argument(
-        "--seed",
-        type=_seed_argument,
-        default=0,
-        metavar="N",
-        help=f"the seed, an integer in 0 .. {MAX_SEED} (default: 0)",
-    )
+def add_block_options(parser: argparse.ArgumentParser, *, seed: str = "--seed") -> None:
+    """The options of a deterministic block, which ``run``, ``trace record`` and the
+    ``%%deterministic`` magic share: the seed (``--seed N``; ``seed="SEED"``: an optional
+    positional) and :class:`~deterministic_ctx.deterministic`'s switches, read back by
+    :func:`block_settings`."""
+    seed_help = f"the seed, an integer in 0 .. {MAX_SEED} (default: 0)"
+    if seed.startswith("-"):
+        parser.add_argument(seed, type=parse_seed, default=0, metavar="N", help=seed_help)
+    else:
+        parser.add_argument(
+            "seed", nargs="?", type=parse_seed, default=0, metavar=seed, help=seed_help
+        )
     _add_switches(
         parser,
         warn_only="operations without a deterministic implementation warn instead of raising",
@@ -257,6 +261,23 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
         help="eager: code compiled with torch.compile draws eager's random numbers "
         "(inductor's fallback_random)",
     )
+
+
+def block_settings(ns: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of ``deterministic`` (and ``seed_everything``) that the options
+    of :func:`add_block_options` ask for."""
+    return {
+        "seed": ns.seed,
+        "warn_only": ns.warn_only,
+        "flags": not ns.no_flags,
+        "fill_uninitialized_memory": not ns.no_fill,
+        "compiled_rng": ns.compiled_rng,
+    }
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options of ``run``, which ``trace record`` shares."""
+    add_block_options(parser)
     parser.add_argument(
         "-m",
         dest="module",
@@ -418,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version and usage errors
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if ns.command == "report":
-        return _report(as_json=ns.json, init_cuda=ns.init_cuda)
+        return print_report(as_json=ns.json, init_cuda=ns.init_cuda)
     if ns.command == "trace" and ns.trace_command == "compare":
         return _trace_compare(ns.a, ns.b, as_json=ns.json)
     record = ns.command == "trace"
@@ -434,15 +455,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # From here on this is the interpreter that runs the script: only now
         # does the engine, and with it torch and NumPy, get imported.
         _set_up_main(target)
-        settings = {
-            "warn_only": ns.warn_only,
-            "flags": not ns.no_flags,
-            "fill_uninitialized_memory": not ns.no_fill,
-            "compiled_rng": ns.compiled_rng,
-        }
         if record:
-            return _trace_record(target, ns.seed, settings, ns.output, ns.backward, ns.ops)
-        return _run(target, ns.seed, settings, ns.deterministic_collectives)
+            return _trace_record(target, block_settings(ns), ns.output, ns.backward, ns.ops)
+        return _run(target, block_settings(ns), ns.deterministic_collectives)
     except _UsageError as exc:
         if exc.show_usage:
             print(f"usage: {_TRACE_RECORD_USAGE if record else _RUN_USAGE}", file=sys.stderr)
@@ -453,7 +468,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 # --- report ---------------------------------------------------------------------------------------
 
 
-def _report(*, as_json: bool, init_cuda: bool) -> int:
+def print_report(*, as_json: bool, init_cuda: bool = False) -> int:
+    """The determinism report, printed as text or JSON (``report``, ``%deterministic_report``)."""
     from ..reporting import report
 
     if init_cuda:
@@ -485,11 +501,11 @@ class _UsageError(DeterministicCtxError):
         self.show_usage = show_usage
 
 
-def _run(target: _Target, seed: int, settings: dict[str, Any], collectives: bool) -> int:
+def _run(target: _Target, settings: dict[str, Any], collectives: bool) -> int:
     """``run``, once the target is checked and the interpreter restarted: seed, then run it."""
     from ..parallel.seeding import seed_everything
 
-    seed_everything(seed, **settings)
+    seed_everything(**settings)
     if collectives:
         # Set in this process when it did not restart: tell the report that they were
         # set before any process group (it cannot know otherwise).
@@ -583,7 +599,6 @@ class _Outcome:
 
 def _trace_record(
     target: _Target,
-    seed: int,
     settings: dict[str, Any],
     output: str,
     backward: bool,
@@ -602,7 +617,7 @@ def _trace_record(
 
     name = f"-m {target.name}" if target.is_module else target.name
     trace = record_in(
-        deterministic(seed, **settings),
+        deterministic(**settings),
         script,
         backward=backward,
         ops=ops,
@@ -616,7 +631,9 @@ def _trace_record(
     counted = f"{trace.calls} module calls"
     if ops:
         counted += f", {sum(e.phase == 'op' for e in trace.events)} op calls"
-    print(f"{PROG} trace record: wrote {output} ({counted}, seed {seed})", file=sys.stderr)
+    print(
+        f"{PROG} trace record: wrote {output} ({counted}, seed {settings['seed']})", file=sys.stderr
+    )
     if outcome.exit is not None:
         raise outcome.exit  # Python prints its message and picks the status, as for run
     return outcome.status

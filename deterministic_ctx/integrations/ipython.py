@@ -21,111 +21,62 @@ This module imports IPython; ``import deterministic_ctx`` never imports it.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import io
-import json
 import sys
 import tokenize
 from types import CodeType
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NoReturn
 
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ..core.context import deterministic as _block
-from ..internal import MAX_SEED, CompiledRng, validate_seed
+from .cli import add_block_options, block_settings, print_report
 
 __all__ = ["DeterministicMagics", "load_ipython_extension", "unload_ipython_extension"]
 
 CELL_USAGE = "%%deterministic [SEED] [--warn-only] [--no-flags] [--no-fill] [--compiled-rng=eager]"
 
 
-class CellOptions(NamedTuple):
-    """What a ``%%deterministic`` line asks for: :class:`deterministic`'s arguments."""
-
-    seed: int
-    warn_only: bool = False
-    flags: bool = True
-    fill_uninitialized_memory: bool = True
-    compiled_rng: CompiledRng = None
-
-
 REPORT_USAGE = "%deterministic_report [--json]"
 
 
-def parse_cell_line(line: str) -> CellOptions:
-    """The options of a ``%%deterministic`` line, or :class:`UsageError`.
+class _CellParser(argparse.ArgumentParser):
+    """The arguments of a ``%%deterministic`` line: the block options of ``deterministic-ctx
+    run`` (one definition, :func:`~.cli.add_block_options`), with the seed as ``SEED``.
+    A bad argument or ``--help`` raises :class:`UsageError`, which IPython shows without a
+    traceback.
 
     Example:
-        >>> parse_cell_line("")  # doctest: +NORMALIZE_WHITESPACE
-        CellOptions(seed=0, warn_only=False, flags=True, fill_uninitialized_memory=True,
-                    compiled_rng=None)
-        >>> parse_cell_line("--warn-only 3").seed, parse_cell_line("--warn-only 3").warn_only
-        (3, True)
-        >>> parse_cell_line("7 --no-flags").flags
-        False
-        >>> parse_cell_line("--compiled-rng=eager").compiled_rng
-        'eager'
-        >>> parse_cell_line("3 --compiled-rng eager").compiled_rng
-        'eager'
-        >>> parse_cell_line("abc")  # doctest: +ELLIPSIS
+        >>> args = _CELL_PARSER.parse_args("7 --no-flags --compiled-rng eager".split())
+        >>> block_settings(args)  # doctest: +NORMALIZE_WHITESPACE
+        {'seed': 7, 'warn_only': False, 'flags': False, 'fill_uninitialized_memory': True,
+         'compiled_rng': 'eager'}
+        >>> _CELL_PARSER.parse_args(["abc"])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        IPython.core.error.UsageError: %%deterministic: SEED must be an integer ..., got 'abc'
+        IPython.core.error.UsageError: %%deterministic: argument SEED: must be an integer ...
         usage: %%deterministic [SEED] [--warn-only] [--no-flags] [--no-fill] [--compiled-rng=eager]
     """
-    seed: int | None = None
-    switches = {"--warn-only": False, "--no-flags": False, "--no-fill": False}
-    compiled_rng: CompiledRng = None
-    words = line.split()
-    # ``--compiled-rng eager`` as the command line writes it, or ``--compiled-rng=eager``.
-    for k, word in enumerate(words[:-1]):
-        if word == "--compiled-rng":
-            words[k : k + 2] = [f"--compiled-rng={words[k + 1]}"]
-            break
-    for word in words:
-        if word in switches:
-            switches[word] = True
-        elif word.startswith("--compiled-rng"):
-            if word != "--compiled-rng=eager":
-                _usage_error(f"--compiled-rng takes one value, eager: got {word!r}", CELL_USAGE)
-            compiled_rng = "eager"
-        elif word in ("-h", "--help"):
-            _usage_error(
-                "runs the cell in a deterministic block: seeded with SEED (default 0), restored "
-                "after, so re-running the cell gives the same output and later cells are "
-                "unaffected; --warn-only: operations without a deterministic implementation warn "
-                "instead of raising; --no-flags: seed and isolate only, the determinism flags "
-                "and variables stay as they are; --no-fill: "
-                "torch.utils.deterministic.fill_uninitialized_memory off in the cell; "
-                "--compiled-rng=eager: code compiled with torch.compile draws eager's random "
-                "numbers in the cell",
-                CELL_USAGE,
-            )
-        elif word.startswith("-") and not word[1:].isdigit():
-            _usage_error(f"unknown option {word!r}", CELL_USAGE)
-        elif seed is not None:
-            _usage_error(f"expected at most one SEED, got {seed} and {word!r}", CELL_USAGE)
-        else:
-            try:
-                seed = validate_seed(int(word, 10))
-            except ValueError:
-                _usage_error(
-                    f"SEED must be an integer in 0 .. {MAX_SEED}, got {word!r}", CELL_USAGE
-                )
-    return CellOptions(
-        0 if seed is None else seed,
-        warn_only=switches["--warn-only"],
-        flags=not switches["--no-flags"],
-        fill_uninitialized_memory=not switches["--no-fill"],
-        compiled_rng=compiled_rng,
-    )
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}\nusage: {CELL_USAGE}")
+
+    def print_help(self, file: object = None) -> NoReturn:
+        raise UsageError(self.format_help().rstrip())
 
 
-def _usage_error(message: str, usage: str) -> NoReturn:
-    name = usage.split()[0]
-    raise UsageError(f"{name}: {message}\nusage: {usage}")
+_CELL_PARSER = _CellParser(
+    prog="%%deterministic",
+    usage=CELL_USAGE.replace("%", "%%"),  # argparse %-formats it
+    description="runs the cell in a deterministic block: seeded with SEED (default 0), restored "
+    "after, so re-running the cell gives the same output and later cells are unaffected",
+    allow_abbrev=False,
+)
+add_block_options(_CELL_PARSER, seed="SEED")
 
 
 def _ends_with_semicolon(source: str) -> bool:
@@ -186,17 +137,14 @@ def _compile_cell(shell: Any, line: str, cell: str) -> tuple[CodeType, CodeType 
     shown = f"%%deterministic {line}".rstrip() + "\n" + transformed
     filename = shell.compile.cache(shown, number)
     tree = shell.compile.ast_parse("\n" + transformed, filename=filename)
-    transformed_tree = shell.transform_ast(tree)
-    if transformed_tree is not None:
-        tree = transformed_tree
+    tree = shell.transform_ast(tree)  # as IPython's run_cell applies it: it returns the tree
     awaiting = _top_level_await(tree)
     if awaiting is not None:
-        _usage_error(
+        _CELL_PARSER.error(
             f"top-level await (line {getattr(awaiting, 'lineno', '?')} of the cell) cannot run "
             f"inside the magic, which runs the cell as a plain call. Put the awaiting code in "
             f"an async function decorated with @reproducible(seed=SEED) (it swaps the block's "
-            f"state in and out at every await) and await it in a cell without the magic",
-            CELL_USAGE,
+            f"state in and out at every await) and await it in a cell without the magic"
         )
     last: ast.Expression | None = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
@@ -251,11 +199,11 @@ class DeterministicMagics(Magics):
         and restored too.
         """
         __tracebackhide__ = True
-        options = parse_cell_line(line)
+        args = _CELL_PARSER.parse_args(line.split())
         shell = self.shell
         assert shell is not None
         body, last = _compile_cell(shell, line, cell)  # a SyntaxError here runs nothing
-        with _block(**options._asdict()):
+        with _block(**block_settings(args)):
             exec(body, shell.user_global_ns, shell.user_ns)
             value = None if last is None else eval(last, shell.user_global_ns, shell.user_ns)
         return None if _ends_with_semicolon(cell) else value
@@ -276,11 +224,10 @@ class DeterministicMagics(Magics):
         words = line.split()
         unknown = [w for w in words if w != "--json"]
         if unknown:
-            _usage_error(f"unknown argument {unknown[0]!r}", REPORT_USAGE)
-        from ..reporting import report
-
-        r = report()
-        print(json.dumps(r.to_dict(), indent=2) if words else r)
+            raise UsageError(
+                f"%deterministic_report: unknown argument {unknown[0]!r}\nusage: {REPORT_USAGE}"
+            )
+        print_report(as_json=bool(words))
 
 
 def load_ipython_extension(ipython: InteractiveShell) -> None:

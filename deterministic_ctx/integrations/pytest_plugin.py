@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from .._errors import DeterministicCtxWarning
+from .cli import MAX_SEED, parse_seed
 
 if TYPE_CHECKING:
     from .. import Snapshot
@@ -40,9 +41,6 @@ __all__ = ["DEFAULT_SEED", "DeterministicLeakWarning", "deterministic_seed"]
 #: It is also the seed of a bare ``@reproducible``.
 DEFAULT_SEED = 0
 
-# deterministic_ctx.base.seed.MAX_SEED, repeated so that parsing options imports no torch; a test
-# checks that the two agree.
-_MAX_SEED = 2**32 - 1
 _MARKER = "deterministic"
 _MARKER_ARGS = ("seed", "warn_only", "flags", "fill_uninitialized_memory", "compiled_rng")
 _CACHE_KEY = "deterministic_ctx/seed"
@@ -75,12 +73,12 @@ class _Run:
     """How one test runs in a block, and the block's state at the end of its setup."""
 
     seed: int
-    warn_only: bool
     from_marker: bool
+    #: The block's other arguments: the marker's (``warn_only``, ``flags``,
+    #: ``fill_uninitialized_memory``, ``compiled_rng``) as given, ``warn_only`` first and
+    #: ``False`` unless given, as a failure's report always shows it.
+    options: dict[str, object] = dataclasses.field(default_factory=lambda: {"warn_only": False})
     inner: Snapshot | None = None
-    #: The marker's other arguments (``flags``, ``fill_uninitialized_memory``,
-    #: ``compiled_rng``), as given.
-    options: dict[str, object] = dataclasses.field(default_factory=dict)
 
 
 _SESSION = pytest.StashKey[_Session]()
@@ -91,14 +89,11 @@ def _seed_option(value: str) -> int | str:
     if value in ("last", "random"):
         return value
     try:
-        seed = int(value)
-    except ValueError:
-        seed = -1
-    if not 0 <= seed <= _MAX_SEED:
+        return parse_seed(value)  # the CLI's: it imports no torch either
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
-            f"expected an integer in 0 .. {_MAX_SEED}, 'last' or 'random', got {value!r}"
-        )
-    return seed
+            f"expected an integer in 0 .. {MAX_SEED}, 'last' or 'random', got {value!r}"
+        ) from None
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -164,7 +159,7 @@ def _session_seed(config: pytest.Config) -> int:
                 "is disabled"
             )
         last = cache.get(_CACHE_KEY, DEFAULT_SEED)
-        valid = isinstance(last, int) and not isinstance(last, bool) and 0 <= last <= _MAX_SEED
+        valid = isinstance(last, int) and not isinstance(last, bool) and 0 <= last <= MAX_SEED
         seed = last if valid else DEFAULT_SEED
     else:
         seed = int(option)
@@ -193,7 +188,7 @@ def _run_for(item: pytest.Item, session: _Session) -> _Run | None:
     """The block ``item`` runs in (``None``: none), from its closest marker or the options."""
     marker = item.get_closest_marker(_MARKER)
     if marker is None:
-        return _Run(session.seed, warn_only=False, from_marker=False) if session.run_all else None
+        return _Run(session.seed, from_marker=False) if session.run_all else None
     where = f"@pytest.mark.{_MARKER} on {item.nodeid}"
     if marker.args:
         pytest.fail(
@@ -211,9 +206,8 @@ def _run_for(item: pytest.Item, session: _Session) -> _Run | None:
     seed = marker.kwargs.get("seed")
     return _Run(
         session.seed if seed is None else seed,
-        warn_only=marker.kwargs.get("warn_only", False),
         from_marker=seed is not None,
-        options={k: v for k, v in marker.kwargs.items() if k not in ("seed", "warn_only")},
+        options={"warn_only": False, **{k: v for k, v in marker.kwargs.items() if k != "seed"}},
     )
 
 
@@ -232,7 +226,7 @@ def _deterministic_ctx(request: pytest.FixtureRequest) -> Iterator[None]:
     from .. import deterministic
 
     try:
-        block = deterministic(run.seed, warn_only=run.warn_only, **run.options)  # type: ignore[arg-type]
+        block = deterministic(run.seed, **run.options)  # type: ignore[arg-type]
     except (TypeError, ValueError) as exc:
         pytest.fail(f"@pytest.mark.{_MARKER} on {item.nodeid}: {exc}", pytrace=False)
     runtest = item.runtest
@@ -258,12 +252,10 @@ def _deterministic_ctx(request: pytest.FixtureRequest) -> Iterator[None]:
 def pytest_runtest_setup(item: pytest.Item) -> Generator[None, Any, None]:
     outcome = yield
     run = item.stash.get(_RUN, None)
-    if run is not None:
-        run.inner = None
-        if outcome.excinfo is None:
-            from .. import Snapshot
+    if run is not None and outcome.excinfo is None:  # each setup makes a _Run: inner is None
+        from .. import Snapshot
 
-            run.inner = Snapshot.capture()
+        run.inner = Snapshot.capture()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -279,7 +271,7 @@ def pytest_runtest_makereport(
         origin = f"from @pytest.mark.{_MARKER}(seed={run.seed})"
     else:
         origin = f"from the session; replay with --deterministic-seed={run.seed}"
-    text = f"ran in a deterministic block: seed={run.seed} ({origin}), warn_only={run.warn_only}"
+    text = f"ran in a deterministic block: seed={run.seed} ({origin})"
     text += "".join(f", {key}={value!r}" for key, value in run.options.items())
     # A traceback's own section prints right under it, even with --show-capture=no.
     addsection = getattr(report.longrepr, "addsection", None)

@@ -28,12 +28,7 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import sys
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ..sources import Source
 
 __all__ = ["reseed"]
 
@@ -71,16 +66,7 @@ def reseed(seed: int) -> None:
     """
     if "torch" not in sys.modules:
         return
-    from ..internal import Settings
+    # Hypothesis' adapter seeds exactly what this reseeds (it imports no Hypothesis).
+    from .hypothesis import TorchRandom
 
-    settings = Settings.build(seed % _SEED_RANGE, False)
-    for source in _sources():
-        source.apply(settings)
-
-
-@functools.cache
-def _sources() -> tuple[Source, ...]:
-    """torch's CPU generator, every accelerator source and the registered RNGs."""
-    from ..internal import generator_sources
-
-    return generator_sources()
+    TorchRandom().seed(seed % _SEED_RANGE)

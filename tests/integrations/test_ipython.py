@@ -247,17 +247,15 @@ def global_state(k: Kernel) -> Any:
 @pytest.mark.parametrize(
     ("line", "message"),
     [
-        ("abc", "SEED must be an integer in 0 .. 4294967295, got 'abc'"),
-        ("-5", "SEED must be an integer in 0 .. 4294967295, got '-5'"),
-        ("4294967296", "got '4294967296'"),
-        ("1.5", "got '1.5'"),
-        ("1 2", "expected at most one SEED, got 1 and '2'"),
-        ("--fast", "unknown option '--fast'"),
-        ("3 --warn_only", "unknown option '--warn_only'"),
-        (
-            "--compiled-rng=inductor",
-            "--compiled-rng takes one value, eager: got '--compiled-rng=inductor'",
-        ),
+        ("abc", "argument SEED: must be an integer in 0 .. 4294967295, got 'abc'\n"),
+        ("-5", "argument SEED: must be an integer in 0 .. 4294967295, got '-5'\n"),
+        ("4294967296", "got '4294967296'\n"),
+        ("1.5", "got '1.5'\n"),
+        ("1 2", "unrecognized arguments: 2\n"),
+        ("--fast", "unrecognized arguments: --fast\n"),
+        ("3 --warn_only", "unrecognized arguments: --warn_only\n"),
+        ("--warn", "unrecognized arguments: --warn\n"),  # no abbreviations
+        ("--compiled-rng=inductor", "argument --compiled-rng: invalid choice: 'inductor' ("),
     ],
 )
 def test_bad_arguments_show_usage_and_run_nothing(kernel, line, message):
@@ -265,8 +263,9 @@ def test_bad_arguments_show_usage_and_run_nothing(kernel, line, message):
     before = global_state(kernel)
     bad = kernel.run(f"%%deterministic {line}\nran = True\nrandom.random()", fails=True)
     assert bad.stderr.startswith("UsageError: %%deterministic: ")
+    assert message in bad.stderr
     assert (
-        f"{message}\nusage: %%deterministic [SEED] [--warn-only] [--no-flags] [--no-fill] "
+        "\nusage: %%deterministic [SEED] [--warn-only] [--no-flags] [--no-fill] "
         "[--compiled-rng=eager]\n" in bad.stderr
     )
     assert bad.error is None  # a usage message, not a traceback
