@@ -75,7 +75,7 @@ MAX_SEED = 2**32 - 1
 #: The signature of trace files, ``deterministic_ctx.trace.TRACE_FILE.magic``: repeated for the
 #: same reason, and checked the same way.
 TRACE_MAGIC = b"\x89DCT\r\n\x1a\n"
-#: ``deterministic_ctx.sources.environ.DETERMINISTIC_COLLECTIVES``, repeated for the same
+#: ``deterministic_ctx.reporting.collectives.DETERMINISTIC_COLLECTIVES``, repeated for the same
 #: reason, and checked the same way: the values ``run --deterministic-collectives`` sets.
 DETERMINISTIC_COLLECTIVES = {
     "NCCL_ALGO": "Ring",
