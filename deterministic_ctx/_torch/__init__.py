@@ -209,7 +209,7 @@ def accelerator_type() -> str:
     return "cuda" if compiled is not None and compiled() else ""
 
 
-# -- torch.compile (sources/compiler.py, sources/flags.py) ----------------------------
+# -- torch.compile (_torch/compiler.py, sources/compiler.py, sources/flags.py) ---------
 
 
 IS_COMPILING = Capability(

@@ -125,7 +125,7 @@ HAS_MPS: bool = bool(getattr(_C, "_has_mps", False))
 is missing, ``False``: MPS generators are not captured."""
 
 
-# -- autograd and dynamo (audit, verify.ops, sources/compiler.py) -------------------------
+# -- autograd and dynamo (audit, verify.ops, _torch/compiler.py) -------------------------
 
 current_autograd_node: Callable[[], Any] = _C._current_autograd_node
 """``torch._C._current_autograd_node``: the autograd node whose backward runs now on this

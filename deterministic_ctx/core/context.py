@@ -214,7 +214,7 @@ class _Blocks:
         return decorate(func, self._settings)
 
 
-# Opaque to dynamo (see sources/compiler.py): a ``with`` in compiled code is one
+# Opaque to dynamo (see _torch/compiler.py): a ``with`` in compiled code is one
 # clean graph break, never a trace through the engine's C calls.
 # Entry and exit pause dynamo themselves (recursive=False): the pause must
 # outlive the entry's frame.  Dynamo compiles no coroutine: the async pair

@@ -330,7 +330,7 @@ def decorate(obj: C, settings: Settings | None) -> C:
     else:
         wrapper = _wrap_function(obj, settings)
     # Called from compiled code: one graph break, then the whole call (entry,
-    # body, exit) runs eagerly (see sources/compiler.py).
+    # body, exit) runs eagerly (see _torch/compiler.py).
     return cast(C, opaque(wrapper, _IN_COMPILED_CODE, recursive=True))
 
 

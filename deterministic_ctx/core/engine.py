@@ -33,15 +33,15 @@ from contextlib import suppress
 
 from .. import sources as _sources
 from .._errors import StateWarning
+from .._torch.compiler import opaque, pause_compiler, refuse_while_tracing, resume_compiler
 from ..base.errors import AbandonedBlockWarning, RestoreError
 from ..base.lock import LOCK
 from ..base.settings import Settings
-from ..sources.compiler import opaque, pause_compiler, refuse_while_tracing, resume_compiler
 from .world import World
 from .world import headroom as _headroom
 
 # ``opaque``, ``pause_compiler`` and ``resume_compiler`` are the boundary
-# between blocks and torch.compile (sources/compiler.py); the context and
+# between blocks and torch.compile (_torch/compiler.py); the context and
 # decorate layers take them from here, the engine they are built on.
 __all__ = [
     "Block",
@@ -101,7 +101,7 @@ class Block:
         On any exception nothing is left applied and the lock is back at the
         caller's depth; then the exception propagates.  While torch traces a
         graph (``torch.export``), nothing is done: it raises (see
-        :func:`~deterministic_ctx.sources.compiler.refuse_while_tracing`).
+        :func:`~deterministic_ctx._torch.compiler.refuse_while_tracing`).
         """
         refuse_while_tracing()
         try:

@@ -154,7 +154,7 @@ def seed_everything(
     return settings.seed
 
 
-# Called from compiled code: one graph break, the call eager (see sources/compiler.py).
+# Called from compiled code: one graph break, the call eager (see _torch/compiler.py).
 opaque(
     seed_everything,
     "deterministic-ctx: seed_everything() changes process-global RNG state and flags, which "

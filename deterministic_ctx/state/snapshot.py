@@ -224,6 +224,6 @@ _IN_COMPILED_CODE = (
     "state and flags, which cannot be part of a graph; dynamo calls them eagerly, outside the "
     "graph. Under fullgraph=True, capture or restore around the compiled call instead."
 )
-# Called from compiled code: one graph break, the call eager (see sources/compiler.py).
+# Called from compiled code: one graph break, the call eager (see _torch/compiler.py).
 opaque(Snapshot.capture.__func__, _IN_COMPILED_CODE, recursive=True)  # type: ignore[attr-defined]
 opaque(Snapshot.restore, _IN_COMPILED_CODE, recursive=True)
