@@ -205,8 +205,11 @@ def _as_run(trace: Trace, drop: set[str]) -> Run:
                 kept.append(e)
             before.append(len(kept))
         events, starts = kept, [before[s] for s in starts]
-    # Slots point into one buffer, the digests; the return value is in the events.
-    return Run(events, [trace.digests], None, list(trace.structure), starts, None)
+    # Slots point into one buffer, the digests; the return value is in the events, which
+    # are the trace's own (no records to make them from).
+    run = Run([], [trace.digests], None, list(trace.structure), starts, None)
+    run.events = events
+    return run
 
 
 _RUN_NAMES = ((re.compile(r"\brun 1\b"), "A"), (re.compile(r"\brun 2\b"), "B"))

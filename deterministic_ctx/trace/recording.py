@@ -127,7 +127,7 @@ def record_in(
         # in the first trace of a process as in the next ones (an environment fact).
         import_dynamo()
     try:
-        run = record(block, observed, args, kwargs, roots, backward=backward, ops=window).run()
+        run = record(block, observed, args, kwargs, roots, backward=backward, ops=window)
     finally:
         saved.load()
     return _trace_of(

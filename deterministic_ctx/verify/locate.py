@@ -72,7 +72,7 @@ import torch
 from ..core.context import deterministic
 from .compare import first_difference, short_repr, tensor_difference
 from .ops import OpDifference, first_op_difference
-from .record import OpWindow, Recording, Run, record
+from .record import OpWindow, Run, record
 from .rerun import SavedState, check_fn, check_runs, objects_to_reset
 from .timeline import Finding, compare_runs
 
@@ -302,9 +302,6 @@ def locate_divergence(
     saved = SavedState(objects)
 
     def again(capture: tuple[Any, ...] | None = None, window: OpWindow | None = None) -> Run:
-        return rerun(capture, window).run()
-
-    def rerun(capture: tuple[Any, ...] | None = None, window: OpWindow | None = None) -> Recording:
         saved.load()  # every run after the first starts from the saved state
         return record(
             block, fn, args, kwargs, roots, backward=backward, capture=capture, ops=window
@@ -317,7 +314,7 @@ def locate_divergence(
         agreed = 0
         run = 1
         for run in range(2, runs + 1):
-            finding, agreed = _compared(first, rerun(), run)
+            finding, agreed = _compared(first, again(), run)
             if finding is not None:
                 break
         if finding is not None:
@@ -357,18 +354,18 @@ def locate_divergence(
     )
 
 
-def _compared(first: Recording, other: Recording, run: int) -> tuple[Finding | None, int]:
+def _compared(first: Run, other: Run, run: int) -> tuple[Finding | None, int]:
     """:func:`~deterministic_ctx.verify.timeline.compare_runs` of run 1 and run ``run``.
 
     Runs that recorded exactly the same and returned equal values are found equal
-    in one comparison of their records (:meth:`Recording.agreement`), with the count
+    in one comparison of their records (:meth:`Run.agreement`), with the count
     ``compare_runs`` gives them, and without making their events; any other pair
     is walked event by event.
     """
     agreed = first.agreement(other)
     if agreed is not None and first_difference(first.result, other.result) is None:
         return None, agreed
-    return compare_runs(first.run(), other.run(), run)
+    return compare_runs(first, other, run)
 
 
 def _op_window(finding: Finding) -> OpWindow:

@@ -10,18 +10,17 @@ tensor's device: no host sync per call) and moves them to the host once, at
 its end; a run asked to ``capture`` one event also keeps a copy of its tensors,
 and a run given an :class:`OpWindow` records the aten op calls in that window
 (an :class:`~deterministic_ctx.verify.ops.OpRecorder` entered and left by the hooks).
-:func:`record` returns the run as the hooks left it (a :class:`Recording`): two
-runs that recorded exactly the same are found equal in one comparison, and the
-:class:`Event` objects of a :class:`Run` are only made when a run is looked at
-event by event (:meth:`Recording.run`).
+:func:`record` returns the run as the hooks left it (a :class:`Run`): two
+runs that recorded exactly the same are found equal in one comparison, and its
+:class:`Event` objects are only made when a run is looked at event by event
+(:attr:`Run.events`).
 
 Example:
     >>> import torch
     >>> from deterministic_ctx import deterministic
     >>> from deterministic_ctx.verify.record import record
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
-    >>> recorded = record(deterministic(0), model, (torch.ones(1, 2),), {}, [model], backward=False)
-    >>> run = recorded.run()
+    >>> run = record(deterministic(0), model, (torch.ones(1, 2),), {}, [model], backward=False)
     >>> [(e.phase, e.module, e.what) for e in run.events][:3]
     [('forward', '0', 'output'), ('forward', '1', 'output'), ('forward', '', 'output')]
 """
@@ -47,7 +46,7 @@ from .fingerprint import Slot as _Slot
 from .ops import OpCall, OpRecorder
 from .rerun import call_and_consume
 
-__all__ = ["Event", "ModuleNames", "OpWindow", "Recording", "Run", "record"]
+__all__ = ["Event", "ModuleNames", "OpWindow", "Run", "record"]
 
 #: Looked up once: the hooks call it twice per module call.
 _get_ident = threading.get_ident
@@ -227,10 +226,6 @@ class _Recorder:
         # Backward hooks of CUDA tensors run on autograd's device threads.
         self._lock = threading.Lock()
 
-    def _label(self, module: torch.nn.Module) -> tuple[str, str, str]:
-        """``(root, name, class name)`` of ``module``."""
-        return self._labels.get(id(module)) or self.names.of(module)
-
     def record(
         self,
         base: tuple[Any, ...],
@@ -248,26 +243,8 @@ class _Recorder:
         ``base`` at most once per run (a module call's outputs), so its key needs no
         count of occurrences."""
         ops = self.ops
-        if ops is None:
-            self._record(base, phase, label, call_index, what, leaves, slots, once)
-            return
-        with ops.pause():  # the fingerprints are not the model's op calls
-            key = self._record(base, phase, label, call_index, what, leaves, slots, once)
-        if self.window is not None and key == self.window.until:
-            ops.stop()
-
-    def _record(
-        self,
-        base: tuple[Any, ...],
-        phase: str,
-        label: tuple[str, str, str],
-        call_index: int | None,
-        what: str,
-        leaves: list[tuple[str, torch.Tensor]],
-        slots: list[_Slot | None] | None,
-        once: bool,
-    ) -> tuple[Any, ...]:
-        with self._lock:
+        # The fingerprints are not the model's op calls.
+        with contextlib.nullcontext() if ops is None else ops.pause(), self._lock:
             if once:
                 key = (*base, 0)
             else:
@@ -282,11 +259,12 @@ class _Recorder:
                     (p, t.shape, t.dtype, slot) for (p, t), slot in zip(leaves, slots, strict=True)
                 ]
             self.records.append((key, phase, what, label, call_index, tensors))
-            if self.ops is not None:
-                self.ops_at_events.append(self.ops.count)
+            if ops is not None:
+                self.ops_at_events.append(ops.count)
             if key == self.capture:
                 self.captured = [(p, t.detach().clone()) for p, t in leaves]
-        return key
+        if ops is not None and self.window is not None and key == self.window.until:
+            ops.stop()
 
     def _fingerprint(self, t: torch.Tensor) -> _Slot | None:
         """Fingerprint ``t`` (or reuse the last one, for the same unchanged tensor); where
@@ -366,10 +344,7 @@ class _Recorder:
             else list(tensor_leaves(output, "output"))
         )
         # Each call index leaves the stack once: its outputs are recorded once.
-        if self.ops is None:
-            self._record(("forward", index), "forward", label, index, "output", leaves, None, True)
-        else:
-            self.record(("forward", index), "forward", label, index, "output", leaves, once=True)
+        self.record(("forward", index), "forward", label, index, "output", leaves, once=True)
         if self.ops is not None and self.window is not None and self.window.call == index:
             self.ops.__exit__(None, None, None)
 
@@ -469,39 +444,37 @@ class _Recorder:
         ]
         # All at once: nothing changes them any more, so their small fingerprints (and
         # the words past each table's last row) are copied in one operation, not one each.
-        ops = self.ops
-        keys: list[tuple[Any, ...]] = []
-        with contextlib.nullcontext() if ops is None else ops.pause():
+        with contextlib.nullcontext() if self.ops is None else self.ops.pause():
             slots = self._store.add_all([entry[5] for entry in finals])
-            for (module, label, qualname, leaf, kind, t), slot in zip(finals, slots, strict=True):
-                base = ("final", kind, label, qualname)
-                what = f"{kind} {leaf!r} after fn returned"
-                label_of = self._label(module)
-                keys.append(
-                    self._record(base, "final", label_of, None, what, [(leaf, t)], [slot], False)
-                )
-        if ops is not None and self.window is not None and self.window.until in keys:
-            ops.stop()
+        for (module, label, qualname, leaf, kind, t), slot in zip(finals, slots, strict=True):
+            base = ("final", kind, label, qualname)
+            what = f"{kind} {leaf!r} after fn returned"
+            label_of = self._labels.get(id(module)) or self.names.of(module)
+            self.record(base, "final", label_of, None, what, [(leaf, t)], [slot])
 
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False)
 class Run:
     """What one run recorded.
 
-    ``events`` in the order they happened (the ``"final"`` ones last), the
-    bytes of their fingerprints in ``data`` (one buffer per device), the
-    return value, ``structure`` (who was called, per module call, in the
-    order calls start: ``(root, name, class name)``), ``starts`` (how many
-    events had been recorded when each call started), ``captured`` (the
+    ``records`` are the events as the hooks left them, in the order they
+    happened (the ``"final"`` ones last): :attr:`events` makes the
+    :class:`Event` objects from them on first use, when a run is looked at
+    event by event, and :meth:`agreement` compares two runs whole without
+    them.  Then the bytes of their fingerprints in ``data`` (one buffer per
+    device), the return value, ``structure`` (who was called, per module call,
+    in the order calls start: ``(root, name, class name)``), ``starts`` (how
+    many events had been recorded when each call started), ``captured`` (the
     tensors of the event asked for, if it happened) and ``ops`` (the op calls
     of the window asked for; ``None`` without one).  With a window,
     ``ops_at_events`` and ``ops_at_calls`` say how many op calls had been
     recorded when each event was recorded and when each module call started
-    (where the op calls sit in the timeline).  See the module's example.
+    (where the op calls sit in the timeline).  Made by :func:`record`; see the
+    module's example.
     """
 
-    events: list[Event]
+    records: list[_Record]
     data: list[bytes]
     result: Any
     structure: list[tuple[str, str, str]]
@@ -510,6 +483,11 @@ class Run:
     ops: list[OpCall] | None = None
     ops_at_events: list[int] | None = None
     ops_at_calls: list[int] | None = None
+
+    @functools.cached_property
+    def events(self) -> list[Event]:
+        """The events of :attr:`records`, made on first use."""
+        return _events(self.records)
 
     def fingerprints(self, event: Event) -> tuple[bytes | None, ...]:
         """The fingerprints of ``event``'s tensors, as bytes (``None``: none).
@@ -521,36 +499,7 @@ class Run:
         data = self.data
         return tuple([None if s is None else data[s[0]][s[1] : s[2]] for s in event.slots])
 
-
-@dataclasses.dataclass(eq=False)
-class Recording:
-    """One run as the hooks recorded it, before its events are made.
-
-    Holds what a :class:`Run` holds, with its events still as the hooks left
-    them (``records``): :meth:`agreement` compares two recordings whole, and
-    :meth:`run` makes the :class:`Run` (once) when a run is looked at event by
-    event.  Made by :func:`record`; see the module's example.
-    """
-
-    records: list[_Record]
-    data: list[bytes]
-    result: Any
-    structure: list[tuple[str, str, str]]
-    starts: list[int]
-    captured: list[tuple[str, torch.Tensor]] | None
-    ops: list[OpCall] | None
-    ops_at_events: list[int] | None
-    ops_at_calls: list[int] | None
-    _run: Run | None = dataclasses.field(default=None, init=False, repr=False)
-
-    def run(self) -> Run:
-        """The :class:`Run`: its events made on the first call."""
-        if self._run is None:
-            fields = [getattr(self, f.name) for f in dataclasses.fields(Run)[1:]]  # events first
-            self._run = Run(_events(self.records), *fields)
-        return self._run
-
-    def agreement(self, other: Recording) -> int | None:
+    def agreement(self, other: Run) -> int | None:
         """How many events agree, if ``other`` recorded exactly what this run did; else
         ``None``.
 
@@ -569,7 +518,7 @@ class Recording:
             >>> model = torch.nn.Linear(2, 2)
             >>> a, b = (record(deterministic(0), model, (torch.ones(1, 2),), {}, [model],
             ...                backward=False) for _ in "ab")
-            >>> a.agreement(b), len(a.run().events)
+            >>> a.agreement(b), len(a.events)
             (3, 3)
         """
         if (
@@ -594,14 +543,14 @@ def record(
     backward: bool,
     capture: tuple[Any, ...] | None = None,
     ops: OpWindow | None = None,
-) -> Recording:
+) -> Run:
     """Run ``fn(*args, **kwargs)`` once in ``block`` and record it.
 
     ``roots`` are the models whose modules are named relative to them (others
     are found as they are called); ``backward`` adds gradient fingerprints;
     ``capture`` is the key of an event whose tensors are kept; ``ops`` a
     window whose aten op calls are recorded.  See the module's example and
-    :meth:`Recording.agreement`.
+    :meth:`Run.agreement`.
     """
     rec = _Recorder(ModuleNames(roots), backward=backward, capture=capture, window=ops)
     with block:
@@ -623,7 +572,7 @@ def record(
     # only host sync of the run, besides an op window's).
     data = rec._store.host()
     marks = (None, None) if op_calls is None else (rec.ops_at_events, rec.ops_at_calls)
-    return Recording(
+    return Run(
         rec.records, data, result, rec.structure, rec.starts, rec.captured, op_calls, *marks
     )
 

@@ -14,7 +14,7 @@ Example:
     >>> model = torch.nn.Linear(2, 2)
     >>> def step():
     ...     return model(torch.randn(1, 2))
-    >>> runs = [record(deterministic(0), step, (), {}, [model], backward=False).run() for _ in "ab"]
+    >>> runs = [record(deterministic(0), step, (), {}, [model], backward=False) for _ in "ab"]
     >>> finding, agreed = compare_runs(*runs, run=2)
     >>> finding is None, agreed
     (True, 3)

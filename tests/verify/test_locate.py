@@ -476,11 +476,11 @@ def test_the_one_step_comparison_finds_what_compare_runs_finds(pair, backward):
     with deterministic(seed=1):
         model = Toy()
     first, other = (recorded(model, plan, backward) for plan in pair)
-    expected = compare_runs(first.run(), other.run(), 2)
+    expected = compare_runs(first, other, 2)
     assert _compared(first, other, 2) == expected
     agreed = first.agreement(other)
     if agreed is not None:  # exactly the same recording: no difference but the return value
-        assert agreed == len(first.run().events)
+        assert agreed == len(first.events)
         assert expected[0] is None or expected[0].kind == "result"
         assert expected[0] is not None or expected[1] == agreed
     if repr(pair[0]) == repr(pair[1]):  # not ==: 0.0 == -0.0, and the recordings differ
@@ -514,7 +514,7 @@ def test_recordings_that_differ_in_anything_are_walked_event_by_event():
     assert base.agreement(other) is not None
     finding, agreed = _compared(base, other, 2)
     assert finding is not None and finding.kind == "result"
-    assert (finding, agreed) == compare_runs(base.run(), other.run(), 2)
+    assert (finding, agreed) == compare_runs(base, other, 2)
 
 
 # --- on a GPU (fingerprints themselves: tests/verify/test_fingerprint.py) -----------------------------
