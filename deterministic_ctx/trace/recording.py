@@ -17,11 +17,11 @@ import torch
 
 from ..core.context import deterministic
 from ..internal import import_dynamo
-from ..verify.compare import float_bits, leaves, short_repr, tensor_leaves
+from ..verify.compare import float_bits, leaves, tensor_leaves
 from ..verify.fingerprint import fingerprint
 from ..verify.ops import OpCall
 from ..verify.record import Event, OpWindow, Run, record
-from ..verify.rerun import SavedState, call_and_consume, check_fn, objects_to_reset
+from ..verify.rerun import call_and_consume, prepare_runs
 from .facts import Fact, environment
 from .fileformat import DIGEST, NO_MODULE, Trace, checked_path
 
@@ -70,7 +70,6 @@ def record_trace(
         (True, ['aten.t.default', 'aten.addmm.default', 'aten.relu.default'])
     """
     block = deterministic(seed, warn_only=warn_only)
-    _check_flag(ops, "ops")  # before the run, like the path
     if path is not None:
         path = checked_path(path, "path")
         _check_directory(path)
@@ -105,13 +104,9 @@ def record_in(
         >>> trace.environment["flags.deterministic_algorithms"]
         False
     """
-    check_fn(fn)
-    _check_flag(backward, "backward")
-    _check_flag(ops, "ops")
     kwargs = dict(kwargs or {})
-    objects = objects_to_reset(fn, args, kwargs, reset)
+    objects, saved = prepare_runs(fn, args, kwargs, reset, backward=backward, ops=ops)
     roots = [o for o in objects if isinstance(o, torch.nn.Module)]
-    saved = SavedState(objects)
     facts: dict[str, Fact] = {}
 
     def observed(*a: Any, **k: Any) -> Any:
@@ -169,11 +164,6 @@ def _holds_arrays(value: object) -> bool:
     if isinstance(value, (list, tuple)):
         return any(_holds_arrays(v) for v in value)
     return any(True for _ in tensor_leaves(value, ""))
-
-
-def _check_flag(value: object, name: str) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {short_repr(value)}")
 
 
 def _check_directory(path: str) -> None:

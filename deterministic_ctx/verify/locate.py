@@ -73,7 +73,7 @@ from ..core.context import deterministic
 from .compare import first_difference, short_repr, tensor_difference
 from .ops import OpDifference, first_op_difference
 from .record import OpWindow, Run, record
-from .rerun import SavedState, check_fn, check_runs, objects_to_reset
+from .rerun import check_runs, prepare_runs
 from .timeline import Finding, compare_runs
 
 __all__ = ["Divergence", "DivergenceReport", "divergence_of", "locate_divergence"]
@@ -292,14 +292,8 @@ def locate_divergence(
     """
     block = deterministic(seed, warn_only=warn_only)
     runs = check_runs(runs)
-    if not isinstance(backward, bool):
-        raise TypeError(f"backward must be True or False, got {backward!r}")
-    if not isinstance(ops, bool):
-        raise TypeError(f"ops must be True or False, got {ops!r}")
-    check_fn(fn)
-    objects = objects_to_reset(fn, args, kwargs, reset)
+    objects, saved = prepare_runs(fn, args, kwargs, reset, backward=backward, ops=ops)
     roots = [o for o in objects if isinstance(o, torch.nn.Module)]
-    saved = SavedState(objects)
 
     def again(capture: tuple[Any, ...] | None = None, window: OpWindow | None = None) -> Run:
         saved.load()  # every run after the first starts from the saved state

@@ -453,7 +453,6 @@ class _Recorder:
             self.record(base, "final", label_of, None, what, [(leaf, t)], [slot])
 
 
-
 @dataclasses.dataclass(eq=False)
 class Run:
     """What one run recorded.
@@ -572,7 +571,4 @@ def record(
     # only host sync of the run, besides an op window's).
     data = rec._store.host()
     marks = (None, None) if op_calls is None else (rec.ops_at_events, rec.ops_at_calls)
-    return Run(
-        rec.records, data, result, rec.structure, rec.starts, rec.captured, op_calls, *marks
-    )
-
+    return Run(rec.records, data, result, rec.structure, rec.starts, rec.captured, op_calls, *marks)
