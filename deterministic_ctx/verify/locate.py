@@ -318,19 +318,11 @@ def locate_divergence(
             numbers = (runs + 1, runs + 2)
             reruns: tuple[Run, Run] | None = None
             if window is not None:
-                try:
-                    reruns = (again(key, window), again(key, window))
-                except Exception as err:
-                    # The dispatch mode broke fn (a higher-order op, code that compiles
-                    # itself, ...): keep the module-level report, say why no op is named.
-                    drilled = (None, None, _recording_failed(err, window))
-                else:
-                    diff = _op_difference(reruns, window, numbers)
-                    drilled = _first_op(reruns, window, numbers, diff)
-                    if diff is not None and diff.from_outside and window.call is not None:
-                        # The call read a tensor made before it started (by code between
-                        # module calls): record from the start of fn up to the call.
-                        drilled = _made_before(again, window.call, diff, (runs + 3, runs + 4))
+                reruns, diff, drilled = _first_op(again, window, numbers, key)
+                if diff is not None and diff.from_outside and window.call is not None:
+                    # The call read a tensor made before it started (by code between
+                    # module calls): record from the start of fn up to the call.
+                    drilled = _made_before(again, window.call, diff, (runs + 3, runs + 4))
             if key is not None:
                 if reruns is None:
                     reruns = (again(key), again(key))
@@ -374,37 +366,31 @@ def _op_window(finding: Finding) -> OpWindow:
     return OpWindow()  # the return value or a final tensor: anywhere in fn
 
 
-def _recording_failed(err: Exception, window: OpWindow) -> str:
-    message = short_repr(str(err).strip().split("\n", 1)[0])[1:-1]  # one line, cut short
-    return (
-        f"none: a re-run that records the op calls {window.describe()} raised "
-        f"{type(err).__name__}: {message} (the runs without the recording did not); the "
-        "module-level report above stands"
-    )
-
-
-def _op_difference(
-    reruns: tuple[Run, Run], window: OpWindow, numbers: tuple[int, int]
-) -> OpDifference | None:
-    """The first op call that differs between two re-runs (numbered ``numbers``) that
-    recorded the op calls of ``window``."""
-    a, b = (r.ops or [] for r in reruns)
-    left, right = (f"run {n}" for n in numbers)
-    return first_op_difference(a, b, left=left, right=right)
-
-
 def _first_op(
-    reruns: tuple[Run, Run],
+    again: Callable[[tuple[Any, ...] | None, OpWindow | None], Run],
     window: OpWindow,
     numbers: tuple[int, int],
-    diff: OpDifference | None,
-) -> tuple[str | None, str | None, str]:
-    """``(op, op_location, op_detail)`` for ``diff``, the first op call that differs
-    between two re-runs (numbered ``numbers``) that recorded the op calls of ``window``
-    (see :func:`_op_difference`)."""
-    a = reruns[0].ops or []
-    left, right = (f"run {n}" for n in numbers)
+    capture: tuple[Any, ...] | None = None,
+) -> tuple[tuple[Run, Run] | None, OpDifference | None, tuple[str | None, str | None, str]]:
+    """Two re-runs (numbered ``numbers``) that record the op calls of ``window`` (and keep
+    the tensors of the event ``capture``), the first op call that differs between them,
+    and ``(op, op_location, op_detail)`` for it; no re-runs where recording raised."""
     where = window.describe()
+    try:
+        reruns = (again(capture, window), again(capture, window))
+    except Exception as err:
+        # The dispatch mode broke fn (a higher-order op, code that compiles itself, ...):
+        # keep the module-level report, say why no op is named.
+        message = short_repr(str(err).strip().split("\n", 1)[0])[1:-1]  # one line, cut short
+        detail = (
+            f"none: a re-run that records the op calls {where} raised "
+            f"{type(err).__name__}: {message} (the runs without the recording did not); the "
+            "module-level report above stands"
+        )
+        return None, None, (None, None, detail)
+    a, b = (r.ops or [] for r in reruns)
+    left, right = (f"run {n}" for n in numbers)
+    diff = first_op_difference(a, b, left=left, right=right)
     if diff is None:
         if not a:
             detail = (
@@ -417,7 +403,7 @@ def _first_op(
                 "every one, so the difference comes and goes, or it comes from outside torch "
                 "ops (e.g. a tensor changed through NumPy)"
             )
-        return None, None, detail
+        return reruns, None, (None, None, detail)
     call = diff.call
     if diff.kind in ("op", "missing", "extra"):
         detail = f"after {diff.index} op call(s) that agree {where}, {diff.detail}"
@@ -426,8 +412,8 @@ def _first_op(
         detail = f"{call.described()}, {count}: {diff.detail}"
     if diff.from_outside:
         # That op only read the tensor: naming it would blame an innocent op.
-        return None, None, f"none: {detail}"
-    return call.op, call.location, detail
+        return reruns, diff, (None, None, f"none: {detail}")
+    return reruns, diff, (call.op, call.location, detail)
 
 
 def _made_before(
@@ -444,13 +430,8 @@ def _made_before(
         f"module call #{index} read a differing tensor that no op during the call made "
         f"({read.what}, read by {read.call.described()})"
     )
-    try:
-        reruns = (again(None, window), again(None, window))
-    except Exception as err:
-        return None, None, f"none: {reader}; {_recording_failed(err, window)[6:]}"
-    diff = _op_difference(reruns, window, numbers)
-    op, location, detail = _first_op(reruns, window, numbers, diff)
-    if diff is None:
+    reruns, diff, (op, location, detail) = _first_op(again, window, numbers)
+    if reruns is not None and diff is None:
         detail = (
             f"none: {reader}, and {detail[6:]}; so it was changed outside torch ops "
             "(e.g. through NumPy or a data pointer), or the difference comes and goes"

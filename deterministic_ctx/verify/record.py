@@ -199,7 +199,7 @@ class _Recorder:
         self._store = FingerprintStore()
         # The op recorder of the window, if any: entered and left by the hooks (or around
         # the whole call of fn), and paused while the hooks fingerprint.
-        self.window = window
+        self.window = OpWindow() if window is None else window
         self.ops: OpRecorder | None = None
         if window is not None:
             self.ops = OpRecorder(
@@ -263,7 +263,7 @@ class _Recorder:
                 self.ops_at_events.append(ops.count)
             if key == self.capture:
                 self.captured = [(p, t.detach().clone()) for p, t in leaves]
-        if ops is not None and self.window is not None and key == self.window.until:
+        if ops is not None and key == self.window.until:
             ops.stop()
 
     def _fingerprint(self, t: torch.Tensor) -> _Slot | None:
@@ -290,13 +290,17 @@ class _Recorder:
         index = len(structure)
         label = self._labels.get(id(module)) or self.names.of(module)
         self._stack.append((module, index, label))
+        ops = self.ops
         with self._lock:
             structure.append(label)
             self.starts.append(len(self.records))
-            if self.ops is not None:
-                self.ops_at_calls.append(self.ops.count)
-        if self.window is not None:
-            self._window_at_call(index)
+            if ops is not None:
+                self.ops_at_calls.append(ops.count)
+        if ops is not None:  # the op window may open or close here
+            if self.window.call == index:
+                ops.__enter__()
+            elif self.window.before_call == index:
+                ops.stop()
         if self.backward:
             self._hook_gradients(module, index, label, args)
 
@@ -345,32 +349,8 @@ class _Recorder:
         )
         # Each call index leaves the stack once: its outputs are recorded once.
         self.record(("forward", index), "forward", label, index, "output", leaves, once=True)
-        if self.ops is not None and self.window is not None and self.window.call == index:
+        if self.ops is not None and self.window.call == index:
             self.ops.__exit__(None, None, None)
-
-    # The op window.
-
-    def start_ops(self) -> None:
-        """At the start of ``fn``: enter the op recorder, unless the window is one call."""
-        if self.ops is not None and self.window is not None and self.window.call is None:
-            self.ops.__enter__()
-
-    def _window_at_call(self, index: int) -> None:
-        ops, window = self.ops, self.window
-        assert ops is not None
-        assert window is not None
-        if window.call == index:
-            ops.__enter__()
-        elif window.before_call == index:
-            ops.stop()
-
-    def op_calls(self) -> list[OpCall] | None:
-        """Once ``fn`` returned or raised: leave the op recorder, if still in it; its calls."""
-        ops = self.ops
-        if ops is None:
-            return None
-        ops.__exit__(None, None, None)  # a no-op if left already; never entered: no calls
-        return ops.calls
 
     def _input_grad(
         self, label: tuple[str, str, str], index: int, path: str, grad: torch.Tensor
@@ -507,9 +487,10 @@ class Run:
         in the same order; the same fingerprint bytes in the same places.  Then
         :func:`~deterministic_ctx.verify.timeline.compare_runs` finds no difference (but perhaps
         in the return values, which this does not compare) and counts as agreeing the
-        events before the first ``"final"`` one, then the ``"final"`` ones: the count
-        returned, found in one comparison of the records and without making an
-        :class:`Event`.  For anything else, walk the runs with ``compare_runs``.
+        events before the first ``"final"`` one, then the ``"final"`` ones, which are the
+        last: every event.  That count is returned, found in one comparison of the records
+        and without making an :class:`Event`.  For anything else, walk the runs with
+        ``compare_runs``.
 
         Example:
             >>> import torch
@@ -527,9 +508,7 @@ class Run:
             or self.records != other.records
         ):
             return None
-        phases = [r[1] for r in self.records]
-        during = phases.index("final") if "final" in phases else len(phases)
-        return during + phases.count("final")
+        return len(self.records)
 
 
 def record(
@@ -558,11 +537,13 @@ def record(
             _nn_module.register_module_forward_hook(rec.post_hook),
         ]
         try:
-            rec.start_ops()
+            if rec.ops is not None and rec.window.call is None:
+                rec.ops.__enter__()  # at the start of fn, unless the window is one call
             try:
                 result = call_and_consume(fn, args, kwargs)
             finally:
-                op_calls = rec.op_calls()
+                if rec.ops is not None:  # a no-op if left already; never entered: no calls
+                    rec.ops.__exit__(None, None, None)
         finally:
             for handle in module_hooks + rec.handles:
                 handle.remove()
@@ -570,5 +551,6 @@ def record(
     # Every fingerprint's bytes, per device: one concatenation and one copy each (the
     # only host sync of the run, besides an op window's).
     data = rec._store.host()
+    op_calls = None if rec.ops is None else rec.ops.calls
     marks = (None, None) if op_calls is None else (rec.ops_at_events, rec.ops_at_calls)
     return Run(rec.records, data, result, rec.structure, rec.starts, rec.captured, op_calls, *marks)
