@@ -163,7 +163,7 @@ def compare_traces(
         )
     run_a, run_b = _as_run(trace_a, drop_a), _as_run(trace_b, drop_b)
     unfilled = False in (trace_a.environment.get(_FILL), trace_b.environment.get(_FILL))
-    finding, agreed = compare_runs(run_a, run_b, run=2)
+    finding, agreed = compare_runs(run_a, run_b, run=2, names=("A", "B"))
     return TraceComparison(
         a=name_a,
         b=name_b,
@@ -212,9 +212,6 @@ def _as_run(trace: Trace, drop: set[str]) -> Run:
     return run
 
 
-_RUN_NAMES = ((re.compile(r"\brun 1\b"), "A"), (re.compile(r"\brun 2\b"), "B"))
-
-
 def _divergence(finding: Finding, a: Run, b: Run, unfilled: bool = False) -> Divergence:
     """The public description of ``finding``, trace B (``b``) against trace A (``a``);
     ``unfilled``: a trace was recorded without filling uninitialized memory."""
@@ -231,8 +228,6 @@ def _divergence(finding: Finding, a: Run, b: Run, unfilled: bool = False) -> Div
             f"the fingerprints of {e.paths[finding.leaf]} differ (a trace keeps fingerprints, "
             "not values: where and by how much is unknown)"
         )
-    for pattern, side in _RUN_NAMES:  # the timeline's messages name runs 1 and 2
-        detail = pattern.sub(side, detail)
     return divergence_of(finding, 2, op, kind=kind, index=None, max_abs_diff=None, detail=detail)
 
 

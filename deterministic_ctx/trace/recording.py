@@ -125,13 +125,18 @@ def record_in(
         run = record(block, observed, args, kwargs, roots, backward=backward, ops=window)
     finally:
         saved.load()
-    return _trace_of(
-        run,
+    events, starts, digests = _timeline(run, root)
+    return Trace(
         source=_describe(fn) if source is None else source,
+        recorded=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         seed=block.seed,
         backward=backward,
         environment=facts,
-        root=root,
+        structure=tuple(run.structure),
+        starts=tuple(starts),
+        events=tuple(events),
+        digests=digests,
+        ops=run.ops is not None,
     )
 
 
@@ -183,18 +188,11 @@ def _describe(fn: object) -> str:
     return f"function {module}.{name}" if module not in (None, "__main__") else f"function {name}"
 
 
-def _trace_of(
-    run: Run,
-    *,
-    source: str,
-    seed: int,
-    backward: bool,
-    environment: dict[str, Fact],
-    root: str,
-) -> Trace:
-    """The trace of a recorded run: digests for its fingerprints, its op calls (if it
-    recorded them) as ``"op"`` events in the timeline, and its return value's leaves as
-    ``"result"`` events before the final state."""
+def _timeline(run: Run, root: str) -> tuple[list[Event], list[int], bytes]:
+    """The timeline of a trace of ``run``: its events with digests for its fingerprints,
+    its op calls (if it recorded them) as ``"op"`` events, and its return value's leaves
+    (named from ``root``) as ``"result"`` events before the final state; where each module
+    call starts in it; and the digests, 16 bytes each."""
     table: dict[bytes, int] = {}
 
     def slot(digest: bytes | None) -> tuple[int, int, int] | None:
@@ -236,18 +234,7 @@ def _trace_of(
         )
     first_final = next((i for i, e in enumerate(events) if e.phase == "final"), len(events))
     events[first_final:first_final] = results
-    return Trace(
-        source=source,
-        recorded=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        seed=seed,
-        backward=backward,
-        environment=environment,
-        structure=tuple(run.structure),
-        starts=tuple(starts),
-        events=tuple(events),
-        digests=b"".join(table),
-        ops=run.ops is not None,
-    )
+    return events, starts, b"".join(table)
 
 
 def _with_op_events(
