@@ -18,7 +18,7 @@ import torch
 from ..core.context import deterministic
 from ..internal import import_dynamo
 from ..verify.compare import float_bits, leaves, tensor_leaves
-from ..verify.fingerprint import fingerprint
+from ..verify.fingerprint import fingerprint_parts
 from ..verify.ops import OpCall
 from ..verify.record import Event, OpWindow, Run, record
 from ..verify.rerun import call_and_consume, prepare_runs
@@ -334,8 +334,8 @@ def _leaf_digest(leaf: object) -> tuple[tuple[int, ...], str, bytes | None]:
     """Shape, dtype (a type name for Python values) and digest of one leaf; ``None``
     for a leaf compared by type only (an object of another kind)."""
     if isinstance(leaf, torch.Tensor):
-        found = fingerprint(leaf)
-        data = None if found is None else found.detach().cpu().numpy().tobytes()
+        parts = fingerprint_parts(leaf)
+        data = None if parts is None else b"".join(p.cpu().numpy().tobytes() for p in parts)
         dtype = str(leaf.dtype).removeprefix("torch.")
         return tuple(leaf.shape), dtype, None if data is None else _digest(data)
     if isinstance(leaf, (np.ndarray, np.generic)):
