@@ -128,27 +128,6 @@ class OpWindow:
         return "in the backward pass" if self.backward else "in the whole run"
 
 
-def _events(records: list[_Record]) -> list[Event]:
-    """The events of ``records``, in order: made in one go, once a run is looked at event
-    by event, never in the hooks while the model runs."""
-    return [
-        Event(
-            key,
-            phase,
-            what,
-            root,
-            module,
-            module_type,
-            call_index,
-            tuple([p for p, _, _, _ in tensors]),
-            tuple([tuple(shape) for _, shape, _, _ in tensors]),
-            tuple([str(dtype).removeprefix("torch.") for _, _, dtype, _ in tensors]),
-            tuple([slot for _, _, _, slot in tensors]),
-        )
-        for key, phase, what, (root, module, module_type), call_index, tensors in records
-    ]
-
-
 class ModuleNames:
     """Labels of modules, ``(root, qualified name, class name)``, the name relative to the
     root module it was found in.
@@ -193,7 +172,7 @@ class _Recorder:
         self.capture = capture
         self.captured: list[tuple[str, torch.Tensor]] | None = None
         # What each event needs, in the order events happen; the Event objects are made
-        # after the run, and only if it is looked at event by event (see _events()).
+        # after the run, and only if it is looked at event by event (see Run.events).
         self.records: list[_Record] = []
         # Fingerprints stay on their devices until the run ends.
         self._store = FingerprintStore()
@@ -465,8 +444,24 @@ class Run:
 
     @functools.cached_property
     def events(self) -> list[Event]:
-        """The events of :attr:`records`, made on first use."""
-        return _events(self.records)
+        """The events of :attr:`records`, in order: made in one go on first use, once a run
+        is looked at event by event, never in the hooks while the model runs."""
+        return [
+            Event(
+                key,
+                phase,
+                what,
+                root,
+                module,
+                module_type,
+                call_index,
+                tuple([p for p, _, _, _ in tensors]),
+                tuple([tuple(shape) for _, shape, _, _ in tensors]),
+                tuple([str(dtype).removeprefix("torch.") for _, _, dtype, _ in tensors]),
+                tuple([slot for _, _, _, slot in tensors]),
+            )
+            for key, phase, what, (root, module, module_type), call_index, tensors in self.records
+        ]
 
     def fingerprints(self, event: Event) -> tuple[bytes | None, ...]:
         """The fingerprints of ``event``'s tensors, as bytes (``None``: none).
