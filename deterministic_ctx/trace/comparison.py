@@ -68,17 +68,10 @@ class TraceComparison:
             >>> json.loads(json.dumps(compare_traces(t, t).to_dict()))["agree"]
             True
         """
-        out: dict[str, Any] = {
-            "agree": self.agree,
-            "a": self.a,
-            "b": self.b,
-            "calls": list(self.calls),
-            "compared": self.compared,
-            "divergence": None,
-            "environment": [dataclasses.asdict(d) for d in self.environment],
-            "notes": list(self.notes),
-            "ops": self.ops,
-        }
+        out: dict[str, Any] = {"agree": self.agree, **dataclasses.asdict(self)}
+        out["calls"] = list(self.calls)
+        out["environment"] = [dataclasses.asdict(d) for d in self.environment]
+        out["notes"] = list(self.notes)
         if self.divergence is not None:
             out["divergence"] = self.divergence.to_dict()
         return out
@@ -205,11 +198,20 @@ def _as_run(trace: Trace, drop: set[str]) -> Run:
                 kept.append(e)
             before.append(len(kept))
         events, starts = kept, [before[s] for s in starts]
-    # Slots point into one buffer, the digests; the return value is in the events, which
-    # are the trace's own (no records to make them from).
-    run = Run([], [trace.digests], None, list(trace.structure), starts, None)
-    run.events = events
-    return run
+    # The events as a recording's records, whose slots point into one buffer, the digests;
+    # the return value is in the events.
+    records = [
+        (
+            e.key,
+            e.phase,
+            e.what,
+            (e.root, e.module, e.module_type),
+            e.call_index,
+            tuple(zip(e.paths, e.shapes, e.dtypes, e.slots, strict=True)),
+        )
+        for e in events
+    ]
+    return Run(records, [trace.digests], None, list(trace.structure), starts, None)
 
 
 def _divergence(finding: Finding, a: Run, b: Run, unfilled: bool = False) -> Divergence:

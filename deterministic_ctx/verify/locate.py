@@ -70,7 +70,7 @@ from typing import Any
 import torch
 
 from ..core.context import deterministic
-from .compare import first_difference, short_repr, tensor_difference
+from .compare import short_repr, tensor_difference
 from .ops import OpDifference, first_op_difference
 from .record import OpWindow, Run, record
 from .rerun import check_runs, prepare_runs
@@ -308,7 +308,7 @@ def locate_divergence(
         agreed = 0
         run = 1
         for run in range(2, runs + 1):
-            finding, agreed = _compared(first, again(), run)
+            finding, agreed = compare_runs(first, again(), run)
             if finding is not None:
                 break
         if finding is not None:
@@ -338,20 +338,6 @@ def locate_divergence(
         divergence=None if finding is None else divergence_of(finding, run, drilled),
         ops=ops,
     )
-
-
-def _compared(first: Run, other: Run, run: int) -> tuple[Finding | None, int]:
-    """:func:`~deterministic_ctx.verify.timeline.compare_runs` of run 1 and run ``run``.
-
-    Runs that recorded exactly the same and returned equal values are found equal
-    in one comparison of their records (:meth:`Run.agreement`), with the count
-    ``compare_runs`` gives them, and without making their events; any other pair
-    is walked event by event.
-    """
-    agreed = first.agreement(other)
-    if agreed is not None and first_difference(first.result, other.result) is None:
-        return None, agreed
-    return compare_runs(first, other, run)
 
 
 def _op_window(finding: Finding) -> OpWindow:

@@ -33,7 +33,7 @@ import functools
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -50,15 +50,15 @@ __all__ = ["Event", "ModuleNames", "OpWindow", "Run", "record"]
 
 #: Looked up once: the hooks call it twice per module call.
 _get_ident = threading.get_ident
-#: An event as the hooks record it: key, phase, what, ``(root, module, class name)``,
-#: call index, and per tensor its path, shape, dtype and slot.
+#: An event as the hooks record it (or as a trace holds it): key, phase, what, ``(root,
+#: module, class name)``, call index, and per tensor its path, shape, dtype and slot.
 _Record = tuple[
     tuple[Any, ...],
     str,
     str,
-    tuple[str, str, str],
+    tuple[str | None, str | None, str | None],
     int | None,
-    list[tuple[str, torch.Size, torch.dtype, _Slot | None]],
+    Sequence[tuple[str, tuple[int, ...], torch.dtype | str, _Slot | None]],
 ]
 
 
@@ -432,7 +432,7 @@ class Run:
     module's example.
     """
 
-    records: list[_Record]
+    records: Sequence[_Record]
     data: list[bytes]
     result: Any
     structure: list[tuple[str, str, str]]

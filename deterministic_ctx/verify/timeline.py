@@ -63,8 +63,14 @@ def compare_runs(
     timeline, and how many events agreed before it (or in all).  The details name the
     runs ``names`` (default: ``"run 1"`` and ``"run {run}"``).
 
-    See the module's example.
+    Runs that recorded exactly the same and returned equal values are found equal
+    in one comparison of their records (:meth:`~deterministic_ctx.verify.record.Run.agreement`),
+    with the count the walk gives them, and without making their events; any other
+    pair is walked event by event.  See the module's example.
     """
+    agreed = a.agreement(b)
+    if agreed is not None and first_difference(a.result, b.result) is None:
+        return None, agreed
     comparison = _Comparison(a, b, names or ("run 1", f"run {run}"))
     return comparison.first(), comparison.agreed
 
