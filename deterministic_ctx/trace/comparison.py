@@ -5,12 +5,13 @@ as :func:`~deterministic_ctx.verify.locate.locate_divergence` names it, and the 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import re
 from typing import Any
 
 from ..verify.compare import short_repr
-from ..verify.locate import Divergence, divergence_of
+from ..verify.locate import Agreement, Divergence, divergence_of
 from ..verify.ops import OpCall, TensorPrint, first_op_difference
 from ..verify.record import Event, Run
 from ..verify.timeline import Finding, compare_runs
@@ -19,7 +20,7 @@ from .fileformat import Trace
 
 
 @dataclasses.dataclass(frozen=True)
-class TraceComparison:
+class TraceComparison(Agreement):
     """What :func:`compare_traces` found.
 
     ``agree`` is true when every fingerprint of the two traces matched (module
@@ -53,28 +54,6 @@ class TraceComparison:
     environment: tuple[EnvironmentDifference, ...]
     notes: tuple[str, ...] = ()
     ops: bool = False
-
-    @property
-    def agree(self) -> bool:
-        return self.divergence is None
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data: ints, strings, lists, dicts, bools, floats and ``None`` only.
-
-        Example:
-            >>> import json, torch
-            >>> from deterministic_ctx import record_trace
-            >>> t = record_trace(torch.nn.Linear(2, 2), torch.ones(1, 2))
-            >>> json.loads(json.dumps(compare_traces(t, t).to_dict()))["agree"]
-            True
-        """
-        out: dict[str, Any] = {"agree": self.agree, **dataclasses.asdict(self)}
-        out["calls"] = list(self.calls)
-        out["environment"] = [dataclasses.asdict(d) for d in self.environment]
-        out["notes"] = list(self.notes)
-        if self.divergence is not None:
-            out["divergence"] = self.divergence.to_dict()
-        return out
 
     def __str__(self) -> str:
         d = self.divergence
@@ -188,16 +167,9 @@ def _trace_arg(value: object, name: str, side: str) -> tuple[str, Trace]:
 def _as_run(trace: Trace, drop: set[str]) -> Run:
     """The trace as a recorded run for :func:`~deterministic_ctx.verify.timeline.compare_runs`,
     without the events of the phases in ``drop``."""
-    events: list[Event] = list(trace.events)
-    starts = list(trace.starts)
-    if drop:
-        kept: list[Event] = []
-        before = [0]  # before[i]: events kept among the first i
-        for e in events:
-            if e.phase not in drop:
-                kept.append(e)
-            before.append(len(kept))
-        events, starts = kept, [before[s] for s in starts]
+    kept = [e.phase not in drop for e in trace.events]
+    before = list(itertools.accumulate(kept, initial=0))  # events kept among the first i
+    starts = [before[s] for s in trace.starts]
     # The events as a recording's records, whose slots point into one buffer, the digests;
     # the return value is in the events.
     records = [
@@ -209,7 +181,8 @@ def _as_run(trace: Trace, drop: set[str]) -> Run:
             e.call_index,
             tuple(zip(e.paths, e.shapes, e.dtypes, e.slots, strict=True)),
         )
-        for e in events
+        for e, keep in zip(trace.events, kept, strict=True)
+        if keep
     ]
     return Run(records, [trace.digests], None, list(trace.structure), starts, None)
 

@@ -76,7 +76,7 @@ from .record import OpWindow, Run, record
 from .rerun import check_runs, prepare_runs
 from .timeline import Finding, compare_runs
 
-__all__ = ["Divergence", "DivergenceReport", "divergence_of", "locate_divergence"]
+__all__ = ["Agreement", "Divergence", "DivergenceReport", "divergence_of", "locate_divergence"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,8 +183,37 @@ class Divergence:
         return [*lines, f"  {compared} earlier fingerprint(s) agree"]
 
 
+class Agreement:
+    """What a report on two runs (or two traces) has: ``divergence``, where they first
+    differ (``None`` where nowhere), ``agree`` and ``to_dict()``."""
+
+    divergence: Divergence | None
+
+    @property
+    def agree(self) -> bool:
+        return self.divergence is None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data: ints, strings, lists, dicts, bools, floats and ``None`` only.
+
+        Example:
+            >>> import json, torch
+            >>> report = locate_divergence(torch.nn.Linear(2, 2), torch.ones(1, 2))
+            >>> json.loads(json.dumps(report.to_dict()))["agree"]
+            True
+        """
+        fields = dataclasses.asdict(self)  # type: ignore[call-overload]  # a dataclass's
+        out: dict[str, Any] = {"agree": self.agree, **fields}
+        for name, value in fields.items():
+            if isinstance(value, tuple):
+                out[name] = list(value)
+        if self.divergence is not None:
+            out["divergence"] = self.divergence.to_dict()
+        return out
+
+
 @dataclasses.dataclass(frozen=True)
-class DivergenceReport:
+class DivergenceReport(Agreement):
     """What :func:`locate_divergence` found.
 
     ``agree`` is true when every recorded fingerprint, the return value and
@@ -203,25 +232,6 @@ class DivergenceReport:
     compared: int
     divergence: Divergence | None
     ops: bool = False
-
-    @property
-    def agree(self) -> bool:
-        return self.divergence is None
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data: ints, strings, lists, dicts and ``None`` only.
-
-        Example:
-            >>> import json, torch
-            >>> report = locate_divergence(torch.nn.Linear(2, 2), torch.ones(1, 2))
-            >>> json.loads(json.dumps(report.to_dict()))["agree"]
-            True
-        """
-        out = dataclasses.asdict(self)
-        out["agree"] = self.agree
-        if self.divergence is not None:
-            out["divergence"] = self.divergence.to_dict()
-        return out
 
     def __str__(self) -> str:
         d = self.divergence
