@@ -19,7 +19,6 @@ from ..core.context import deterministic
 from ..internal import import_dynamo
 from ..verify.compare import float_bits, leaves, tensor_leaves
 from ..verify.fingerprint import fingerprint_parts
-from ..verify.ops import OpCall
 from ..verify.record import Event, OpWindow, Run, record
 from ..verify.rerun import call_and_consume, prepare_runs
 from .facts import Fact, environment
@@ -273,57 +272,50 @@ def _with_op_events(
         n = numbers.get(started, 0)
         numbers[started] = n + 1
         inside = running[-1] if running else None
-        merged.append(_op_event(call, ("op", started, n), inside, run.structure, slot))
+        label: tuple[str | None, str | None, str | None] = (
+            NO_MODULE if inside is None else run.structure[inside]
+        )
+        # Its inputs from outside the recorded ops, then its outputs (the order
+        # first_op_difference checks).
+        prints = (*call.inputs, *call.outputs)
+        where = dataclasses.replace(call, location=_relative(call.location, os.getcwd()))
+        merged.append(
+            Event(
+                ("op", started, n),
+                "op",
+                where.described(),
+                *label,
+                inside,
+                tuple([p.path for p in prints]),
+                tuple([p.shape for p in prints]),
+                tuple([p.dtype for p in prints]),
+                tuple(
+                    [
+                        slot(None if p.fingerprint is None else _digest(p.fingerprint))
+                        for p in prints
+                    ]
+                ),
+            )
+        )
     merged += events[placed:]
     # Op calls made before a module call started are exactly the first at_calls[c].
     return merged, [s + k for s, k in zip(starts, at_calls, strict=True)]
 
 
-def _op_event(
-    call: OpCall,
-    key: tuple[Any, ...],
-    inside: int | None,
-    structure: list[tuple[str, str, str]],
-    slot: Callable[[bytes | None], tuple[int, int, int] | None],
-) -> Event:
-    """The event of one op call: its inputs from outside the recorded ops, then its
-    outputs (the order :func:`~deterministic_ctx.verify.ops.first_op_difference` checks)."""
-    prints = (*call.inputs, *call.outputs)
-    label: tuple[str | None, str | None, str | None] = (
-        NO_MODULE if inside is None else structure[inside]
-    )
-    where = dataclasses.replace(call, location=_relative(call.location))
-    return Event(
-        key,
-        "op",
-        where.described(),
-        *label,
-        inside,
-        tuple([p.path for p in prints]),
-        tuple([p.shape for p in prints]),
-        tuple([p.dtype for p in prints]),
-        tuple([slot(None if p.fingerprint is None else _digest(p.fingerprint)) for p in prints]),
-    )
-
-
-def _relative(location: str | None) -> str | None:
-    """``file:line`` with a file under the working directory relative to it: the same
-    script in two checkouts has the same name in both traces."""
-    if location is None:
-        return None
-    file, colon, line = location.rpartition(":")
-    return f"{_relative_file(file, os.getcwd())}:{line}" if colon else location
-
-
-@functools.lru_cache(maxsize=1024)  # per file: a run makes many op calls in few files
-def _relative_file(file: str, directory: str) -> str:
-    if not os.path.isabs(file):
-        return file
+@functools.lru_cache(maxsize=4096)  # per line: a run makes many op calls at few lines
+def _relative(location: str | None, directory: str) -> str | None:
+    """``file:line`` with a file under ``directory`` (the working directory) relative to
+    it: the same script in two checkouts has the same name in both traces."""
+    file, colon, line = (location or "").rpartition(":")
+    if not colon or not os.path.isabs(file):
+        return location
     try:
         relative = os.path.relpath(file, directory)
     except ValueError:  # another drive (Windows)
-        return file
-    return file if relative == os.pardir or relative.startswith(os.pardir + os.sep) else relative
+        return location
+    if relative == os.pardir or relative.startswith(os.pardir + os.sep):
+        return location
+    return f"{relative}:{line}"
 
 
 def _digest(data: bytes | memoryview) -> bytes:
