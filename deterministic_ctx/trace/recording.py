@@ -200,20 +200,10 @@ def _timeline(run: Run, root: str) -> tuple[list[Event], list[int], bytes]:
         index = table.setdefault(digest, len(table))
         return (0, DIGEST * index, DIGEST * (index + 1))
 
-    by_slot: dict[tuple[int, int, int], bytes] = {}
-    data = run.data
     events: list[Event] = []
     for e in run.events:
-        slots: list[tuple[int, int, int] | None] = []
-        for s in e.slots:
-            if s is None:
-                slots.append(None)
-                continue
-            digest = by_slot.get(s)
-            if digest is None:
-                digest = by_slot[s] = _digest(data[s[0]][s[1] : s[2]])
-            slots.append(slot(digest))
-        events.append(dataclasses.replace(e, slots=tuple(slots)))
+        digests = [None if f is None else _digest(f) for f in run.fingerprints(e)]
+        events.append(dataclasses.replace(e, slots=tuple([slot(d) for d in digests])))
     starts = list(run.starts)
     if run.ops is not None:
         events, starts = _with_op_events(run, events, slot)
