@@ -17,7 +17,7 @@ import torch
 
 from ..core.context import deterministic
 from ..internal import import_dynamo
-from ..verify.compare import float_bits, leaves, tensor_leaves
+from ..verify.compare import float_bits, leaves
 from ..verify.fingerprint import fingerprint_parts
 from ..verify.record import Event, OpWindow, Run, record
 from ..verify.rerun import call_and_consume, prepare_runs
@@ -141,7 +141,7 @@ def record_in(
 
 def script_result(namespace: Mapping[str, Any]) -> dict[str, Any]:
     """What a trace of a script records as its return value: the script's global variables
-    that hold tensors or NumPy arrays (directly or in lists, tuples and dicts).
+    that hold tensors or NumPy arrays (directly or in lists, tuples, dicts and dataclasses).
 
     Names starting with ``_`` are left out, and so are numbers and strings: a
     script's globals hold timestamps and paths that differ from run to run.
@@ -151,23 +151,13 @@ def script_result(namespace: Mapping[str, Any]) -> dict[str, Any]:
         >>> sorted(script_result({"loss": torch.ones(1), "start": 3.5, "_x": torch.ones(1)}))
         ['loss']
     """
+    # A module is a leaf, no array: its parameters are fingerprinted as the final state.
     return {
         name: value
         for name, value in namespace.items()
-        if not name.startswith("_") and _holds_arrays(value)
+        if not name.startswith("_")
+        and any(isinstance(leaf, (torch.Tensor, np.ndarray)) for _, leaf in leaves(value, ""))
     }
-
-
-def _holds_arrays(value: object) -> bool:
-    if isinstance(value, np.ndarray):
-        return True
-    if isinstance(value, torch.nn.Module):
-        return False  # its parameters are fingerprinted as the final state
-    if isinstance(value, Mapping):
-        return any(_holds_arrays(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_arrays(v) for v in value)
-    return any(True for _ in tensor_leaves(value, ""))
 
 
 def _check_directory(path: str) -> None:
