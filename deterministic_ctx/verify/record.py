@@ -196,7 +196,6 @@ class _Recorder:
         self._stack: list[tuple[torch.nn.Module, int, tuple[str, str, str]]] = []
         self._last_call: dict[int, int] = {}
         self._occurrences: dict[tuple[Any, ...], int] = {}
-        self._param_hooked: set[int] = set()
         self._labels = names.labels
         self.handles: list[Any] = []  # of the gradient hooks
         # A container's output is usually its last child's output tensor: reuse its
@@ -288,6 +287,7 @@ class _Recorder:
     ) -> None:
         """Gradient hooks on the inputs of call #``index`` of ``module`` and, on its first
         call, on its parameters."""
+        first_call = id(module) not in self._last_call
         self._last_call[id(module)] = index
         # Registered before the body runs, so a later in-place change of the
         # input does not redirect the hook.
@@ -295,8 +295,7 @@ class _Recorder:
             (t, functools.partial(self._input_grad, label, index, path))
             for path, t in tensor_leaves(args, "input")
         ]
-        if id(module) not in self._param_hooked:
-            self._param_hooked.add(id(module))
+        if first_call:
             hooks += [
                 (p, functools.partial(self._param_grad, module, label, pname))
                 for pname, p in module.named_parameters(recurse=False)
@@ -321,11 +320,7 @@ class _Recorder:
                     break
             else:
                 return  # entered before the hooks were installed
-        leaves = (
-            [("output", output)]
-            if isinstance(output, torch.Tensor)
-            else list(tensor_leaves(output, "output"))
-        )
+        leaves = list(tensor_leaves(output, "output"))
         # Each call index leaves the stack once: its outputs are recorded once.
         self.record(("forward", index), "forward", label, index, "output", leaves, once=True)
         if self.ops is not None and self.window.call == index:
