@@ -292,12 +292,12 @@ class _Recorder:
         # Registered before the body runs, so a later in-place change of the
         # input does not redirect the hook.
         hooks = [
-            (t, functools.partial(self._input_grad, label, index, path))
+            (t, functools.partial(self._gradient, label, index, path))
             for path, t in tensor_leaves(args, "input")
         ]
         if first_call:
             hooks += [
-                (p, functools.partial(self._param_grad, module, label, pname))
+                (p, functools.partial(self._gradient, label, module, pname))
                 for pname, p in module.named_parameters(recurse=False)
             ]
         for t, hook in hooks:
@@ -326,34 +326,26 @@ class _Recorder:
         if self.ops is not None and self.window.call == index:
             self.ops.__exit__(None, None, None)
 
-    def _input_grad(
-        self, label: tuple[str, str, str], index: int, path: str, grad: torch.Tensor
-    ) -> None:
-        self.record(
-            ("grad", index, path),
-            "backward",
-            label,
-            index,
-            f"gradient w.r.t. {path}",
-            [(f"grad of {path}", grad)],
-        )
-
-    def _param_grad(
+    def _gradient(
         self,
-        module: torch.nn.Module,
         label: tuple[str, str, str],
-        pname: str,
+        call: int | torch.nn.Module,
+        name: str,
         grad: torch.Tensor,
     ) -> None:
-        root, name, _ = label
-        self.record(
-            ("param grad", root, name, pname),
-            "backward",
-            label,
-            self._last_call.get(id(module)),
-            f"gradient of parameter {pname!r}",
-            [(f"grad of {pname}", grad)],
-        )
+        """A gradient hook: record ``grad``, of the input ``name`` of call #``call``, or of
+        the parameter ``name`` of the module ``call`` (in its last call)."""
+        base: tuple[Any, ...]
+        index: int | None
+        if isinstance(call, int):
+            base = ("grad", call, name)
+            index = call
+            what = f"gradient w.r.t. {name}"
+        else:
+            base = ("param grad", label[0], label[1], name)
+            index = self._last_call.get(id(call))
+            what = f"gradient of parameter {name!r}"
+        self.record(base, "backward", label, index, what, [(f"grad of {name}", grad)])
 
     def final_state(self) -> None:
         """Fingerprint the gradients, then the parameters and buffers, of every known root
