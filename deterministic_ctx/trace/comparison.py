@@ -120,12 +120,11 @@ def compare_traces(
     name_a, trace_a = _trace_arg(a, "a", "A")
     name_b, trace_b = _trace_arg(b, "b", "B")
     notes: list[str] = []
-    drop_a: set[str] = set()
-    drop_b: set[str] = set()
+    drop: set[str] = set()  # phases that only one trace recorded: left out of both
     for phase, flag, what in (("backward", "backward", "gradients"), ("op", "ops", "op events")):
         in_a, in_b = getattr(trace_a, flag), getattr(trace_b, flag)
         if in_a != in_b:
-            (drop_a if in_a else drop_b).add(phase)
+            drop.add(phase)
             notes.append(
                 f"only {'A' if in_a else 'B'} recorded {what} ({flag}=True): compared without them"
             )
@@ -133,7 +132,7 @@ def compare_traces(
         notes.append(
             f"the scripts exited with status {trace_a.status} (A) and {trace_b.status} (B)"
         )
-    run_a, run_b = _as_run(trace_a, drop_a), _as_run(trace_b, drop_b)
+    run_a, run_b = _as_run(trace_a, drop), _as_run(trace_b, drop)
     unfilled = False in (trace_a.environment.get(_FILL), trace_b.environment.get(_FILL))
     finding, agreed = compare_runs(run_a, run_b, run=2, names=("A", "B"))
     return TraceComparison(
