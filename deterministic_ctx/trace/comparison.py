@@ -5,12 +5,13 @@ as :func:`~deterministic_ctx.verify.locate.locate_divergence` names it, and the 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import re
 from typing import Any
 
 from ..verify.compare import short_repr
-from ..verify.locate import Divergence, divergence_of
+from ..verify.locate import Agreement, Divergence, divergence_of
 from ..verify.ops import OpCall, TensorPrint, first_op_difference
 from ..verify.record import Event, Run
 from ..verify.timeline import Finding, compare_runs
@@ -19,7 +20,7 @@ from .fileformat import Trace
 
 
 @dataclasses.dataclass(frozen=True)
-class TraceComparison:
+class TraceComparison(Agreement):
     """What :func:`compare_traces` found.
 
     ``agree`` is true when every fingerprint of the two traces matched (module
@@ -53,35 +54,6 @@ class TraceComparison:
     environment: tuple[EnvironmentDifference, ...]
     notes: tuple[str, ...] = ()
     ops: bool = False
-
-    @property
-    def agree(self) -> bool:
-        return self.divergence is None
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data: ints, strings, lists, dicts, bools, floats and ``None`` only.
-
-        Example:
-            >>> import json, torch
-            >>> from deterministic_ctx import record_trace
-            >>> t = record_trace(torch.nn.Linear(2, 2), torch.ones(1, 2))
-            >>> json.loads(json.dumps(compare_traces(t, t).to_dict()))["agree"]
-            True
-        """
-        out: dict[str, Any] = {
-            "agree": self.agree,
-            "a": self.a,
-            "b": self.b,
-            "calls": list(self.calls),
-            "compared": self.compared,
-            "divergence": None,
-            "environment": [dataclasses.asdict(d) for d in self.environment],
-            "notes": list(self.notes),
-            "ops": self.ops,
-        }
-        if self.divergence is not None:
-            out["divergence"] = self.divergence.to_dict()
-        return out
 
     def __str__(self) -> str:
         d = self.divergence
@@ -148,12 +120,11 @@ def compare_traces(
     name_a, trace_a = _trace_arg(a, "a", "A")
     name_b, trace_b = _trace_arg(b, "b", "B")
     notes: list[str] = []
-    drop_a: set[str] = set()
-    drop_b: set[str] = set()
+    drop: set[str] = set()  # phases that only one trace recorded: left out of both
     for phase, flag, what in (("backward", "backward", "gradients"), ("op", "ops", "op events")):
         in_a, in_b = getattr(trace_a, flag), getattr(trace_b, flag)
         if in_a != in_b:
-            (drop_a if in_a else drop_b).add(phase)
+            drop.add(phase)
             notes.append(
                 f"only {'A' if in_a else 'B'} recorded {what} ({flag}=True): compared without them"
             )
@@ -161,9 +132,9 @@ def compare_traces(
         notes.append(
             f"the scripts exited with status {trace_a.status} (A) and {trace_b.status} (B)"
         )
-    run_a, run_b = _as_run(trace_a, drop_a), _as_run(trace_b, drop_b)
+    run_a, run_b = _as_run(trace_a, drop), _as_run(trace_b, drop)
     unfilled = False in (trace_a.environment.get(_FILL), trace_b.environment.get(_FILL))
-    finding, agreed = compare_runs(run_a, run_b, run=2)
+    finding, agreed = compare_runs(run_a, run_b, run=2, names=("A", "B"))
     return TraceComparison(
         a=name_a,
         b=name_b,
@@ -195,21 +166,24 @@ def _trace_arg(value: object, name: str, side: str) -> tuple[str, Trace]:
 def _as_run(trace: Trace, drop: set[str]) -> Run:
     """The trace as a recorded run for :func:`~deterministic_ctx.verify.timeline.compare_runs`,
     without the events of the phases in ``drop``."""
-    events: list[Event] = list(trace.events)
-    starts = list(trace.starts)
-    if drop:
-        kept: list[Event] = []
-        before = [0]  # before[i]: events kept among the first i
-        for e in events:
-            if e.phase not in drop:
-                kept.append(e)
-            before.append(len(kept))
-        events, starts = kept, [before[s] for s in starts]
-    # Slots point into one buffer, the digests; the return value is in the events.
-    return Run(events, [trace.digests], None, list(trace.structure), starts, None)
-
-
-_RUN_NAMES = ((re.compile(r"\brun 1\b"), "A"), (re.compile(r"\brun 2\b"), "B"))
+    kept = [e.phase not in drop for e in trace.events]
+    before = list(itertools.accumulate(kept, initial=0))  # events kept among the first i
+    starts = [before[s] for s in trace.starts]
+    # The events as a recording's records, whose slots point into one buffer, the digests;
+    # the return value is in the events.
+    records = [
+        (
+            e.key,
+            e.phase,
+            e.what,
+            (e.root, e.module, e.module_type),
+            e.call_index,
+            tuple(zip(e.paths, e.shapes, e.dtypes, e.slots, strict=True)),
+        )
+        for e, keep in zip(trace.events, kept, strict=True)
+        if keep
+    ]
+    return Run(records, [trace.digests], None, list(trace.structure), starts, None)
 
 
 def _divergence(finding: Finding, a: Run, b: Run, unfilled: bool = False) -> Divergence:
@@ -228,8 +202,6 @@ def _divergence(finding: Finding, a: Run, b: Run, unfilled: bool = False) -> Div
             f"the fingerprints of {e.paths[finding.leaf]} differ (a trace keeps fingerprints, "
             "not values: where and by how much is unknown)"
         )
-    for pattern, side in _RUN_NAMES:  # the timeline's messages name runs 1 and 2
-        detail = pattern.sub(side, detail)
     return divergence_of(finding, 2, op, kind=kind, index=None, max_abs_diff=None, detail=detail)
 
 

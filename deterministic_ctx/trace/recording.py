@@ -17,11 +17,10 @@ import torch
 
 from ..core.context import deterministic
 from ..internal import import_dynamo
-from ..verify.compare import float_bits, leaves, short_repr, tensor_leaves
-from ..verify.fingerprint import fingerprint
-from ..verify.ops import OpCall
+from ..verify.compare import float_bits, leaves
+from ..verify.fingerprint import fingerprint_parts
 from ..verify.record import Event, OpWindow, Run, record
-from ..verify.rerun import SavedState, call_and_consume, check_fn, objects_to_reset
+from ..verify.rerun import call_and_consume, prepare_runs
 from .facts import Fact, environment
 from .fileformat import DIGEST, NO_MODULE, Trace, checked_path
 
@@ -70,7 +69,6 @@ def record_trace(
         (True, ['aten.t.default', 'aten.addmm.default', 'aten.relu.default'])
     """
     block = deterministic(seed, warn_only=warn_only)
-    _check_flag(ops, "ops")  # before the run, like the path
     if path is not None:
         path = checked_path(path, "path")
         _check_directory(path)
@@ -105,13 +103,9 @@ def record_in(
         >>> trace.environment["flags.deterministic_algorithms"]
         False
     """
-    check_fn(fn)
-    _check_flag(backward, "backward")
-    _check_flag(ops, "ops")
     kwargs = dict(kwargs or {})
-    objects = objects_to_reset(fn, args, kwargs, reset)
+    objects, saved = prepare_runs(fn, args, kwargs, reset, backward=backward, ops=ops)
     roots = [o for o in objects if isinstance(o, torch.nn.Module)]
-    saved = SavedState(objects)
     facts: dict[str, Fact] = {}
 
     def observed(*a: Any, **k: Any) -> Any:
@@ -127,22 +121,27 @@ def record_in(
         # in the first trace of a process as in the next ones (an environment fact).
         import_dynamo()
     try:
-        run = record(block, observed, args, kwargs, roots, backward=backward, ops=window).run()
+        run = record(block, observed, args, kwargs, roots, backward=backward, ops=window)
     finally:
         saved.load()
-    return _trace_of(
-        run,
+    events, starts, digests = _timeline(run, root)
+    return Trace(
         source=_describe(fn) if source is None else source,
+        recorded=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         seed=block.seed,
         backward=backward,
         environment=facts,
-        root=root,
+        structure=tuple(run.structure),
+        starts=tuple(starts),
+        events=tuple(events),
+        digests=digests,
+        ops=run.ops is not None,
     )
 
 
 def script_result(namespace: Mapping[str, Any]) -> dict[str, Any]:
     """What a trace of a script records as its return value: the script's global variables
-    that hold tensors or NumPy arrays (directly or in lists, tuples and dicts).
+    that hold tensors or NumPy arrays (directly or in lists, tuples, dicts and dataclasses).
 
     Names starting with ``_`` are left out, and so are numbers and strings: a
     script's globals hold timestamps and paths that differ from run to run.
@@ -152,28 +151,13 @@ def script_result(namespace: Mapping[str, Any]) -> dict[str, Any]:
         >>> sorted(script_result({"loss": torch.ones(1), "start": 3.5, "_x": torch.ones(1)}))
         ['loss']
     """
+    # A module is a leaf, no array: its parameters are fingerprinted as the final state.
     return {
         name: value
         for name, value in namespace.items()
-        if not name.startswith("_") and _holds_arrays(value)
+        if not name.startswith("_")
+        and any(isinstance(leaf, (torch.Tensor, np.ndarray)) for _, leaf in leaves(value, ""))
     }
-
-
-def _holds_arrays(value: object) -> bool:
-    if isinstance(value, np.ndarray):
-        return True
-    if isinstance(value, torch.nn.Module):
-        return False  # its parameters are fingerprinted as the final state
-    if isinstance(value, Mapping):
-        return any(_holds_arrays(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_arrays(v) for v in value)
-    return any(True for _ in tensor_leaves(value, ""))
-
-
-def _check_flag(value: object, name: str) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {short_repr(value)}")
 
 
 def _check_directory(path: str) -> None:
@@ -193,18 +177,11 @@ def _describe(fn: object) -> str:
     return f"function {module}.{name}" if module not in (None, "__main__") else f"function {name}"
 
 
-def _trace_of(
-    run: Run,
-    *,
-    source: str,
-    seed: int,
-    backward: bool,
-    environment: dict[str, Fact],
-    root: str,
-) -> Trace:
-    """The trace of a recorded run: digests for its fingerprints, its op calls (if it
-    recorded them) as ``"op"`` events in the timeline, and its return value's leaves as
-    ``"result"`` events before the final state."""
+def _timeline(run: Run, root: str) -> tuple[list[Event], list[int], bytes]:
+    """The timeline of a trace of ``run``: its events with digests for its fingerprints,
+    its op calls (if it recorded them) as ``"op"`` events, and its return value's leaves
+    (named from ``root``) as ``"result"`` events before the final state; where each module
+    call starts in it; and the digests, 16 bytes each."""
     table: dict[bytes, int] = {}
 
     def slot(digest: bytes | None) -> tuple[int, int, int] | None:
@@ -213,20 +190,10 @@ def _trace_of(
         index = table.setdefault(digest, len(table))
         return (0, DIGEST * index, DIGEST * (index + 1))
 
-    by_slot: dict[tuple[int, int, int], bytes] = {}
-    data = run.data
     events: list[Event] = []
     for e in run.events:
-        slots: list[tuple[int, int, int] | None] = []
-        for s in e.slots:
-            if s is None:
-                slots.append(None)
-                continue
-            digest = by_slot.get(s)
-            if digest is None:
-                digest = by_slot[s] = _digest(data[s[0]][s[1] : s[2]])
-            slots.append(slot(digest))
-        events.append(dataclasses.replace(e, slots=tuple(slots)))
+        digests = [None if f is None else _digest(f) for f in run.fingerprints(e)]
+        events.append(dataclasses.replace(e, slots=tuple([slot(d) for d in digests])))
     starts = list(run.starts)
     if run.ops is not None:
         events, starts = _with_op_events(run, events, slot)
@@ -246,18 +213,7 @@ def _trace_of(
         )
     first_final = next((i for i, e in enumerate(events) if e.phase == "final"), len(events))
     events[first_final:first_final] = results
-    return Trace(
-        source=source,
-        recorded=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        seed=seed,
-        backward=backward,
-        environment=environment,
-        structure=tuple(run.structure),
-        starts=tuple(starts),
-        events=tuple(events),
-        digests=b"".join(table),
-        ops=run.ops is not None,
-    )
+    return events, starts, b"".join(table)
 
 
 def _with_op_events(
@@ -296,57 +252,50 @@ def _with_op_events(
         n = numbers.get(started, 0)
         numbers[started] = n + 1
         inside = running[-1] if running else None
-        merged.append(_op_event(call, ("op", started, n), inside, run.structure, slot))
+        label: tuple[str | None, str | None, str | None] = (
+            NO_MODULE if inside is None else run.structure[inside]
+        )
+        # Its inputs from outside the recorded ops, then its outputs (the order
+        # first_op_difference checks).
+        prints = (*call.inputs, *call.outputs)
+        where = dataclasses.replace(call, location=_relative(call.location, os.getcwd()))
+        merged.append(
+            Event(
+                ("op", started, n),
+                "op",
+                where.described(),
+                *label,
+                inside,
+                tuple([p.path for p in prints]),
+                tuple([p.shape for p in prints]),
+                tuple([p.dtype for p in prints]),
+                tuple(
+                    [
+                        slot(None if p.fingerprint is None else _digest(p.fingerprint))
+                        for p in prints
+                    ]
+                ),
+            )
+        )
     merged += events[placed:]
     # Op calls made before a module call started are exactly the first at_calls[c].
     return merged, [s + k for s, k in zip(starts, at_calls, strict=True)]
 
 
-def _op_event(
-    call: OpCall,
-    key: tuple[Any, ...],
-    inside: int | None,
-    structure: list[tuple[str, str, str]],
-    slot: Callable[[bytes | None], tuple[int, int, int] | None],
-) -> Event:
-    """The event of one op call: its inputs from outside the recorded ops, then its
-    outputs (the order :func:`~deterministic_ctx.verify.ops.first_op_difference` checks)."""
-    prints = (*call.inputs, *call.outputs)
-    label: tuple[str | None, str | None, str | None] = (
-        NO_MODULE if inside is None else structure[inside]
-    )
-    where = dataclasses.replace(call, location=_relative(call.location))
-    return Event(
-        key,
-        "op",
-        where.described(),
-        *label,
-        inside,
-        tuple([p.path for p in prints]),
-        tuple([p.shape for p in prints]),
-        tuple([p.dtype for p in prints]),
-        tuple([slot(None if p.fingerprint is None else _digest(p.fingerprint)) for p in prints]),
-    )
-
-
-def _relative(location: str | None) -> str | None:
-    """``file:line`` with a file under the working directory relative to it: the same
-    script in two checkouts has the same name in both traces."""
-    if location is None:
-        return None
-    file, colon, line = location.rpartition(":")
-    return f"{_relative_file(file, os.getcwd())}:{line}" if colon else location
-
-
-@functools.lru_cache(maxsize=1024)  # per file: a run makes many op calls in few files
-def _relative_file(file: str, directory: str) -> str:
-    if not os.path.isabs(file):
-        return file
+@functools.lru_cache(maxsize=4096)  # per line: a run makes many op calls at few lines
+def _relative(location: str | None, directory: str) -> str | None:
+    """``file:line`` with a file under ``directory`` (the working directory) relative to
+    it: the same script in two checkouts has the same name in both traces."""
+    file, colon, line = (location or "").rpartition(":")
+    if not colon or not os.path.isabs(file):
+        return location
     try:
         relative = os.path.relpath(file, directory)
     except ValueError:  # another drive (Windows)
-        return file
-    return file if relative == os.pardir or relative.startswith(os.pardir + os.sep) else relative
+        return location
+    if relative == os.pardir or relative.startswith(os.pardir + os.sep):
+        return location
+    return f"{relative}:{line}"
 
 
 def _digest(data: bytes | memoryview) -> bytes:
@@ -357,8 +306,8 @@ def _leaf_digest(leaf: object) -> tuple[tuple[int, ...], str, bytes | None]:
     """Shape, dtype (a type name for Python values) and digest of one leaf; ``None``
     for a leaf compared by type only (an object of another kind)."""
     if isinstance(leaf, torch.Tensor):
-        found = fingerprint(leaf)
-        data = None if found is None else found.detach().cpu().numpy().tobytes()
+        parts = fingerprint_parts(leaf)
+        data = None if parts is None else b"".join(p.cpu().numpy().tobytes() for p in parts)
         dtype = str(leaf.dtype).removeprefix("torch.")
         return tuple(leaf.shape), dtype, None if data is None else _digest(data)
     if isinstance(leaf, (np.ndarray, np.generic)):

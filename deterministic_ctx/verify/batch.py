@@ -15,7 +15,7 @@ from ..core.context import deterministic
 from ..internal import BATCH_NORM_BASE, DROPOUT_BASE
 from .compare import Difference, first_difference, tensor_leaves
 from .reproducible import NotReproducibleError, fn_name
-from .rerun import SavedState, call_and_consume, check_fn, objects_to_reset
+from .rerun import call_and_consume, prepare_runs
 from .rows import batch_layout, check_dim, check_rows, result_layout, row_of
 
 __all__ = ["BatchInvarianceError", "assert_batch_invariant"]
@@ -194,17 +194,15 @@ def assert_batch_invariant(
         0 result (0, 0)
     """
     block = deterministic(seed, warn_only=warn_only)
-    check_fn(fn)
+    objects, saved = prepare_runs(fn, args, kwargs, reset)
     dim = check_dim("dim", dim)
     out_dim = dim if out_dim is None else check_dim("out_dim", out_dim)
     tensors, dims, size = batch_layout(batch, dim)
     checked = check_rows(rows, size)
-    objects = objects_to_reset(fn, args, kwargs, reset)
     name = fn_name(fn)
     # Copied before fn runs: a fn that changes its input in place cannot change
     # the rows through the batch (nor the batch through a row).
     alone_inputs = {i: row_of(batch, tensors, dims, i, copied=True) for i in checked}
-    saved = SavedState(objects)
     try:
         with block:
             batched = call_and_consume(fn, (batch, *args), kwargs)

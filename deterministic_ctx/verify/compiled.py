@@ -23,7 +23,7 @@ from ..internal import (
 )
 from .compare import first_difference, short_repr
 from .reproducible import NotReproducibleError, fn_name
-from .rerun import SavedState, call_and_consume, check_fn, objects_to_reset
+from .rerun import call_and_consume, prepare_runs
 
 __all__ = ["CompiledMismatchError", "assert_compiled_matches_eager"]
 
@@ -258,7 +258,7 @@ def assert_compiled_matches_eager(
         result
     """
     block = deterministic(seed, warn_only=warn_only, compiled_rng=compiled_rng)
-    check_fn(fn)
+    _, saved = prepare_runs(fn, args, kwargs, reset)
     _check_not_compiled(fn)
     _check_compile_args(backend, mode, options, fullgraph, dynamic)
     if backend == "inductor":
@@ -269,7 +269,6 @@ def assert_compiled_matches_eager(
         if mode is not None and options is not None:
             raise ValueError("pass mode or options, not both (torch.compile takes one)")
         eager_rng = True  # only inductor draws random numbers of its own
-    saved = SavedState(objects_to_reset(fn, args, kwargs, reset))
     # torch's config patches (torch.compile's own, for the options) put values
     # back but leave them marked as set by the user, which changes inductor's
     # compile-cache keys: every entry's override is put back afterwards.

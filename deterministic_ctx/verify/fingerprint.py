@@ -21,13 +21,15 @@ operation per device rather than one per tensor.
 
 Example:
     >>> import torch
-    >>> from deterministic_ctx.verify.fingerprint import fingerprint
+    >>> from deterministic_ctx.verify.fingerprint import fingerprint_parts
     >>> a = torch.arange(1000.0)  # 500 words: 29 rows of 17, then 7 more
-    >>> f = fingerprint(a)
-    >>> f.dtype, f.shape
-    (torch.int64, torch.Size([53]))
-    >>> torch.equal(fingerprint(a.clone()), f), torch.equal(fingerprint(a.flip(0)), f)
-    (True, False)
+    >>> parts = fingerprint_parts(a)
+    >>> [(p.dtype, p.numel()) for p in parts]
+    [(torch.int64, 29), (torch.int64, 17), (torch.int64, 7)]
+    >>> all(map(torch.equal, fingerprint_parts(a.clone()), parts))
+    True
+    >>> all(map(torch.equal, fingerprint_parts(a.flip(0)), parts))
+    False
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["SMALL", "FingerprintStore", "Slot", "fingerprint", "fingerprint_parts"]
+__all__ = ["SMALL", "FingerprintStore", "Slot", "fingerprint_parts"]
 
 #: Tensors of at most this many 8-byte words (2 KiB) are fingerprinted by a copy of their words:
 #: one operation, where the table takes two or three.
@@ -48,30 +50,10 @@ SMALL = 256
 Slot = tuple[int, int, int]
 
 
-def fingerprint(t: torch.Tensor) -> torch.Tensor | None:
-    """A 1-d int64 tensor on ``t``'s device that changes when any element of ``t`` changes.
-
-    The concatenation of :func:`fingerprint_parts`; see there.  ``None`` for
-    tensors without readable data (meta, or exotic subclasses).
-
-    Example:
-        >>> import torch
-        >>> zeros = fingerprint(torch.zeros(3))
-        >>> torch.equal(zeros, fingerprint(torch.tensor([0.0, -0.0, 0.0])))
-        False
-        >>> fingerprint(torch.empty(3, device="meta")) is None
-        True
-    """
-    parts = fingerprint_parts(t)
-    if parts is None:
-        return None
-    if not parts:
-        return torch.empty(0, dtype=torch.int64, device=t.device)
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def fingerprint_parts(t: torch.Tensor) -> list[torch.Tensor] | None:
-    """The fingerprint of ``t`` as a few 1-d int64 tensors on its device (``[]`` when empty).
+def fingerprint_parts(t: torch.Tensor, *, copy: bool = True) -> list[torch.Tensor] | None:
+    """The fingerprint of ``t`` as a few 1-d int64 tensors on its device (``[]`` when empty):
+    they change when any element of ``t`` changes.  ``None`` for tensors without readable
+    data (meta, or exotic subclasses).
 
     ``t``'s bytes, in logical element order, are read as ``n`` int64 words
     (the bytes of a last partial word count one by one).  Up to :data:`SMALL`
@@ -94,18 +76,15 @@ def fingerprint_parts(t: torch.Tensor) -> list[torch.Tensor] | None:
     elements also see a sign flip of every element (``-t``, ``t.conj()``): a
     row then moves by an odd multiple of its lowest sign bit.
 
+    With ``copy=False`` the words that are copied as they are (a small tensor's,
+    those past a table's last row) are views of ``t``'s data instead, for a
+    caller that copies them all at once while ``t`` is unchanged.
+
     Example:
         >>> import torch
         >>> [tuple(p.shape) for p in fingerprint_parts(torch.zeros(3000, dtype=torch.float64))]
         [(46,), (65,), (10,)]
     """
-    return _parts(t, copy=True)
-
-
-def _parts(t: torch.Tensor, *, copy: bool) -> list[torch.Tensor] | None:
-    """:func:`fingerprint_parts`; with ``copy=False`` the words that are copied as they are
-    (a small tensor's, those past a table's last row) are views of ``t``'s data instead,
-    for a caller that copies them all at once while ``t`` is unchanged."""
     try:
         if t.is_meta:
             return None
@@ -159,7 +138,7 @@ class FingerprintStore:
     def add(self, t: torch.Tensor) -> Slot | None:
         """Fingerprint ``t``; ``(buffer, start, stop)`` of its bytes in :meth:`host`'s data,
         or ``None`` when it has no readable data (meta tensors, exotic subclasses)."""
-        parts = _parts(t, copy=True)
+        parts = fingerprint_parts(t)
         if parts is None:
             return None
         slot = self._file(parts, t.device)
@@ -197,7 +176,7 @@ class FingerprintStore:
         slots: list[Slot | None] = []
         pieces: dict[int, list[torch.Tensor]] = {}
         for t in tensors:
-            parts = _parts(t, copy=False)
+            parts = fingerprint_parts(t, copy=False)
             if parts is None:
                 slots.append(None)
                 continue

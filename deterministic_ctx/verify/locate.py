@@ -70,13 +70,13 @@ from typing import Any
 import torch
 
 from ..core.context import deterministic
-from .compare import first_difference, short_repr, tensor_difference
+from .compare import short_repr, tensor_difference
 from .ops import OpDifference, first_op_difference
-from .record import OpWindow, Recording, Run, record
-from .rerun import SavedState, check_fn, check_runs, objects_to_reset
+from .record import OpWindow, Run, record
+from .rerun import check_runs, prepare_runs
 from .timeline import Finding, compare_runs
 
-__all__ = ["Divergence", "DivergenceReport", "divergence_of", "locate_divergence"]
+__all__ = ["Agreement", "Divergence", "DivergenceReport", "divergence_of", "locate_divergence"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,8 +183,37 @@ class Divergence:
         return [*lines, f"  {compared} earlier fingerprint(s) agree"]
 
 
+class Agreement:
+    """What a report on two runs (or two traces) has: ``divergence``, where they first
+    differ (``None`` where nowhere), ``agree`` and ``to_dict()``."""
+
+    divergence: Divergence | None
+
+    @property
+    def agree(self) -> bool:
+        return self.divergence is None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data: ints, strings, lists, dicts, bools, floats and ``None`` only.
+
+        Example:
+            >>> import json, torch
+            >>> report = locate_divergence(torch.nn.Linear(2, 2), torch.ones(1, 2))
+            >>> json.loads(json.dumps(report.to_dict()))["agree"]
+            True
+        """
+        fields = dataclasses.asdict(self)  # type: ignore[call-overload]  # a dataclass's
+        out: dict[str, Any] = {"agree": self.agree, **fields}
+        for name, value in fields.items():
+            if isinstance(value, tuple):
+                out[name] = list(value)
+        if self.divergence is not None:
+            out["divergence"] = self.divergence.to_dict()
+        return out
+
+
 @dataclasses.dataclass(frozen=True)
-class DivergenceReport:
+class DivergenceReport(Agreement):
     """What :func:`locate_divergence` found.
 
     ``agree`` is true when every recorded fingerprint, the return value and
@@ -203,25 +232,6 @@ class DivergenceReport:
     compared: int
     divergence: Divergence | None
     ops: bool = False
-
-    @property
-    def agree(self) -> bool:
-        return self.divergence is None
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data: ints, strings, lists, dicts and ``None`` only.
-
-        Example:
-            >>> import json, torch
-            >>> report = locate_divergence(torch.nn.Linear(2, 2), torch.ones(1, 2))
-            >>> json.loads(json.dumps(report.to_dict()))["agree"]
-            True
-        """
-        out = dataclasses.asdict(self)
-        out["agree"] = self.agree
-        if self.divergence is not None:
-            out["divergence"] = self.divergence.to_dict()
-        return out
 
     def __str__(self) -> str:
         d = self.divergence
@@ -292,19 +302,10 @@ def locate_divergence(
     """
     block = deterministic(seed, warn_only=warn_only)
     runs = check_runs(runs)
-    if not isinstance(backward, bool):
-        raise TypeError(f"backward must be True or False, got {backward!r}")
-    if not isinstance(ops, bool):
-        raise TypeError(f"ops must be True or False, got {ops!r}")
-    check_fn(fn)
-    objects = objects_to_reset(fn, args, kwargs, reset)
+    objects, saved = prepare_runs(fn, args, kwargs, reset, backward=backward, ops=ops)
     roots = [o for o in objects if isinstance(o, torch.nn.Module)]
-    saved = SavedState(objects)
 
     def again(capture: tuple[Any, ...] | None = None, window: OpWindow | None = None) -> Run:
-        return rerun(capture, window).run()
-
-    def rerun(capture: tuple[Any, ...] | None = None, window: OpWindow | None = None) -> Recording:
         saved.load()  # every run after the first starts from the saved state
         return record(
             block, fn, args, kwargs, roots, backward=backward, capture=capture, ops=window
@@ -317,7 +318,7 @@ def locate_divergence(
         agreed = 0
         run = 1
         for run in range(2, runs + 1):
-            finding, agreed = _compared(first, rerun(), run)
+            finding, agreed = compare_runs(first, again(), run)
             if finding is not None:
                 break
         if finding is not None:
@@ -327,19 +328,11 @@ def locate_divergence(
             numbers = (runs + 1, runs + 2)
             reruns: tuple[Run, Run] | None = None
             if window is not None:
-                try:
-                    reruns = (again(key, window), again(key, window))
-                except Exception as err:
-                    # The dispatch mode broke fn (a higher-order op, code that compiles
-                    # itself, ...): keep the module-level report, say why no op is named.
-                    drilled = (None, None, _recording_failed(err, window))
-                else:
-                    diff = _op_difference(reruns, window, numbers)
-                    drilled = _first_op(reruns, window, numbers, diff)
-                    if diff is not None and diff.from_outside and window.call is not None:
-                        # The call read a tensor made before it started (by code between
-                        # module calls): record from the start of fn up to the call.
-                        drilled = _made_before(again, window.call, diff, (runs + 3, runs + 4))
+                reruns, diff, drilled = _first_op(again, window, numbers, key)
+                if diff is not None and diff.from_outside and window.call is not None:
+                    # The call read a tensor made before it started (by code between
+                    # module calls): record from the start of fn up to the call.
+                    drilled = _made_before(again, window.call, diff, (runs + 3, runs + 4))
             if key is not None:
                 if reruns is None:
                     reruns = (again(key), again(key))
@@ -357,20 +350,6 @@ def locate_divergence(
     )
 
 
-def _compared(first: Recording, other: Recording, run: int) -> tuple[Finding | None, int]:
-    """:func:`~deterministic_ctx.verify.timeline.compare_runs` of run 1 and run ``run``.
-
-    Runs that recorded exactly the same and returned equal values are found equal
-    in one comparison of their records (:meth:`Recording.agreement`), with the count
-    ``compare_runs`` gives them, and without making their events; any other pair
-    is walked event by event.
-    """
-    agreed = first.agreement(other)
-    if agreed is not None and first_difference(first.result, other.result) is None:
-        return None, agreed
-    return compare_runs(first.run(), other.run(), run)
-
-
 def _op_window(finding: Finding) -> OpWindow:
     """Where the op calls that made ``finding`` ran: see the module's docstring."""
     e = finding.event
@@ -383,37 +362,31 @@ def _op_window(finding: Finding) -> OpWindow:
     return OpWindow()  # the return value or a final tensor: anywhere in fn
 
 
-def _recording_failed(err: Exception, window: OpWindow) -> str:
-    message = short_repr(str(err).strip().split("\n", 1)[0])[1:-1]  # one line, cut short
-    return (
-        f"none: a re-run that records the op calls {window.describe()} raised "
-        f"{type(err).__name__}: {message} (the runs without the recording did not); the "
-        "module-level report above stands"
-    )
-
-
-def _op_difference(
-    reruns: tuple[Run, Run], window: OpWindow, numbers: tuple[int, int]
-) -> OpDifference | None:
-    """The first op call that differs between two re-runs (numbered ``numbers``) that
-    recorded the op calls of ``window``."""
-    a, b = (r.ops or [] for r in reruns)
-    left, right = (f"run {n}" for n in numbers)
-    return first_op_difference(a, b, left=left, right=right)
-
-
 def _first_op(
-    reruns: tuple[Run, Run],
+    again: Callable[[tuple[Any, ...] | None, OpWindow | None], Run],
     window: OpWindow,
     numbers: tuple[int, int],
-    diff: OpDifference | None,
-) -> tuple[str | None, str | None, str]:
-    """``(op, op_location, op_detail)`` for ``diff``, the first op call that differs
-    between two re-runs (numbered ``numbers``) that recorded the op calls of ``window``
-    (see :func:`_op_difference`)."""
-    a = reruns[0].ops or []
-    left, right = (f"run {n}" for n in numbers)
+    capture: tuple[Any, ...] | None = None,
+) -> tuple[tuple[Run, Run] | None, OpDifference | None, tuple[str | None, str | None, str]]:
+    """Two re-runs (numbered ``numbers``) that record the op calls of ``window`` (and keep
+    the tensors of the event ``capture``), the first op call that differs between them,
+    and ``(op, op_location, op_detail)`` for it; no re-runs where recording raised."""
     where = window.describe()
+    try:
+        reruns = (again(capture, window), again(capture, window))
+    except Exception as err:
+        # The dispatch mode broke fn (a higher-order op, code that compiles itself, ...):
+        # keep the module-level report, say why no op is named.
+        message = short_repr(str(err).strip().split("\n", 1)[0])[1:-1]  # one line, cut short
+        detail = (
+            f"none: a re-run that records the op calls {where} raised "
+            f"{type(err).__name__}: {message} (the runs without the recording did not); the "
+            "module-level report above stands"
+        )
+        return None, None, (None, None, detail)
+    a, b = (r.ops or [] for r in reruns)
+    left, right = (f"run {n}" for n in numbers)
+    diff = first_op_difference(a, b, left=left, right=right)
     if diff is None:
         if not a:
             detail = (
@@ -426,7 +399,7 @@ def _first_op(
                 "every one, so the difference comes and goes, or it comes from outside torch "
                 "ops (e.g. a tensor changed through NumPy)"
             )
-        return None, None, detail
+        return reruns, None, (None, None, detail)
     call = diff.call
     if diff.kind in ("op", "missing", "extra"):
         detail = f"after {diff.index} op call(s) that agree {where}, {diff.detail}"
@@ -435,8 +408,8 @@ def _first_op(
         detail = f"{call.described()}, {count}: {diff.detail}"
     if diff.from_outside:
         # That op only read the tensor: naming it would blame an innocent op.
-        return None, None, f"none: {detail}"
-    return call.op, call.location, detail
+        return reruns, diff, (None, None, f"none: {detail}")
+    return reruns, diff, (call.op, call.location, detail)
 
 
 def _made_before(
@@ -453,13 +426,8 @@ def _made_before(
         f"module call #{index} read a differing tensor that no op during the call made "
         f"({read.what}, read by {read.call.described()})"
     )
-    try:
-        reruns = (again(None, window), again(None, window))
-    except Exception as err:
-        return None, None, f"none: {reader}; {_recording_failed(err, window)[6:]}"
-    diff = _op_difference(reruns, window, numbers)
-    op, location, detail = _first_op(reruns, window, numbers, diff)
-    if diff is None:
+    reruns, diff, (op, location, detail) = _first_op(again, window, numbers)
+    if reruns is not None and diff is None:
         detail = (
             f"none: {reader}, and {detail[6:]}; so it was changed outside torch ops "
             "(e.g. through NumPy or a data pointer), or the difference comes and goes"

@@ -10,18 +10,17 @@ tensor's device: no host sync per call) and moves them to the host once, at
 its end; a run asked to ``capture`` one event also keeps a copy of its tensors,
 and a run given an :class:`OpWindow` records the aten op calls in that window
 (an :class:`~deterministic_ctx.verify.ops.OpRecorder` entered and left by the hooks).
-:func:`record` returns the run as the hooks left it (a :class:`Recording`): two
-runs that recorded exactly the same are found equal in one comparison, and the
-:class:`Event` objects of a :class:`Run` are only made when a run is looked at
-event by event (:meth:`Recording.run`).
+:func:`record` returns the run as the hooks left it (a :class:`Run`): two
+runs that recorded exactly the same are found equal in one comparison, and its
+:class:`Event` objects are only made when a run is looked at event by event
+(:attr:`Run.events`).
 
 Example:
     >>> import torch
     >>> from deterministic_ctx import deterministic
     >>> from deterministic_ctx.verify.record import record
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
-    >>> recorded = record(deterministic(0), model, (torch.ones(1, 2),), {}, [model], backward=False)
-    >>> run = recorded.run()
+    >>> run = record(deterministic(0), model, (torch.ones(1, 2),), {}, [model], backward=False)
     >>> [(e.phase, e.module, e.what) for e in run.events][:3]
     [('forward', '0', 'output'), ('forward', '1', 'output'), ('forward', '', 'output')]
 """
@@ -34,7 +33,7 @@ import functools
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -47,19 +46,19 @@ from .fingerprint import Slot as _Slot
 from .ops import OpCall, OpRecorder
 from .rerun import call_and_consume
 
-__all__ = ["Event", "ModuleNames", "OpWindow", "Recording", "Run", "record"]
+__all__ = ["Event", "ModuleNames", "OpWindow", "Run", "record"]
 
 #: Looked up once: the hooks call it twice per module call.
 _get_ident = threading.get_ident
-#: An event as the hooks record it: key, phase, what, ``(root, module, class name)``,
-#: call index, and per tensor its path, shape, dtype and slot.
+#: An event as the hooks record it (or as a trace holds it): key, phase, what, ``(root,
+#: module, class name)``, call index, and per tensor its path, shape, dtype and slot.
 _Record = tuple[
     tuple[Any, ...],
     str,
     str,
-    tuple[str, str, str],
+    tuple[str | None, str | None, str | None],
     int | None,
-    list[tuple[str, torch.Size, torch.dtype, _Slot | None]],
+    Sequence[tuple[str, tuple[int, ...], torch.dtype | str, _Slot | None]],
 ]
 
 
@@ -129,27 +128,6 @@ class OpWindow:
         return "in the backward pass" if self.backward else "in the whole run"
 
 
-def _events(records: list[_Record]) -> list[Event]:
-    """The events of ``records``, in order: made in one go, once a run is looked at event
-    by event, never in the hooks while the model runs."""
-    return [
-        Event(
-            key,
-            phase,
-            what,
-            root,
-            module,
-            module_type,
-            call_index,
-            tuple([p for p, _, _, _ in tensors]),
-            tuple([tuple(shape) for _, shape, _, _ in tensors]),
-            tuple([str(dtype).removeprefix("torch.") for _, _, dtype, _ in tensors]),
-            tuple([slot for _, _, _, slot in tensors]),
-        )
-        for key, phase, what, (root, module, module_type), call_index, tensors in records
-    ]
-
-
 class ModuleNames:
     """Labels of modules, ``(root, qualified name, class name)``, the name relative to the
     root module it was found in.
@@ -194,13 +172,13 @@ class _Recorder:
         self.capture = capture
         self.captured: list[tuple[str, torch.Tensor]] | None = None
         # What each event needs, in the order events happen; the Event objects are made
-        # after the run, and only if it is looked at event by event (see _events()).
+        # after the run, and only if it is looked at event by event (see Run.events).
         self.records: list[_Record] = []
         # Fingerprints stay on their devices until the run ends.
         self._store = FingerprintStore()
         # The op recorder of the window, if any: entered and left by the hooks (or around
         # the whole call of fn), and paused while the hooks fingerprint.
-        self.window = window
+        self.window = OpWindow() if window is None else window
         self.ops: OpRecorder | None = None
         if window is not None:
             self.ops = OpRecorder(
@@ -218,7 +196,6 @@ class _Recorder:
         self._stack: list[tuple[torch.nn.Module, int, tuple[str, str, str]]] = []
         self._last_call: dict[int, int] = {}
         self._occurrences: dict[tuple[Any, ...], int] = {}
-        self._param_hooked: set[int] = set()
         self._labels = names.labels
         self.handles: list[Any] = []  # of the gradient hooks
         # A container's output is usually its last child's output tensor: reuse its
@@ -226,10 +203,6 @@ class _Recorder:
         self._last: tuple[Any, int | None, _Slot] | None = None
         # Backward hooks of CUDA tensors run on autograd's device threads.
         self._lock = threading.Lock()
-
-    def _label(self, module: torch.nn.Module) -> tuple[str, str, str]:
-        """``(root, name, class name)`` of ``module``."""
-        return self._labels.get(id(module)) or self.names.of(module)
 
     def record(
         self,
@@ -248,26 +221,8 @@ class _Recorder:
         ``base`` at most once per run (a module call's outputs), so its key needs no
         count of occurrences."""
         ops = self.ops
-        if ops is None:
-            self._record(base, phase, label, call_index, what, leaves, slots, once)
-            return
-        with ops.pause():  # the fingerprints are not the model's op calls
-            key = self._record(base, phase, label, call_index, what, leaves, slots, once)
-        if self.window is not None and key == self.window.until:
-            ops.stop()
-
-    def _record(
-        self,
-        base: tuple[Any, ...],
-        phase: str,
-        label: tuple[str, str, str],
-        call_index: int | None,
-        what: str,
-        leaves: list[tuple[str, torch.Tensor]],
-        slots: list[_Slot | None] | None,
-        once: bool,
-    ) -> tuple[Any, ...]:
-        with self._lock:
+        # The fingerprints are not the model's op calls.
+        with contextlib.nullcontext() if ops is None else ops.pause(), self._lock:
             if once:
                 key = (*base, 0)
             else:
@@ -282,11 +237,12 @@ class _Recorder:
                     (p, t.shape, t.dtype, slot) for (p, t), slot in zip(leaves, slots, strict=True)
                 ]
             self.records.append((key, phase, what, label, call_index, tensors))
-            if self.ops is not None:
-                self.ops_at_events.append(self.ops.count)
+            if ops is not None:
+                self.ops_at_events.append(ops.count)
             if key == self.capture:
                 self.captured = [(p, t.detach().clone()) for p, t in leaves]
-        return key
+        if ops is not None and key == self.window.until:
+            ops.stop()
 
     def _fingerprint(self, t: torch.Tensor) -> _Slot | None:
         """Fingerprint ``t`` (or reuse the last one, for the same unchanged tensor); where
@@ -312,13 +268,17 @@ class _Recorder:
         index = len(structure)
         label = self._labels.get(id(module)) or self.names.of(module)
         self._stack.append((module, index, label))
+        ops = self.ops
         with self._lock:
             structure.append(label)
             self.starts.append(len(self.records))
-            if self.ops is not None:
-                self.ops_at_calls.append(self.ops.count)
-        if self.window is not None:
-            self._window_at_call(index)
+            if ops is not None:
+                self.ops_at_calls.append(ops.count)
+        if ops is not None:  # the op window may open or close here
+            if self.window.call == index:
+                ops.__enter__()
+            elif self.window.before_call == index:
+                ops.stop()
         if self.backward:
             self._hook_gradients(module, index, label, args)
 
@@ -327,17 +287,17 @@ class _Recorder:
     ) -> None:
         """Gradient hooks on the inputs of call #``index`` of ``module`` and, on its first
         call, on its parameters."""
+        first_call = id(module) not in self._last_call
         self._last_call[id(module)] = index
         # Registered before the body runs, so a later in-place change of the
         # input does not redirect the hook.
         hooks = [
-            (t, functools.partial(self._input_grad, label, index, path))
+            (t, functools.partial(self._gradient, label, index, path))
             for path, t in tensor_leaves(args, "input")
         ]
-        if id(module) not in self._param_hooked:
-            self._param_hooked.add(id(module))
+        if first_call:
             hooks += [
-                (p, functools.partial(self._param_grad, module, label, pname))
+                (p, functools.partial(self._gradient, label, module, pname))
                 for pname, p in module.named_parameters(recurse=False)
             ]
         for t, hook in hooks:
@@ -360,71 +320,32 @@ class _Recorder:
                     break
             else:
                 return  # entered before the hooks were installed
-        leaves = (
-            [("output", output)]
-            if isinstance(output, torch.Tensor)
-            else list(tensor_leaves(output, "output"))
-        )
+        leaves = list(tensor_leaves(output, "output"))
         # Each call index leaves the stack once: its outputs are recorded once.
-        if self.ops is None:
-            self._record(("forward", index), "forward", label, index, "output", leaves, None, True)
-        else:
-            self.record(("forward", index), "forward", label, index, "output", leaves, once=True)
-        if self.ops is not None and self.window is not None and self.window.call == index:
+        self.record(("forward", index), "forward", label, index, "output", leaves, once=True)
+        if self.ops is not None and self.window.call == index:
             self.ops.__exit__(None, None, None)
 
-    # The op window.
-
-    def start_ops(self) -> None:
-        """At the start of ``fn``: enter the op recorder, unless the window is one call."""
-        if self.ops is not None and self.window is not None and self.window.call is None:
-            self.ops.__enter__()
-
-    def _window_at_call(self, index: int) -> None:
-        ops, window = self.ops, self.window
-        assert ops is not None
-        assert window is not None
-        if window.call == index:
-            ops.__enter__()
-        elif window.before_call == index:
-            ops.stop()
-
-    def op_calls(self) -> list[OpCall] | None:
-        """Once ``fn`` returned or raised: leave the op recorder, if still in it; its calls."""
-        ops = self.ops
-        if ops is None:
-            return None
-        ops.__exit__(None, None, None)  # a no-op if left already; never entered: no calls
-        return ops.calls
-
-    def _input_grad(
-        self, label: tuple[str, str, str], index: int, path: str, grad: torch.Tensor
-    ) -> None:
-        self.record(
-            ("grad", index, path),
-            "backward",
-            label,
-            index,
-            f"gradient w.r.t. {path}",
-            [(f"grad of {path}", grad)],
-        )
-
-    def _param_grad(
+    def _gradient(
         self,
-        module: torch.nn.Module,
         label: tuple[str, str, str],
-        pname: str,
+        call: int | torch.nn.Module,
+        name: str,
         grad: torch.Tensor,
     ) -> None:
-        root, name, _ = label
-        self.record(
-            ("param grad", root, name, pname),
-            "backward",
-            label,
-            self._last_call.get(id(module)),
-            f"gradient of parameter {pname!r}",
-            [(f"grad of {pname}", grad)],
-        )
+        """A gradient hook: record ``grad``, of the input ``name`` of call #``call``, or of
+        the parameter ``name`` of the module ``call`` (in its last call)."""
+        base: tuple[Any, ...]
+        index: int | None
+        if isinstance(call, int):
+            base = ("grad", call, name)
+            index = call
+            what = f"gradient w.r.t. {name}"
+        else:
+            base = ("param grad", label[0], label[1], name)
+            index = self._last_call.get(id(call))
+            what = f"gradient of parameter {name!r}"
+        self.record(base, "backward", label, index, what, [(f"grad of {name}", grad)])
 
     def final_state(self) -> None:
         """Fingerprint the gradients, then the parameters and buffers, of every known root
@@ -469,39 +390,36 @@ class _Recorder:
         ]
         # All at once: nothing changes them any more, so their small fingerprints (and
         # the words past each table's last row) are copied in one operation, not one each.
-        ops = self.ops
-        keys: list[tuple[Any, ...]] = []
-        with contextlib.nullcontext() if ops is None else ops.pause():
+        with contextlib.nullcontext() if self.ops is None else self.ops.pause():
             slots = self._store.add_all([entry[5] for entry in finals])
-            for (module, label, qualname, leaf, kind, t), slot in zip(finals, slots, strict=True):
-                base = ("final", kind, label, qualname)
-                what = f"{kind} {leaf!r} after fn returned"
-                label_of = self._label(module)
-                keys.append(
-                    self._record(base, "final", label_of, None, what, [(leaf, t)], [slot], False)
-                )
-        if ops is not None and self.window is not None and self.window.until in keys:
-            ops.stop()
+        for (module, label, qualname, leaf, kind, t), slot in zip(finals, slots, strict=True):
+            base = ("final", kind, label, qualname)
+            what = f"{kind} {leaf!r} after fn returned"
+            label_of = self._labels.get(id(module)) or self.names.of(module)
+            self.record(base, "final", label_of, None, what, [(leaf, t)], [slot])
 
 
-
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False)
 class Run:
     """What one run recorded.
 
-    ``events`` in the order they happened (the ``"final"`` ones last), the
-    bytes of their fingerprints in ``data`` (one buffer per device), the
-    return value, ``structure`` (who was called, per module call, in the
-    order calls start: ``(root, name, class name)``), ``starts`` (how many
-    events had been recorded when each call started), ``captured`` (the
+    ``records`` are the events as the hooks left them, in the order they
+    happened (the ``"final"`` ones last): :attr:`events` makes the
+    :class:`Event` objects from them on first use, when a run is looked at
+    event by event, and :meth:`agreement` compares two runs whole without
+    them.  Then the bytes of their fingerprints in ``data`` (one buffer per
+    device), the return value, ``structure`` (who was called, per module call,
+    in the order calls start: ``(root, name, class name)``), ``starts`` (how
+    many events had been recorded when each call started), ``captured`` (the
     tensors of the event asked for, if it happened) and ``ops`` (the op calls
     of the window asked for; ``None`` without one).  With a window,
     ``ops_at_events`` and ``ops_at_calls`` say how many op calls had been
     recorded when each event was recorded and when each module call started
-    (where the op calls sit in the timeline).  See the module's example.
+    (where the op calls sit in the timeline).  Made by :func:`record`; see the
+    module's example.
     """
 
-    events: list[Event]
+    records: Sequence[_Record]
     data: list[bytes]
     result: Any
     structure: list[tuple[str, str, str]]
@@ -510,6 +428,27 @@ class Run:
     ops: list[OpCall] | None = None
     ops_at_events: list[int] | None = None
     ops_at_calls: list[int] | None = None
+
+    @functools.cached_property
+    def events(self) -> list[Event]:
+        """The events of :attr:`records`, in order: made in one go on first use, once a run
+        is looked at event by event, never in the hooks while the model runs."""
+        return [
+            Event(
+                key,
+                phase,
+                what,
+                root,
+                module,
+                module_type,
+                call_index,
+                tuple([p for p, _, _, _ in tensors]),
+                tuple([tuple(shape) for _, shape, _, _ in tensors]),
+                tuple([str(dtype).removeprefix("torch.") for _, _, dtype, _ in tensors]),
+                tuple([slot for _, _, _, slot in tensors]),
+            )
+            for key, phase, what, (root, module, module_type), call_index, tensors in self.records
+        ]
 
     def fingerprints(self, event: Event) -> tuple[bytes | None, ...]:
         """The fingerprints of ``event``'s tensors, as bytes (``None``: none).
@@ -521,36 +460,7 @@ class Run:
         data = self.data
         return tuple([None if s is None else data[s[0]][s[1] : s[2]] for s in event.slots])
 
-
-@dataclasses.dataclass(eq=False)
-class Recording:
-    """One run as the hooks recorded it, before its events are made.
-
-    Holds what a :class:`Run` holds, with its events still as the hooks left
-    them (``records``): :meth:`agreement` compares two recordings whole, and
-    :meth:`run` makes the :class:`Run` (once) when a run is looked at event by
-    event.  Made by :func:`record`; see the module's example.
-    """
-
-    records: list[_Record]
-    data: list[bytes]
-    result: Any
-    structure: list[tuple[str, str, str]]
-    starts: list[int]
-    captured: list[tuple[str, torch.Tensor]] | None
-    ops: list[OpCall] | None
-    ops_at_events: list[int] | None
-    ops_at_calls: list[int] | None
-    _run: Run | None = dataclasses.field(default=None, init=False, repr=False)
-
-    def run(self) -> Run:
-        """The :class:`Run`: its events made on the first call."""
-        if self._run is None:
-            fields = [getattr(self, f.name) for f in dataclasses.fields(Run)[1:]]  # events first
-            self._run = Run(_events(self.records), *fields)
-        return self._run
-
-    def agreement(self, other: Recording) -> int | None:
+    def agreement(self, other: Run) -> int | None:
         """How many events agree, if ``other`` recorded exactly what this run did; else
         ``None``.
 
@@ -559,9 +469,10 @@ class Recording:
         in the same order; the same fingerprint bytes in the same places.  Then
         :func:`~deterministic_ctx.verify.timeline.compare_runs` finds no difference (but perhaps
         in the return values, which this does not compare) and counts as agreeing the
-        events before the first ``"final"`` one, then the ``"final"`` ones: the count
-        returned, found in one comparison of the records and without making an
-        :class:`Event`.  For anything else, walk the runs with ``compare_runs``.
+        events before the first ``"final"`` one, then the ``"final"`` ones, which are the
+        last: every event.  That count is returned, found in one comparison of the records
+        and without making an :class:`Event`.  For anything else, walk the runs with
+        ``compare_runs``.
 
         Example:
             >>> import torch
@@ -569,7 +480,7 @@ class Recording:
             >>> model = torch.nn.Linear(2, 2)
             >>> a, b = (record(deterministic(0), model, (torch.ones(1, 2),), {}, [model],
             ...                backward=False) for _ in "ab")
-            >>> a.agreement(b), len(a.run().events)
+            >>> a.agreement(b), len(a.events)
             (3, 3)
         """
         if (
@@ -579,9 +490,7 @@ class Recording:
             or self.records != other.records
         ):
             return None
-        phases = [r[1] for r in self.records]
-        during = phases.index("final") if "final" in phases else len(phases)
-        return during + phases.count("final")
+        return len(self.records)
 
 
 def record(
@@ -594,14 +503,14 @@ def record(
     backward: bool,
     capture: tuple[Any, ...] | None = None,
     ops: OpWindow | None = None,
-) -> Recording:
+) -> Run:
     """Run ``fn(*args, **kwargs)`` once in ``block`` and record it.
 
     ``roots`` are the models whose modules are named relative to them (others
     are found as they are called); ``backward`` adds gradient fingerprints;
     ``capture`` is the key of an event whose tensors are kept; ``ops`` a
     window whose aten op calls are recorded.  See the module's example and
-    :meth:`Recording.agreement`.
+    :meth:`Run.agreement`.
     """
     rec = _Recorder(ModuleNames(roots), backward=backward, capture=capture, window=ops)
     with block:
@@ -610,11 +519,13 @@ def record(
             _nn_module.register_module_forward_hook(rec.post_hook),
         ]
         try:
-            rec.start_ops()
+            if rec.ops is not None and rec.window.call is None:
+                rec.ops.__enter__()  # at the start of fn, unless the window is one call
             try:
                 result = call_and_consume(fn, args, kwargs)
             finally:
-                op_calls = rec.op_calls()
+                if rec.ops is not None:  # a no-op if left already; never entered: no calls
+                    rec.ops.__exit__(None, None, None)
         finally:
             for handle in module_hooks + rec.handles:
                 handle.remove()
@@ -622,8 +533,6 @@ def record(
     # Every fingerprint's bytes, per device: one concatenation and one copy each (the
     # only host sync of the run, besides an op window's).
     data = rec._store.host()
+    op_calls = None if rec.ops is None else rec.ops.calls
     marks = (None, None) if op_calls is None else (rec.ops_at_events, rec.ops_at_calls)
-    return Recording(
-        rec.records, data, result, rec.structure, rec.starts, rec.captured, op_calls, *marks
-    )
-
+    return Run(rec.records, data, result, rec.structure, rec.starts, rec.captured, op_calls, *marks)

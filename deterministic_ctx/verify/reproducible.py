@@ -9,7 +9,7 @@ from typing import Any
 from .._errors import PUBLIC_MODULE, DeterministicCtxError
 from ..core.context import deterministic
 from .compare import first_difference
-from .rerun import SavedState, call_and_consume, check_fn, check_runs, objects_to_reset
+from .rerun import call_and_consume, check_runs, prepare_runs
 
 __all__ = ["NotReproducibleError", "assert_reproducible", "fn_name"]
 
@@ -108,8 +108,7 @@ def assert_reproducible(
     """
     block = deterministic(seed, warn_only=warn_only)
     runs = check_runs(runs)
-    check_fn(fn)
-    saved = SavedState(objects_to_reset(fn, args, kwargs, reset))
+    _, saved = prepare_runs(fn, args, kwargs, reset)
     try:
         with block:
             first = call_and_consume(fn, args, kwargs)

@@ -32,7 +32,14 @@ import torch
 from ..internal import foreach_copy_
 from .compare import short_repr
 
-__all__ = ["SavedState", "call_and_consume", "check_fn", "check_runs", "objects_to_reset"]
+__all__ = [
+    "SavedState",
+    "call_and_consume",
+    "check_fn",
+    "check_runs",
+    "objects_to_reset",
+    "prepare_runs",
+]
 
 
 def check_fn(fn: object) -> None:
@@ -51,6 +58,24 @@ def check_fn(fn: object) -> None:
             f"fn must be synchronous, got async function {getattr(fn, '__qualname__', fn)!r}; "
             "wrap it, e.g. lambda: asyncio.run(fn())"
         )
+
+
+def prepare_runs(
+    fn: object,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    reset: Iterable[Any],
+    **flags: object,
+) -> tuple[list[Any], SavedState]:
+    """The checked start of every check that runs ``fn``: ``fn`` a synchronous callable
+    (:func:`check_fn`), each of ``flags`` True or False, and the objects to put back
+    between runs (:func:`objects_to_reset`), with their state saved now."""
+    check_fn(fn)
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {short_repr(value)}")
+    objects = objects_to_reset(fn, args, kwargs, reset)
+    return objects, SavedState(objects)
 
 
 def check_runs(runs: object) -> int:

@@ -152,7 +152,8 @@ def _rebuilt(obj: Any, old: list[Any], new: list[Any]) -> Any:
             return kind(new)
         # A dataclass: a copy, so that fields without init and frozen ones survive.
         instance = copy.copy(obj)
-        for field, value in zip(_compared_fields(obj), new, strict=True):
+        fields = [f for f in dataclasses.fields(obj) if f.compare]  # as children() lists them
+        for field, value in zip(fields, new, strict=True):
             object.__setattr__(instance, field.name, value)
         return instance
     except Exception as exc:
@@ -160,10 +161,6 @@ def _rebuilt(obj: Any, old: list[Any], new: list[Any]) -> Any:
             f"cannot rebuild a {type(obj).__qualname__} with one row of its tensors: {exc!r}; "
             f"batches and results must be tensors or {_STRUCTURES} of them"
         ) from exc
-
-
-def _compared_fields(obj: Any) -> list[dataclasses.Field[Any]]:
-    return [f for f in dataclasses.fields(obj) if f.compare]
 
 
 def _with_tensors(obj: Any, new: Iterator[torch.Tensor]) -> Any:

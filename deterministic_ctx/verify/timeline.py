@@ -14,7 +14,7 @@ Example:
     >>> model = torch.nn.Linear(2, 2)
     >>> def step():
     ...     return model(torch.randn(1, 2))
-    >>> runs = [record(deterministic(0), step, (), {}, [model], backward=False).run() for _ in "ab"]
+    >>> runs = [record(deterministic(0), step, (), {}, [model], backward=False) for _ in "ab"]
     >>> finding, agreed = compare_runs(*runs, run=2)
     >>> finding is None, agreed
     (True, 3)
@@ -56,21 +56,31 @@ class Finding:
     max_abs_diff: float | None = None
 
 
-def compare_runs(a: Run, b: Run, run: int) -> tuple[Finding | None, int]:
+def compare_runs(
+    a: Run, b: Run, run: int, names: tuple[str, str] | None = None
+) -> tuple[Finding | None, int]:
     """The first difference between run 1 (``a``) and run ``run`` (``b``) in run 1's
-    timeline, and how many events agreed before it (or in all).
+    timeline, and how many events agreed before it (or in all).  The details name the
+    runs ``names`` (default: ``"run 1"`` and ``"run {run}"``).
 
-    See the module's example.
+    Runs that recorded exactly the same and returned equal values are found equal
+    in one comparison of their records (:meth:`~deterministic_ctx.verify.record.Run.agreement`),
+    with the count the walk gives them, and without making their events; any other
+    pair is walked event by event.  See the module's example.
     """
-    comparison = _Comparison(a, b, run)
+    agreed = a.agreement(b)
+    if agreed is not None and first_difference(a.result, b.result) is None:
+        return None, agreed
+    comparison = _Comparison(a, b, names or ("run 1", f"run {run}"))
     return comparison.first(), comparison.agreed
 
 
 class _Comparison:
-    """One walk through run 1's timeline, matching run ``run``'s events by key."""
+    """One walk through run 1's timeline, matching the other run's events by key; the
+    details name the runs ``names``."""
 
-    def __init__(self, a: Run, b: Run, run: int) -> None:
-        self._a, self._b, self._run = a, b, run
+    def __init__(self, a: Run, b: Run, names: tuple[str, str]) -> None:
+        self._a, self._b, self._names = a, b, names
         self._unmatched = {e.key: e for e in b.events}
         self.agreed = 0
 
@@ -78,7 +88,7 @@ class _Comparison:
         """The first difference in timeline order; ``agreed`` counts the events before it."""
         a = self._a
         during = itertools.takewhile(lambda e: e.phase != "final", a.events)
-        structural = _structural(a, self._b, self._run)
+        structural = _structural(a, self._b, self._names)
         if structural is not None:
             position, call = structural
             # The call sequences part at ``position``: what happened before it, then the call.
@@ -100,13 +110,13 @@ class _Comparison:
         return None
 
     def _check(self, ea: Event) -> Finding | None:
-        run = self._run
+        left, right = self._names
         eb = self._unmatched.pop(ea.key, None)
         if eb is None:
-            return Finding("missing", ea, detail=f"run 1 recorded it, run {run} did not")
+            return Finding("missing", ea, detail=f"{left} recorded it, {right} did not")
         if (ea.paths, ea.shapes, ea.dtypes) != (eb.paths, eb.shapes, eb.dtypes):
             detail = (
-                f"shapes/dtypes differ: {_described(ea)} (run 1) vs {_described(eb)} (run {run})"
+                f"shapes/dtypes differ: {_described(ea)} ({left}) vs {_described(eb)} ({right})"
             )
             return Finding("shape", ea, eb, detail=detail)
         pairs = zip(self._a.fingerprints(ea), self._b.fingerprints(eb), strict=True)
@@ -116,9 +126,10 @@ class _Comparison:
         return None
 
     def _extra(self, final: bool) -> Finding | None:
+        left, right = self._names
         for eb in self._b.events:
             if eb.key in self._unmatched and (eb.phase == "final") == final:
-                return Finding("extra", eb, detail=f"run {self._run} recorded it, run 1 did not")
+                return Finding("extra", eb, detail=f"{right} recorded it, {left} did not")
         return None
 
     def _result(self) -> Finding | None:
@@ -128,27 +139,28 @@ class _Comparison:
         return Finding(
             "result",
             Event(("result",), "result", diff.path),
-            detail=diff.describe("run 1", f"run {self._run}"),
+            detail=diff.describe(*self._names),
             index=diff.index,
             max_abs_diff=diff.max_abs_diff,
         )
 
 
-def _structural(a: Run, b: Run, run: int) -> tuple[int, Finding] | None:
+def _structural(a: Run, b: Run, names: tuple[str, str]) -> tuple[int, Finding] | None:
     """The first module call that differs between the runs' call sequences, if any, with
     its position in run 1's timeline."""
+    left, right = names
     for index, (x, y) in enumerate(zip(a.structure, b.structure, strict=False)):
         if x != y:
-            detail = f"run 1 called {_label(x)} here, run {run} called {_label(y)}"
+            detail = f"{left} called {_label(x)} here, {right} called {_label(y)}"
             return a.starts[index], Finding("call", _call_event(index, x), detail=detail)
     index = min(len(a.structure), len(b.structure))
     if len(a.structure) > index:
         call = a.structure[index]
-        detail = f"run 1 called {_label(call)} here; run {run} made no more module calls"
+        detail = f"{left} called {_label(call)} here; {right} made no more module calls"
         return a.starts[index], Finding("missing", _call_event(index, call), detail=detail)
     if len(b.structure) > index:
         call = b.structure[index]
-        detail = f"run {run} called {_label(call)} here; run 1 made no more module calls"
+        detail = f"{right} called {_label(call)} here; {left} made no more module calls"
         position = sum(e.phase != "final" for e in a.events)
         return position, Finding("extra", _call_event(index, call), detail=detail)
     return None

@@ -14,10 +14,10 @@ from torch import nn
 from torch.nn.modules import module as nn_module
 
 from deterministic_ctx import deterministic, register_rng, unregister_rng
-from deterministic_ctx.verify.locate import _compared, locate_divergence
+from deterministic_ctx.verify.locate import locate_divergence
 from deterministic_ctx.verify.record import record
 from deterministic_ctx.verify.rerun import SavedState
-from deterministic_ctx.verify.timeline import compare_runs
+from deterministic_ctx.verify.timeline import _Comparison, compare_runs
 from tests.helpers import ROOT, run_python
 
 
@@ -435,6 +435,12 @@ def recorded(model, plan, backward):
         saved.load()
 
 
+def walked(a, b):
+    """compare_runs without its one-step comparison of whole recordings: the walk."""
+    comparison = _Comparison(a, b, ("run 1", "run 2"))
+    return comparison.first(), comparison.agreed
+
+
 CALLS = st.lists(
     st.tuples(st.integers(0, 4), st.integers(1, 3), st.sampled_from([0.5, 0.5, 0.25, 0.0, -0.0])),
     max_size=5,
@@ -472,15 +478,15 @@ def plan_pairs(draw):
 
 @settings(max_examples=150, deadline=None)
 @given(pair=plan_pairs(), backward=st.booleans())
-def test_the_one_step_comparison_finds_what_compare_runs_finds(pair, backward):
+def test_the_one_step_comparison_finds_what_the_walk_finds(pair, backward):
     with deterministic(seed=1):
         model = Toy()
     first, other = (recorded(model, plan, backward) for plan in pair)
-    expected = compare_runs(first.run(), other.run(), 2)
-    assert _compared(first, other, 2) == expected
+    expected = walked(first, other)
+    assert compare_runs(first, other, 2) == expected
     agreed = first.agreement(other)
     if agreed is not None:  # exactly the same recording: no difference but the return value
-        assert agreed == len(first.run().events)
+        assert agreed == len(first.events)
         assert expected[0] is None or expected[0].kind == "result"
         assert expected[0] is not None or expected[1] == agreed
     if repr(pair[0]) == repr(pair[1]):  # not ==: 0.0 == -0.0, and the recordings differ
@@ -507,14 +513,14 @@ def test_recordings_that_differ_in_anything_are_walked_event_by_event():
     for what, change in variants.items():
         other = recorded(model, plan | change, True)
         assert base.agreement(other) is None, what
-        finding, _ = _compared(base, other, 2)
+        finding, _ = compare_runs(base, other, 2)
         assert finding is not None, what
     # Only the return value differs: the same recording, and the return values compared.
     other = recorded(model, plan | {"result": 1.0}, True)
     assert base.agreement(other) is not None
-    finding, agreed = _compared(base, other, 2)
+    finding, agreed = compare_runs(base, other, 2)
     assert finding is not None and finding.kind == "result"
-    assert (finding, agreed) == compare_runs(base.run(), other.run(), 2)
+    assert (finding, agreed) == walked(base, other)
 
 
 # --- on a GPU (fingerprints themselves: tests/verify/test_fingerprint.py) -----------------------------
