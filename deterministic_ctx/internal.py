@@ -67,7 +67,6 @@ from .base.settings import (
     seed_for_rank,
     validate_compiled_rng,
     validate_rank,
-    validate_switches,
 )
 from .base.version import __version__ as VERSION
 from .core.engine import Block, inside_block, opaque
@@ -152,5 +151,4 @@ __all__ = [
     "validate_compiled_rng",
     "validate_rank",
     "validate_seed",
-    "validate_switches",
 ]

@@ -30,7 +30,6 @@ __all__ = [
     "seed_for_rank",
     "validate_compiled_rng",
     "validate_rank",
-    "validate_switches",
 ]
 
 AUTO: Literal["auto"] = "auto"
@@ -76,30 +75,6 @@ def check_bool(value: object, name: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r:.80}")
     return value
-
-
-def validate_switches(
-    warn_only: object, flags: object, fill_uninitialized_memory: object
-) -> tuple[bool, bool, bool]:
-    """The three on/off options of a block, each checked to be a bool.
-
-    Example:
-        >>> validate_switches(False, True, True)
-        (False, True, True)
-        >>> validate_switches(False, "no", True)
-        Traceback (most recent call last):
-        ...
-        TypeError: flags must be True or False, got 'no'
-    """
-    values = (warn_only, flags, fill_uninitialized_memory)
-    names = ("warn_only", "flags", "fill_uninitialized_memory")
-    for name, value in zip(names, values, strict=True):
-        check_bool(value, name)
-    if not fill_uninitialized_memory:
-        # Asked for explicitly: a torch without the flag cannot honour it (the
-        # default, True, is simply off there, and report() says so).
-        FILL_UNINITIALIZED_MEMORY.require("fill_uninitialized_memory=False")
-    return warn_only, flags, fill_uninitialized_memory  # type: ignore[return-value]
 
 
 def validate_compiled_rng(compiled_rng: object) -> CompiledRng:
@@ -187,7 +162,8 @@ class Settings:
         fill_uninitialized_memory: object = True,
         compiled_rng: object = None,
     ) -> Settings:
-        """Validated settings; ``TypeError``/``ValueError`` name the bad argument.
+        """Validated settings; ``TypeError``/``ValueError`` name the bad argument
+        (each checked in the order of the parameters).
 
         ``with deterministic(seed=i):`` builds them on every block: settings
         of plain ints are remembered (they are immutable), so validating and
@@ -207,14 +183,18 @@ class Settings:
             found = _BUILT.get(key)
             if found is not None:
                 return found
-        switches = validate_switches(warn_only, flags, fill_uninitialized_memory)
         settings = cls(
             validate_seed(seed),
-            switches[0],
+            check_bool(warn_only, "warn_only"),
             validate_rank(rank),
-            *switches[1:],
+            check_bool(flags, "flags"),
+            check_bool(fill_uninitialized_memory, "fill_uninitialized_memory"),
             validate_compiled_rng(compiled_rng),
         )
+        if not settings.fill_uninitialized_memory:
+            # Asked for explicitly: a torch without the flag cannot honour it (the
+            # default, True, is simply off there, and report() says so).
+            FILL_UNINITIALIZED_MEMORY.require("fill_uninitialized_memory=False")
         if plain:
             if len(_BUILT) >= 1024:  # a new seed every block must not grow it without bound
                 _BUILT.clear()

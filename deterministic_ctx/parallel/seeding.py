@@ -13,12 +13,10 @@ from ..internal import (
     CompiledRng,
     Rank,
     Settings,
+    check_bool,
     opaque,
     process_rank,
-    validate_compiled_rng,
-    validate_rank,
     validate_seed,
-    validate_switches,
 )
 
 __all__ = ["seed_everything"]
@@ -97,8 +95,7 @@ def seed_everything(
         True
         >>> before.restore()
     """
-    if not isinstance(broadcast, bool):
-        raise TypeError(f"broadcast must be True or False, got {broadcast!r}")
+    check_bool(broadcast, "broadcast")
     # Validate everything before the collective, so a bad argument fails on
     # its own rank instead of leaving the others waiting in the broadcast.
     inherited = False
@@ -114,11 +111,11 @@ def seed_everything(
                     f"seed: an int in 0 .. 2**32 - 1 is expected"
                 ) from exc
             inherited = True
-    elif seed is not None:
-        validate_seed(seed)
-    rank = validate_rank(rank)
-    validate_switches(warn_only, flags, fill_uninitialized_memory)
-    validate_compiled_rng(compiled_rng)
+    # The other arguments (and a given seed) checked as a block checks them.
+    checked = Settings.build(
+        0 if seed is None else seed, warn_only, rank, flags, fill_uninitialized_memory, compiled_rng
+    )
+    rank = checked.rank
     drawn = seed is None
     if broadcast or drawn:
         from .ranks import broadcast_seed, ranks
