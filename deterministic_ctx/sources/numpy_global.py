@@ -3,13 +3,15 @@
 The state is: which bit generator is installed (``np.random.set_bit_generator``
 can replace it), that bit generator's state, and the ``RandomState``'s legacy
 gaussian cache (``has_gauss``/``gauss``), which changes what the next
-``np.random.randn()`` returns.
+``np.random.randn()`` returns.  A captured state is ``(bit generator, raw)``:
+``raw`` holds the MT19937 record and the gaussian cache, joined, on the fast
+path, else the dict of ``RandomState.get_state(legacy=False)``.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -20,25 +22,17 @@ from .user_rngs.entries import Entry
 from .user_rngs.kinds import RANDOM_STATE
 from .user_rngs.persistence import bit_generator_state_from_plain, numpy_state_to_plain
 
-__all__ = ["NumpyGlobalSource", "NumpyState"]
+__all__ = ["NumpyGlobalSource"]
+
+#: ``(bit generator, raw)`` (see the module docstring).
+NumpyState = tuple[Any, bytes | dict[str, Any]]
 
 # Public since NumPy 1.25, missing from its type stubs.
 _set_bit_generator: Any = np.random.set_bit_generator  # type: ignore[attr-defined]
 
 
-#: Builds a NamedTuple from a tuple without the class's Python ``__new__``.
-_new = tuple.__new__
-
 #: The records legacy seeding (``np.random.seed``) leaves, by seed.
 _SEEDED: SeededCache[bytes] = SeededCache()
-
-
-class NumpyState(NamedTuple):
-    """``raw`` holds the MT19937 record and the gaussian cache, joined, on the
-    fast path, else the dict of ``RandomState.get_state(legacy=False)``."""
-
-    bit_generator: Any
-    raw: bytes | dict[str, Any]
 
 
 def _free_global_lock_in_child() -> None:
@@ -93,8 +87,7 @@ class NumpyGlobalSource:
     def capture(self) -> NumpyState:
         rs = self._rs
         bg = rs._bit_generator
-        # (``tuple.__new__``: NumpyState(...) without its Python ``__new__``.)
-        return _new(NumpyState, (bg, self._entry(bg).capture(rs)))
+        return bg, self._entry(bg).capture(rs)
 
     def restore(self, state: NumpyState) -> None:
         rs, (bg, raw) = self._rs, state
@@ -109,23 +102,17 @@ class NumpyGlobalSource:
             # RNG is exactly the classic legacy-seeded one.  Restore reinstalls
             # the user's bit generator.
             _set_bit_generator(np.random.MT19937(0))
-        entry = self._entry(rs._bit_generator)
-        seed = settings.rank_seed
-        # Exactly ``np.random.seed(seed)``: the records it left for a seed seen
-        # before (the cleared gaussian cache among them), as one locked copy.
-        if entry.views and (seeded := _SEEDED.lookup(seed)) is not None:
-            entry.put(rs, seeded)
-            return
-        rs.seed(seed)  # legacy seeding; also clears the gaussian cache
-        if entry.views:  # remembered (a 2.5 KB read)
-            _SEEDED.offer(seed, lambda: entry.capture(rs))
+        # Exactly ``np.random.seed(seed)`` (legacy seeding, which also clears
+        # the gaussian cache): the records it left for a seed seen before, as
+        # one locked copy.
+        self._entry(rs._bit_generator).seed_exactly(rs, settings.rank_seed, _SEEDED)
 
     def export_state(self, state: NumpyState) -> dict[str, Any]:
         """The state as plain data for a checkpoint: ``get_state(legacy=False)``
         with arrays as lists of ints (copied records are read back through a
         throw-away ``RandomState``)."""
         scratch = np.random.RandomState()
-        public = Entry(scratch, self.name, RANDOM_STATE).public(scratch, state.raw)
+        public = Entry(scratch, self.name, RANDOM_STATE).public(scratch, state[1])
         return numpy_state_to_plain(public)
 
     def import_state(self, data: object, path: str) -> NumpyState:
@@ -139,4 +126,4 @@ class NumpyGlobalSource:
         public = bit_generator_state_from_plain(data, path, legacy=True)
         cls = getattr(np.random, public["bit_generator"])  # a name from BIT_GENERATORS
         current = self._rs._bit_generator
-        return NumpyState(current if type(current) is cls else cls(), public)
+        return current if type(current) is cls else cls(), public

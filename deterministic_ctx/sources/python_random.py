@@ -60,18 +60,9 @@ class PythonRandomSource:
                 "(random.random = random._inst.random) or register the new generator with "
                 "register_rng()"
             )
-        seed, entry, rng = settings.rank_seed, self._entry, self._rng
-        if not entry.views:
-            rng.seed(seed)
-            return
         # Exactly ``seed(seed)``: seeding runs ``init_by_array`` over 624 words
         # (~3.5 µs); the record it left for a seed seen before is one copy.
-        seeded = _SEEDED.lookup(seed)
-        if seeded is None:
-            random.Random.seed(rng, seed)  # a miss costs a 2.5 KB read more
-            _SEEDED.offer(seed, lambda: entry.capture(rng))
-        else:
-            entry.put(rng, seeded)
+        self._entry.seed_exactly(self._rng, settings.rank_seed, _SEEDED)
 
     def export_state(self, state: Any) -> dict[str, Any]:
         """The state as plain data for a checkpoint (see :func:`.random_state_to_plain`)."""

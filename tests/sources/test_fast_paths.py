@@ -43,7 +43,7 @@ _PATHS = textwrap.dedent("""
         "paths": fast_paths(),
         "shown": report().fast_paths,
         "random": type(PythonRandomSource().capture()[0]).__name__,
-        "numpy": type(NumpyGlobalSource().capture().raw).__name__,
+        "numpy": type(NumpyGlobalSource().capture()[1]).__name__,
         "entries": [bool(r_entry.views), bool(g_entry.views)],
         "draws": [first, again],
         "classic": [random.Random(0).random(), float(np.random.RandomState(0).rand())],

@@ -93,7 +93,7 @@ def test_numpy_replaced_bit_generator_is_restored_and_block_uses_legacy_mt():
     try:
         np.random.set_bit_generator(pcg)
         state = source.capture()
-        assert isinstance(state.raw, dict)  # exact path for non-MT19937
+        assert isinstance(state[1], dict)  # exact path for non-MT19937
         source.apply(S0)
         assert np.random.rand() == np.random.RandomState(0).rand()
         source.restore(state)

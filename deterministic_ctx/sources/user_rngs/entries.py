@@ -41,6 +41,7 @@ import torch
 
 from ...base.seed import derive_seed
 from .._memory import ENABLED, NUMPY_LAYOUT, RANDOM_LAYOUT, mt19937_view, proven_records
+from .._seeded import SeededCache
 from .kinds import Kind
 
 #: What a capture holds per RNG: ``(entry, object, state)``.
@@ -116,6 +117,18 @@ class Entry:
             derived = derive_seed(seed, "user", self.key, bits=self.kind.bits)
         self.kind.seed(obj, derived)
         self.memo = (seed, derived, self.capture(obj) if self.remember and own else None)
+
+    def seed_exactly(self, obj: Any, seed: int, cache: SeededCache[Any]) -> None:
+        """Seed ``obj`` with ``seed`` itself, by its kind's seeding (the global
+        ``random``'s and NumPy's way): on records, the state that seeding left
+        for a seed seen before is written from ``cache`` instead, one copy."""
+        seeded = cache.lookup(seed) if self.views else None
+        if seeded is not None:
+            self.put(obj, seeded)
+            return
+        self.kind.seed(obj, seed)
+        if self.views:  # remembered (a 2.5 KB read)
+            cache.offer(seed, lambda: self.capture(obj))
 
     def capture(self, obj: Any) -> Any:
         """The state of ``obj`` (this entry's object) now: ``(record,
