@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from functools import partial
 from typing import Any
 
 from ..base.settings import Settings
@@ -36,15 +37,12 @@ class PythonRandomSource:
         # Records only for an exact ``random.Random``: a subclass's own
         # ``seed()`` and ``setstate()`` run, and its seeding never enters the
         # shared cache.  The instance lives as long as this source.
-        self._entry = Entry(self._rng, self.name, RANDOM, fast=fast)
+        self._entry = entry = Entry(self._rng, self.name, RANDOM, fast=fast)
+        #: ``capture()`` and ``restore(state)``: the entry's, bound to the generator.
+        self.capture = partial(entry.capture, self._rng)
+        self.restore = partial(entry.put, self._rng)
         # Only the module's own generator is checked for being rebound.
         self._warned: object = self._rng if rng is None else None
-
-    def capture(self) -> Any:
-        return self._entry.capture(self._rng)
-
-    def restore(self, state: Any) -> None:
-        self._entry.put(self._rng, state)
 
     def apply(self, settings: Settings) -> None:
         bound = getattr(random.random, "__self__", None)
