@@ -17,7 +17,7 @@ evicts an entry early or keeps one extra.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from ._memory import ENABLED
 
@@ -66,14 +66,9 @@ class SeededCache(Generic[T]):
         if seed in entries:  # missed once before (eager=False)
             entries[seed] = take()
             return
-        _bounded(entries, self._size)
+        while len(entries) >= self._size:  # make room for one more: oldest first out
+            try:
+                del entries[next(iter(entries))]
+            except (KeyError, RuntimeError, StopIteration):  # another thread got there first
+                break
         entries[seed] = take() if self._eager else None
-
-
-def _bounded(d: dict[int, Any], size: int) -> None:
-    """Make room for one more key in ``d`` (oldest first out)."""
-    while len(d) >= size:
-        try:
-            del d[next(iter(d))]
-        except (KeyError, RuntimeError, StopIteration):  # another thread got there first
-            return

@@ -32,8 +32,8 @@ from hypothesis import strategies as st
 
 from deterministic_ctx import Snapshot, derive_seed, deterministic, register_rng, unregister_rng
 from deterministic_ctx.sources import _memory, user_rngs
-from deterministic_ctx.sources.numpy_global import numpy_state_to_plain
 from deterministic_ctx.sources.user_rngs import entries, kinds, registry
+from deterministic_ctx.sources.user_rngs.persistence import numpy_state_to_plain
 from tests.helpers import RandomLike
 
 

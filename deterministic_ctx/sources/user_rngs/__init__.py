@@ -53,10 +53,12 @@ registration how it is captured, seeded and restored (:mod:`.entries`).
 **Layout.**  This package's ``__init__`` is its only public face; each
 module has one job, and each imports only those listed before it:
 
-* :mod:`.persistence`: states as checkpoint data and back, checked;
+* :mod:`.persistence`: states as checkpoint data and back, checked (the
+  global ``random``'s and NumPy's codecs too);
 * :mod:`.kinds`: the kinds of RNG accepted, which one an object is, and
   each kind's public API and codec;
-* :mod:`.entries`: one registered RNG, captured, seeded and restored;
+* :mod:`.entries`: one RNG, captured, seeded and restored (also the global
+  ``random`` and NumPy's global ``RandomState``, whose sources use one);
 * :mod:`.registry`: registration, the seeding loop, entry points;
 * :mod:`.source`: :class:`UserRngSource`, the blocks' and snapshots' source.
 """

@@ -17,7 +17,6 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ..python_random import random_state_from_plain, random_state_to_plain
 from . import persistence as plain
 
 
@@ -41,8 +40,8 @@ class Kind(NamedTuple):
 RANDOM = Kind(
     "random.Random",
     64,
-    lambda r, s: random_state_to_plain(s),
-    lambda r, data, path: random_state_from_plain(data, path),
+    lambda r, s: plain.random_state_to_plain(s),
+    lambda r, data, path: plain.random_state_from_plain(data, path),
 )
 GENERATOR = Kind(
     "numpy.random.Generator",

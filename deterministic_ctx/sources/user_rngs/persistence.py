@@ -5,8 +5,9 @@ state)``; ``ValueError`` says why where a checkpoint cannot hold it, and
 :class:`.source.UserRngSource` names the RNG) and how plain data read from a
 file becomes a public state again (``*_from_plain(obj, data, path)``),
 checked field by field (``ValueError`` names the field); :mod:`.kinds` binds
-them to the kinds (``random.Random`` to the global ``random``'s codec,
-:mod:`..python_random`).  A random-like object's ``getstate()`` may return
+them to the kinds.  The codecs of ``random.Random`` and of NumPy's states are
+also those of the global ``random`` (:mod:`..python_random`) and of NumPy's
+global RNG (:mod:`..numpy_global`).  A random-like object's ``getstate()`` may return
 any tree of plain Python data: it is flattened (no nesting in the file) and
 bounded (``_MAX_*``), so that a crafted or runaway state cannot make a
 checkpoint slow to write or load.
@@ -14,14 +15,114 @@ checkpoint slow to write or load.
 
 from __future__ import annotations
 
+import random
 from typing import Any, cast
 
 import numpy as np
 import torch
 
 from .. import _plain
-from ..numpy_global import BIT_GENERATORS, bit_generator_state_from_plain, numpy_state_to_plain
+from .._memory import MT_WORDS
 from ..torch_cpu import generator_state_from_plain
+
+
+def random_state_to_plain(public: tuple[Any, ...]) -> dict[str, Any]:
+    """``random.getstate()`` as ``{"state": [625 ints], "gauss_next": float}``.
+
+    ``gauss_next`` is left out when it is ``None`` (a checkpoint holds no ``None``).
+    """
+    _version, internal, gauss_next = public
+    out: dict[str, Any] = {"state": list(internal)}
+    if gauss_next is not None:
+        out["gauss_next"] = float(gauss_next)
+    return out
+
+
+def random_state_from_plain(data: object, path: str) -> tuple[Any, ...]:
+    """The checked inverse of :func:`random_state_to_plain`, in ``getstate()`` form."""
+    d = _plain.fields(data, path, ["state"], ["gauss_next"])
+    words = _plain.integers(d["state"], f"{path}.state", MT_WORDS + 1, 0, 2**32 - 1)
+    _plain.integer(words[-1], f"{path}.state[{MT_WORDS}] (the index)", 0, MT_WORDS)
+    gauss = _plain.real(d["gauss_next"], f"{path}.gauss_next") if "gauss_next" in d else None
+    public = (3, tuple(words), gauss)
+    try:  # CPython's own check, on a throw-away generator
+        random.Random().setstate(public)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise ValueError(f"{path}: random.setstate() rejects the state ({exc})") from exc
+    return public
+
+
+_U32, _U64, _U128 = 2**32 - 1, 2**64 - 1, 2**128 - 1
+#: field -> (array length, or None for a scalar int; largest value)
+_Fields = dict[str, tuple[int | None, int]]
+_BUFFERED: _Fields = {"has_uint32": (None, 1), "uinteger": (None, _U32)}
+#: The state of each bit generator that NumPy ships: ``(state["state"], the rest)``.
+#: ``pos`` and ``buffer_pos`` index C arrays, and NumPy's setters do not check
+#: them: out of range, the next draw reads outside the generator's memory.
+BIT_GENERATORS: dict[str, tuple[_Fields, _Fields]] = {
+    "MT19937": ({"key": (624, _U32), "pos": (None, 624)}, {}),
+    "PCG64": ({"state": (None, _U128), "inc": (None, _U128)}, _BUFFERED),
+    "PCG64DXSM": ({"state": (None, _U128), "inc": (None, _U128)}, _BUFFERED),
+    "Philox": (
+        {"counter": (4, _U64), "key": (2, _U64)},
+        {"buffer": (4, _U64), "buffer_pos": (None, 4), **_BUFFERED},
+    ),
+    "SFC64": ({"state": (4, _U64)}, _BUFFERED),
+}
+_LEGACY: _Fields = {"has_gauss": (None, 1)}
+
+
+def numpy_state_to_plain(state: dict[str, Any]) -> dict[str, Any]:
+    """A bit generator's ``state`` dict (or ``RandomState.get_state(legacy=False)``)
+    with arrays turned into lists of ints and NumPy scalars into Python ones."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        # An array's tolist() is a list of Python ints, a NumPy scalar's a Python scalar.
+        return value.tolist() if isinstance(value, np.ndarray | np.generic) else value
+
+    result: dict[str, Any] = plain(state)
+    return result
+
+
+def _read(data: object, path: str, spec: _Fields, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    d = _plain.fields(data, path, [*spec, *extra])
+    out: dict[str, Any] = {}
+    for name, (length, hi) in spec.items():
+        where = f"{path}.{name}"
+        if length is None:
+            out[name] = _plain.integer(d[name], where, 0, hi)
+        else:
+            values = _plain.integers(d[name], where, length, 0, hi)
+            out[name] = np.array(values, dtype=np.uint32 if hi == _U32 else np.uint64)
+    return out
+
+
+def bit_generator_state_from_plain(
+    data: object, path: str, *, legacy: bool = False
+) -> dict[str, Any]:
+    """The checked inverse of :func:`numpy_state_to_plain`, ready for
+    ``bit_generator.state = ...`` (or, with ``legacy``, ``RandomState.set_state``)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a dict, got {type(data).__name__}")
+    name = _plain.text(data.get("bit_generator"), f"{path}.bit_generator", choices=BIT_GENERATORS)
+    inner, outer = BIT_GENERATORS[name]
+    outer = {**outer, **_LEGACY} if legacy else outer
+    extra = ("bit_generator", "state", "gauss") if legacy else ("bit_generator", "state")
+    rest = _read(data, path, outer, extra)  # checks the whole key set
+    public = {"bit_generator": name, "state": _read(data["state"], f"{path}.state", inner), **rest}
+    if legacy:
+        public["gauss"] = _plain.real(data["gauss"], f"{path}.gauss")
+    try:  # NumPy's own checks, on a throw-away generator
+        probe = getattr(np.random, name)()
+        if legacy:
+            np.random.RandomState(probe).set_state(public)
+        else:
+            probe.state = public
+    except (ValueError, TypeError, KeyError, OverflowError) as exc:
+        raise ValueError(f"{path}: NumPy rejects the {name} state ({exc})") from exc
+    return public
 
 
 def numpy_to_plain(obj: Any, state: dict[str, Any]) -> dict[str, Any]:

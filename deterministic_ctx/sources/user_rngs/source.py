@@ -129,5 +129,5 @@ class UserRngSource:
                     f"{key!r} is a {entry.kind.name}"
                 )
             state = entry.kind.from_plain(obj, d["state"], f"{where}.state")
-            out.append((entry.loaded(), obj, state))
+            out.append((entry, obj, state))
         return tuple(out)
