@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 
-__all__ = ["MAX_SEED", "derive_seed", "show_int", "validate_seed"]
+__all__ = ["MAX_SEED", "derive_seed", "short_repr", "show_int", "validate_seed"]
 
 #: NumPy's legacy global RNG (``np.random.seed``) accepts ``0 .. 2**32 - 1``;
 #: torch accepts 64 bits.  A block seeds both, so the narrower range wins.
@@ -38,7 +38,7 @@ def validate_seed(seed: object, *, name: str = "seed") -> int:
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
         raise TypeError(
             f"{name} must be an int in 0 .. {MAX_SEED} (NumPy integers accepted), "
-            f"got {type(seed).__name__} {_show(seed)}"
+            f"got {type(seed).__name__} {short_repr(seed)}"
         )
     value = int(seed)
     if not 0 <= value <= MAX_SEED:
@@ -57,7 +57,9 @@ def show_int(value: int) -> str:
     return f"a{' negative' if value < 0 else 'n'} int of {value.bit_length()} bits"
 
 
-def _show(value: object) -> str:
+def short_repr(value: object) -> str:
+    """``repr(value)`` for an error message: cut at 80 characters, and a repr
+    that raises is named instead of hiding the real error."""
     try:
         text = repr(value)
     except Exception as exc:  # a huge int subclass, a repr that raises, ...

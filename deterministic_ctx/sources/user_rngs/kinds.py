@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from ...base.seed import short_repr
 from . import persistence as plain
 
 
@@ -123,11 +124,3 @@ def kind_of(obj: object) -> Kind:
         f"register_rng() cannot manage {type(obj).__qualname__} {short_repr(obj)}; "
         f"accepted: {accepted}, or an object with seed(), getstate() and setstate() methods"
     )
-
-
-def short_repr(obj: object) -> str:
-    try:
-        text = repr(obj)
-    except Exception as exc:  # a repr that raises must not hide the real error
-        return f"(unprintable: {type(exc).__name__})"
-    return text if len(text) <= 80 else text[:77] + "..."

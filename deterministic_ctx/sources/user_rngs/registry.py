@@ -21,8 +21,10 @@ from functools import partial
 from typing import Any, TypeVar
 
 from ..._errors import StateWarning
+from ...base.seed import short_repr
+from ...base.settings import check_bool
 from .entries import Entry
-from .kinds import kind_of, manageable, short_repr
+from .kinds import kind_of, manageable
 
 T = TypeVar("T")
 
@@ -170,8 +172,7 @@ def register_rng(obj: T, *, key: str | None = None, shared: bool = False) -> T:
     kind = kind_of(obj)
     if key is not None and not isinstance(key, str):
         raise TypeError(f"key must be a str or None, got {type(key).__name__} {key!r}")
-    if not isinstance(shared, bool):
-        raise TypeError(f"shared must be True or False, got {shared!r:.80}")
+    check_bool(shared, "shared")
     with _lock:
         found = _find(obj)
         if found is not None:
