@@ -14,7 +14,7 @@ from torch.nn.modules import module as _nn_module
 from ..core.context import deterministic
 from ..internal import CUBLAS_VALID
 from ..verify.compare import short_repr, tensor_leaves
-from ..verify.rerun import SavedState, call_and_consume, check_fn, objects_to_reset
+from ..verify.rerun import call_and_consume, prepare_runs
 from .findings import AuditReport
 from .model import (
     CHECKED_TORCH,
@@ -84,12 +84,6 @@ def _env_value(name: str) -> str:
     return "unset" if value is None else short_repr(value)
 
 
-def _check_flag(value: object, name: str) -> bool:
-    if type(value) is not bool:
-        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r:.80}")
-    return value
-
-
 def audit_nondeterminism(
     fn: Callable[..., Any],
     /,
@@ -138,10 +132,7 @@ def audit_nondeterminism(
         [('aten.index_add_.default', 'deterministic')]
     """
     block = deterministic(seed, flags=False)
-    check_fn(fn)
-    backward = _check_flag(backward, "backward")
-    warn_only = _check_flag(warn_only, "warn_only")
-    objects = objects_to_reset(fn, args, kwargs, reset)
+    objects, saved = prepare_runs(fn, args, kwargs, reset, backward=backward, warn_only=warn_only)
     version = str(torch.__version__)
     checked_against, version_note = _check_version(version)
     notes = [] if version_note is None else [version_note]
@@ -150,7 +141,6 @@ def audit_nondeterminism(
     auditor = Auditor(modules, backward=backward, warn_only=warn_only, version=version)
     functions = Functions(auditor, watched_functions())
     ran_backward = False
-    saved = SavedState(objects)
     try:
         with block:
             if torch.are_deterministic_algorithms_enabled():

@@ -14,6 +14,7 @@ from ..internal import (
     DYNAMO_CONFIG,
     INDUCTOR_CONFIG,
     CompiledRng,
+    check_bool,
     compiled_in_place,
     compiled_original,
     dynamo_disable_message,
@@ -99,10 +100,9 @@ def _check_compile_args(
             "options must be None or a mapping of str keys, got "
             f"{type(options).__qualname__} {short_repr(options)}"
         )
-    if type(fullgraph) is not bool:
-        raise TypeError(f"fullgraph must be True or False, got {type(fullgraph).__name__}")
+    check_bool(fullgraph, "fullgraph")
     if dynamic is not None and type(dynamic) is not bool:
-        raise TypeError(f"dynamic must be None, True or False, got {type(dynamic).__name__}")
+        raise TypeError(f"dynamic must be None, True or False, got {dynamic!r:.80}")
 
 
 #: Options that ``torch.compile`` takes for itself, not for inductor's config.

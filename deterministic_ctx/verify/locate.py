@@ -33,9 +33,10 @@ named with the user's ``file:line``.  That stretch is:
 * the two runs called different modules (control flow): the op calls from
   the start of ``fn`` until that call starts;
 * a gradient differs: the op calls autograd's engine runs, from the start of
-  the backward pass until that gradient is recorded (anomaly mode is on in
-  these re-runs, so that built-in backward formulas are placed at the forward
-  line that made their autograd node);
+  the backward pass until that gradient is recorded (these re-runs note where
+  each forward op that made an autograd node was called, so that built-in
+  backward formulas are placed at the forward line that made their autograd
+  node);
 * the return value or a final parameter differs (every module call agreed):
   every op call of ``fn``.
 
@@ -50,8 +51,7 @@ backward, control-flow and whole-run stretches keep it on from the start of
 ``fn``.  When the runs agree, ``ops=True`` records nothing and costs
 nothing.  On a 6-block MLP (a busy 2-core CPU) it added about 10% to
 ``locate_divergence`` for a module's output, 1.8 times for a gradient
-(anomaly mode, and the backward pass recorded) and 4 times for a whole
-training step.
+(the backward pass recorded) and 4 times for a whole training step.
 
 This module builds the report; the work is done by :mod:`.record` (hooks
 that record one run), :mod:`.timeline` (the first difference between two

@@ -70,6 +70,7 @@ from ..internal import (
     AUTOGRAD_ENGINE_ENTRIES,
     DYNAMO,
     UnwrappedDispatchMode,
+    check_bool,
     current_autograd_node,
     current_dispatch_mode,
     dynamo_disable,
@@ -625,9 +626,8 @@ class OpRecorder:
     ) -> None:
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {', '.join(map(repr, PHASES))}, got {phase!r}")
-        for name, value in (("inputs", inputs), ("node_locations", node_locations)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be True or False, got {value!r}")
+        check_bool(inputs, "inputs")
+        check_bool(node_locations, "node_locations")
         self.phase = phase
         self.inputs = inputs
         self._origins = NodeOrigins[tuple[str, str] | None]() if node_locations else None

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..internal import foreach_copy_
+from ..internal import check_bool, foreach_copy_
 from .compare import short_repr
 
 __all__ = [
@@ -72,8 +72,7 @@ def prepare_runs(
     between runs (:func:`objects_to_reset`), with their state saved now."""
     check_fn(fn)
     for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {short_repr(value)}")
+        check_bool(value, name)
     objects = objects_to_reset(fn, args, kwargs, reset)
     return objects, SavedState(objects)
 

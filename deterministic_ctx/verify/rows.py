@@ -179,12 +179,10 @@ def _with_tensors(obj: Any, new: Iterator[torch.Tensor]) -> Any:
     return _rebuilt(obj, old, [_with_tensors(member, new) for member in old])
 
 
-def row_of(obj: Any, tensors: list[torch.Tensor], dims: list[int], row: int, copied: bool) -> Any:
-    """Row ``row`` of every tensor in ``obj`` (the batch dimension kept, of size 1);
-    copies when ``copied``."""
-    parts = [t.narrow(d, row, 1) for t, d in zip(tensors, dims, strict=True)]
-    if copied:
-        parts = [t.clone() for t in parts]
+def row_of(obj: Any, tensors: list[torch.Tensor], dims: list[int], row: int) -> Any:
+    """Row ``row`` of every tensor in ``obj`` (the batch dimension kept, of size 1), copied:
+    neither changes the other afterwards."""
+    parts = [t.narrow(d, row, 1).clone() for t, d in zip(tensors, dims, strict=True)]
     found = iter(parts)
     rebuilt = _with_tensors(obj, found)
     assert next(found, None) is None, "a tensor of the structure was not replaced"

@@ -265,8 +265,8 @@ def never_called(x):
         ({"options": [("a", 1)]}, TypeError, "options must be None or a mapping of str keys"),
         ({"options": {"fallback_random": True}}, ValueError, "options must not set fallback_r"),
         ({"options": {"no_such_option": 1}}, ValueError, "options has 'no_such_option'"),
-        ({"fullgraph": "yes"}, TypeError, "fullgraph must be True or False, got str"),
-        ({"dynamic": 1}, TypeError, "dynamic must be None, True or False, got int"),
+        ({"fullgraph": "yes"}, TypeError, "fullgraph must be True or False, got 'yes'"),
+        ({"dynamic": 1}, TypeError, "dynamic must be None, True or False, got 1"),
         ({"reset": [3]}, TypeError, "reset must contain modules"),
         (
             {"backend": "eager", "mode": "default", "options": {}},
