@@ -52,8 +52,8 @@ SOURCES: tuple[Source, ...] = (
 )
 
 
-def apply_all(settings: Settings, sources: tuple[Source, ...] | None = None) -> None:
-    """Apply the block's settings to every source (the caller rolls back on error).
+def apply_all(settings: Settings, sources: tuple[Source, ...]) -> None:
+    """Apply the block's settings to each of ``sources`` (the caller rolls back on error).
 
     Sources that say they apply nothing (``applies_nothing``: torch's defaults,
     a device this build can never initialize) are skipped, a frame each per
@@ -61,8 +61,6 @@ def apply_all(settings: Settings, sources: tuple[Source, ...] | None = None) -> 
     """
     global _appliers
     settings = settings.resolved()
-    if sources is None:
-        sources = SOURCES
     found = _appliers  # read once: another thread may replace it
     if found[0] is not sources:
         skip = _memory.ENABLED

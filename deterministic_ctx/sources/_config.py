@@ -158,6 +158,7 @@ class ConfigEntry:
             return
         _put(found, self.key, found.unset if want is AT_DEFAULT else want)
 
+
 def _inspect(config: Any, key: str) -> _Found:
     entries = config_entries(config)
     entry = entries.get(key) if entries is not None else None
