@@ -32,6 +32,7 @@ from ._torch import (
     default_device,
     is_compiling,
     missing_capabilities,
+    release_of,
 )
 from ._torch.distributed import launcher_variables, process_rank
 from ._torch.flags import current_autograd_node
@@ -144,6 +145,7 @@ __all__ = [
     "register_env_var",
     "register_rng",
     "registered_rngs",
+    "release_of",
     "seed_for_rank",
     "seed_registered_rngs",
     "source_named",

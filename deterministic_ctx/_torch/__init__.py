@@ -60,6 +60,7 @@ __all__ = [
     "is_compiling",
     "lazy_device",
     "missing_capabilities",
+    "release_of",
 ]
 
 
@@ -67,6 +68,20 @@ def _torch() -> Any:
     import torch
 
     return torch
+
+
+def release_of(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a torch version string; ``(0, 0)`` when it has none.
+
+    Example:
+        >>> release_of("2.11.0+cu130"), release_of("2.13.0a0+gitcf30153"), release_of("2.13")
+        ((2, 11), (2, 13), (2, 13))
+    """
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or "0")
+    except (IndexError, ValueError):
+        return (0, 0)
 
 
 def _c_pair(getter: str, setter: str) -> Callable[[], tuple[Any, Any] | None]:

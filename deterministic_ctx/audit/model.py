@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from .._errors import PUBLIC_MODULE, DeterministicCtxWarning
+from ..internal import release_of
 
 __all__ = [
     "CHECKED_TORCH",
@@ -24,7 +25,6 @@ __all__ = [
     "Phase",
     "UncheckedTorchWarning",
     "nearest_checked",
-    "release_of",
 ]
 
 #: The torch releases (major.minor) the table was checked against, oldest first.
@@ -105,20 +105,6 @@ CHECKS: tuple[Check, ...] = (
         "libtorch_cuda.so of the 2.13.0+cu130 wheel, compared with 2.11.0's; not run on a GPU",
     ),
 )
-
-
-def release_of(version: str) -> tuple[int, int]:
-    """``(major, minor)`` of a torch version string; ``(0, 0)`` when it has none.
-
-    Example:
-        >>> release_of("2.11.0+cu130"), release_of("2.13.0a0+gitcf30153"), release_of("2.13")
-        ((2, 11), (2, 13), (2, 13))
-    """
-    parts = version.split("+")[0].split(".")
-    try:
-        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or "0")
-    except (IndexError, ValueError):
-        return (0, 0)
 
 
 def nearest_checked(version: str) -> Check:

@@ -12,7 +12,7 @@ import torch
 from torch.nn.modules import module as _nn_module
 
 from ..core.context import deterministic
-from ..internal import CUBLAS_VALID
+from ..internal import CUBLAS_VALID, release_of
 from ..verify.compare import short_repr, tensor_leaves
 from ..verify.rerun import call_and_consume, prepare_runs
 from .findings import AuditReport
@@ -21,7 +21,6 @@ from .model import (
     CUBLAS_CONFIG_CHECKED_BEFORE,
     UncheckedTorchWarning,
     nearest_checked,
-    release_of,
 )
 from .recorder import Auditor, Functions, Modules, watched_functions
 

@@ -48,7 +48,6 @@ which differs only once the parents change between "none" and set.
 from __future__ import annotations
 
 import os
-import re
 import threading
 from itertools import starmap
 from typing import TYPE_CHECKING, Any
@@ -108,15 +107,10 @@ _BACKEND_ALL = (0, 1, 1, 1, 1, 5, 5, 5, 5)
 DEFAULT = "default"
 
 
-def _version(text: str) -> tuple[int, int]:
-    found = re.match(r"(\d+)\.(\d+)", text)
-    return (int(found[1]), int(found[2])) if found else (0, 0)
-
-
 #: The nine entries with "none" meaning "inherit" (torch >= 2.9): own values
 #: can be found and written back.  Older torches had other values and rules;
 #: there the resolved values are captured and written back as they are.
-EXACT = len(PRECISION_OPS) == 9 and _version(torch.__version__) >= (2, 9)
+EXACT = len(PRECISION_OPS) == 9 and _torch.release_of(torch.__version__) >= (2, 9)
 
 #: What set_float32_matmul_precision accepts.
 _MATMUL_VALUES = ("highest", "high", "medium")

@@ -20,6 +20,7 @@ from ..internal import (
     dynamo_disable_message,
     inductor_config,
     inductor_mode_options,
+    release_of,
     unchanged_config,
 )
 from .compare import first_difference, short_repr
@@ -177,7 +178,7 @@ def _mismatch_hint(backend: str | Callable[..., Any], eager_rng: bool) -> str:
             "kernels.  If fn draws no random numbers: " + arithmetic
         )
     reorder = ""
-    if tuple(int(part) for part in torch.__version__.split(".")[:2] if part.isdigit()) < (2, 13):
+    if release_of(torch.__version__) < (2, 13):
         # Seen on torch 2.11 (not on 2.13): dropout then torch.rand in one graph drew
         # eager's numbers in the other order.
         reorder = (
