@@ -33,6 +33,7 @@ import torch.utils.data
 
 from ..internal import (
     Settings,
+    check_bool,
     derive_seed,
     register_rng,
     seed_registered_rngs,
@@ -64,12 +65,6 @@ def _check_count(value: object, name: str) -> int:
     if result < 0:
         raise ValueError(f"{name} must be a non-negative int, got {result}")
     return result
-
-
-def _check_bool(value: object, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r:.80}")
-    return value
 
 
 class SeededIndex(int):
@@ -485,8 +480,8 @@ class SeededSampler(torch.utils.data.Sampler[int]):
             )
         self._size = len(data_source)
         self._seed = validate_seed(seed)
-        self._shuffle = _check_bool(shuffle, "shuffle")
-        self._drop_last = _check_bool(drop_last, "drop_last")
+        self._shuffle = check_bool(shuffle, "shuffle")
+        self._drop_last = check_bool(drop_last, "drop_last")
         self._replicas, self._rank = _world(num_replicas, rank)
         self._epoch = 0
         self._start = 0  # indices of the epoch taken before the next pass (a resume)

@@ -84,7 +84,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..internal import DCP_STATEFUL
+from ..internal import DCP_STATEFUL, check_bool
 from ..parallel.ranks import ranks
 from .checkpoint import MAX_FILE_BYTES, InvalidSnapshotError, check_version, encode
 from .snapshot import Snapshot
@@ -174,11 +174,9 @@ class RngState:
             raise ValueError(
                 f"capacity must be in [{_MIN_CAPACITY}, {_MAX_CAPACITY}] bytes, got {capacity}"
             )
-        if not isinstance(strict_devices, bool):
-            raise TypeError(f"strict_devices must be True or False, got {strict_devices!r}")
         self._on_world_size_change = on_world_size_change
         self._capacity = capacity
-        self._strict_devices = strict_devices
+        self._strict_devices = check_bool(strict_devices, "strict_devices")
 
     @property
     def on_world_size_change(self) -> WorldSizePolicy:
