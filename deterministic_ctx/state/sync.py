@@ -41,7 +41,6 @@ rank (``seed_everything(seed, rank="auto")``, or a
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,6 +49,7 @@ import torch.distributed as dist
 
 from .._errors import PUBLIC_MODULE, DeterministicCtxError
 from ..internal import accelerator_type, registered_rngs
+from ..parallel.keyed import check_count
 from .checkpoint import InvalidSnapshotError, decode, encode, from_state_dict
 from .snapshot import Snapshot
 
@@ -130,13 +130,7 @@ def sync_rng_state(src: int = 0, group: dist.ProcessGroup | None = None) -> None
         >>> random.getstate() == before
         True
     """
-    if isinstance(src, bool) or not hasattr(type(src), "__index__"):
-        raise TypeError(
-            f"src must be a non-negative int (a global rank), got {type(src).__name__} {src!r}"
-        )
-    src = operator.index(src)
-    if src < 0:
-        raise ValueError(f"src must be a non-negative int (a global rank), got {src}")
+    src = check_count(src, "src", "a non-negative int (a global rank)")
     # What new_group returns on a rank outside the group: a marker, not a group.
     given: object = group
     marker = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", None)
