@@ -405,9 +405,7 @@ def _world(num_replicas: object, rank: object) -> tuple[int, int]:
     if num_replicas is None:
         replicas = group[0] if group is not None else 1
     else:
-        replicas = check_count(num_replicas, "num_replicas")
-        if replicas == 0:
-            raise ValueError("num_replicas must be a positive int, got 0")
+        replicas = check_count(num_replicas, "num_replicas", "a positive int", low=1)
     where = (group[1] if group is not None else 0) if rank is None else check_count(rank, "rank")
     if where >= replicas:
         raise ValueError(f"rank must be in 0 .. num_replicas - 1 = {replicas - 1}, got {where}")
