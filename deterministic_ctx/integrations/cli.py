@@ -75,13 +75,6 @@ MAX_SEED = 2**32 - 1
 #: The signature of trace files, ``deterministic_ctx.trace.TRACE_FILE.magic``: repeated for the
 #: same reason, and checked the same way.
 TRACE_MAGIC = b"\x89DCT\r\n\x1a\n"
-#: ``deterministic_ctx.reporting.collectives.DETERMINISTIC_COLLECTIVES``, repeated for the same
-#: reason, and checked the same way: the values ``run --deterministic-collectives`` sets.
-DETERMINISTIC_COLLECTIVES = {
-    "NCCL_ALGO": "Ring",
-    "NCCL_NVLS_ENABLE": "0",
-    "NCCL_COLLNET_ENABLE": "0",
-}
 
 _EXIT_CODES = f"""\
 exit status:
@@ -546,7 +539,11 @@ def _set_up_main(target: _Target) -> None:
 
 
 def _set_collectives() -> None:
-    """Set :data:`DETERMINISTIC_COLLECTIVES` in ``os.environ``, saying which values it replaces."""
+    """Set :data:`~deterministic_ctx.reporting.collectives.DETERMINISTIC_COLLECTIVES` in
+    ``os.environ``, saying which values it replaces."""
+    # Before the restart: that module, unlike the engine's, imports only the standard library.
+    from ..reporting.collectives import DETERMINISTIC_COLLECTIVES
+
     for name, value in DETERMINISTIC_COLLECTIVES.items():
         before = os.environ.get(name)
         if before is not None and before != value:

@@ -39,16 +39,15 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..internal import Settings, generator_sources
 
-if TYPE_CHECKING:
-    from ..sources import Source
-
 __all__ = ["TorchRandom", "register", "unregister"]
+
+#: torch's CPU generator, every accelerator source and the registered RNGs: a fixed tuple.
+_SOURCES = generator_sources()
 
 
 class TorchRandom:
@@ -103,7 +102,7 @@ class TorchRandom:
         if not self.enabled:
             return
         settings = Settings.build(seed, False)
-        for source in _sources():
+        for source in _SOURCES:
             source.apply(settings)
 
     def getstate(self) -> tuple[Any, ...] | None:
@@ -121,7 +120,7 @@ class TorchRandom:
         """
         if not self.enabled:
             return None
-        return tuple(source.capture() for source in _sources())
+        return tuple(source.capture() for source in _SOURCES)
 
     def setstate(self, state: tuple[Any, ...] | None) -> None:
         """Put back a state from :meth:`getstate`, bit for bit; ``None`` does nothing.
@@ -138,25 +137,18 @@ class TorchRandom:
         """
         if state is None:
             return
-        sources = _sources()
-        if type(state) is not tuple or len(state) != len(sources):
+        if type(state) is not tuple or len(state) != len(_SOURCES):
             raise TypeError(
                 f"setstate() takes a state returned by TorchRandom.getstate(), got "
                 f"{type(state).__name__}"
             )
         # Reverse capture order, as a snapshot restores.
-        for source, saved in zip(reversed(sources), reversed(state), strict=True):
+        for source, saved in zip(reversed(_SOURCES), reversed(state), strict=True):
             source.restore(saved)
 
     def __repr__(self) -> str:
-        names = ", ".join(source.name for source in _sources())
+        names = ", ".join(source.name for source in _SOURCES)
         return f"<TorchRandom ({names}){'' if self.enabled else ' disabled'}>"
-
-
-@functools.cache
-def _sources() -> tuple[Source, ...]:
-    """torch's CPU generator, every accelerator source and the registered RNGs."""
-    return generator_sources()
 
 
 #: The one adapter handed to Hypothesis.  Hypothesis holds registered randoms by weak

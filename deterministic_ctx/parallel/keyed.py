@@ -21,7 +21,6 @@ runs in the main process on whole batches).
 from __future__ import annotations
 
 import math
-import numbers
 import operator
 import random
 from collections.abc import Iterable, Iterator, Sequence, Sized
@@ -33,6 +32,7 @@ import torch.utils.data
 
 from ..internal import (
     Settings,
+    check_bool,
     derive_seed,
     register_rng,
     seed_registered_rngs,
@@ -54,22 +54,22 @@ _MIX1 = 0xBF58_476D_1CE4_E5B9
 _MIX2 = 0x94D0_49BB_1331_11EB
 
 
-def _check_count(value: object, name: str) -> int:
-    """``value`` as a plain non-negative int, or a ``TypeError``/``ValueError`` naming it."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{name} must be a non-negative int, got {type(value).__name__} {value!r:.80}"
-        )
-    result = int(value)
-    if result < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {result}")
-    return result
-
-
-def _check_bool(value: object, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r:.80}")
-    return value
+def check_count(
+    value: object, name: str, what: str = "a non-negative int", *, low: int | None = 0
+) -> int:
+    """``value`` as a plain int of at least ``low`` (any, for ``None``), or a ``TypeError`` /
+    ``ValueError`` saying that ``name`` must be ``what``.  Anything ``operator.index``
+    takes is an int (NumPy integers, one-element integer tensors), a bool never is."""
+    if not isinstance(value, (bool, np.bool_)):
+        try:
+            result = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+        else:
+            if low is not None and result < low:
+                raise ValueError(f"{name} must be {what}, got {result}")
+            return result
+    raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r:.80}")
 
 
 class SeededIndex(int):
@@ -93,9 +93,9 @@ class SeededIndex(int):
 
     def __new__(cls, index: int, epoch: int) -> SeededIndex:
         if type(index) is not int or index < 0:  # the sampler's case, without ABC checks
-            index = _check_count(index, "index")
+            index = check_count(index, "index")
         if type(epoch) is not int or epoch < 0:
-            epoch = _check_count(epoch, "epoch")
+            epoch = check_count(epoch, "epoch")
         self = super().__new__(cls, index)
         self.epoch = epoch
         return self
@@ -282,7 +282,7 @@ class SeededDataset(torch.utils.data.Dataset[T_co], Generic[T_co]):
             >>> data.epoch
             3
         """
-        self._epoch = _check_count(epoch, "epoch")
+        self._epoch = check_count(epoch, "epoch")
 
     def item_seed(self, index: int, epoch: int | None = None) -> int:
         """The 32-bit seed of item ``index`` in ``epoch`` (default: :attr:`epoch`).
@@ -310,7 +310,7 @@ class SeededDataset(torch.utils.data.Dataset[T_co], Generic[T_co]):
             True
         """
         i = self._plain_index(index)
-        e = self._epoch if epoch is None else _check_count(epoch, "epoch")
+        e = self._epoch if epoch is None else check_count(epoch, "epoch")
         return self._key(i, e)
 
     def _key(self, index: int, epoch: int) -> int:
@@ -323,15 +323,8 @@ class SeededDataset(torch.utils.data.Dataset[T_co], Generic[T_co]):
         return (z ^ (z >> 31)) >> 32
 
     def _plain_index(self, index: object) -> int:
-        if isinstance(index, (bool, np.bool_)):
-            raise TypeError(f"index must be an int, got {index!r}")
-        try:
-            i = operator.index(index)  # type: ignore[arg-type]
-        except TypeError:
-            raise TypeError(
-                f"index must be an int (one sample; slices and lists are not keyed), "
-                f"got {type(index).__name__} {index!r:.80}"
-            ) from None
+        what = "an int (one sample; slices and lists are not keyed)"
+        i = check_count(index, "index", what, low=None)
         if i < 0:
             if not isinstance(self._dataset, Sized):
                 raise ValueError(f"index must be non-negative for a dataset without len(), got {i}")
@@ -412,10 +405,8 @@ def _world(num_replicas: object, rank: object) -> tuple[int, int]:
     if num_replicas is None:
         replicas = group[0] if group is not None else 1
     else:
-        replicas = _check_count(num_replicas, "num_replicas")
-        if replicas == 0:
-            raise ValueError("num_replicas must be a positive int, got 0")
-    where = (group[1] if group is not None else 0) if rank is None else _check_count(rank, "rank")
+        replicas = check_count(num_replicas, "num_replicas", "a positive int", low=1)
+    where = (group[1] if group is not None else 0) if rank is None else check_count(rank, "rank")
     if where >= replicas:
         raise ValueError(f"rank must be in 0 .. num_replicas - 1 = {replicas - 1}, got {where}")
     return replicas, where
@@ -485,8 +476,8 @@ class SeededSampler(torch.utils.data.Sampler[int]):
             )
         self._size = len(data_source)
         self._seed = validate_seed(seed)
-        self._shuffle = _check_bool(shuffle, "shuffle")
-        self._drop_last = _check_bool(drop_last, "drop_last")
+        self._shuffle = check_bool(shuffle, "shuffle")
+        self._drop_last = check_bool(drop_last, "drop_last")
         self._replicas, self._rank = _world(num_replicas, rank)
         self._epoch = 0
         self._start = 0  # indices of the epoch taken before the next pass (a resume)
@@ -537,7 +528,7 @@ class SeededSampler(torch.utils.data.Sampler[int]):
             >>> list(sampler) != first
             True
         """
-        epoch = _check_count(epoch, "epoch")
+        epoch = check_count(epoch, "epoch")
         if epoch != self._epoch:
             self._start = 0
             self._pass = None
@@ -603,7 +594,7 @@ class SeededSampler(torch.utils.data.Sampler[int]):
         else:
             epoch, start, yielded = record
             if consumed is not None:
-                consumed = _check_count(consumed, "consumed")
+                consumed = check_count(consumed, "consumed")
                 length = self._total(start) // self._replicas
                 if consumed > yielded and consumed < length:
                     raise ValueError(
@@ -649,7 +640,7 @@ class SeededSampler(torch.utils.data.Sampler[int]):
         def field(name: str) -> int:
             value = state_dict[name]
             try:
-                return _check_count(value, f'state_dict["{name}"]')
+                return check_count(value, f'state_dict["{name}"]')
             except TypeError as exc:
                 raise ValueError(str(exc)) from None
 

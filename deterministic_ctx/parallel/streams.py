@@ -93,10 +93,10 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from ..internal import accelerator_type, derive_seed, register_rng, validate_seed
+from .keyed import check_count
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -651,19 +651,13 @@ def _coordinates(ranks: object) -> dict[str, tuple[int, int]]:
             raise TypeError(f"ranks: dimension names must be non-empty str, got {dim!r:.80}")
         if not isinstance(value, (tuple, list)) or len(value) != 2:
             raise TypeError(f"ranks[{dim!r}] must be a pair (rank, size), got {value!r:.80}")
-        rank, size = (_int(v, f"ranks[{dim!r}]") for v in value)
+        rank, size = (check_count(v, f"ranks[{dim!r}]", "ints", low=None) for v in value)
         if not 0 <= rank < size:
             raise ValueError(
                 f"ranks[{dim!r}] must be (rank, size) with 0 <= rank < size, got {value!r:.80}"
             )
         coords[dim] = (rank, size)
     return coords
-
-
-def _int(value: object, path: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{path} must hold ints, got {type(value).__name__} {value!r:.80}")
-    return int(value)
 
 
 def _mesh_coordinates(mesh: Any) -> dict[str, tuple[int, int]]:

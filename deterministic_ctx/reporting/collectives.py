@@ -209,7 +209,10 @@ def collective_facts(
     names = nccl_env_names()
     env = {name: os.environ.get(name) for name in names}
     group_facts, group = _process_group(dist)
-    before, in_use = _remember(group, _in_use(group_facts), env)
+    # NCCL has read the group's variables once its communicators exist, or where that cannot
+    # be told (then, to be safe, from the start), or where its backend is not NCCL.
+    read = group_facts["initialized"] and group_facts.get("nccl_communicators") is not False
+    before, in_use = _remember(group, read, env)
     before_source = "a look before NCCL read them (report() or observe())"
     if before is None and startup_env is not None:
         before = {name: startup_env.get(name) for name in names}
@@ -235,12 +238,6 @@ def collective_facts(
         else {"source": before_source, "env": before},
         "env_first_seen_in_use": in_use,
     }
-
-
-def _in_use(group: Mapping[str, Any]) -> bool:
-    """Whether NCCL has read the group's variables: its communicators exist, or that cannot be
-    told (then, to be safe, from the start), or its backend is not NCCL."""
-    return bool(group.get("initialized")) and group.get("nccl_communicators") is not False
 
 
 def _process_group(dist: Any) -> tuple[dict[str, Any], object | None]:

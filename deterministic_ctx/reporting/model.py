@@ -98,7 +98,12 @@ class DeterminismReport:
         lines += _section(
             "Environment", {k: "(unset)" if v is None else v for k, v in self.env.items()}
         )
-        lines += _rng_section(self.rngs)
+        # One aligned row per RNG, as every other section.
+        seeded = {True: "seeded", False: "not seeded", None: "unknown"}
+        seeds = {r.name: "" if r.seed is None else f" (seed {r.seed})" for r in self.rngs}
+        lines += _section(
+            "RNGs", {r.name: f"{seeded[r.seeded]}{seeds[r.name]}: {r.detail}" for r in self.rngs}
+        )
         lines += _compile_section(self.torch_compile)
         lines += _section("CUDA", self.cuda)
         lines += _collectives_section(self.collectives)
@@ -115,16 +120,6 @@ class DeterminismReport:
 def _section(title: str, values: Mapping[str, Any]) -> list[str]:
     width = max((len(k) for k in values), default=0)
     return [title] + [f"  {k:<{width}}  {_show(v)}" for k, v in values.items()]
-
-
-def _rng_section(rngs: tuple[RngStatus, ...]) -> list[str]:
-    width = max((len(r.name) for r in rngs), default=0)
-    lines = ["RNGs"]
-    for rng in rngs:
-        seeded = {True: "seeded", False: "not seeded", None: "unknown"}[rng.seeded]
-        seed = f" (seed {rng.seed})" if rng.seed is not None else ""
-        lines.append(f"  {rng.name:<{width}}  {seeded}{seed}: {rng.detail}")
-    return lines
 
 
 def _compile_section(settings: Mapping[str, Any]) -> list[str]:

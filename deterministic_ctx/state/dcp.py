@@ -78,13 +78,13 @@ own.  As ``dcp.save`` and ``dcp.load`` themselves, every rank must call them.
 
 from __future__ import annotations
 
-import operator
 import struct
 from typing import Any, Literal
 
 import torch
 
-from ..internal import DCP_STATEFUL
+from ..internal import DCP_STATEFUL, check_bool
+from ..parallel.keyed import check_count
 from ..parallel.ranks import ranks
 from .checkpoint import MAX_FILE_BYTES, InvalidSnapshotError, check_version, encode
 from .snapshot import Snapshot
@@ -165,20 +165,14 @@ class RngState:
             raise ValueError(
                 f"on_world_size_change must be 'error' or 'keep', got {on_world_size_change!r}"
             )
-        if isinstance(capacity, bool) or not hasattr(type(capacity), "__index__"):
-            raise TypeError(
-                f"capacity must be an int (bytes), got {type(capacity).__name__} {capacity!r}"
-            )
-        capacity = operator.index(capacity)
+        capacity = check_count(capacity, "capacity", "an int (bytes)", low=None)
         if not _MIN_CAPACITY <= capacity <= _MAX_CAPACITY:
             raise ValueError(
                 f"capacity must be in [{_MIN_CAPACITY}, {_MAX_CAPACITY}] bytes, got {capacity}"
             )
-        if not isinstance(strict_devices, bool):
-            raise TypeError(f"strict_devices must be True or False, got {strict_devices!r}")
         self._on_world_size_change = on_world_size_change
         self._capacity = capacity
-        self._strict_devices = strict_devices
+        self._strict_devices = check_bool(strict_devices, "strict_devices")
 
     @property
     def on_world_size_change(self) -> WorldSizePolicy:

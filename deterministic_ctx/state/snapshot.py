@@ -12,6 +12,7 @@ from typing import Any
 
 from ..core.engine import opaque
 from ..core.world import World
+from ..internal import check_bool
 from ..sources.accelerators import refuse_inside_graph_capture
 from . import checkpoint as _checkpoint
 
@@ -155,8 +156,7 @@ class Snapshot:
             >>> float(np.random.rand()) == a
             True
         """
-        if not isinstance(strict_devices, bool):
-            raise TypeError(f"strict_devices must be True or False, got {strict_devices!r}")
+        check_bool(strict_devices, "strict_devices")
         return cls._of(
             _checkpoint.from_state_dict(state_dict, "state_dict", strict_devices=strict_devices)
         )
@@ -200,8 +200,7 @@ class Snapshot:
             ...     "torch.cpu" in Snapshot.load(f"{tmp}/rng.snapshot").sources
             True
         """
-        if not isinstance(strict_devices, bool):
-            raise TypeError(f"strict_devices must be True or False, got {strict_devices!r}")
+        check_bool(strict_devices, "strict_devices")
         origin = _checkpoint.origin_of(path)
         state = _checkpoint.decode(_checkpoint.read(path), origin)
         return cls._of(_checkpoint.from_state_dict(state, origin, strict_devices=strict_devices))

@@ -41,15 +41,14 @@ rank (``seed_everything(seed, rank="auto")``, or a
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .._errors import PUBLIC_MODULE, DeterministicCtxError
 from ..internal import accelerator_type, registered_rngs
+from ..parallel.keyed import check_count
 from .checkpoint import InvalidSnapshotError, decode, encode, from_state_dict
 from .snapshot import Snapshot
 
@@ -130,13 +129,7 @@ def sync_rng_state(src: int = 0, group: dist.ProcessGroup | None = None) -> None
         >>> random.getstate() == before
         True
     """
-    if isinstance(src, bool) or not hasattr(type(src), "__index__"):
-        raise TypeError(
-            f"src must be a non-negative int (a global rank), got {type(src).__name__} {src!r}"
-        )
-    src = operator.index(src)
-    if src < 0:
-        raise ValueError(f"src must be a non-negative int (a global rank), got {src}")
+    src = check_count(src, "src", "a non-negative int (a global rank)")
     # What new_group returns on a rank outside the group: a marker, not a group.
     given: object = group
     marker = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", None)
@@ -216,17 +209,6 @@ def sync_rng_state(src: int = 0, group: dist.ProcessGroup | None = None) -> None
     apply_everywhere(snapshot, problem, what, group, device)
 
 
-def received(
-    data: bytes, origin: str, *, keep_rank_local: bool = True, strict_devices: bool = True
-) -> Snapshot:
-    """The snapshot in a snapshot file's bytes from another rank (or a checkpoint), every
-    field checked, with this rank's own setup (and, with ``keep_rank_local``, its own
-    rank-local RNGs: see :func:`random_state_only`) in place of the sender's (internal)."""
-    state = random_state_only(decode(data, origin), keep_rank_local=keep_rank_local)
-    # Read as Snapshot.load reads a file: every error names ``origin``.
-    return Snapshot._of(from_state_dict(state, origin, strict_devices=strict_devices))
-
-
 #: The sources of a snapshot that are this process's setup, not its random state:
 #: determinism flags, managed environment variables (the NCCL recipe set before
 #: init_process_group, CUBLAS_WORKSPACE_CONFIG, ...), torch's defaults (threads) and
@@ -234,14 +216,18 @@ def received(
 SETUP_SOURCES = ("torch.flags", "torch.compile", "torch.defaults", "environ")
 
 
-def random_state_only(state: dict[str, Any], *, keep_rank_local: bool) -> dict[str, Any]:
-    """``state`` (a checked snapshot state dict) with this process's own entries for
-    :data:`SETUP_SOURCES`, so that restoring it changes only random state (internal).
+def received(
+    data: bytes, origin: str, *, keep_rank_local: bool = True, strict_devices: bool = True
+) -> Snapshot:
+    """The snapshot in a snapshot file's bytes from another rank (or a checkpoint), every
+    field checked, that changes only random state when restored (internal): this
+    process's own entries stand in for the sender's :data:`SETUP_SOURCES`.
 
     ``keep_rank_local``: also keep this process's own state of every registered RNG
     that says it belongs to its rank (``rank_local = True``: ``RngStreams`` that vary
     along a parallel dimension), which another rank's state must not replace.
     """
+    state = decode(data, origin)
     here = Snapshot.capture().state_dict()["sources"]
     sources = dict(state["sources"])
     for name in SETUP_SOURCES:
@@ -257,7 +243,10 @@ def random_state_only(state: dict[str, Any], *, keep_rank_local: bool) -> dict[s
                 mine.get(entry["key"], entry) if entry["key"] in local else entry
                 for entry in sources["user"]
             ]
-    return {**state, "sources": sources}
+    # Read as Snapshot.load reads a file: every error names ``origin``.
+    return Snapshot._of(
+        from_state_dict({**state, "sources": sources}, origin, strict_devices=strict_devices)
+    )
 
 
 def apply_everywhere(
