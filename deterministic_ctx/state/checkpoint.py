@@ -175,16 +175,13 @@ def _not_a_snapshot(data: object) -> str | None:
     """What to say when ``data`` is no snapshot's state dict at all (a model's
     ``state_dict``, a whole checkpoint), or ``None`` when it may be one."""
     if not isinstance(data, dict):
-        return (
-            f"expected the dict that Snapshot.state_dict() returns, got {type(data).__name__}"
-        )
+        return f"expected the dict that Snapshot.state_dict() returns, got {type(data).__name__}"
     if "format" in data:
         return None  # a snapshot's, maybe damaged: its fields' checks say what is wrong
     inside = _snapshot_inside(data)
     if inside is not None:
         return (
-            f"it holds a snapshot's state dict at {inside}, but is not one: "
-            f"pass state_dict{inside}"
+            f"it holds a snapshot's state dict at {inside}, but is not one: pass state_dict{inside}"
         )
     keys = list(data)
     shown = ", ".join(repr(k) for k in keys[:5]) + (", ..." if len(keys) > 5 else "")

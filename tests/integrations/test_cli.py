@@ -433,7 +433,10 @@ def test_run_restarts_before_importing_torch_or_numpy(tmp_path, console_script):
     assert (proc.returncode, proc.stdout) == (0, "ran\n"), proc.stderr
     deciding, restarted = modules_imported_per_interpreter(proc.stderr)
     # The collectives' values come from the report's module, which needs no torch.
-    assert {"deterministic_ctx.integrations.cli", "deterministic_ctx.reporting.collectives"} <= deciding
+    assert {
+        "deterministic_ctx.integrations.cli",
+        "deterministic_ctx.reporting.collectives",
+    } <= deciding
     assert {"torch", "numpy"} & deciding == set(), "imported before the restart"
     # The same probe sees them where they belong: the script's interpreter seeds them.
     assert {"torch", "numpy", "deterministic_ctx.parallel.seeding"} <= restarted

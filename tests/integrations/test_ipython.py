@@ -305,9 +305,7 @@ def test_top_level_await_is_refused_with_a_usage_error(kernel, body, line):
 @pytest.mark.slow
 def test_awaits_inside_functions_and_the_advised_decorator_work(kernel):
     # An await inside a function is not top-level: the cell defines it and runs.
-    kernel.run(
-        "%%deterministic 3\nasync def draw():\n    await asyncio.sleep(0)\n    return 1"
-    )
+    kernel.run("%%deterministic 3\nasync def draw():\n    await asyncio.sleep(0)\n    return 1")
     # What the UsageError advises, awaited in a cell without the magic.
     kernel.run(
         "from deterministic_ctx import reproducible\n"

@@ -536,7 +536,11 @@ def test_a_fork_that_fails_to_enter_changes_nothing(simulated_device):
         (lambda: RngStreams(0, [("tp", (0, 2))]), TypeError, "ranks must be a mapping"),
         (lambda: RngStreams(0, {"tp": 1}), TypeError, r"ranks\['tp'\] must be a pair"),
         (lambda: RngStreams(0, {"tp": (2, 2)}), ValueError, "0 <= rank < size"),
-        (lambda: RngStreams(0, {"tp": (True, 2)}), TypeError, r"ranks\[.tp.\] must be ints, got bool True"),
+        (
+            lambda: RngStreams(0, {"tp": (True, 2)}),
+            TypeError,
+            r"ranks\[.tp.\] must be ints, got bool True",
+        ),
         (lambda: RngStreams(0, {"": (0, 2)}), TypeError, "non-empty str"),
         (lambda: RngStreams(0, key=""), TypeError, "key must be a non-empty str"),
         (lambda: make().add(3), TypeError, "name must be a str"),

@@ -153,7 +153,9 @@ def test_a_zip_given_as_a_trace_gets_no_snapshot_advice(tmp_path):
 
     path = tmp_path / "ckpt.pt"
     torch.save({"a": torch.zeros(1)}, path)
-    with pytest.raises(InvalidTraceError, match=r"not a trace file written by Trace\.save\(\)") as info:
+    with pytest.raises(
+        InvalidTraceError, match=r"not a trace file written by Trace\.save\(\)"
+    ) as info:
         Trace.load(path)
     assert "Snapshot" not in str(info.value)
 
@@ -191,9 +193,12 @@ def test_a_whole_checkpoint_points_to_the_snapshot_inside(wrap, where):
     [
         ([1, 2], "expected the dict that Snapshot.state_dict() returns, got list"),
         ({"format": "x"}, "top level: missing field(s) devices, sources, version"),
-        ({}, "it is not what Snapshot.state_dict() returns: it has no 'format' field (its keys: "
-         "none); pass the snapshot's own dict, e.g. checkpoint[key] where you saved "
-         "Snapshot.capture().state_dict() under key"),
+        (
+            {},
+            "it is not what Snapshot.state_dict() returns: it has no 'format' field (its keys: "
+            "none); pass the snapshot's own dict, e.g. checkpoint[key] where you saved "
+            "Snapshot.capture().state_dict() under key",
+        ),
     ],
 )
 def test_a_bad_state_dict_is_named_once(data, problem):

@@ -214,7 +214,9 @@ def test_a_saved_user_rng_must_be_registered_before_loading(tmp_path):
     assert (info.value.key, info.value.kind) == ("aug", "random.Random")
     with pytest.raises(UnregisteredRngError) as info:
         Snapshot.load(tmp_path / "rng.snap")
-    assert str(info.value).startswith(f"cannot restore snapshot file {str(tmp_path / 'rng.snap')!r}")
+    assert str(info.value).startswith(
+        f"cannot restore snapshot file {str(tmp_path / 'rng.snap')!r}"
+    )
     assert "invalid" not in str(info.value)
     # Still an InvalidSnapshotError: code that handles every failed load keeps working.
     assert isinstance(info.value, InvalidSnapshotError)
