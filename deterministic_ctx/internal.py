@@ -84,6 +84,7 @@ from .sources._plain import fields as plain_fields
 from .sources._plain import flag as plain_flag
 from .sources._plain import integer as plain_integer
 from .sources._plain import mapping as plain_mapping
+from .sources._plain import shown as plain_shown
 from .sources.compiler import compiled_settings
 from .sources.environ import CUBLAS_VALID, managed_env_vars, register_env_var
 from .sources.environ import SEED as SEED_ENV_VAR
@@ -141,6 +142,7 @@ __all__ = [
     "plain_flag",
     "plain_integer",
     "plain_mapping",
+    "plain_shown",
     "process_rank",
     "register_env_var",
     "register_rng",

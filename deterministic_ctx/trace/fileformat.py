@@ -15,7 +15,7 @@ from typing import Any, cast
 import torch
 
 from .._errors import PUBLIC_MODULE
-from ..internal import plain_fields, plain_flag, plain_integer, plain_mapping
+from ..internal import plain_fields, plain_flag, plain_integer, plain_mapping, plain_shown
 from ..state.checkpoint import (
     FileKind,
     InvalidSnapshotError,
@@ -318,7 +318,7 @@ def _event(
             _text(item, f"{path}[0][{j}]")
     if phase not in _PHASES or (phase == "op" and not ops):  # a str: _PHASES holds only str
         allowed = _PHASES if ops else _PHASES[:-1]
-        got = _got(phase) if type(phase) is not str else repr(phase[:60])
+        got = plain_shown(phase) if type(phase) is not str else repr(phase[:60])
         raise ValueError(f"{path}[1]: expected one of {', '.join(allowed)}, got {got}")
     if type(what) is not str or len(what) > _MAX_TEXT:
         _text(what, f"{path}[2]")
@@ -370,24 +370,17 @@ NO_MODULE: tuple[None, None, None] = (None, None, None)
 # and two they do not have: exact types only (a subclass could run code), a path in every message.
 
 
-def _got(value: object) -> str:
-    kind = type(value)
-    if kind in (int, float, str, bool, type(None)):
-        return f"{kind.__name__} {short_repr(value)}"
-    return f"a {kind.__name__}"
-
-
 def _list(value: object, path: str, low: int = 0, high: int | None = None) -> list[Any]:
     if type(value) is not list or len(value) < low or (high is not None and len(value) > high):
         size = f"{low} .. {high}" if high is not None else f"at least {low}"
-        raise ValueError(f"{path}: expected a list of {size} items, got {_got(value)}")
+        raise ValueError(f"{path}: expected a list of {size} items, got {plain_shown(value)}")
     return value
 
 
 def _text(value: object, path: str) -> str:
     if type(value) is not str or len(value) > _MAX_TEXT:
         raise ValueError(
-            f"{path}: expected a string of at most {_MAX_TEXT} characters, got {_got(value)}"
+            f"{path}: expected a string of at most {_MAX_TEXT} characters, got {plain_shown(value)}"
         )
     return value
 
@@ -397,4 +390,4 @@ def _fact(value: object, path: str) -> Fact:
         return _text(value, path)
     if value is None or type(value) in (int, float, bool):
         return value  # type: ignore[return-value]  # checked just above
-    raise ValueError(f"{path}: expected a string, number, bool or null, got {_got(value)}")
+    raise ValueError(f"{path}: expected a string, number, bool or null, got {plain_shown(value)}")
