@@ -34,7 +34,6 @@ from ._capability import (
     Capability,
     ProbeLater,
     TorchFeatureError,
-    all_capabilities,
     missing_capabilities,
 )
 
@@ -55,7 +54,6 @@ __all__ = [
     "ProbeLater",
     "TorchFeatureError",
     "accelerator_type",
-    "all_capabilities",
     "default_device",
     "is_compiling",
     "lazy_device",
