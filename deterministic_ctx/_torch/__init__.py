@@ -158,14 +158,12 @@ LAZY_TRACKER_FIELDS = ("manual_seed_all_cb", "manual_seed_cb", "call_order")
 def _lazy_probe(device_type: str) -> Callable[[], ModuleType | None]:
     def probe() -> ModuleType | None:
         module = getattr(_torch(), device_type, None)
-        if module is None:
-            return None
         tracker = getattr(module, "_lazy_seed_tracker", None)
         if not all(hasattr(module, a) for a in LAZY_REQUIRED):
             return None
         if not all(hasattr(tracker, f) for f in LAZY_TRACKER_FIELDS):
             return None
-        return module  # type: ignore[no-any-return]
+        return module
 
     return probe
 
