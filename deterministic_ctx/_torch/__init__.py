@@ -34,14 +34,12 @@ from ._capability import (
     Capability,
     ProbeLater,
     TorchFeatureError,
-    all_capabilities,
     missing_capabilities,
 )
 
 __all__ = [
     "ACCELERATOR_API",
     "CONFIG_OVERRIDES",
-    "DEFAULT_DEVICE_GETTER",
     "DISPATCH_MODES",
     "FILL_UNINITIALIZED_MEMORY",
     "FP32_PRECISION",
@@ -55,7 +53,6 @@ __all__ = [
     "ProbeLater",
     "TorchFeatureError",
     "accelerator_type",
-    "all_capabilities",
     "default_device",
     "is_compiling",
     "lazy_device",
@@ -160,14 +157,12 @@ LAZY_TRACKER_FIELDS = ("manual_seed_all_cb", "manual_seed_cb", "call_order")
 def _lazy_probe(device_type: str) -> Callable[[], ModuleType | None]:
     def probe() -> ModuleType | None:
         module = getattr(_torch(), device_type, None)
-        if module is None:
-            return None
         tracker = getattr(module, "_lazy_seed_tracker", None)
         if not all(hasattr(module, a) for a in LAZY_REQUIRED):
             return None
         if not all(hasattr(tracker, f) for f in LAZY_TRACKER_FIELDS):
             return None
-        return module  # type: ignore[no-any-return]
+        return module
 
     return probe
 
@@ -330,31 +325,12 @@ from ``sys.modules``; this probe is for the report and the tests)."""
 
 # -- torch's process defaults (tests/_oracle.py) ---------------------------------------
 
-DEFAULT_DEVICE_GETTER = Capability(
-    "get_default_device",
-    reads="torch.get_default_device",
-    since="2.3",
-    fallback="the default device is read from the device of a new empty tensor",
-    probe=lambda: getattr(_torch(), "get_default_device", None),
-    quiet=True,  # the library reads torch._GLOBAL_DEVICE_CONTEXT itself: nothing is off
-)
-"""``torch.get_default_device``."""
-
 
 def default_device() -> Any:
-    """``torch.get_default_device()``, or where it is missing, the device a
-    factory function puts a new tensor on (the same answer).
-
-    torch 2.6's ``get_default_device()`` raises ``AttributeError`` after
-    ``torch.set_default_device(None)`` (it reads ``.device`` of the ``None``
-    it stored); there too the answer is the device of a new empty tensor.
-    """
-    get = DEFAULT_DEVICE_GETTER.value
-    if get is not None:
-        try:
-            return get()
-        except AttributeError:
-            pass
+    """The device a factory function puts a new tensor on: what
+    ``torch.get_default_device()`` (torch >= 2.3) answers, read the one way every
+    supported torch has (torch 2.6's ``get_default_device()`` even raises
+    ``AttributeError`` after ``torch.set_default_device(None)``)."""
     return _torch().empty(0).device
 
 

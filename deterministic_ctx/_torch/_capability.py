@@ -14,7 +14,6 @@ __all__ = [
     "Capability",
     "ProbeLater",
     "TorchFeatureError",
-    "all_capabilities",
     "missing_capabilities",
 ]
 
@@ -123,11 +122,6 @@ class Capability:
 
 
 _REGISTRY: dict[str, Capability] = {}
-
-
-def all_capabilities() -> tuple[Capability, ...]:
-    """Every capability, in the order they were declared."""
-    return tuple(_REGISTRY.values())
 
 
 def missing_capabilities() -> tuple[Capability, ...]:
