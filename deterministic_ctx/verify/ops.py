@@ -265,12 +265,10 @@ def first_op_difference(
             if found is not None:
                 return found
     index = min(len(a), len(b))
-    if len(a) > index:
-        detail = f"{left} called {a[index].described()}, {right} made no more op calls"
-        return OpDifference("missing", index, a[index], None, "", detail)
-    if len(b) > index:
-        detail = f"{right} called {b[index].described()}, {left} made no more op calls"
-        return OpDifference("extra", index, b[index], None, "", detail)
+    for kind, longer, this, that in (("missing", a, left, right), ("extra", b, right, left)):
+        if len(longer) > index:
+            detail = f"{this} called {longer[index].described()}, {that} made no more op calls"
+            return OpDifference(kind, index, longer[index], None, "", detail)
     return None
 
 
@@ -790,15 +788,11 @@ class OpRecorder:
             for path, t in tensor_leaves(out, "output"):
                 leaves.append(self._leaf(path, t))
                 returned.append(t)
-        written = op_schema(func)[1]
-        if written:
-            for name, value in arguments.items():
-                if name not in written:
-                    continue
-                for path, t in tensor_leaves(value, name):
-                    if all(t is not r for r in returned):
-                        leaves.append(self._leaf(f"{path} (changed in place)", t))
-                        returned.append(t)
+        for name in op_schema(func)[1]:  # the arguments it writes to, in the schema's order
+            for path, t in tensor_leaves(arguments.get(name), name):
+                if all(t is not r for r in returned):
+                    leaves.append(self._leaf(f"{path} (changed in place)", t))
+                    returned.append(t)
         for t in returned:
             self._known[id(t)] = weakref.ref(t)
         return leaves
