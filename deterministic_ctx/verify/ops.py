@@ -260,8 +260,8 @@ def first_op_difference(
         if x.op != y.op:
             detail = f"{left} called {x.described()}, {right} called {y.described()}"
             return OpDifference("op", index, x, y, "", detail)
-        for kind, xs, ys in (("input", x.inputs, y.inputs), ("values", x.outputs, y.outputs)):
-            found = _leaves_difference(kind, index, x, y, xs, ys, left, right)
+        for kind in ("input", "values"):
+            found = _leaves_difference(kind, index, x, y, left, right)
             if found is not None:
                 return found
     index = min(len(a), len(b))
@@ -273,15 +273,11 @@ def first_op_difference(
 
 
 def _leaves_difference(
-    kind: str,
-    index: int,
-    x: OpCall,
-    y: OpCall,
-    xs: tuple[TensorPrint, ...],
-    ys: tuple[TensorPrint, ...],
-    left: str,
-    right: str,
+    kind: str, index: int, x: OpCall, y: OpCall, left: str, right: str
 ) -> OpDifference | None:
+    """Where ``x`` and ``y`` differ in their inputs from outside (``kind="input"``) or
+    their outputs (``kind="values"``), if they do."""
+    xs, ys = (x.inputs, y.inputs) if kind == "input" else (x.outputs, y.outputs)
     layout = [(p.path, p.shape, p.dtype) for p in xs]
     other = [(p.path, p.shape, p.dtype) for p in ys]
     if layout != other:
