@@ -260,39 +260,31 @@ def first_op_difference(
         if x.op != y.op:
             detail = f"{left} called {x.described()}, {right} called {y.described()}"
             return OpDifference("op", index, x, y, "", detail)
-        for kind, xs, ys in (("input", x.inputs, y.inputs), ("values", x.outputs, y.outputs)):
-            found = _leaves_difference(kind, index, x, y, xs, ys, left, right)
+        for kind in ("input", "values"):
+            found = _leaves_difference(kind, index, x, y, left, right)
             if found is not None:
                 return found
     index = min(len(a), len(b))
-    if len(a) > index:
-        detail = f"{left} called {a[index].described()}, {right} made no more op calls"
-        return OpDifference("missing", index, a[index], None, "", detail)
-    if len(b) > index:
-        detail = f"{right} called {b[index].described()}, {left} made no more op calls"
-        return OpDifference("extra", index, b[index], None, "", detail)
+    for kind, longer, this, that in (("missing", a, left, right), ("extra", b, right, left)):
+        if len(longer) > index:
+            detail = f"{this} called {longer[index].described()}, {that} made no more op calls"
+            return OpDifference(kind, index, longer[index], None, "", detail)
     return None
 
 
 def _leaves_difference(
-    kind: str,
-    index: int,
-    x: OpCall,
-    y: OpCall,
-    xs: tuple[TensorPrint, ...],
-    ys: tuple[TensorPrint, ...],
-    left: str,
-    right: str,
+    kind: str, index: int, x: OpCall, y: OpCall, left: str, right: str
 ) -> OpDifference | None:
+    """Where ``x`` and ``y`` differ in their inputs from outside (``kind="input"``) or
+    their outputs (``kind="values"``), if they do."""
+    xs, ys = (x.inputs, y.inputs) if kind == "input" else (x.outputs, y.outputs)
     layout = [(p.path, p.shape, p.dtype) for p in xs]
     other = [(p.path, p.shape, p.dtype) for p in ys]
     if layout != other:
         detail = f"{_layout(layout)} ({left}) vs {_layout(other)} ({right})"
-        what = xs[0].path if xs else (ys[0].path if ys else "")
-        for mine, theirs in zip(xs, ys, strict=False):
-            if (mine.path, mine.shape, mine.dtype) != (theirs.path, theirs.shape, theirs.dtype):
-                what = mine.path
-                break
+        # The first tensor whose layout differs, else the first one only one side has.
+        differing = [mine for mine, theirs in zip(layout, other, strict=False) if mine != theirs]
+        what = next((path for path, _, _ in differing + layout + other), "")
         return OpDifference("shape", index, x, y, what, f"shapes/dtypes differ: {detail}")
     for mine, theirs in zip(xs, ys, strict=True):
         if mine.fingerprint is None or theirs.fingerprint is None:
@@ -351,22 +343,6 @@ def _library_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
 _SITE_DIRS = ("site-packages", "dist-packages")
 
 
-def _is_library_file(filename: str) -> bool:
-    """Whether ``filename`` is library code (see :func:`_library_roots`): told by path,
-    as a module name says too little (``sys.stdlib_module_names`` has ``test``,
-    ``code`` and ``types``, common names of a user's own modules)."""
-    if filename.startswith("<"):  # "<frozen importlib._bootstrap>" is; "<string>", "<stdin>" not
-        return filename.startswith("<frozen")
-    path = os.path.realpath(filename)
-    packages, stdlib = _library_roots()
-    if path.startswith(packages):
-        return True
-    for root in stdlib:
-        if path.startswith(root):
-            return path[len(root) :].split(os.sep, 1)[0] not in _SITE_DIRS
-    return False
-
-
 def _qualname(code: CodeType) -> str:
     return getattr(code, "co_qualname", code.co_name)  # co_qualname: Python 3.11+
 
@@ -377,10 +353,26 @@ _KINDS: dict[CodeType, str | None] = {}
 
 
 def _classify(frame: FrameType) -> str | None:
+    """``None`` when ``frame`` runs user code, else what :data:`_KINDS` keeps.
+
+    Library code (see :func:`_library_roots`) is told by the code's file, as a module
+    name says too little (``sys.stdlib_module_names`` has ``test``, ``code`` and
+    ``types``, common names of a user's own modules); torch's modules by their name.
+    """
     module = str(frame.f_globals.get("__name__", ""))
     if module.partition(".")[0] == "torch":
         return f"{module}.{_qualname(frame.f_code)}"
-    return "" if _is_library_file(frame.f_code.co_filename) else None
+    filename = frame.f_code.co_filename
+    if filename.startswith("<"):  # "<frozen importlib._bootstrap>" is; "<string>", "<stdin>" not
+        return "" if filename.startswith("<frozen") else None
+    path = os.path.realpath(filename)
+    packages, stdlib = _library_roots()
+    if path.startswith(packages):
+        return ""
+    for root in stdlib:
+        if path.startswith(root):
+            return None if path[len(root) :].split(os.sep, 1)[0] in _SITE_DIRS else ""
+    return None
 
 
 def user_frame(frame: FrameType | None) -> tuple[FrameType | None, bool, frozenset[str]]:
@@ -389,8 +381,8 @@ def user_frame(frame: FrameType | None) -> tuple[FrameType | None, bool, frozens
     code's own: see :data:`~deterministic_ctx.internal.AUTOGRAD_ENGINE_ENTRIES`), and
     the torch functions on the way (``torch.nn.functional.pad``).
 
-    User code is what :func:`_is_library_file` does not count as library code, and
-    not torch's modules.  Each code object is classified once, so a stack walk is a
+    User code is what :func:`_classify` does not count as library code, nor as
+    torch's modules.  Each code object is classified once, so a stack walk is a
     few dictionary look-ups per frame.
     """
     engine = False
@@ -537,18 +529,6 @@ class _Paused(threading.local):
 _Dispatch = Callable[[Any, tuple[Any, ...], dict[str, Any], FrameType | None], Any]
 
 
-def _hand_over(
-    dispatch: _Dispatch, func: Any, args: tuple[Any, ...], kwargs: Any, caller: FrameType | None
-) -> Any:
-    return dispatch(func, args, kwargs or {}, caller)
-
-
-@functools.cache
-def _hand_over_unseen_by_dynamo() -> Any:
-    """:func:`_hand_over`, which Dynamo never traces (imported only once Dynamo is)."""
-    return dynamo_disable(_hand_over, recursive=True)
-
-
 class QuietDispatchMode(UnwrappedDispatchMode):  # type: ignore[no-untyped-call]
     """A dispatch mode that hands every op call to ``dispatch(func, args, kwargs,
     caller)``, ``caller`` being the frame that made the call (the op's own caller, or
@@ -586,10 +566,13 @@ class QuietDispatchMode(UnwrappedDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        caller = sys._getframe(1)
-        if DYNAMO in sys.modules:
-            return _hand_over_unseen_by_dynamo()(self.dispatch, func, args, kwargs, caller)
-        return _hand_over(self.dispatch, func, args, kwargs, caller)
+        dispatch = self.dispatch if DYNAMO not in sys.modules else self._unseen_by_dynamo
+        return dispatch(func, args, kwargs or {}, sys._getframe(1))
+
+    @functools.cached_property
+    def _unseen_by_dynamo(self) -> _Dispatch:
+        """:attr:`dispatch`, which Dynamo never traces (made only once Dynamo is imported)."""
+        return dynamo_disable(self.dispatch, recursive=True)
 
 
 class OpRecorder:
@@ -749,24 +732,22 @@ class OpRecorder:
         if self._state != "recording" or self._paused.depth:
             return func(*args, **kwargs)
         node = current_autograd_node()
-        origins = self._origins if node is None else None  # forward op calls make nodes
+        where = None
         if self.phase == ("backward" if node is None else "forward"):
             out = func(*args, **kwargs)
-            if origins is not None:
-                origins.made(args, kwargs, out, lambda: self._where(caller, None))
-            return out
-        where = self._where(caller, node)
-        arguments = op_arguments(func, args, kwargs)
-        with self._lock:
-            inputs = self._outside_inputs(arguments) if self.inputs else []
-        out = func(*args, **kwargs)
-        with self._lock:
-            outputs = self._outputs(func, arguments, out)
-            self._records.append(
-                (str(func), where, None if node is None else node.name(), outputs, inputs)
-            )
-        if origins is not None:
-            origins.made(args, kwargs, out, lambda: where)
+        else:
+            where = self._where(caller, node)
+            arguments = op_arguments(func, args, kwargs)
+            with self._lock:
+                inputs = self._outside_inputs(arguments) if self.inputs else []
+            out = func(*args, **kwargs)
+            with self._lock:
+                outputs = self._outputs(func, arguments, out)
+                self._records.append(
+                    (str(func), where, None if node is None else node.name(), outputs, inputs)
+                )
+        if node is None and self._origins is not None:  # forward op calls make nodes
+            self._origins.made(args, kwargs, out, lambda: where or self._where(caller, None))
         return out
 
     def _where(self, caller: FrameType | None, node: Any) -> tuple[str, str] | None:
@@ -803,15 +784,11 @@ class OpRecorder:
             for path, t in tensor_leaves(out, "output"):
                 leaves.append(self._leaf(path, t))
                 returned.append(t)
-        written = op_schema(func)[1]
-        if written:
-            for name, value in arguments.items():
-                if name not in written:
-                    continue
-                for path, t in tensor_leaves(value, name):
-                    if all(t is not r for r in returned):
-                        leaves.append(self._leaf(f"{path} (changed in place)", t))
-                        returned.append(t)
+        for name in op_schema(func)[1]:  # the arguments it writes to, in the schema's order
+            for path, t in tensor_leaves(arguments.get(name), name):
+                if all(t is not r for r in returned):
+                    leaves.append(self._leaf(f"{path} (changed in place)", t))
+                    returned.append(t)
         for t in returned:
             self._known[id(t)] = weakref.ref(t)
         return leaves
