@@ -103,7 +103,12 @@ def fingerprint_parts(t: torch.Tensor, *, copy: bool = True) -> list[torch.Tenso
             # No copy, and no autograd graph: an integer view is not differentiable.
             words = x.view(torch.int64)
         except RuntimeError:  # a last dimension of part words, a scalar, an odd start
-            return _bytewise(x.detach().view(-1), copy)
+            flat = x.detach().view(-1)
+            if flat.stride(0) != 1:
+                # One element with another stride (``c.conj().imag`` of one complex):
+                # torch ignores a size-1 dimension's stride, a dtype view does not.
+                flat = flat.clone(memory_format=torch.contiguous_format)
+            return _bytewise(flat, copy)
         return _word_sums(words, x.element_size(), copy)
     except (RuntimeError, TypeError, ValueError, NotImplementedError, KeyError):
         return None

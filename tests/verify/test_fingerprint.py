@@ -312,3 +312,12 @@ def test_fingerprint_on_cuda_equals_cpu_and_stays_on_device(dtype):
     for numel in NUMELS.values():
         a = random_tensor(dtype, numel, seed=numel)
         assert host(a.cuda()) == host(a)  # host() checks that the parts stay on the device
+
+
+def test_one_element_with_another_stride_is_fingerprinted():
+    """``c.conj().imag`` of one complex element: contiguous for torch (a size-1 dimension's
+    stride does not count), but of stride 2, which a dtype view refuses (found by Hypothesis
+    in ``test_add_all_keeps_the_fingerprints_add_keeps``: it fingerprinted as ``None``)."""
+    t = torch.tensor([1 + 3.5e24j], dtype=torch.complex64).conj().imag
+    assert t.stride() == (2,) and t.is_neg()
+    assert host(t) == host(t.clone(memory_format=torch.contiguous_format))
