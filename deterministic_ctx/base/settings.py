@@ -140,10 +140,11 @@ class Settings:
     def resolved(self) -> Settings:
         """These settings with ``rank="auto"`` looked up now: a block starting
         resolves it once, not once per source that reads :attr:`rank_seed`.
-        Built through :meth:`build`, whose cache makes a repeat a dict lookup."""
+        Built through :meth:`build`, and found in its cache without its checks: these
+        fields are checked and of plain types already (this runs at every block)."""
         if self._fixed_rank_seed is not None:
             return self
-        return self.build(
+        args = (
             self.seed,
             self.warn_only,
             process_rank(),
@@ -151,6 +152,7 @@ class Settings:
             self.fill_uninitialized_memory,
             self.compiled_rng,
         )
+        return _BUILT.get(args) or self.build(*args)
 
     @classmethod
     def build(
