@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from .base.lock import set_lock_warning
     from .base.seed import derive_seed
     from .core.context import deterministic, isolated
+    from .integrations.check_resume import checkpoint_saved, record_step
     from .core.decorate import reproducible
     from .parallel.data import chain_worker_init, seed_worker, seeded_generator
     from .parallel.keyed import SeededDataset, SeededIndex, SeededSampler
@@ -104,6 +105,7 @@ __all__ = [
     "audit_nondeterminism",
     "broadcast_seed",
     "chain_worker_init",
+    "checkpoint_saved",
     "compare_traces",
     "derive_seed",
     "deterministic",
@@ -112,6 +114,7 @@ __all__ = [
     "managed_env_vars",
     "rank_seed",
     "ranks",
+    "record_step",
     "record_trace",
     "register_env_var",
     "register_rng",
@@ -161,6 +164,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "audit_nondeterminism": (".audit", "audit_nondeterminism"),
     "broadcast_seed": (".parallel.ranks", "broadcast_seed"),
     "chain_worker_init": (".parallel.data", "chain_worker_init"),
+    "checkpoint_saved": (".integrations.check_resume", "checkpoint_saved"),
     "compare_traces": (".trace", "compare_traces"),
     "derive_seed": (".base.seed", "derive_seed"),
     "deterministic": (".core.context", "deterministic"),
@@ -169,6 +173,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "managed_env_vars": (".sources.environ", "managed_env_vars"),
     "rank_seed": (".parallel.ranks", "rank_seed"),
     "ranks": (".parallel.ranks", "ranks"),
+    "record_step": (".integrations.check_resume", "record_step"),
     "record_trace": (".trace", "record_trace"),
     "register_env_var": (".sources.environ", "register_env_var"),
     "register_rng": (".sources", "register_rng"),
