@@ -43,8 +43,8 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from .base.lock import set_lock_warning
     from .base.seed import derive_seed
     from .core.context import deterministic, isolated
-    from .integrations.check_resume import checkpoint_saved, record_step
     from .core.decorate import reproducible
+    from .integrations.check_resume import checkpoint_saved, record_step
     from .parallel.data import chain_worker_init, seed_worker, seeded_generator
     from .parallel.keyed import SeededDataset, SeededIndex, SeededSampler
     from .parallel.ranks import Ranks, broadcast_seed, rank_seed, ranks
