@@ -39,23 +39,27 @@ def _stateful_rows(
     *,
     stop_at: int | None = None,
     state: dict | None = None,
+    workers: int = 2,
+    like_a_trainer: bool = False,
 ) -> tuple[list[tuple[float, ...]], dict | None]:
     """Rows of epochs 0 and 1 through a 2-worker StatefulDataLoader; with ``stop_at``, the rows
-    up to that step and the loader's state there; with ``state``, the rows after it."""
+    up to that step and the loader's state there; with ``state``, the rows after it.
+    ``like_a_trainer``: a state saved on an epoch's last batch resumes at the next epoch, whose
+    set_epoch comes before the loader applies the state (in its ``__iter__``), as in Lightning."""
     dataset = make_dataset()
     sampler = SeededSampler(dataset, seed=1)
     loader = StatefulDataLoader(
         dataset,
         batch_size=BATCH,
         sampler=sampler,
-        num_workers=2,
-        multiprocessing_context="fork",
+        num_workers=workers,
+        multiprocessing_context="fork" if workers else None,
         generator=torch.Generator().manual_seed(0),
     )
     start = 0
     if state is not None:
         loader.load_state_dict(state["loader"])
-        start = state["epoch"]
+        start = state["epoch"] + (like_a_trainer and state["last"])
     rows, step = [], 0
     for epoch in range(start, 2):
         sampler.set_epoch(epoch)
@@ -63,7 +67,8 @@ def _stateful_rows(
             rows += [tuple(row.tolist()) for row in batch]
             step += 1
             if step == stop_at:
-                return rows, {"loader": loader.state_dict(), "epoch": epoch}
+                last = len(rows) == (epoch + 1) * len(dataset)
+                return rows, {"loader": loader.state_dict(), "epoch": epoch, "last": last}
     return rows, None
 
 
@@ -99,6 +104,23 @@ def _keyed() -> SeededDataset:
 def test_stateful_dataloader_resumes_at_any_step(keyed_whole, stop_at):
     first, state = _stateful_rows(_keyed, stop_at=stop_at)
     rest, _ = _stateful_rows(_keyed, state=state)
+    assert first + rest == keyed_whole
+
+
+@needs_torchdata
+@needs_fork
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("like_a_trainer", [True, False])
+def test_a_state_saved_on_an_epochs_last_batch_resumes_the_next_epoch(
+    keyed_whole, workers, like_a_trainer
+):
+    # Step 6 is epoch 0's last batch.  A trainer moves on to epoch 1 and calls set_epoch(1)
+    # before StatefulDataLoader applies the saved "epoch 0, all taken": that once gave an empty
+    # epoch 1, and training ended silently.  A loop that asks for epoch 0 again gets its empty
+    # rest, then epoch 1.
+    first, state = _stateful_rows(_keyed, stop_at=6, workers=workers)
+    assert state is not None and state["last"]
+    rest, _ = _stateful_rows(_keyed, state=state, workers=workers, like_a_trainer=like_a_trainer)
     assert first + rest == keyed_whole
 
 
