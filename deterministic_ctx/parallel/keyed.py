@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import operator
 import random
+import warnings
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any, Generic, TypeVar
 
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from .._errors import StateWarning
 from ..internal import (
     Settings,
     check_bool,
@@ -412,6 +414,29 @@ def _world(num_replicas: object, rank: object) -> tuple[int, int]:
     return replicas, where
 
 
+def _warn_if_base_seed_drawn(at_set_epoch: torch.Tensor) -> None:
+    """Warn if torch's global generator is exactly one ``DataLoader`` base seed past
+    ``at_set_epoch``: the draw ``_BaseDataLoaderIter.__init__`` makes from it when the
+    loader has no generator of its own (every torch from 2.1 on), before the sampler's
+    first index.  A resumed pass starts mid-epoch, where the uninterrupted run created
+    no iterator: from here on the main process's stream (dropout) is not that run's.
+    Only that exact step warns: a Snapshot restored after set_epoch does not, and a
+    torch that ever drew otherwise would make this silent, never wrong."""
+    probe = torch.Generator()
+    probe.set_state(at_set_epoch)
+    torch.empty((), dtype=torch.int64).random_(generator=probe)
+    if torch.equal(probe.get_state(), torch.default_generator.get_state()):
+        warnings.warn(
+            "SeededSampler: this resumed pass began in a DataLoader without a generator of "
+            "its own, which drew its workers' base seed from torch's global generator: the "
+            "uninterrupted run made no such draw mid-epoch, so the main process's random "
+            "numbers (dropout) differ from its own from here on.  Pass the loader a "
+            "generator: DataLoader(..., generator=seeded_generator(seed, 'train'))",
+            StateWarning,
+            stacklevel=3,
+        )
+
+
 class SeededSampler(torch.utils.data.Sampler[int]):
     """A ``DistributedSampler`` keyed by ``(seed, epoch)`` that can resume mid-epoch,
     also on another number of ranks.
@@ -500,6 +525,10 @@ class SeededSampler(torch.utils.data.Sampler[int]):
         self._done: tuple[int, int] | None = None
         # The epoch set_epoch asked for since the last pass began (None: not asked).
         self._asked: int | None = None
+        # Torch's global generator at that set_epoch, and whether a state was loaded
+        # since the last pass began: what the resumed pass checks (_warn_if_base_seed_drawn).
+        self._global_at_set_epoch: torch.Tensor | None = None
+        self._loaded = False
 
     @property
     def seed(self) -> int:
@@ -548,6 +577,7 @@ class SeededSampler(torch.utils.data.Sampler[int]):
         """
         epoch = check_count(epoch, "epoch")
         done, self._done, self._asked = self._done, None, epoch
+        self._global_at_set_epoch = torch.default_generator.get_state()
         if done is not None and epoch == done[0]:
             # A loop that saved the finished epoch with the state asks for it again:
             # it gets that epoch's empty rest, then asks for the next one.
@@ -573,6 +603,10 @@ class SeededSampler(torch.utils.data.Sampler[int]):
         epoch, start = self._epoch, self._start
         self._start = 0  # the pass after this one starts at the beginning
         self._done = self._asked = None
+        at_set_epoch, self._global_at_set_epoch = self._global_at_set_epoch, None
+        if self._loaded and start > 0 and at_set_epoch is not None:
+            _warn_if_base_seed_drawn(at_set_epoch)
+        self._loaded = False
         total = self._total(start)
         if self._shuffle:
             gen = torch.Generator()
@@ -701,6 +735,7 @@ class SeededSampler(torch.utils.data.Sampler[int]):
             self._done = (epoch, taken)
         else:
             self._epoch, self._start, self._pass, self._done = epoch, taken, None, None
+        self._loaded = True
 
     def __repr__(self) -> str:
         return (
