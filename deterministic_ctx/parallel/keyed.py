@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import operator
 import random
+import warnings
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any, Generic, TypeVar
 
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from .._errors import StateWarning
 from ..internal import (
     Settings,
     check_bool,
@@ -412,6 +414,29 @@ def _world(num_replicas: object, rank: object) -> tuple[int, int]:
     return replicas, where
 
 
+def _warn_if_base_seed_drawn(at_set_epoch: torch.Tensor) -> None:
+    """Warn if torch's global generator is exactly one ``DataLoader`` base seed past
+    ``at_set_epoch``: the draw ``_BaseDataLoaderIter.__init__`` makes from it when the
+    loader has no generator of its own (every torch from 2.1 on), before the sampler's
+    first index.  A resumed pass starts mid-epoch, where the uninterrupted run created
+    no iterator: from here on the main process's stream (dropout) is not that run's.
+    Only that exact step warns: a Snapshot restored after set_epoch does not, and a
+    torch that ever drew otherwise would make this silent, never wrong."""
+    probe = torch.Generator()
+    probe.set_state(at_set_epoch)
+    torch.empty((), dtype=torch.int64).random_(generator=probe)
+    if torch.equal(probe.get_state(), torch.default_generator.get_state()):
+        warnings.warn(
+            "SeededSampler: this resumed pass began in a DataLoader without a generator of "
+            "its own, which drew its workers' base seed from torch's global generator: the "
+            "uninterrupted run made no such draw mid-epoch, so the main process's random "
+            "numbers (dropout) differ from its own from here on.  Pass the loader a "
+            "generator: DataLoader(..., generator=seeded_generator(seed, 'train'))",
+            StateWarning,
+            stacklevel=3,
+        )
+
+
 class SeededSampler(torch.utils.data.Sampler[int]):
     """A ``DistributedSampler`` keyed by ``(seed, epoch)`` that can resume mid-epoch,
     also on another number of ranks.
@@ -432,7 +457,19 @@ class SeededSampler(torch.utils.data.Sampler[int]):
     the loop, so tell the sampler what the loop consumed:
     ``sampler.state_dict(consumed=n)``, ``n`` the samples this rank's loop
     took from the current pass (``(i + 1) * batch_size`` after batch ``i`` of
-    ``enumerate(loader)``).  Every rank must have consumed the same number.
+    ``enumerate(loader)`` while batches are full), never more than the pass
+    handed out.  Every rank must have consumed the same number.
+
+    **An epoch's end is a resume point.**  A state saved once the pass had
+    handed out the epoch's last index (a checkpoint on the last batch) loads
+    as "start the next epoch": the next pass is epoch ``e + 1`` from its
+    beginning, whether :meth:`set_epoch` ``(e + 1)`` comes before the load
+    (torchdata's ``StatefulDataLoader`` loads in ``__iter__``, after the
+    trainer's ``set_epoch``), after it, or not at all.  A loop that saved
+    ``e`` with the state and calls ``set_epoch(e)`` again (before or after the
+    load) gets the empty rest of ``e``, then ``e + 1`` whole.  Until a pass
+    begins, :meth:`state_dict` gives the loaded state back and ``len()`` the
+    next pass's length.
     Loaded on another number of ranks, the indices not yet taken are split
     over the new ranks as above: each once, plus padding (or minus the cut
     tail with ``drop_last``).
@@ -483,6 +520,15 @@ class SeededSampler(torch.utils.data.Sampler[int]):
         self._start = 0  # indices of the epoch taken before the next pass (a resume)
         # The live pass: [epoch, start, indices yielded]; None before the first pass.
         self._pass: list[int] | None = None
+        # A loaded finished epoch, (epoch, taken), while the next pass is the epoch after
+        # it: set_epoch(epoch) still gives the loaded (empty) rest of that epoch.
+        self._done: tuple[int, int] | None = None
+        # The epoch set_epoch asked for since the last pass began (None: not asked).
+        self._asked: int | None = None
+        # Torch's global generator at that set_epoch, and whether a state was loaded
+        # since the last pass began: what the resumed pass checks (_warn_if_base_seed_drawn).
+        self._global_at_set_epoch: torch.Tensor | None = None
+        self._loaded = False
 
     @property
     def seed(self) -> int:
@@ -518,7 +564,8 @@ class SeededSampler(torch.utils.data.Sampler[int]):
         """Make the next pass draw ``epoch``'s order and keys.
 
         After :meth:`load_state_dict`, setting the loaded epoch keeps the
-        resume position; another epoch starts from its beginning.
+        resume position (the empty rest of an epoch that was finished);
+        another epoch starts from its beginning.
 
         Example:
             >>> from deterministic_ctx import SeededSampler
@@ -529,6 +576,13 @@ class SeededSampler(torch.utils.data.Sampler[int]):
             True
         """
         epoch = check_count(epoch, "epoch")
+        done, self._done, self._asked = self._done, None, epoch
+        self._global_at_set_epoch = torch.default_generator.get_state()
+        if done is not None and epoch == done[0]:
+            # A loop that saved the finished epoch with the state asks for it again:
+            # it gets that epoch's empty rest, then asks for the next one.
+            self._epoch, self._start, self._pass = done[0], done[1], None
+            return
         if epoch != self._epoch:
             self._start = 0
             self._pass = None
@@ -548,6 +602,11 @@ class SeededSampler(torch.utils.data.Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         epoch, start = self._epoch, self._start
         self._start = 0  # the pass after this one starts at the beginning
+        self._done = self._asked = None
+        at_set_epoch, self._global_at_set_epoch = self._global_at_set_epoch, None
+        if self._loaded and start > 0 and at_set_epoch is not None:
+            _warn_if_base_seed_drawn(at_set_epoch)
+        self._loaded = False
         total = self._total(start)
         if self._shuffle:
             gen = torch.Generator()
@@ -571,9 +630,11 @@ class SeededSampler(torch.utils.data.Sampler[int]):
         Args:
             consumed: the number of indices this rank's loop consumed from
                 the current pass (with a plain ``DataLoader`` whose workers
-                take indices ahead of the loop).  ``None``: every index the
-                pass handed out (exact with ``num_workers=0`` and inside
-                torchdata's ``StatefulDataLoader``).
+                take indices ahead of the loop), ``0`` up to the number the
+                pass handed out (``0`` before a pass begins); a larger one
+                raises ``ValueError``.  ``None``: every index the pass handed
+                out (exact with ``num_workers=0`` and inside torchdata's
+                ``StatefulDataLoader``).
 
         Example:
             >>> from deterministic_ctx import SeededSampler
@@ -589,19 +650,23 @@ class SeededSampler(torch.utils.data.Sampler[int]):
             True
         """
         record = self._pass
-        if record is None or record[0] != self._epoch:
+        live = record is not None and record[0] == self._epoch
+        handed_out = record[2] if record is not None and live else 0
+        if consumed is not None:
+            consumed = check_count(consumed, "consumed")
+            if consumed > handed_out:
+                raise ValueError(
+                    f"consumed must be in 0 .. {handed_out} (the indices this pass has handed "
+                    f"out so far), got {consumed}"
+                )
+        if self._done is not None:  # a loaded finished epoch, no pass since
+            epoch, taken = self._done
+        elif record is None or not live:
             epoch, taken = self._epoch, self._start
         else:
             epoch, start, yielded = record
             if consumed is not None:
-                consumed = check_count(consumed, "consumed")
-                length = self._total(start) // self._replicas
-                if consumed > yielded and consumed < length:
-                    raise ValueError(
-                        f"consumed={consumed}, but this pass has handed out only {yielded} "
-                        f"indices so far"
-                    )
-                yielded = min(consumed, length)
+                yielded = consumed
             taken = min(start + yielded * self._replicas, self._size)
         return {
             "seed": self._seed,
@@ -612,7 +677,8 @@ class SeededSampler(torch.utils.data.Sampler[int]):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Make the next pass continue the saved epoch after the indices taken.
+        """Make the next pass continue the saved epoch after the indices taken,
+        or start the next epoch if the saved pass had finished its epoch.
 
         The state is checked before anything changes: a ``ValueError`` names
         what does not fit (another seed, dataset size or ``shuffle``; a
@@ -660,7 +726,16 @@ class SeededSampler(torch.utils.data.Sampler[int]):
             raise ValueError(
                 f'state_dict["consumed"] is {taken}, more than the {self._size} indices of an epoch'
             )
-        self._epoch, self._start, self._pass = epoch, taken, None
+        asked, self._asked = self._asked, None
+        if self._total(taken) == 0 and asked != epoch:
+            # The saved pass had handed out its last index: an epoch's end, so the next
+            # pass starts the next epoch (torchdata's StatefulDataLoader loads the state
+            # after the trainer's set_epoch(epoch + 1)).
+            self._epoch, self._start, self._pass = epoch + 1, 0, None
+            self._done = (epoch, taken)
+        else:
+            self._epoch, self._start, self._pass, self._done = epoch, taken, None, None
+        self._loaded = True
 
     def __repr__(self) -> str:
         return (

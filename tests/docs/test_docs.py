@@ -139,6 +139,8 @@ SKIPPED: dict[str, str] = {
     "loader = StatefulDataLoader(dataset, batch_size=32": "needs torchdata and a dataset: "
     "examples/resume_mid_epoch.py runs this loop and resumes it in a fresh process "
     "(tests/parallel/test_resume_mid_epoch.py)",
+    "accelerator.register_for_checkpointing(sampler, RngState())": "needs accelerate and a "
+    "model: tests/parallel/test_accelerate.py runs this loop in a fresh Accelerator",
 }
 
 #: A line of a block that needs a CUDA device -> what runs instead where there is none.

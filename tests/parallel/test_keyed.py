@@ -382,10 +382,120 @@ def test_consumed_cannot_exceed_what_the_pass_handed_out():
     sampler = SeededSampler(range(10), seed=0)
     it = iter(sampler)
     next(it)
-    with pytest.raises(ValueError, match="consumed=2, but this pass has handed out only 1"):
+    with pytest.raises(ValueError, match=r"consumed must be in 0 \.\. 1 .*, got 2"):
         sampler.state_dict(consumed=2)
     assert sampler.state_dict(consumed=0)["consumed"] == 0
     assert sampler.state_dict()["consumed"] == 1
+
+
+@pytest.mark.parametrize("consumed", [5, 9, 10, 11, 999])
+def test_every_consumed_beyond_the_handed_out_indices_is_refused_alike(consumed):
+    # Once, 10 and 999 were clamped to the epoch's end: the rest of the epoch skipped, silently.
+    sampler = SeededSampler(range(10), seed=0)
+    it = iter(sampler)
+    for _ in range(4):
+        next(it)
+    message = rf"^consumed must be in 0 \.\. 4 \(the indices this pass has handed out so far\), got {consumed}$"
+    with pytest.raises(ValueError, match=message):
+        sampler.state_dict(consumed=consumed)
+    assert sampler.state_dict(consumed=4)["consumed"] == 4  # all it handed out
+
+
+def test_consumed_before_any_pass_can_only_be_zero():
+    sampler = SeededSampler(range(10), seed=0)
+    with pytest.raises(ValueError, match=r"consumed must be in 0 \.\. 0 .*, got 1$"):
+        sampler.state_dict(consumed=1)
+    assert sampler.state_dict(consumed=0)["consumed"] == 0
+    sampler.load_state_dict(_state(epoch=2, consumed=4))  # loaded: the next pass has not begun
+    with pytest.raises(ValueError, match=r"consumed must be in 0 \.\. 0 .*, got 6$"):
+        sampler.state_dict(consumed=6)
+    assert sampler.state_dict(consumed=0) == _state(epoch=2, consumed=4)
+    list(sampler)  # a whole pass: all of it may be consumed, no more
+    assert sampler.state_dict(consumed=6)["consumed"] == 10
+    with pytest.raises(ValueError, match=r"consumed must be in 0 \.\. 6 .*, got 7$"):
+        sampler.state_dict(consumed=7)
+
+
+# -- an epoch's end is a resume point ------------------------------------------------------
+
+
+def _finished(epoch: int = 1, **kwargs) -> dict:
+    """The state of a sampler that handed out the last index of ``epoch``."""
+    sampler = SeededSampler(range(10), seed=0, **kwargs)
+    sampler.set_epoch(epoch)
+    list(sampler)
+    state = sampler.state_dict()
+    assert state["epoch"] == epoch
+    return state
+
+
+def _order(epoch: int) -> list[int]:
+    sampler = SeededSampler(range(10), seed=0)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def test_a_finished_epoch_loaded_after_set_epoch_of_the_next_starts_the_next():
+    # What StatefulDataLoader does under a trainer: set_epoch(e + 1), then (lazily, in
+    # __iter__) the state saved on epoch e's last batch.  It once yielded nothing.
+    sampler = SeededSampler(range(10), seed=0)
+    sampler.set_epoch(2)
+    sampler.load_state_dict(_finished(1))
+    indices = list(sampler)
+    assert indices == _order(2) and {i.epoch for i in indices} == {2}
+
+
+@pytest.mark.parametrize("then", [None, 2])
+def test_a_finished_epoch_loaded_first_starts_the_next(then):
+    sampler = SeededSampler(range(10), seed=0)
+    sampler.load_state_dict(_finished(1))
+    assert sampler.epoch == 2 and len(sampler) == 10
+    if then is not None:
+        sampler.set_epoch(then)
+    assert list(sampler) == _order(2)
+    assert sampler.state_dict() == _state(epoch=2, consumed=10)
+
+
+@pytest.mark.parametrize("set_first", [False, True])
+def test_a_loop_that_asks_again_for_the_finished_epoch_gets_its_empty_rest(set_first):
+    # The plain loop of the docs saves `epoch` with the state and calls set_epoch(epoch).
+    sampler = SeededSampler(range(10), seed=0)
+    if set_first:
+        sampler.set_epoch(1)
+    sampler.load_state_dict(_finished(1))
+    sampler.set_epoch(1)
+    assert len(sampler) == 0 and list(sampler) == []
+    sampler.set_epoch(2)
+    assert list(sampler) == _order(2)
+
+
+def test_state_dict_and_len_agree_with_a_loaded_finished_epoch():
+    state = _finished(1)
+    sampler = SeededSampler(range(10), seed=0)
+    sampler.load_state_dict(state)
+    assert sampler.state_dict() == state  # saved again before a pass: the same resume point
+    again = SeededSampler(range(10), seed=0)
+    again.load_state_dict(sampler.state_dict())
+    assert list(again) == _order(2)
+    sampler.set_epoch(1)
+    assert (len(sampler), sampler.state_dict()) == (0, state)
+    sampler.set_epoch(2)
+    assert (len(sampler), sampler.state_dict()) == (10, _state(epoch=2, consumed=0))
+
+
+def test_an_epoch_cut_to_the_ranks_is_finished_when_fewer_than_the_ranks_remain():
+    state = _finished(1, num_replicas=3, rank=0, drop_last=True)
+    assert state["consumed"] == 9
+    sampler = SeededSampler(range(10), seed=0, num_replicas=3, rank=1, drop_last=True)
+    sampler.load_state_dict(state)
+    assert sampler.epoch == 2 and len(sampler) == 3
+
+
+def test_a_state_short_of_the_end_keeps_its_epoch():
+    sampler = SeededSampler(range(10), seed=0)
+    sampler.set_epoch(2)
+    sampler.load_state_dict(_state(epoch=1, consumed=9))
+    assert sampler.epoch == 1 and list(sampler) == _order(1)[9:]
 
 
 def test_set_epoch_after_a_load_keeps_the_position_only_for_the_loaded_epoch():

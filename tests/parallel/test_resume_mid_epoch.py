@@ -8,12 +8,13 @@ test_keyed.py.)
 from __future__ import annotations
 
 import multiprocessing
+import warnings
 from collections.abc import Callable
 
 import pytest
 import torch
 
-from deterministic_ctx import SeededDataset, SeededSampler
+from deterministic_ctx import SeededDataset, SeededSampler, Snapshot, StateWarning, deterministic
 from tests.helpers import ROOT, run_python
 from tests.parallel.test_keyed import Augmenting
 
@@ -39,23 +40,27 @@ def _stateful_rows(
     *,
     stop_at: int | None = None,
     state: dict | None = None,
+    workers: int = 2,
+    like_a_trainer: bool = False,
 ) -> tuple[list[tuple[float, ...]], dict | None]:
     """Rows of epochs 0 and 1 through a 2-worker StatefulDataLoader; with ``stop_at``, the rows
-    up to that step and the loader's state there; with ``state``, the rows after it."""
+    up to that step and the loader's state there; with ``state``, the rows after it.
+    ``like_a_trainer``: a state saved on an epoch's last batch resumes at the next epoch, whose
+    set_epoch comes before the loader applies the state (in its ``__iter__``), as in Lightning."""
     dataset = make_dataset()
     sampler = SeededSampler(dataset, seed=1)
     loader = StatefulDataLoader(
         dataset,
         batch_size=BATCH,
         sampler=sampler,
-        num_workers=2,
-        multiprocessing_context="fork",
+        num_workers=workers,
+        multiprocessing_context="fork" if workers else None,
         generator=torch.Generator().manual_seed(0),
     )
     start = 0
     if state is not None:
         loader.load_state_dict(state["loader"])
-        start = state["epoch"]
+        start = state["epoch"] + (like_a_trainer and state["last"])
     rows, step = [], 0
     for epoch in range(start, 2):
         sampler.set_epoch(epoch)
@@ -63,7 +68,8 @@ def _stateful_rows(
             rows += [tuple(row.tolist()) for row in batch]
             step += 1
             if step == stop_at:
-                return rows, {"loader": loader.state_dict(), "epoch": epoch}
+                last = len(rows) == (epoch + 1) * len(dataset)
+                return rows, {"loader": loader.state_dict(), "epoch": epoch, "last": last}
     return rows, None
 
 
@@ -104,6 +110,23 @@ def test_stateful_dataloader_resumes_at_any_step(keyed_whole, stop_at):
 
 @needs_torchdata
 @needs_fork
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("like_a_trainer", [True, False])
+def test_a_state_saved_on_an_epochs_last_batch_resumes_the_next_epoch(
+    keyed_whole, workers, like_a_trainer
+):
+    # Step 6 is epoch 0's last batch.  A trainer moves on to epoch 1 and calls set_epoch(1)
+    # before StatefulDataLoader applies the saved "epoch 0, all taken": that once gave an empty
+    # epoch 1, and training ended silently.  A loop that asks for epoch 0 again gets its empty
+    # rest, then epoch 1.
+    first, state = _stateful_rows(_keyed, stop_at=6, workers=workers)
+    assert state is not None and state["last"]
+    rest, _ = _stateful_rows(_keyed, state=state, workers=workers, like_a_trainer=like_a_trainer)
+    assert first + rest == keyed_whole
+
+
+@needs_torchdata
+@needs_fork
 def test_without_keys_the_same_resume_changes_the_augmentation():
     # The control: torchdata restores the position, not what the workers' streams were.
     whole, _ = _stateful_rows(Augmenting)
@@ -138,3 +161,97 @@ def test_the_example_resumes_a_stateful_dataloader_in_a_fresh_process(example_ou
     line = _line(example_output, "StatefulDataLoader, 2 workers")
     assert "stopped at step 7 of 10" in line
     assert line.endswith("identical losses: True, identical weights: True"), line
+
+
+# -- a loader without its own generator: the resumed run's extra iterator --------------------
+
+
+def _plain_steps(
+    *,
+    generator: bool,
+    workers: int = 0,
+    stop_at: int | None = None,
+    ckpt: dict | None = None,
+    stateful: bool = False,
+) -> tuple[list[tuple[object, ...]], dict | None]:
+    """The loop of docs/how-to/resume-mid-epoch.md, with a dropout-like draw from torch's global
+    generator each step: (batch, draw) per step of 2 epochs; stopped and saved at ``stop_at``,
+    or resumed from ``ckpt`` (sampler, epoch, Snapshot), in fresh objects."""
+    steps: list[tuple[object, ...]] = []
+    with deterministic(seed=0):
+        dataset = _keyed()
+        sampler = SeededSampler(dataset, seed=1)
+        Loader = StatefulDataLoader if stateful else torch.utils.data.DataLoader
+        loader = Loader(
+            dataset,
+            batch_size=BATCH,
+            sampler=sampler,
+            num_workers=workers,
+            multiprocessing_context="fork" if workers else None,
+            generator=torch.Generator().manual_seed(0) if generator else None,
+        )
+        start = 0
+        if ckpt is not None:
+            start = ckpt["epoch"]
+            if stateful:
+                loader.load_state_dict(ckpt["loader"])
+            else:
+                sampler.load_state_dict(ckpt["sampler"])
+            Snapshot.from_state_dict(ckpt["rng"]).restore()
+        for epoch in range(start, 2):
+            sampler.set_epoch(epoch)
+            for i, batch in enumerate(loader):
+                steps.append((batch.tolist(), torch.rand(()).item()))
+                if len(steps) == stop_at:
+                    saved = {"epoch": epoch, "rng": Snapshot.capture().state_dict()}
+                    if stateful:
+                        saved["loader"] = loader.state_dict()
+                    else:
+                        saved["sampler"] = sampler.state_dict(consumed=(i + 1) * BATCH)
+                    return steps, saved
+    return steps, None
+
+
+def _resume_pieces(*, stop_at: int = 3, **kwargs) -> tuple[list, list, list]:
+    whole, _ = _plain_steps(**kwargs)
+    first, ckpt = _plain_steps(stop_at=stop_at, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rest, _ = _plain_steps(ckpt=ckpt, **kwargs)
+    assert [step[0] for step in first + rest] == [step[0] for step in whole]  # the same data
+    ours = [w for w in caught if issubclass(w.category, StateWarning)]
+    return first + rest, whole, ours
+
+
+@needs_fork
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("stop_at", [3, 6])  # mid-epoch; the first epoch's last batch
+def test_a_resumed_pass_of_a_loader_without_its_own_generator_warns(workers, stop_at):
+    resumed, whole, warned = _resume_pieces(generator=False, workers=workers, stop_at=stop_at)
+    assert resumed != whole  # the draws after the resume: why it warns
+    (warning,) = warned  # once
+    assert "generator=seeded_generator(" in str(warning.message)
+
+
+@needs_fork
+@pytest.mark.parametrize("workers", [0, 2])
+def test_with_its_own_generator_the_resume_is_exact_and_silent(workers):
+    resumed, whole, warned = _resume_pieces(generator=True, workers=workers)
+    assert resumed == whole and warned == []
+
+
+@needs_torchdata
+@needs_fork
+@pytest.mark.parametrize("generator", [False, True])
+def test_a_stateful_dataloader_without_its_own_generator_warns_too(generator):
+    # StatefulDataLoader hands the sampler its state in __iter__, after the draw.
+    resumed, whole, warned = _resume_pieces(generator=generator, stateful=True)
+    assert (resumed == whole) is generator
+    assert len(warned) == (not generator)
+
+
+def test_a_run_that_resumes_nothing_does_not_warn_without_a_generator():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _plain_steps(generator=False)
+    assert not [w for w in caught if issubclass(w.category, StateWarning)]
