@@ -68,17 +68,18 @@ KILLED_STATUS = 137
 
 
 def _step(step: object) -> int:
-    if isinstance(step, bool) or not isinstance(step, int):
-        try:
-            import operator
+    """``step`` as a non-negative ``int`` (an integer tensor or NumPy integer too; ``True``
+    is not a step)."""
+    try:
+        if isinstance(step, bool):
+            raise TypeError
+        import operator
 
-            value = operator.index(step)  # type: ignore[arg-type]
-        except TypeError:
-            raise TypeError(
-                f"step must be a non-negative int, got {type(step).__name__} {step!r:.80}"
-            ) from None
-    else:
-        value = step
+        value = operator.index(step)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"step must be a non-negative int, got {type(step).__name__} {step!r:.80}"
+        ) from None
     if value < 0:
         raise ValueError(f"step must be a non-negative int, got {value}")
     return int(value)
@@ -505,7 +506,14 @@ def compare_resume(
     elif difference.kind in ("missing", "extra") and difference.fields == ():
         text = _count_message(at, difference, missing, extra, resumed_steps)
     else:
-        text = f"{difference}, after the restart"
+        after = difference.step - at
+        text = f"{difference}: " + (
+            "the first step after the restart"
+            if after == 1
+            else f"{after} steps after the restart"
+            if after > 1
+            else "a step the resumed run trained again"
+        )
         if missing or extra:
             notes.append(_count_message(at, None, missing, extra, resumed_steps))
     message = "; ".join([text, *notes])
