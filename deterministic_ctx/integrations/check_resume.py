@@ -16,9 +16,18 @@ Both do nothing (and import nothing) unless :data:`RECORDS_VAR` is set, so the
 calls can stay in a script for good.  The records are JSON lines, written and
 flushed one by one so that a killed run leaves every record it made.
 
-This module imports only the standard library: the command line reads the
-records without loading torch.  The fingerprints are computed with torch and
-NumPy, imported when the first record is made.
+The other side is here too: :func:`check_resume` runs the script (each run in
+a fresh empty working directory, its records in a file of its own), reads the
+records (:func:`read_records`) and compares them (:func:`compare_resume`,
+:func:`first_difference`): the interrupted run's records up to ``K`` and the
+resumed run's, together, against the uninterrupted run's, step by step, the
+first difference named by what differs (data, then RNG state, then loss) or
+as missing or extra steps.
+
+This module imports only the standard library: the command line runs and
+compares without loading torch.  The fingerprints of a run's records use
+NumPy and torch when the script has imported them, never importing them
+itself.
 
 Example:
     >>> from deterministic_ctx import checkpoint_saved, record_step

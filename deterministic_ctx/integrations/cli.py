@@ -93,8 +93,8 @@ TRACE_MAGIC = b"\x89DCT\r\n\x1a\n"
 
 _EXIT_CODES = f"""\
 exit status:
-  {EXIT_OK}    success (trace compare: the traces agree)
-  {EXIT_OK}    check-resume: every resumed run matches the uninterrupted run
+  {EXIT_OK}    success (trace compare: the traces agree; check-resume: every resumed run
+       matches the uninterrupted run)
   {EXIT_ERROR}    trace compare: the traces differ
   {EXIT_ERROR}    check-resume: a resumed run differs (first differing step named), or fails
   N    run, trace record: the script's own exit status (sys.exit(N)); {EXIT_ERROR} if it raised
