@@ -190,7 +190,26 @@ def _rng_fingerprint() -> str:
         # Never initializes CUDA: only generators a run already uses are read.
         if torch.cuda.is_initialized():
             state.append(torch.cuda.get_rng_state_all())
+    # Registered RNGs live in the sources: loaded, the script may have registered some (and
+    # torch is loaded already, so reading them through the internal API costs no import).
+    if "deterministic_ctx.sources" in sys.modules:
+        from ..internal import registered_rngs
+
+        state.extend((key, _rng_state(rng)) for key, rng in registered_rngs())
     return _fingerprint(state)
+
+
+def _rng_state(rng: object) -> object:
+    """The state of a registered RNG, through its public API (``random.Random``, NumPy's
+    ``RandomState`` and ``Generator``, ``torch.Generator``; another kind: none read)."""
+    bit_generator = getattr(rng, "bit_generator", None)
+    if bit_generator is not None:
+        return bit_generator.state
+    for name in ("get_state", "getstate"):
+        method = getattr(rng, name, None)
+        if callable(method):
+            return method()
+    return type(rng).__qualname__
 
 
 def record_step(step: int, *, loss: object = None, batch: object = None) -> None:

@@ -195,6 +195,37 @@ def test_records_hold_the_bits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert steps[0].rng == steps[1].rng  # nothing drew in between
 
 
+def test_registered_rngs_are_part_of_the_rng_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import random
+
+    import numpy as np
+
+    from deterministic_ctx import register_rng, unregister_rng
+
+    path = tmp_path / "r.jsonl"
+    monkeypatch.setenv(RECORDS_VAR, str(path))
+    monkeypatch.delenv(KILL_AT_VAR, raising=False)
+    py, gen, tg = random.Random(0), np.random.default_rng(0), torch.Generator().manual_seed(0)
+    rngs: list[object] = [py, gen, tg]
+    for i, rng in enumerate(rngs):
+        register_rng(rng, key=f"check-resume-test-{i}")
+    try:
+        record_step(1)
+        py.random()
+        record_step(1)
+        gen.random()
+        record_step(1)
+        torch.rand(1, generator=tg)
+        record_step(1)
+    finally:
+        for rng in rngs:
+            unregister_rng(rng)
+    fingerprints = [r.rng for r in read_records(path)[0]]
+    assert len(set(fingerprints)) == 4  # each draw from a registered RNG shows
+
+
 @pytest.mark.parametrize(("step", "error"), [(-1, ValueError), (1.5, TypeError), (True, TypeError)])
 def test_bad_steps_are_refused(step: object, error: type[Exception]) -> None:
     with pytest.raises(error, match="step must be a non-negative int"):
