@@ -178,6 +178,15 @@ def test_outside_check_resume_nothing_is_recorded(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_outside_check_resume_a_loss_is_never_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Reading a GPU loss's bits waits for the device: a meta tensor, which has no bits to
+    # read, stands for one.
+    monkeypatch.delenv(RECORDS_VAR, raising=False)
+    record_step(1, loss=torch.empty((), device="meta"), batch=torch.empty(2, device="meta"))
+    with pytest.raises(TypeError, match="loss must be a float or a tensor"):
+        record_step(1, loss="0.5")
+
+
 def test_records_hold_the_bits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "r.jsonl"
     monkeypatch.setenv(RECORDS_VAR, str(path))
