@@ -34,6 +34,8 @@ from deterministic_ctx.integrations.cli import _CHECK_VALUE_OPTIONS, _split, mai
 from tests.helpers import ROOT, python_command
 
 EXAMPLE = ROOT / "examples" / "check_resume_loop.py"
+#: The runs end by SIGKILL and in process groups of their own.
+POSIX = pytest.mark.skipif(os.name == "nt", reason="SIGKILL and process groups are POSIX")
 
 # --- the comparison, on hand-made records -------------------------------------------------------
 
@@ -243,6 +245,7 @@ def test_bad_steps_are_refused(step: object, error: type[Exception]) -> None:
         checkpoint_saved(step)  # type: ignore[arg-type]
 
 
+@POSIX
 def test_checkpoint_saved_kills_at_its_step(tmp_path: Path) -> None:
     path = tmp_path / "r.jsonl"
     code = (
@@ -373,6 +376,7 @@ def toy(tmp_path: Path) -> Path:
     return script
 
 
+@POSIX
 def test_a_resumable_script_passes(toy: Path, tmp_path: Path) -> None:
     # A stale checkpoint where the command starts: the runs must never see it.
     (tmp_path / "state").mkdir()
@@ -385,12 +389,14 @@ def test_a_resumable_script_passes(toy: Path, tmp_path: Path) -> None:
     assert "--at 6: OK" in proc.stdout  # the last step: nothing left to train, rightly
 
 
+@POSIX
 def test_environment_passes_through(toy: Path, tmp_path: Path) -> None:
     proc = check_resume(["--at", "2", "--", str(toy)], cwd=tmp_path, env={"TOY_STEPS": "4"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "uninterrupted run: 4 steps" in proc.stdout
 
 
+@POSIX
 def test_keep_keeps_each_run_in_its_own_directory(toy: Path, tmp_path: Path) -> None:
     proc = check_resume(["--keep", "--at", "2", "--at", "4", "--json", str(toy)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -413,6 +419,7 @@ def test_keep_keeps_each_run_in_its_own_directory(toy: Path, tmp_path: Path) -> 
         shutil.rmtree(top)
 
 
+@POSIX
 def test_without_keep_nothing_is_left(toy: Path, tmp_path: Path) -> None:
     proc = check_resume(
         ["--json", "--at", "2", str(toy)], cwd=tmp_path, env={"TMPDIR": str(tmp_path)}
@@ -422,6 +429,7 @@ def test_without_keep_nothing_is_left(toy: Path, tmp_path: Path) -> None:
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("check-resume-")]
 
 
+@POSIX
 def test_a_module(toy: Path, tmp_path: Path) -> None:
     toy.rename(tmp_path / "toy_module.py")
     proc = check_resume(["--at", "4", "-m", "toy_module"], cwd=tmp_path)
@@ -429,6 +437,7 @@ def test_a_module(toy: Path, tmp_path: Path) -> None:
     assert "--at 4: OK" in proc.stdout
 
 
+@POSIX
 def test_state_the_checkpoint_lacks_is_named(toy: Path, tmp_path: Path) -> None:
     proc = check_resume(["--at", "2", str(toy)], cwd=tmp_path, env={"TOY_BUG": "no-rng"})
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -436,6 +445,7 @@ def test_state_the_checkpoint_lacks_is_named(toy: Path, tmp_path: Path) -> None:
     assert "the first step after the restart" in proc.stdout
 
 
+@POSIX
 def test_a_script_that_is_not_reproducible(toy: Path, tmp_path: Path) -> None:
     proc = check_resume(["--at", "4", str(toy)], cwd=tmp_path, env={"TOY_BUG": "unseeded"})
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -443,6 +453,7 @@ def test_a_script_that_is_not_reproducible(toy: Path, tmp_path: Path) -> None:
     assert "not reproducible even without a restart" in proc.stdout
 
 
+@POSIX
 def test_a_script_that_never_checkpoints_at_k(toy: Path, tmp_path: Path) -> None:
     proc = check_resume(["--at", "3", str(toy)], cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -455,6 +466,7 @@ def test_a_script_that_never_checkpoints_at_k(toy: Path, tmp_path: Path) -> None
     assert "checkpoints: steps none" in proc.stdout
 
 
+@POSIX
 def test_a_run_that_does_not_end_at_its_checkpoint(toy: Path, tmp_path: Path) -> None:
     proc = check_resume(["--at", "2", str(toy)], cwd=tmp_path, env={"TOY_BUG": "refuse-kill"})
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -462,6 +474,7 @@ def test_a_run_that_does_not_end_at_its_checkpoint(toy: Path, tmp_path: Path) ->
     assert "exited with status 3 without reporting a checkpoint of step 2" in proc.stdout
 
 
+@POSIX
 def test_a_resumed_run_that_fails(toy: Path, tmp_path: Path) -> None:
     proc = check_resume(["--at", "2", str(toy)], cwd=tmp_path, env={"TOY_BUG": "crash-on-resume"})
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -470,12 +483,14 @@ def test_a_resumed_run_that_fails(toy: Path, tmp_path: Path) -> None:
     assert "steps 3-6 are missing" in proc.stdout
 
 
+@POSIX
 def test_a_script_that_records_nothing(toy: Path, tmp_path: Path) -> None:
     proc = check_resume(["--at", "2", str(toy)], cwd=tmp_path, env={"TOY_BUG": "silent"})
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "the uninterrupted run recorded no step: call record_step" in proc.stdout
 
 
+@POSIX
 def test_an_uninterrupted_run_that_fails(tmp_path: Path) -> None:
     script = tmp_path / "broken.py"
     script.write_text("raise SystemExit('broken on purpose')\n")
@@ -485,6 +500,7 @@ def test_an_uninterrupted_run_that_fails(tmp_path: Path) -> None:
     assert "broken on purpose" in proc.stdout
 
 
+@POSIX
 def test_timeout(toy: Path, tmp_path: Path) -> None:
     proc = check_resume(
         ["--timeout", "2", "--at", "2", str(toy)], cwd=tmp_path, env={"TOY_BUG": "hang"}
@@ -496,6 +512,7 @@ def test_timeout(toy: Path, tmp_path: Path) -> None:
 # --- the command, on a real training loop ---------------------------------------------------------
 
 
+@POSIX
 @pytest.mark.slow
 def test_the_example_resumes_mid_epoch_and_at_an_epoch_end(tmp_path: Path) -> None:
     proc = check_resume(["--at", "6", "--at", "9", str(EXAMPLE)], cwd=tmp_path)
@@ -508,6 +525,7 @@ def test_the_example_resumes_mid_epoch_and_at_an_epoch_end(tmp_path: Path) -> No
     assert "--at 9: OK" in proc.stdout
 
 
+@POSIX
 @pytest.mark.slow
 def test_the_example_without_its_snapshot_diverges_after_the_restart(tmp_path: Path) -> None:
     proc = check_resume(
@@ -520,6 +538,7 @@ def test_the_example_without_its_snapshot_diverges_after_the_restart(tmp_path: P
     assert "--at 9: DIFFERS: step 10: the RNG state differs (and the loss)" in proc.stdout
 
 
+@POSIX
 @pytest.mark.slow
 def test_the_example_that_skips_after_an_epoch_end_misses_steps(tmp_path: Path) -> None:
     proc = check_resume(
