@@ -13,8 +13,8 @@ transformers callbacks, or two lines of a plain loop) calls:
   there, a real crash that runs no ``finally`` and no ``atexit``.
 
 Both do nothing (and import nothing) unless :data:`RECORDS_VAR` is set, so the
-calls can stay in a script for good.  The records are JSON lines, written and
-flushed one by one so that a killed run leaves every record it made.
+calls can stay in a script for good.  The records are JSON lines, each appended
+with one write, so that a killed run leaves every record it made.
 
 The other side is here too: :func:`check_resume` runs the script (each run in
 a fresh empty working directory, its records in a file of its own), reads the
