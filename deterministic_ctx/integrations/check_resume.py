@@ -504,6 +504,17 @@ class ResumeResult:
         return out
 
 
+#: What usually makes a resumed step differ in each field, when the step before matched.
+_CAUSES = {
+    "data": "the loader's position (the sampler's state) or the data's random state is not "
+    "restored: SeededSampler's state_dict in the checkpoint, SeededDataset for augmentation",
+    "rng": "the random state is not restored: a Snapshot in the checkpoint, restored last, "
+    "and a DataLoader with its own generator (seeded_generator)",
+    "loss": "same data and random state, another loss: the model's, optimizer's or "
+    "scheduler's state is not restored whole (or a kernel is nondeterministic)",
+}
+
+
 def compare_resume(
     at: int,
     whole: Sequence[StepRecord],
@@ -525,7 +536,11 @@ def compare_resume(
     want, got = _by_step(whole), _by_step(joined)
     missing = tuple(s for s in sorted(want) if len(got.get(s, ())) < len(want[s]))
     extra = tuple(s for s in sorted(got) if len(got[s]) > len(want.get(s, ())))
-    early = first_difference([r for r in whole if r.step <= at], interrupted)
+    # Up to K only: a run may record a later step before the checkpoint of K is on disk
+    # (a checkpoint written in the background); those count with the resumed run's.
+    early = first_difference(
+        [r for r in whole if r.step <= at], [r for r in interrupted if r.step <= at]
+    )
     difference = first_difference(whole, joined)
     if difference is None:
         count = len(want)
@@ -537,6 +552,7 @@ def compare_resume(
             resumed_steps=resumed_steps,
         )
     notes: list[str] = []
+    cause = ""
     if early is not None:
         difference = early
         text = (
@@ -556,7 +572,8 @@ def compare_resume(
         )
         if missing or extra:
             notes.append(_count_message(at, None, missing, extra, resumed_steps))
-    message = "; ".join([text, *notes])
+        cause = f"\n    likely cause: {_CAUSES[difference.kind]}"
+    message = "; ".join([text, *notes]) + cause
     return ResumeResult(
         at,
         "differs",

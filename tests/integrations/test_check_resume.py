@@ -136,6 +136,16 @@ def test_a_difference_after_the_restart() -> None:
     assert result.difference is not None and result.difference.kind == "rng"
     assert result.message.startswith("step 4: the RNG state differs (and the loss)")
     assert "first step after the restart" in result.message
+    assert "likely cause: the random state is not restored: a Snapshot" in result.message
+
+
+def test_a_step_recorded_before_the_kill_counts_after_the_restart() -> None:
+    # The checkpoint of step 3 reached the disk only after step 4 was recorded.
+    result = compare_resume(3, WHOLE, WHOLE[:4], WHOLE[4:])
+    assert result.status == "ok", result.message
+    late = compare_resume(3, WHOLE, [*WHOLE[:3], rec(4, loss="x")], WHOLE[4:])
+    assert not late.before_restart
+    assert late.message.startswith("step 4: the loss differs: the first step after the restart")
 
 
 def test_a_difference_before_the_restart_says_the_script_is_not_reproducible() -> None:
