@@ -1,6 +1,6 @@
 """The command line: ``deterministic-ctx`` / ``python -m deterministic_ctx``.
 
-Three subcommands:
+Four subcommands:
 
 * ``report [--json] [--init-cuda]`` prints the determinism report of a fresh
   interpreter (see :func:`deterministic_ctx.reporting.report`).
@@ -17,6 +17,15 @@ Three subcommands:
   ``--ops`` records every aten op call too);
   ``trace compare [--json] A B`` compares two trace files, recorded on any
   machines.
+* ``check-resume --at K [--at K ...] [--keep] [--timeout S] [--json] [--]
+  script.py [args ...]`` (or ``-m module``) proves that a training script
+  resumes bit for bit: it runs the script uninterrupted, then for each ``K``
+  kills it with ``SIGKILL`` once the checkpoint of step ``K`` is on disk and
+  starts it again to resume, each in a fresh working directory, and compares
+  every step's record (data, RNG state, loss) with the uninterrupted run's
+  (see :mod:`deterministic_ctx.integrations.check_resume`; the script makes
+  the records with ``record_step`` and ``checkpoint_saved``, or the Lightning
+  and transformers callbacks).
 
 ``PYTHONHASHSEED`` only takes effect when an interpreter starts, so ``run``
 (and ``trace record``) restarts the interpreter once with ``PYTHONHASHSEED`` set to the seed when it
@@ -26,12 +35,18 @@ sets, are then the same on every run too.  Everything up to that restart
 interpreter that is thrown away costs milliseconds, not the seconds torch takes
 to load; the engine is imported only in the restarted interpreter.
 
-Exit codes: ``0`` success (for ``trace compare``: the traces agree); for
-``trace compare``, ``1`` when the traces differ; for ``run`` and ``trace
-record``, the script's own exit status (``sys.exit(n)`` gives ``n``; an
-uncaught exception ``1``, its traceback printed as Python prints it); ``2`` a
-usage error (bad arguments, a script or module that does not exist, a file
-that is not a trace); ``130`` interrupted by Ctrl-C.
+Exit codes: ``0`` success (for ``trace compare``: the traces agree; for
+``check-resume``: every resumed run matches the uninterrupted run); for
+``trace compare``, ``1`` when the traces differ; for ``check-resume``, ``1``
+when a resumed run differs from the uninterrupted run (or fails), or the runs
+differ even before the restart; for ``run`` and ``trace record``, the
+script's own exit status (``sys.exit(n)`` gives ``n``; an uncaught exception
+``1``, its traceback printed as Python prints it); ``2`` a usage error (bad
+arguments, a script or module that does not exist, a file that is not a
+trace) and, for ``check-resume``, a check that could not be made (the
+uninterrupted run failed or recorded no step, or a run to interrupt did not
+end by ``SIGKILL`` after the checkpoint of step ``K``); ``130`` interrupted
+by Ctrl-C.
 """
 
 from __future__ import annotations
@@ -78,12 +93,15 @@ TRACE_MAGIC = b"\x89DCT\r\n\x1a\n"
 
 _EXIT_CODES = f"""\
 exit status:
-  {EXIT_OK}    success (trace compare: the traces agree)
+  {EXIT_OK}    success (trace compare: the traces agree; check-resume: every resumed run
+       matches the uninterrupted run)
   {EXIT_ERROR}    trace compare: the traces differ
+  {EXIT_ERROR}    check-resume: a resumed run differs (first differing step named), or fails
   N    run, trace record: the script's own exit status (sys.exit(N)); {EXIT_ERROR} if it raised
        an uncaught exception, whose traceback is printed as Python prints it
   {EXIT_USAGE}    usage error: bad arguments, a script or module that does not exist, a file
-       that is not a trace
+       that is not a trace; check-resume: nothing to compare (the uninterrupted run
+       failed or recorded no step, or a run did not end by SIGKILL at checkpoint K)
   {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
 """
 
@@ -102,6 +120,7 @@ examples:
   python -m deterministic_ctx run train.py
   {PROG} trace record a.trace -- train.py --epochs 1
   {PROG} trace compare a.trace b.trace
+  {PROG} check-resume --at 6 --at 8 -- train.py --epochs 2
 
 {_EXIT_CODES}"""
 
@@ -209,6 +228,50 @@ is not a readable trace.
 """
 
 
+_CHECK_RESUME_USAGE = f"""\
+{PROG} check-resume [-h] --at K [--at K ...] [--keep] [--timeout S] [--json]
+                                    [--] script.py [args ...]
+       {PROG} check-resume [options] -m module [args ...]"""
+
+_CHECK_RESUME_DESCRIPTION = """\
+Prove that a training script resumes bit for bit after a crash. The script
+runs once uninterrupted; then, for each --at K, it runs again until the
+checkpoint of step K is on disk, where it is killed (SIGKILL, a real crash),
+and is started again in the same directory to resume from its checkpoint.
+Every step's record of the interrupted run (up to K) and the resumed run is
+compared, in step order, with the uninterrupted run's: a fingerprint of the
+step's batch, of the random state it left (random, NumPy, torch) and the
+loss's bits. The first step that differs is named, with what differs (data,
+then RNG state, then loss), or the steps that are missing or repeated.
+
+Each run starts in a fresh empty working directory (the script's path is
+resolved first), so checkpoints written to relative paths never collide and
+a resumed run finds its own; give inputs by absolute path. The directories
+are removed afterwards unless --keep. The environment passes through to the
+script; it runs as `python script.py args ...` (or `python -m module`, with
+this directory on PYTHONPATH), output kept and shown when a run fails.
+
+The script makes the records: the Lightning and transformers callbacks do it;
+a plain loop adds two lines, `record_step(step, loss=loss, batch=batch)`
+after each step and `checkpoint_saved(step)` once a checkpoint is saved
+(from deterministic_ctx; they do nothing outside check-resume)."""
+
+_CHECK_RESUME_EPILOG = f"""\
+examples:
+  {PROG} check-resume --at 6 -- train.py --epochs 2
+  {PROG} check-resume --at 3 --at 8 --keep --timeout 600 -m mypackage.train
+
+exit status:
+  {EXIT_OK}    every resumed run matches the uninterrupted run
+  {EXIT_ERROR}    a resumed run differs (first differing step, and what differs), or fails;
+       or the runs differ even before the restart (not reproducible at all)
+  {EXIT_USAGE}    usage error (no --at, K not a positive integer, no such script), or nothing
+       to compare: the uninterrupted run failed or recorded no step, or a run did
+       not end by SIGKILL after reporting the checkpoint of step K
+  {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
+"""
+
+
 def parse_seed(text: str) -> int:
     """argparse type of a seed: an integer in ``0 .. 2**32 - 1``.
 
@@ -221,6 +284,20 @@ def parse_seed(text: str) -> int:
         if 0 <= seed <= MAX_SEED:
             return seed
     raise argparse.ArgumentTypeError(f"must be an integer in 0 .. {MAX_SEED}, got {text!r}")
+
+
+def _positive(kind: type[int] | type[float]) -> Any:
+    """argparse type of a positive ``int`` (``--at``) or number (``--timeout``)."""
+
+    def parse(text: str) -> int | float:
+        with contextlib.suppress(ValueError):
+            value = kind(text)
+            if value > 0 and value == value and value != float("inf"):
+                return value
+        noun = "integer" if kind is int else "number"
+        raise argparse.ArgumentTypeError(f"must be a positive {noun}, got {text!r}")
+
+    return parse
 
 
 def _add_switches(parser: argparse.ArgumentParser, **helps: str) -> None:
@@ -286,7 +363,7 @@ def _parser() -> argparse.ArgumentParser:
         prog=PROG, description=_DESCRIPTION, epilog=_EPILOG, formatter_class=formatter
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{report,run,trace}")
+    commands = parser.add_subparsers(dest="command", metavar="{report,run,trace,check-resume}")
     commands.required = True
 
     report = commands.add_parser(
@@ -354,14 +431,53 @@ def _parser() -> argparse.ArgumentParser:
     _add_switches(compare, json="print the comparison as JSON")
     compare.add_argument("a", metavar="A", help="a trace file")
     compare.add_argument("b", metavar="B", help="another trace file")
+
+    check = commands.add_parser(
+        "check-resume",
+        help="prove that a training script resumes bit for bit after a crash",
+        usage=_CHECK_RESUME_USAGE,
+        description=_CHECK_RESUME_DESCRIPTION,
+        epilog=_CHECK_RESUME_EPILOG,
+        formatter_class=formatter,
+    )
+    check.add_argument(
+        "--at",
+        action="append",
+        required=True,
+        type=_positive(int),
+        metavar="K",
+        help="crash right after the checkpoint of step K is on disk, then resume (repeatable)",
+    )
+    check.add_argument(
+        "--timeout",
+        type=_positive(float),
+        default=None,
+        metavar="S",
+        help="seconds each run of the script may take (default: no limit)",
+    )
+    _add_switches(
+        check,
+        keep="keep the working directories, records and output (and print where)",
+        json="print the outcome as JSON",
+    )
+    check.add_argument(
+        "-m",
+        dest="module",
+        metavar="module",
+        help="run a library module as a script, like python -m module",
+    )
     return parser
 
 
 #: ``run`` options that take a value, for splitting the command line at the script.
 _RUN_VALUE_OPTIONS = ("--seed", "--compiled-rng", "-m")
+#: ``check-resume``'s.
+_CHECK_VALUE_OPTIONS = ("--at", "--timeout", "-m")
 
 
-def _split(tokens: Sequence[str], *, out: bool = False) -> tuple[list[str], list[str]]:
+def _split(
+    tokens: Sequence[str], *, out: bool = False, values: Sequence[str] = _RUN_VALUE_OPTIONS
+) -> tuple[list[str], list[str]]:
     """Split the words after ``run`` (or, with ``out``, ``trace record``) into our options
     and the script's command.
 
@@ -396,7 +512,7 @@ def _split(tokens: Sequence[str], *, out: bool = False) -> tuple[list[str], list
                 return options, rest
             out = False
         options.append(word)
-        if word in _RUN_VALUE_OPTIONS and rest:
+        if word in values and rest:
             options.append(rest.pop(0))
         if word.startswith("-m"):  # -m module, or -mmodule: the module's arguments follow
             return options, rest
@@ -427,6 +543,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args[:2] == ["trace", "record"]:
         options, command = _split(args[2:], out=True)
         args = ["trace", "record", *options]
+    elif args and args[0] == "check-resume":
+        options, command = _split(args[1:], values=_CHECK_VALUE_OPTIONS)
+        args = ["check-resume", *options]
     try:
         ns = _parser().parse_args(args)
     except SystemExit as exc:  # --help, --version and usage errors
@@ -435,6 +554,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return print_report(as_json=ns.json, init_cuda=ns.init_cuda)
     if ns.command == "trace" and ns.trace_command == "compare":
         return _trace_compare(ns.a, ns.b, as_json=ns.json)
+    if ns.command == "check-resume":
+        return _check_resume(ns, command)
     record = ns.command == "trace"
     try:
         target = _target(ns.module, command)
@@ -712,6 +833,53 @@ def _trace_compare(a: str, b: str, *, as_json: bool) -> int:
         return EXIT_USAGE
     print(json.dumps(comparison.to_dict(), indent=2) if as_json else comparison)
     return EXIT_OK if comparison.agree else EXIT_ERROR
+
+
+# --- check-resume ---------------------------------------------------------------------------------
+
+
+def _check_resume(ns: argparse.Namespace, command: list[str]) -> int:
+    """``check-resume``: run the script uninterrupted, killed and resumed; compare; report."""
+    # Standard library only: this process never loads torch, the runs do.
+    from .check_resume import check_resume
+
+    try:
+        target = _target(ns.module, command)
+    except _UsageError as exc:
+        if exc.show_usage:
+            print(f"usage: {_CHECK_RESUME_USAGE}", file=sys.stderr)
+        print(f"{PROG} check-resume: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    env = dict(os.environ)
+    if target.is_module:
+        # python -m finds modules in its working directory, which is now a fresh one: this one
+        # is where the user meant it to be looked for.
+        paths = [os.getcwd(), env.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        argv = [sys.executable, "-m", target.name, *target.args]
+    else:
+        argv = [sys.executable, os.path.abspath(target.name), *target.args]
+
+    def progress(text: str) -> None:
+        print(f"{PROG} check-resume: {text}", file=sys.stderr, flush=True)
+
+    try:
+        outcome = check_resume(
+            argv,
+            list(dict.fromkeys(ns.at)),
+            keep=ns.keep,
+            timeout=ns.timeout,
+            env=env,
+            progress=progress,
+        )
+    except KeyboardInterrupt:
+        print(f"{PROG} check-resume: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except ValueError as exc:  # a records file the script wrote by hand, wrongly
+        print(f"{PROG} check-resume: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(json.dumps(outcome.to_dict(), indent=2) if ns.json else outcome)
+    return outcome.status
 
 
 def _print_exception(exc: BaseException) -> None:

@@ -25,6 +25,7 @@ from tests.helpers import ROOT, needs_gloo, run_python
 OWN_TESTS = {
     "multinode_resume.py": "tests/parallel/test_multinode_example.py",
     "resume_mid_epoch.py": "tests/parallel/test_resume_mid_epoch.py",
+    "check_resume_loop.py": "tests/integrations/test_check_resume.py",
 }
 EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if p.name not in OWN_TESTS)
 #: Seconds per training run of the DDP example (its ranks, their workers, a gloo group).

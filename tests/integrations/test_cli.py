@@ -168,8 +168,11 @@ def elsewhere(tmp_path: Path) -> Path:
 def test_help_reads_well(capsys):
     top = cli("--help")  # the real entry point once; the subcommands' help in-process
     assert top.returncode == 0, top.stderr
-    assert top.stdout.startswith("usage: deterministic-ctx [-h] [--version] {report,run,trace} ...")
-    for text in ("report", "run", "trace", "examples:", "exit status:", "130", "usage error"):
+    assert top.stdout.startswith(
+        "usage: deterministic-ctx [-h] [--version] {report,run,trace,check-resume} ..."
+    )
+    words = ("report", "run", "trace", "check-resume", "examples:", "exit status:", "130")
+    for text in (*words, "usage error"):
         assert text in top.stdout
 
     assert main(["run", "--help"]) == 0
