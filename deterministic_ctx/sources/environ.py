@@ -315,13 +315,12 @@ class _Slot:
     since the environment may point into either of them at any time.
     """
 
-    __slots__ = ("_addresses", "_buffers", "_next", "_offset", "_putenv", "_views")
+    __slots__ = ("_buffers", "_next", "_offset", "_putenv", "_views")
 
-    def __init__(self, key: bytes, putenv: Callable[[int], int]) -> None:
+    def __init__(self, key: bytes, putenv: Callable[[Any], int]) -> None:
         prefix = key + b"="
         size = len(prefix) + SLOT_CHARS + 1
         self._buffers = tuple(ctypes.create_string_buffer(prefix, size) for _ in range(2))
-        self._addresses = tuple(map(ctypes.addressof, self._buffers))
         # Writes through a memoryview are C copies under the GIL (ctypes.memmove would drop it).
         self._views = tuple(memoryview(b).cast("B") for b in self._buffers)
         self._offset = len(prefix)
@@ -331,27 +330,30 @@ class _Slot:
     def write(self, raw: bytes) -> bool:
         """Make ``raw`` the variable's value in the C environment; ``False`` (and
         nothing done) if it does not fit or holds a NUL (``os.putenv`` refuses it then)."""
-        if len(raw) > SLOT_CHARS or b"\0" in raw:
+        if len(raw) > SLOT_CHARS or 0 in raw:  # 0: a NUL byte, found by memchr
             return False
         index = self._next
         self._next = index ^ 1
-        view, end = self._views[index], self._offset + len(raw)
-        view[self._offset : end] = raw
+        view, start = self._views[index], self._offset
+        end = start + len(raw)
+        view[start:end] = raw
         view[end] = 0
-        if self._putenv(self._addresses[index]):
+        # The buffer itself is the argument: ctypes passes its address, with no
+        # argtypes to convert through (~1 µs a call, about os.putenv's cost).
+        if self._putenv(self._buffers[index]):
             raise MemoryError("putenv could not grow the environment")
         return True
 
     def value_address(self, index: int) -> int:
         """Where buffer ``index``'s value starts (what ``getenv`` returns when it is the entry)."""
-        return self._addresses[index] + self._offset
+        return ctypes.addressof(self._buffers[index]) + self._offset
 
 
 #: Encoded name -> its owned entry; filled once, never emptied (see :class:`_Slot`).
 _SLOTS: dict[bytes, _Slot] = {}
 
 
-def _libc_environ() -> tuple[Callable[[int], int], Callable[[bytes], int | None]] | None:
+def _libc_environ() -> tuple[Callable[[Any], int], Callable[[bytes], int | None]] | None:
     """The C library's ``putenv`` and ``getenv``, if it shares ``os.putenv``'s
     environment and keeps the pointer ``putenv`` is given, proven on a probe
     variable at import; ``None`` otherwise (then ``os.environ`` is written
@@ -367,7 +369,7 @@ def _libc_environ() -> tuple[Callable[[int], int], Callable[[bytes], int | None]
     try:
         libc = ctypes.PyDLL(None)
         putenv, getenv = libc.putenv, libc.getenv
-        putenv.argtypes, putenv.restype = [ctypes.c_void_p], ctypes.c_int
+        putenv.restype = ctypes.c_int  # called with a ctypes buffer: no argtypes needed
         getenv.argtypes, getenv.restype = [ctypes.c_char_p], ctypes.c_void_p
         if getenv(key) is not None:
             return None
