@@ -53,8 +53,8 @@ it, so a child started at any point (``subprocess``, ``multiprocessing``'s
 ``os.environ`` says.  Threads: writes are made under the process lock of
 blocks; another thread reading ``os.environ`` sees the old or the new value,
 and a thread reading the C environment (``getenv``) gets a pointer to a
-complete old or new string (the buffer it points to is rewritten only two
-writes later).  With the fast paths off, or where the probe fails, the two
+complete old or new string (a buffer is never written while it is the
+entry, only at the next write after the one that replaced it).  With the fast paths off, or where the probe fails, the two
 names go through ``os.environ`` like the others and grow as above.
 
 Cost: a capture reads one dict entry per managed name (``os.environ`` keeps
