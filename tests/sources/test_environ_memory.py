@@ -118,6 +118,21 @@ def test_a_caller_value_that_fits_is_written_back_into_the_owned_entries(env):
     assert len(addresses) <= 2
 
 
+@posix_only
+@owned_only
+def test_an_entry_is_never_rewritten_while_a_reader_may_hold_it(env):
+    # A C reader that took getenv's pointer before a write still reads a
+    # complete string after it: the buffer it points to is not the one written.
+    previous: tuple[int | None, str] | None = None
+    for seed in (1, 22, 333, 4444, 55555, 7):
+        with deterministic(seed=seed):
+            if previous is not None:
+                address, value = previous
+                assert address is not None and address != c_address(HASHSEED)
+                assert ctypes.string_at(address).decode() == value
+            previous = (c_address(HASHSEED), str(seed))
+
+
 def test_without_the_probe_the_public_path_is_taken(monkeypatch):
     monkeypatch.setattr(environ_mod, "_LIBC", None)
     access = environ_mod._access(os.environ)
