@@ -54,8 +54,9 @@ it, so a child started at any point (``subprocess``, ``multiprocessing``'s
 blocks; another thread reading ``os.environ`` sees the old or the new value,
 and a thread reading the C environment (``getenv``) gets a pointer to a
 complete old or new string (a buffer is never written while it is the
-entry, only at the next write after the one that replaced it).  With the fast paths off, or where the probe fails, the two
-names go through ``os.environ`` like the others and grow as above.
+entry, only at the next write after the one that replaced it).  With the
+fast paths off, or where the probe fails, the two names go through
+``os.environ`` like the others and grow as above.
 
 Cost: a capture reads one dict entry per managed name (``os.environ`` keeps
 its values in a plain dict under encoded keys), whatever the size of the
@@ -338,8 +339,8 @@ class _Slot:
         end = start + len(raw)
         view[start:end] = raw
         view[end] = 0
-        # The buffer itself is the argument: ctypes passes its address, with no
-        # argtypes to convert through (~1 µs a call, about os.putenv's cost).
+        # The buffer itself is the argument: ctypes passes its address with no
+        # argtypes to convert through (one ctypes call, a little more than os.putenv).
         if self._putenv(self._buffers[index]):
             raise MemoryError("putenv could not grow the environment")
         return True
