@@ -59,6 +59,12 @@ def rows(mod: Any) -> dict[str, Callable[[], None]]:
         with det:
             pass
 
+    seeds = iter(range(10**6, 2**32))
+
+    def new_seed() -> None:  # PYTHONHASHSEED takes a new value every time (issue 44)
+        with mod.deterministic(seed=next(seeds)):
+            pass
+
     def nested() -> None:
         with det, det:
             pass
@@ -83,6 +89,7 @@ def rows(mod: Any) -> dict[str, Callable[[], None]]:
     return {
         "fresh block": fresh,
         "reused block": reused,
+        "new seed each block": new_seed,
         "nested pair": nested,
         "isolated block": isolated,
         "@reproducible call": mod.reproducible(seed=0)(lambda: None),

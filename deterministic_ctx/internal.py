@@ -86,7 +86,7 @@ from .sources._plain import integer as plain_integer
 from .sources._plain import mapping as plain_mapping
 from .sources._plain import shown as plain_shown
 from .sources.compiler import compiled_settings
-from .sources.environ import CUBLAS_VALID, managed_env_vars, register_env_var
+from .sources.environ import CUBLAS_VALID, export_env_var, managed_env_vars, register_env_var
 from .sources.environ import SEED as SEED_ENV_VAR
 from .sources.flags import PRECISION_OPS, UNSUPPORTED_FLAGS
 
@@ -125,6 +125,7 @@ __all__ = [
     "derive_seed",
     "dynamo_disable",
     "dynamo_disable_message",
+    "export_env_var",
     "fast_paths",
     "foreach_copy_",
     "generator_sources",

@@ -14,6 +14,7 @@ from ..internal import (
     Rank,
     Settings,
     check_bool,
+    export_env_var,
     opaque,
     process_rank,
     validate_seed,
@@ -132,8 +133,9 @@ def seed_everything(
     try:
         block.start()  # applies, or rolls back to the previous state and raises
         # Inside the block's lock, before the commit: an interrupt before the
-        # commit rolls this back with everything else.
-        os.environ[SEED_ENV_VAR] = str(settings.seed)
+        # commit rolls this back with everything else.  Through the environment
+        # source's owned entry: a new seed each call must not grow the process.
+        export_env_var(SEED_ENV_VAR, str(settings.seed))
         block.commit()
     except BaseException:
         block.stop()  # interrupted before the commit: nothing stays applied

@@ -121,4 +121,7 @@ def fast_paths() -> dict[str, bool]:
         "os.environ: read and written through its C-level dict": bool(
             getattr(environ, "fast", False)
         ),
+        "os.environ: seeds written into entries the process owns (C putenv)": bool(
+            getattr(environ, "owned", False)
+        ),
     }

@@ -38,6 +38,26 @@ Example:
     >>> os.environ.get("NCCL_ALGO") == before
     True
 
+Memory: ``PYTHONHASHSEED`` and ``DETERMINISTIC_CTX_SEED`` (which
+``seed_everything`` exports) take a new value with every new seed, and glibc's
+``setenv`` (behind ``os.putenv``) keeps every distinct ``NAME=value`` string it
+was ever given, for the life of the process: ~64 bytes a seed, without bound.
+So, where a probe at import proves it works, these two are written into
+entries the process owns: two fixed buffers per name (``NAME=`` and room for
+:data:`SLOT_CHARS` characters), each written while it is *not* in the C
+environment and then handed to the C library's ``putenv``, which keeps the
+pointer (no copy).  Any number of seeds costs those four buffers.  The C
+environment and ``os.environ`` are updated together, as ``os.environ`` does
+it, so a child started at any point (``subprocess``, ``multiprocessing``'s
+``fork`` and ``spawn``, ``os.exec*``, ``posix_spawn``) sees what
+``os.environ`` says.  Threads: writes are made under the process lock of
+blocks; another thread reading ``os.environ`` sees the old or the new value,
+and a thread reading the C environment (``getenv``) gets a pointer to a
+complete old or new string (a buffer is never written while it is the
+entry, only at the next write after the one that replaced it).  With the
+fast paths off, or where the probe fails, the two names go through
+``os.environ`` like the others and grow as above.
+
 Cost: a capture reads one dict entry per managed name (``os.environ`` keeps
 its values in a plain dict under encoded keys), whatever the size of the
 environment; a restore reads them again, compares two tuples and writes only
@@ -46,6 +66,8 @@ the names that differ, through the public API.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import threading
 from collections.abc import Callable, Iterable, MutableMapping
@@ -61,7 +83,9 @@ __all__ = [
     "CUBLAS_VALID",
     "ENV_VARS",
     "SEED",
+    "SLOT_CHARS",
     "EnvironSource",
+    "export_env_var",
     "managed_env_vars",
     "register_env_var",
 ]
@@ -210,6 +234,33 @@ def managed_env_vars() -> tuple[str, ...]:
     return _MANAGED
 
 
+def export_env_var(name: str, value: str) -> None:
+    """Set the managed variable ``name`` to ``value`` in ``os.environ`` and the C
+    environment, through its owned entry where it has one (:data:`OWNED`), so that
+    a new value each time does not grow the process.  For the library's own
+    exports (``seed_everything``'s seed); ``value`` must be a str the environment
+    can hold.
+
+    Example:
+        >>> import os
+        >>> from deterministic_ctx import deterministic
+        >>> from deterministic_ctx.sources.environ import SEED, export_env_var
+        >>> with deterministic(seed=0):  # the variable is restored on exit
+        ...     export_env_var(SEED, "5")
+        ...     os.environ[SEED]
+        '5'
+    """
+    global _os
+    access = _os
+    if access is None:
+        access = _os = _access(os.environ)
+    access.put(access.encodekey(name), access.encode(value))
+
+
+#: ``os.environ``'s access for :func:`export_env_var`, made at its first call.
+_os: _Access | None = None
+
+
 # A captured state: the names, and each one's raw value (``None`` if unset) in
 # the form the environment stores it (bytes in ``os.environ`` on POSIX).
 EnvState = tuple[tuple[str, ...], tuple[Any, ...]]
@@ -241,13 +292,114 @@ class _Access(NamedTuple):
     decode: Callable[[Any], str]
     put: Callable[[Any, Any], None]
     delete: Callable[[Any], None]
+    #: Whether :data:`OWNED`'s names are written into owned entries (see the module docstring).
+    owned: bool = False
 
     def keys(self, names: tuple[str, ...]) -> tuple[Any, ...]:
         return tuple(map(self.encodekey, names))
 
 
+# -- entries the process owns ----------------------------------------------------------------
+
+#: The longest value an owned entry holds: a seed has at most 10 digits
+#: (``MAX_SEED`` is ``2**32 - 1``); a longer value goes through ``os.putenv``.
+SLOT_CHARS = 24
+
+
+class _Slot:
+    """Two owned ``NAME=value`` buffers of one variable, used in turn.
+
+    :meth:`write` fills the buffer that is not the C environment's entry (the
+    other one may be) and hands it to ``putenv``, which stores the pointer
+    itself: no copy is made and nothing is kept per value.  The buffers are
+    never freed (a slot lives in :data:`_SLOTS` for the life of the process),
+    since the environment may point into either of them at any time.
+    """
+
+    __slots__ = ("_buffers", "_next", "_offset", "_putenv", "_views")
+
+    def __init__(self, key: bytes, putenv: Callable[[Any], int]) -> None:
+        prefix = key + b"="
+        size = len(prefix) + SLOT_CHARS + 1
+        self._buffers = tuple(ctypes.create_string_buffer(prefix, size) for _ in range(2))
+        # Writes through a memoryview are C copies under the GIL (ctypes.memmove would drop it).
+        self._views = tuple(memoryview(b).cast("B") for b in self._buffers)
+        self._offset = len(prefix)
+        self._next = 0
+        self._putenv = putenv
+
+    def write(self, raw: bytes) -> bool:
+        """Make ``raw`` the variable's value in the C environment; ``False`` (and
+        nothing done) if it does not fit or holds a NUL (``os.putenv`` refuses it then)."""
+        if len(raw) > SLOT_CHARS or 0 in raw:  # 0: a NUL byte, found by memchr
+            return False
+        index = self._next
+        self._next = index ^ 1
+        view, start = self._views[index], self._offset
+        end = start + len(raw)
+        view[start:end] = raw
+        view[end] = 0
+        # The buffer itself is the argument: ctypes passes its address with no
+        # argtypes to convert through (one ctypes call, a little more than os.putenv).
+        if self._putenv(self._buffers[index]):
+            raise MemoryError("putenv could not grow the environment")
+        return True
+
+    def value_address(self, index: int) -> int:
+        """Where buffer ``index``'s value starts (what ``getenv`` returns when it is the entry)."""
+        return ctypes.addressof(self._buffers[index]) + self._offset
+
+
+#: Encoded name -> its owned entry; filled once, never emptied (see :class:`_Slot`).
+_SLOTS: dict[bytes, _Slot] = {}
+
+
+def _libc_environ() -> tuple[Callable[[Any], int], Callable[[bytes], int | None]] | None:
+    """The C library's ``putenv`` and ``getenv``, if it shares ``os.putenv``'s
+    environment and keeps the pointer ``putenv`` is given, proven on a probe
+    variable at import; ``None`` otherwise (then ``os.environ`` is written
+    through its public path).
+
+    The functions are called holding the GIL (``ctypes.PyDLL``), as
+    ``os.putenv`` runs: no Python thread sees ``os.environ`` and the C
+    environment disagree half-way through a write of ours.
+    """
+    if not ENABLED or os.name != "posix":
+        return None
+    key = _PROBE.encode()
+    try:
+        libc = ctypes.PyDLL(None)
+        putenv, getenv = libc.putenv, libc.getenv
+        putenv.restype = ctypes.c_int  # called with a ctypes buffer: no argtypes needed
+        getenv.argtypes, getenv.restype = [ctypes.c_char_p], ctypes.c_void_p
+        if getenv(key) is not None:
+            return None
+        slot = _Slot(key, putenv)
+        proven = True
+        for index, value in ((0, b"4294967295"), (1, b"7"), (0, b""), (1, b"x" * SLOT_CHARS)):
+            proven = proven and slot.write(value)
+            address = getenv(key)  # the very buffer, holding the value
+            proven = proven and address == slot.value_address(index)
+            proven = proven and ctypes.string_at(address) == value
+        os.putenv(key, b"from os.putenv")  # Python's setenv: the same environment
+        proven = proven and ctypes.string_at(getenv(key)) == b"from os.putenv"
+        proven = proven and slot.write(b"12") and getenv(key) == slot.value_address(0)
+        os.unsetenv(key)
+        proven = proven and getenv(key) is None
+        proven = proven and not slot.write(b"x" * (SLOT_CHARS + 1)) and not slot.write(b"1\0")
+        proven = proven and getenv(key) is None
+    except Exception:
+        return None
+    finally:
+        with contextlib.suppress(Exception):
+            os.unsetenv(key)
+    return (putenv, getenv) if proven else None
+
+
 _PROBE = "DETERMINISTIC_CTX_ENV_PROBE"
 _PROBE_VALUE = "probe value é \udcff"  # non-ASCII, and a byte only surrogateescape carries
+#: The proven C functions (see :func:`_libc_environ`), or ``None``.
+_LIBC = _libc_environ()
 
 
 def _access(env: MutableMapping[str, str]) -> _Access:
@@ -255,9 +407,14 @@ def _access(env: MutableMapping[str, str]) -> _Access:
     if ENABLED and type(env) is os._Environ and _proven(env):
         data: dict[Any, Any] = env._data  # type: ignore[attr-defined]
         putenv, unsetenv = os.putenv, os.unsetenv
+        slots = _owned_slots(env.encodekey)
+        slot_of = slots.get
 
         def put(key: Any, raw: Any) -> None:
-            putenv(key, raw)
+            # The C environment first, then the dict, as os._Environ.__setitem__ does.
+            slot = slot_of(key)
+            if slot is None or not slot.write(raw):
+                putenv(key, raw)
             data[key] = raw
 
         def delete(key: Any) -> None:
@@ -265,8 +422,27 @@ def _access(env: MutableMapping[str, str]) -> _Access:
             data.pop(key, None)
 
         codecs = env.encodekey, env.encodevalue, env.decodevalue
-        return _Access(True, data.get, *codecs, put, delete)
-    return _Access(False, env.get, str, str, str, env.__setitem__, env.__delitem__)
+        return _Access(True, data.get, *codecs, put, delete, bool(slots))
+    return _Access(False, env.get, str, str, str, env.__setitem__, env.__delitem__, False)
+
+
+#: The names written into owned entries: the two whose value is a new seed each time.
+OWNED = (HASHSEED, SEED)
+
+
+def _owned_slots(encodekey: Callable[[str], Any]) -> dict[Any, _Slot]:
+    """The owned entries of :data:`OWNED`, by encoded key; empty where the C
+    environment's probe failed (or the fast paths are off)."""
+    if _LIBC is None:
+        return {}
+    with _lock:
+        for name in OWNED:
+            key = encodekey(name)
+            if type(key) is not bytes:
+                return {}
+            if key not in _SLOTS:
+                _SLOTS[key] = _Slot(key, _LIBC[0])
+        return {key: _SLOTS[key] for key in map(encodekey, OWNED)}
 
 
 def _proven(env: Any) -> bool:
@@ -312,6 +488,9 @@ class EnvironSource:
         self._access = access = _access(environ if environ is not None else os.environ)
         #: Whether ``os.environ`` is read and written through its proven C-level dict.
         self.fast = access.fast
+        #: Whether ``PYTHONHASHSEED`` and ``DETERMINISTIC_CTX_SEED`` are written into
+        #: entries this process owns, so that new seeds do not grow the process.
+        self.owned = access.owned
         # (names, their keys): replaced as a whole when a name is registered.
         self._cache: tuple[tuple[str, ...], tuple[Any, ...]] = (_MANAGED, access.keys(_MANAGED))
         self._cublas_key = access.encodekey(CUBLAS)
