@@ -109,7 +109,9 @@ def launch(directory: Path, workers: int, *, resume: str | None = None, kill_at:
     if kill_at is not None:
         env["DETERMINISTIC_CTX_RESUME_KILL_AT"] = str(kill_at)
     command = [sys.executable, __file__, "--train", str(directory), "--workers", str(workers)]
-    proc = subprocess.run([*command, *(["--resume", resume] if resume else [])], env=env, check=False)
+    proc = subprocess.run(
+        [*command, *(["--resume", resume] if resume else [])], env=env, check=False
+    )
     return proc.returncode
 
 

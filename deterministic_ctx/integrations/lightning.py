@@ -36,7 +36,6 @@ import math
 import os
 import sys
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -78,7 +77,7 @@ def train_source(trainer: Any) -> Any:
     return source
 
 
-class _Sampler(SeededSampler, DistributedSampler):  # type: ignore[misc]
+class _Sampler(SeededSampler, DistributedSampler[int]):  # type: ignore[override]
     """A :class:`SeededSampler` that Lightning takes for a ``DistributedSampler``:
     under DDP it neither wraps nor replaces it (``_requires_distributed_sampler``)."""
 
@@ -118,7 +117,7 @@ class _KeyedLoader(DataLoader[Any]):
     def __len__(self) -> int:
         return self._full
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Any:
         sampler = self.keyed_sampler
         resume, self._resume = self._resume, None
         self._pass_start = 0
@@ -404,7 +403,7 @@ class LightningCallback:
                 fill_uninitialized_memory, "fill_uninitialized_memory"
             ),
         }
-        deterministic(self._seed, **self._options)  # the block's own checks, now
+        self._step_block(self._seed)  # the block's own checks, now
         self._block: deterministic | None = None
         self._loader: _KeyedLoader | None = None
         self._source: Any = None
@@ -480,12 +479,12 @@ class LightningCallback:
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._flush()
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._flush()
         self._exit()
-        block = deterministic(
-            derive_seed(self._seed, "step", trainer.current_epoch, batch_idx), **self._options
-        )
+        block = self._step_block(derive_seed(self._seed, "step", trainer.current_epoch, batch_idx))
         block.__enter__()
         self._block = block
 
@@ -515,6 +514,15 @@ class LightningCallback:
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._exit()
 
+    def _step_block(self, seed: int) -> deterministic:
+        options = self._options
+        return deterministic(
+            seed,
+            warn_only=options["warn_only"],
+            flags=options["flags"],
+            fill_uninitialized_memory=options["fill_uninitialized_memory"],
+        )
+
     def _exit(self) -> None:
         block, self._block = self._block, None
         if block is not None:
@@ -537,4 +545,3 @@ class LightningCallback:
                 f"the checkpoint was trained with LightningCallback(seed={seed}), but this "
                 f"run's callback has seed={self._seed}: resume with the same seed"
             )
-

@@ -139,6 +139,9 @@ SKIPPED: dict[str, str] = {
     "loader = StatefulDataLoader(dataset, batch_size=32": "needs torchdata and a dataset: "
     "examples/resume_mid_epoch.py runs this loop and resumes it in a fresh process "
     "(tests/parallel/test_resume_mid_epoch.py)",
+    "model = MyModel()  # as written": "needs lightning and a model: "
+    "examples/lightning_resume.py trains with LightningCallback, killed and resumed in fresh "
+    "processes (tests/integrations/test_lightning.py, tests/docs/test_examples.py)",
 }
 
 #: A line of a block that needs a CUDA device -> what runs instead where there is none.

@@ -1,0 +1,102 @@
+"""What ``LightningCallback`` costs per training step (issue 41; target: <= 3%).
+
+    python benchmarks/bench_lightning.py [--rounds 7] [--items 960] [--workers 2]
+
+The tiny model and augmented dataset of ``examples/lightning_resume.py`` (Linear + ReLU +
+Dropout + Linear, items augmented with ``random``, NumPy and torch), batch size 8, ``--workers``
+persistent workers, one epoch per fit.  Each round fits once without the callback and once with
+it, in alternating order; the time of a step is the epoch's wall time (from
+``on_train_epoch_start`` to ``on_train_epoch_end``: the steps, their fetches and the callback's
+hooks, not the trainer's setup or the workers' start) over its steps.  Reported: the median of
+each, and the median of the per-round ratios (with the callback / without).
+"""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import statistics
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from deterministic_ctx import LightningCallback
+
+EXAMPLE = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "lightning_resume.py"))
+
+
+class Items(EXAMPLE["Noisy"]):  # type: ignore[misc]
+    """The example's dataset, ``n`` items long."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class Clock(L.Callback):
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.start = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.seconds = time.perf_counter() - self.start
+
+
+def step_time(keyed: bool, items: int, workers: int) -> float:
+    """Seconds per training step of one epoch."""
+    L.seed_everything(0, verbose=False)
+    model = EXAMPLE["Model"](workers)
+    loader = DataLoader(
+        Items(items),
+        batch_size=8,
+        shuffle=True,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+    )
+    clock = Clock()
+    trainer = L.Trainer(
+        max_epochs=1,
+        callbacks=[clock, *([LightningCallback(seed=0)] if keyed else [])],
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+    )
+    trainer.fit(model, train_dataloaders=loader)
+    return clock.seconds / trainer.global_step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--items", type=int, default=960)
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    step_time(True, args.items, args.workers)  # warm-up: imports, first compilations
+    plain: list[float] = []
+    keyed: list[float] = []
+    for r in range(args.rounds):
+        for with_callback in (r % 2 == 0, r % 2 == 1):
+            (keyed if with_callback else plain).append(
+                step_time(with_callback, args.items, args.workers)
+            )
+    ratios = [k / p for k, p in zip(keyed, plain, strict=True)]
+    print(f"{args.items // 8} steps an epoch, {args.workers} workers, {args.rounds} rounds")
+    print(f"without the callback: {statistics.median(plain) * 1e3:.3f} ms a step")
+    print(f"with LightningCallback: {statistics.median(keyed) * 1e3:.3f} ms a step")
+    print(
+        f"ratio: median {statistics.median(ratios):.3f} "
+        f"(min {min(ratios):.3f}, max {max(ratios):.3f})"
+    )
+
+
+if __name__ == "__main__":
+    main()
