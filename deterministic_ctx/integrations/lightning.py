@@ -20,8 +20,8 @@ things happen:
   Lightning draws outside steps (sanity check, validation, iterators) cannot
   shift training.
 * **Under ``deterministic-ctx check-resume``** (and only there) each step is
-  recorded with :func:`~deterministic_ctx.record_step`, and
-  :func:`~deterministic_ctx.checkpoint_saved` is called once a step's
+  recorded with ``record_step``, and
+  ``checkpoint_saved`` is called once a step's
   checkpoints are on disk.
 
 Lightning is imported when the first callback is made: ``lightning.pytorch``
@@ -184,9 +184,14 @@ _KEPT = (
 )
 
 
-def _stateful_loader_type() -> type | None:
-    module = sys.modules.get("torchdata.stateful_dataloader")
-    return getattr(module, "StatefulDataLoader", None) if module is not None else None
+def _torchdata(name: str) -> type | None:
+    """torchdata's ``name`` (``StatefulDataLoader`` and its own samplers), if it is loaded."""
+    for module_name in ("torchdata.stateful_dataloader", "torchdata.stateful_dataloader.sampler"):
+        module = sys.modules.get(module_name)
+        found = getattr(module, name, None) if module is not None else None
+        if isinstance(found, type):
+            return found
+    return None
 
 
 def rebuild(loader: object, seed: int, trainer: Any) -> _KeyedLoader:
@@ -194,8 +199,7 @@ def rebuild(loader: object, seed: int, trainer: Any) -> _KeyedLoader:
     naming what cannot be keyed."""
     if isinstance(loader, _KeyedLoader):
         return loader
-    stateful = _stateful_loader_type()
-    if type(loader) is not DataLoader and (stateful is None or type(loader) is not stateful):
+    if type(loader) not in (DataLoader, _torchdata("StatefulDataLoader")):
         raise _unkeyable(
             f"it is a {type(loader).__name__}, not a single torch DataLoader (a DataLoader "
             f"subclass, a list or dict of loaders or a CombinedLoader cannot be rebuilt)"
@@ -204,11 +208,12 @@ def rebuild(loader: object, seed: int, trainer: Any) -> _KeyedLoader:
     dataset = loader.dataset
     if isinstance(dataset, IterableDataset):
         raise _unkeyable(f"its dataset {type(dataset).__name__} is an IterableDataset")
-    if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
+    batch_samplers = (BatchSampler, _torchdata("BatchSampler"))
+    if loader.batch_size is None or type(loader.batch_sampler) not in batch_samplers:
         raise _unkeyable(f"it has a custom batch_sampler {type(loader.batch_sampler).__name__}")
     original = loader.sampler
-    if type(original) is RandomSampler:
-        if original.replacement or original._num_samples is not None:
+    if type(original) in (RandomSampler, _torchdata("RandomSampler")):
+        if getattr(original, "replacement", False) or getattr(original, "_num_samples", None):
             raise _unkeyable("its RandomSampler draws with replacement or num_samples")
         shuffle = True
     elif type(original) is SequentialSampler:
@@ -336,9 +341,9 @@ class LightningCallback:
 
     The seed is saved in the checkpoint; resuming with another seed is
     refused.  Under ``deterministic-ctx check-resume`` each step is recorded
-    (:func:`~deterministic_ctx.record_step`) and, once a step's checkpoints
+    (``record_step``) and, once a step's checkpoints
     are all on disk (before the next step starts), the run is told so
-    (:func:`~deterministic_ctx.checkpoint_saved`): no user code is needed.
+    (``checkpoint_saved``): no user code is needed.
 
     It subclasses the ``Callback`` of ``lightning.pytorch`` and of the
     standalone ``pytorch_lightning``, whichever are installed (Lightning is

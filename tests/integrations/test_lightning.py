@@ -4,6 +4,7 @@ train exactly the uninterrupted run's steps, losses and weights; bad input is re
 from __future__ import annotations
 
 import json
+import pickle
 import runpy
 import signal
 from typing import ClassVar
@@ -334,3 +335,22 @@ def test_the_loader_saves_the_batches_completed_not_those_fetched():
     rest = [b[0] for b in again]
     assert len(again) == 3  # Lightning counts a resumed epoch from its start
     assert all(torch.equal(x, y) for x, y in zip(rest, full[1:], strict=True))
+
+
+def test_a_stateful_dataloader_is_rebuilt_keyed():
+    stateful = pytest.importorskip(
+        "torchdata.stateful_dataloader", reason="torchdata is not installed"
+    )
+    with isolated():  # its RandomSampler draws a seed
+        user = stateful.StatefulDataLoader(data(), batch_size=4, shuffle=True, num_workers=0)
+    loader = integration.rebuild(user, 0, L.Trainer(logger=False, enable_progress_bar=False))
+    assert type(loader) is integration._KeyedLoader
+    assert isinstance(loader.dataset, SeededDataset) and loader.batch_size == 4
+    assert loader.sampler.shuffle
+
+
+def test_the_callback_pickles_with_its_settings():
+    callback = LightningCallback(seed=7, warn_only=True)
+    again = pickle.loads(pickle.dumps(callback))
+    assert isinstance(again, LightningCallback) and isinstance(again, L.pytorch.Callback)
+    assert (again.seed, repr(again)) == (7, "LightningCallback(seed=7, warn_only=True)")
