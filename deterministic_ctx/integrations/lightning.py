@@ -15,7 +15,8 @@ things happen:
   checkpoint (Lightning's stateful-loader protocol) and resumes there.
 * **Each training step is a block keyed by the step**:
   ``deterministic(seed=derive_seed(seed, "step", epoch, batch_idx))`` from
-  ``on_train_batch_start`` to ``on_train_batch_end``.  Dropout and anything
+  ``on_train_batch_start`` to ``on_train_batch_end``, inside one block around
+  training that sets the determinism flags.  Dropout and anything
   else the step draws depend on the seed, the epoch and the batch only; what
   Lightning draws outside steps (sanity check, validation, iterators) cannot
   shift training.
@@ -334,10 +335,14 @@ class LightningCallback:
     **Each training step** runs in ``deterministic(seed=derive_seed(seed,
     "step", epoch, batch_idx))``, entered in ``on_train_batch_start`` and left
     in ``on_train_batch_end`` (or ``on_exception``): the step's random numbers
-    depend on the seed, the epoch and the batch only, determinism flags are
-    on inside it (``flags``, ``warn_only``, ``fill_uninitialized_memory`` as
-    for :class:`~deterministic_ctx.deterministic`), and the global streams
-    continue after the step as if it never ran.
+    depend on the seed, the epoch and the batch only, and the streams continue
+    after the step as if it never ran.  Training as a whole (``on_train_start``
+    to ``on_train_end``, validation during it included) runs in one
+    ``deterministic(seed=derive_seed(seed, "fit"))`` block, which sets the
+    determinism flags once (``flags``, ``warn_only``,
+    ``fill_uninitialized_memory`` as for :class:`~deterministic_ctx.deterministic`)
+    and gives your program's streams and flags back after ``fit``; each step's
+    block only seeds and isolates.
 
     The seed is saved in the checkpoint; resuming with another seed is
     refused.  Under ``deterministic-ctx check-resume`` each step is recorded
@@ -408,8 +413,9 @@ class LightningCallback:
                 fill_uninitialized_memory, "fill_uninitialized_memory"
             ),
         }
-        self._step_block(self._seed)  # the block's own checks, now
-        self._block: deterministic | None = None
+        self._fit_block(self._seed)  # the block's own checks, now
+        self._outer: deterministic | None = None  # from on_train_start to on_train_end
+        self._block: deterministic | None = None  # one training step
         self._loader: _KeyedLoader | None = None
         self._source: Any = None
         self._trainer: Any = None
@@ -421,7 +427,9 @@ class LightningCallback:
         return self._seed
 
     def __reduce__(self) -> tuple[Any, ...]:
-        state = dict(self.__dict__, _block=None, _loader=None, _source=None, _trainer=None)
+        state = dict(
+            self.__dict__, _outer=None, _block=None, _loader=None, _source=None, _trainer=None
+        )
         return (_rebuilt, (LightningCallback, state))
 
     def __repr__(self) -> str:
@@ -470,7 +478,7 @@ class LightningCallback:
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
             return
-        self._exit()
+        self._exit_all()
         self._flush()
         source, self._source = self._source, None
         if source is not None:
@@ -481,6 +489,18 @@ class LightningCallback:
 
     # -- steps -------------------------------------------------------------------------
 
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # One block around training sets the determinism flags once; each step's block
+        # inside it only seeds and isolates (flags=False): toggling the flags and their
+        # environment variables at every step would double a step's overhead.
+        self._exit_all()
+        outer = self._fit_block(derive_seed(self._seed, "fit"))
+        outer.__enter__()
+        self._outer = outer
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._exit_all()
+
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._flush()
 
@@ -489,7 +509,9 @@ class LightningCallback:
     ) -> None:
         self._flush()
         self._exit()
-        block = self._step_block(derive_seed(self._seed, "step", trainer.current_epoch, batch_idx))
+        block = deterministic(
+            derive_seed(self._seed, "step", trainer.current_epoch, batch_idx), flags=False
+        )
         block.__enter__()
         self._block = block
 
@@ -517,9 +539,9 @@ class LightningCallback:
             self._loader.completed(trainer.current_epoch + 1, 0)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self._exit()
+        self._exit_all()
 
-    def _step_block(self, seed: int) -> deterministic:
+    def _fit_block(self, seed: int) -> deterministic:
         options = self._options
         return deterministic(
             seed,
@@ -532,6 +554,14 @@ class LightningCallback:
         block, self._block = self._block, None
         if block is not None:
             block.__exit__(None, None, None)
+
+    def _exit_all(self) -> None:
+        try:
+            self._exit()
+        finally:
+            outer, self._outer = self._outer, None
+            if outer is not None:
+                outer.__exit__(None, None, None)
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, None

@@ -104,6 +104,7 @@ def module_class(package):
             self.loader = loader
 
         def training_step(self, batch, batch_idx):
+            self.flags_seen = torch.are_deterministic_algorithms_enabled()
             return self.net(batch[0]).pow(2).mean()
 
         def configure_optimizers(self):
@@ -170,6 +171,8 @@ def test_lightning_trains_on_the_keyed_loader_and_the_source_is_given_back():
     assert isinstance(used.dataset, SeededDataset) and used.dataset.dataset is original.dataset
     assert used.sampler.shuffle and used.batch_size == 4
     assert "dataloader" not in vars(integration.train_source(trainer))  # teardown undid it
+    assert trainer.lightning_module.flags_seen  # steps run with deterministic algorithms
+    assert not torch.are_deterministic_algorithms_enabled()  # given back after fit
     assert original.sampler.__class__.__name__ == "RandomSampler"  # the user's loader is as it was
 
 
