@@ -13,8 +13,8 @@ It prints whether every step's loss and batch, and the final weights, match
 the uninterrupted run, and exits 1 if not.
 
 The kill uses ``deterministic-ctx check-resume``'s machinery (the callback calls
-``checkpoint_saved``); ``python -m deterministic_ctx check-resume --at 8 -- this
-script --train DIR`` runs the same proof.
+``checkpoint_saved``), so ``python -m deterministic_ctx check-resume --at 8 --at 12 --
+examples/lightning_resume.py --train . --resume auto`` runs the same proof.
 
 Run: ``python examples/lightning_resume.py``
 """
@@ -80,7 +80,10 @@ class Model(L.LightningModule):
 
 
 def train(directory: Path, workers: int, resume: str | None) -> None:
-    """One training run in ``directory`` (its checkpoints, and its final weights)."""
+    """One training run in ``directory`` (its checkpoints, and its final weights), resumed
+    from ``directory / resume`` (``"auto"``: from last.ckpt if there is one)."""
+    if resume == "auto":
+        resume = "last.ckpt" if (directory / "last.ckpt").exists() else None
     L.seed_everything(0, verbose=False)
     model = Model(workers)
     trainer = L.Trainer(
@@ -135,7 +138,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--train", type=Path, help="train once in this directory (a child)")
     parser.add_argument("--workers", type=int, default=0)
-    parser.add_argument("--resume", help="the checkpoint to resume from, in the directory")
+    parser.add_argument("--resume", help="the checkpoint to resume from, in the directory; auto")
     args = parser.parse_args()
     if args.train is not None:
         train(args.train, args.workers, args.resume)
