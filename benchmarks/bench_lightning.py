@@ -62,7 +62,12 @@ def timed(callback: LightningCallback, spent: list[float]) -> LightningCallback:
     return callback
 
 
-def step_time(keyed: bool, items: int, workers: int, hooks: list[float]) -> tuple[float, float]:
+#: The runs compared: none (plain), Lightning's ``Trainer(deterministic=True)`` (the flags a
+#: reproducible run sets anyway), and the callback (which sets them itself).
+KINDS = ("plain", "deterministic", "callback")
+
+
+def step_time(kind: str, items: int, workers: int, hooks: list[float]) -> tuple[float, float]:
     """Wall and main-process CPU seconds per training step of one epoch; the callback's
     per-step hooks' seconds are appended to ``hooks``."""
     L.seed_everything(0, verbose=False)
@@ -77,7 +82,11 @@ def step_time(keyed: bool, items: int, workers: int, hooks: list[float]) -> tupl
     clock = Clock()
     trainer = L.Trainer(
         max_epochs=1,
-        callbacks=[clock, *([timed(LightningCallback(seed=0), hooks)] if keyed else [])],
+        callbacks=[
+            clock,
+            *([timed(LightningCallback(seed=0), hooks)] if kind == "callback" else []),
+        ],
+        deterministic=kind == "deterministic",  # False: each run sets the flags it measures
         limit_val_batches=0,
         logger=False,
         enable_checkpointing=False,
@@ -93,35 +102,33 @@ def step_time(keyed: bool, items: int, workers: int, hooks: list[float]) -> tupl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--items", type=int, default=960)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--items", type=int, default=480)
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)
     hooks: list[float] = []
-    step_time(True, args.items, args.workers, [])  # warm-up: imports, first compilations
-    plain: list[tuple[float, float]] = []
-    keyed: list[tuple[float, float]] = []
+    step_time("callback", args.items, args.workers, [])  # warm-up: imports, first compilations
+    times: dict[str, list[tuple[float, float]]] = {kind: [] for kind in KINDS}
     for r in range(args.rounds):
-        for with_callback in (r % 2 == 0, r % 2 == 1):
-            (keyed if with_callback else plain).append(
-                step_time(with_callback, args.items, args.workers, hooks)
-            )
+        order = KINDS[r % 3 :] + KINDS[: r % 3]  # each kind first, second and third in turn
+        for kind in order:
+            times[kind].append(step_time(kind, args.items, args.workers, hooks))
     print(f"{args.items // 8} steps an epoch, {args.workers} workers, {args.rounds} rounds")
     for i, what in enumerate(("wall", "main-process CPU")):
-        p = statistics.median(t[i] for t in plain)
-        k = statistics.median(t[i] for t in keyed)
-        ratios = [b[i] / a[i] for a, b in zip(plain, keyed, strict=True)]
-        print(
-            f"{what}: {p * 1e3:.3f} ms a step without the callback, {k * 1e3:.3f} ms with it; "
-            f"ratio median {statistics.median(ratios):.3f} "
-            f"(min {min(ratios):.3f}, max {max(ratios):.3f})"
-        )
+        medians = {kind: statistics.median(t[i] for t in times[kind]) for kind in KINDS}
+        print(f"{what}, ms a step: " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in medians.items()))
+        for base in ("plain", "deterministic"):
+            ratios = [c[i] / b[i] for b, c in zip(times[base], times["callback"], strict=True)]
+            print(
+                f"  callback / {base}: median {statistics.median(ratios):.3f} "
+                f"(min {min(ratios):.3f}, max {max(ratios):.3f})"
+            )
     per_step = 2 * statistics.median(hooks)  # two hooks a step
-    base = statistics.median(t[0] for t in plain)
+    base_step = statistics.median(t[0] for t in times["deterministic"])
     print(
         f"the callback's hooks: {per_step * 1e6:.1f} us a step, "
-        f"{per_step / base:.2%} of a step without it"
+        f"{per_step / base_step:.2%} of a step with deterministic=True"
     )
 
 
