@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from .core.context import deterministic, isolated
     from .core.decorate import reproducible
     from .integrations.check_resume import checkpoint_saved, record_step
+    from .integrations.lightning import LightningCallback
     from .parallel.data import chain_worker_init, seed_worker, seeded_generator
     from .parallel.keyed import SeededDataset, SeededIndex, SeededSampler
     from .parallel.ranks import Ranks, broadcast_seed, rank_seed, ranks
@@ -82,6 +83,7 @@ __all__ = [
     "GraphCaptureError",
     "InvalidSnapshotError",
     "InvalidTraceError",
+    "LightningCallback",
     "LockWaitWarning",
     "NotReproducibleError",
     "Ranks",
@@ -142,6 +144,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "GraphCaptureError": (".base.errors", "GraphCaptureError"),
     "InvalidSnapshotError": (".base.errors", "InvalidSnapshotError"),
     "InvalidTraceError": (".trace", "InvalidTraceError"),
+    "LightningCallback": (".integrations.lightning", "LightningCallback"),
     "LockWaitWarning": (".base.errors", "LockWaitWarning"),
     "NotReproducibleError": (".verify", "NotReproducibleError"),
     "Ranks": (".parallel.ranks", "Ranks"),

@@ -141,6 +141,9 @@ SKIPPED: dict[str, str] = {
     "(tests/parallel/test_resume_mid_epoch.py)",
     "accelerator.register_for_checkpointing(sampler, RngState())": "needs accelerate and a "
     "model: tests/parallel/test_accelerate.py runs this loop in a fresh Accelerator",
+    "model = MyModel()  # as written": "needs lightning and a model: "
+    "examples/lightning_resume.py trains with LightningCallback, killed and resumed in fresh "
+    "processes (tests/integrations/test_lightning.py, tests/docs/test_examples.py)",
 }
 
 #: A line of a block that needs a CUDA device -> what runs instead where there is none.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import importlib.util
 import pkgutil
 import re
 import subprocess
@@ -35,6 +36,19 @@ LAUNCH_TIMEOUT = 180.0
 #: time on fresh ranks and workers, so that one run shows that two runs print the same.
 ARGS = {"ddp_training.py": ("--seed", "3", "--runs", "2")}
 TIMEOUTS = {"ddp_training.py": 2 * LAUNCH_TIMEOUT}
+#: Examples and modules whose examples need an optional library: skipped where it does not import.
+LIBRARIES = {
+    "lightning_resume.py": "lightning",
+    "deterministic_ctx.integrations.lightning": "lightning",
+}
+
+
+def needs_library(name: str) -> None:
+    """Skip, with the reason, when what ``name``'s examples need is not installed (looked
+    up, not imported: importing Lightning draws from ``random`` outside the examples' snapshot)."""
+    library = LIBRARIES.get(name)
+    if library is not None and importlib.util.find_spec(library) is None:
+        pytest.skip(f"{name}'s examples need {library}, which is not installed")
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +80,7 @@ def test_there_are_examples():
 @pytest.mark.slow
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs(runs, path):
+    needs_library(path.name)
     proc = run_example(runs, path.name)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -127,6 +142,7 @@ def test_docstring_examples(name):
         if name in OPTIONAL:
             pytest.skip(f"optional dependency missing: {exc}")
         raise
+    needs_library(name)
     capability = NEEDS.get(name)
     if capability is not None and not capability.available:
         pytest.skip(
