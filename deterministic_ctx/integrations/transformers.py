@@ -59,7 +59,7 @@ __all__ = ["TransformersCallback"]
 def _loader_of(train_dataloader: object) -> torch.utils.data.DataLoader[Any]:
     """The ``DataLoader`` that iterates: accelerate's ``DataLoaderShard`` wraps one
     (``base_dataloader``) and reads ``dataset`` from it."""
-    inner = vars(train_dataloader).get("base_dataloader", train_dataloader)
+    inner = getattr(train_dataloader, "__dict__", {}).get("base_dataloader", train_dataloader)
     if not isinstance(inner, torch.utils.data.DataLoader):
         raise TypeError(
             f"TransformersCallback needs the Trainer's train DataLoader, got "
