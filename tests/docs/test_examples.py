@@ -25,6 +25,7 @@ from tests.helpers import ROOT, needs_gloo, run_python
 OWN_TESTS = {
     "multinode_resume.py": "tests/parallel/test_multinode_example.py",
     "resume_mid_epoch.py": "tests/parallel/test_resume_mid_epoch.py",
+    "transformers_resume.py": "tests/integrations/test_transformers.py",
 }
 EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if p.name not in OWN_TESTS)
 #: Seconds per training run of the DDP example (its ranks, their workers, a gloo group).
@@ -110,7 +111,7 @@ def _modules():
     return sorted(names)
 
 
-OPTIONAL = {"deterministic_ctx.integrations.ipython"}
+OPTIONAL = {"deterministic_ctx.integrations.ipython", "deterministic_ctx.integrations.transformers"}
 #: Modules whose examples need a torch capability (``deterministic_ctx._torch``).
 NEEDS = {
     "deterministic_ctx.state.dcp": _torch.DCP_STATEFUL,

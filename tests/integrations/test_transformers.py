@@ -11,7 +11,6 @@ They skip where transformers or accelerate do not import.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
