@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from transformers.trainer_callback import TrainerCallback
 
+from .._errors import StateWarning
 from ..core.context import deterministic
 from ..internal import check_bool, derive_seed, validate_seed
 from ..parallel.keyed import SeededDataset
@@ -268,8 +270,20 @@ class TransformersCallback(TrainerCallback, ExportableState):
     # -- helpers ---------------------------------------------------------------------------
 
     def _check_checkpoint(self, state: Any) -> None:
-        stored = (getattr(state, "stateful_callbacks", None) or {}).get(type(self).__name__)
+        stored_all = getattr(state, "stateful_callbacks", None)
+        if not isinstance(stored_all, dict):
+            return
+        stored = stored_all.get(type(self).__name__)
         if stored is None:
+            # A checkpoint written without the callback: the Trainer's next save looks the
+            # callback's entry up and would fail with a KeyError.
+            stored_all[type(self).__name__] = self.state()
+            warnings.warn(
+                "resuming a checkpoint written without TransformersCallback: the steps from "
+                "here on are keyed, but they are not the steps the crashed run would have trained",
+                StateWarning,
+                stacklevel=2,
+            )
             return
         entries = stored if isinstance(stored, list) else [stored]
         seeds = [entry.get("args", {}).get("seed") for entry in entries if isinstance(entry, dict)]

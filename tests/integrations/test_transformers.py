@@ -17,7 +17,14 @@ from typing import Any
 import pytest
 import torch
 
-from deterministic_ctx import SeededDataset, SeededIndex, derive_seed, deterministic, isolated
+from deterministic_ctx import (
+    SeededDataset,
+    SeededIndex,
+    StateWarning,
+    derive_seed,
+    deterministic,
+    isolated,
+)
 from tests.helpers import ROOT, run_python
 
 try:
@@ -209,6 +216,13 @@ def test_resuming_with_another_seed_is_refused():
     with pytest.raises(ValueError, match=r"seed=1.*seed=2"):
         TransformersCallback(seed=2)._check_checkpoint(state)
     TransformersCallback(seed=1)._check_checkpoint(state)
+
+
+def test_resuming_a_checkpoint_written_without_it_warns_and_can_be_saved_again():
+    state = transformers.TrainerState(stateful_callbacks=[])  # as loaded from such a checkpoint
+    with pytest.warns(StateWarning, match="without TransformersCallback"):
+        TransformersCallback(seed=4)._check_checkpoint(state)
+    assert state.stateful_callbacks["TransformersCallback"]["args"]["seed"] == 4
 
 
 @pytest.mark.parametrize(
