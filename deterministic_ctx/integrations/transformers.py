@@ -259,6 +259,9 @@ class TransformersCallback(TrainerCallback, ExportableState):
         finally:
             self.close()
 
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.close()  # a step a callback's should_epoch_stop cut between micro-batches
+
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The Trainer calls on_save once the checkpoint's files are written.
         checkpoint_saved(state.global_step)
