@@ -204,7 +204,6 @@ class TransformersCallback(TrainerCallback, ExportableState):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.close()  # a step an exception left open
         self._remove_hooks()
-        self._check_checkpoint(state)
         loader = _loader_of(kwargs.get("train_dataloader"))
         if getattr(loader, "persistent_workers", False) and loader.num_workers > 0:
             raise ValueError(
@@ -217,6 +216,7 @@ class TransformersCallback(TrainerCallback, ExportableState):
                 f"TransformersCallback keys map-style training data only (a Dataset with "
                 f"__getitem__ and __len__), got the IterableDataset {type(dataset).__name__}"
             )
+        self._check_checkpoint(state)  # after the checks above: nothing changed if they raise
         if not isinstance(dataset, SeededDataset):
             dataset = SeededDataset(dataset, self.seed)
             _set_dataset(loader, dataset)
