@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -139,10 +140,11 @@ class TransformersCallback(TrainerCallback, ExportableState):
     and ``dataloader_persistent_workers=True`` (whose workers keep the first
     epoch's dataset) raise ``TypeError``/``ValueError`` when training starts.
 
-    An exception inside a step leaves its block open (the Trainer has no
-    event for errors): the next ``train()`` closes it first, and
-    :meth:`close` closes it at once (``try: trainer.train() finally:
-    callback.close()``).
+    The Trainer has no event for errors: an exception in the model's forward
+    leaves the step's block on its way out (a forward hook of the callback's,
+    ``always_call=True``); one elsewhere in a step (the backward pass, the
+    optimizer, another callback) leaves it open until the next ``train()`` or
+    :meth:`close` (``try: trainer.train() finally: callback.close()``).
 
     Args:
         seed: an int in ``0 .. 2**32 - 1``: the steps' and the samples' keys
@@ -167,6 +169,7 @@ class TransformersCallback(TrainerCallback, ExportableState):
         self._next_epoch: int | None = None
         self._hooks: list[Any] = []
         self._forwards: list[tuple[object, torch.Tensor | None]] = []
+        self._handling: list[BaseException | None] = []  # per forward: what its caller handled
 
     def __repr__(self) -> str:
         return (
@@ -222,9 +225,14 @@ class TransformersCallback(TrainerCallback, ExportableState):
             _set_dataset(loader, dataset)
         self._dataset = dataset
         self._next_epoch = None
-        if os.environ.get(RECORDS_VAR) and kwargs.get("model") is not None:
-            model = kwargs["model"]
-            self._hooks.append(model.register_forward_hook(self._record, with_kwargs=True))
+        model = kwargs.get("model")
+        if isinstance(model, torch.nn.Module):
+            # The Trainer has no event for errors: an exception in the model's forward
+            # leaves the step's block here, on its way out (torch runs always_call hooks).
+            self._hooks.append(model.register_forward_pre_hook(self._forward_starts))
+            self._hooks.append(model.register_forward_hook(self._forward_ends, always_call=True))
+            if os.environ.get(RECORDS_VAR):
+                self._hooks.append(model.register_forward_hook(self._record, with_kwargs=True))
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.close()
@@ -297,6 +305,16 @@ class TransformersCallback(TrainerCallback, ExportableState):
                 f"the same run; use seed={seeds[0]}"
             )
 
+    def _forward_starts(self, module: object, args: object) -> None:
+        self._handling.append(sys.exc_info()[1])
+
+    def _forward_ends(self, module: object, args: object, output: object) -> None:
+        # Called after every forward; inside torch's ``except`` when the forward raised,
+        # where the exception being handled is no longer the one of the forward's caller.
+        handling = self._handling.pop() if self._handling else None
+        if sys.exc_info()[1] is not handling:
+            self.close()
+
     def _record(
         self, module: object, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
     ) -> None:
@@ -308,3 +326,4 @@ class TransformersCallback(TrainerCallback, ExportableState):
         for hook in hooks:
             hook.remove()
         self._forwards = []
+        self._handling = []

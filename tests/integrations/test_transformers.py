@@ -194,18 +194,39 @@ def test_each_step_runs_in_its_block_and_each_item_is_keyed(tmp_path, monkeypatc
                 assert draw == torch.rand(()).item()
 
 
-def test_an_exception_in_a_step_is_closed_by_close_and_by_the_next_train(tmp_path):
+def test_an_exception_in_the_forward_leaves_the_steps_block(tmp_path):
     callback = TransformersCallback(seed=0)
     with isolated():
         trainer = _trainer(tmp_path, Probe(fail_at=3), callback)
         with pytest.raises(RuntimeError, match="planted failure"):
             trainer.train()
-        assert callback._block is not None  # the Trainer has no event for errors
-        callback.close()
-        assert callback._block is None and not torch.are_deterministic_algorithms_enabled()
+        assert callback._block is None
+        assert not torch.are_deterministic_algorithms_enabled()
+        trainer.model.fail_at = None
+        trainer.train()
+        assert len(trainer.model.seen) == 3 + 8
+        assert callback._block is None
+
+
+def test_an_exception_elsewhere_is_closed_by_close_and_by_the_next_train(tmp_path):
+    class Fails(transformers.TrainerCallback):
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                raise RuntimeError("planted failure")
+
+    callback = TransformersCallback(seed=0)
+    with isolated():
+        trainer = _trainer(tmp_path, Probe(), callback)
+        trainer.add_callback(Fails())
         with pytest.raises(RuntimeError, match="planted failure"):
             trainer.train()
-        trainer.model.fail_at = None
+        assert callback._block is not None  # the Trainer has no event for errors
+        callback.close()
+        assert callback._block is None
+        assert not torch.are_deterministic_algorithms_enabled()
+        with pytest.raises(RuntimeError, match="planted failure"):
+            trainer.train()
+        trainer.remove_callback(Fails)
         trainer.train()  # the next train() first leaves the block the error left open
         assert callback._block is None
 
