@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from .core.decorate import reproducible
     from .integrations.check_resume import checkpoint_saved, record_step
     from .integrations.lightning import LightningCallback
+    from .integrations.transformers import TransformersCallback
     from .parallel.data import chain_worker_init, seed_worker, seeded_generator
     from .parallel.keyed import SeededDataset, SeededIndex, SeededSampler
     from .parallel.ranks import Ranks, broadcast_seed, rank_seed, ranks
@@ -99,6 +100,7 @@ __all__ = [
     "TorchFeatureError",
     "Trace",
     "TraceComparison",
+    "TransformersCallback",
     "UncheckedTorchWarning",
     "UnregisteredRngError",
     "assert_batch_invariant",
@@ -159,6 +161,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "Trace": (".trace", "Trace"),
     "TorchFeatureError": ("._torch", "TorchFeatureError"),
     "TraceComparison": (".trace", "TraceComparison"),
+    "TransformersCallback": (".integrations.transformers", "TransformersCallback"),
     "UncheckedTorchWarning": (".audit", "UncheckedTorchWarning"),
     "UnregisteredRngError": (".base.errors", "UnregisteredRngError"),
     "assert_batch_invariant": (".verify", "assert_batch_invariant"),

@@ -136,6 +136,9 @@ def train_step():
 SKIPPED: dict[str, str] = {
     "model = DDP(Net())": "needs a torch.distributed process group and a dataset: "
     "examples/ddp_training.py runs this pattern on real gloo ranks (tests/docs/test_examples.py)",
+    "callbacks=[TransformersCallback(seed=0)],": "needs a model and a dataset: "
+    "examples/transformers_resume.py trains, crashes and resumes this Trainer "
+    "(tests/integrations/test_transformers.py)",
     "loader = StatefulDataLoader(dataset, batch_size=32": "needs torchdata and a dataset: "
     "examples/resume_mid_epoch.py runs this loop and resumes it in a fresh process "
     "(tests/parallel/test_resume_mid_epoch.py)",

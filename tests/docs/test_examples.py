@@ -27,6 +27,7 @@ OWN_TESTS = {
     "multinode_resume.py": "tests/parallel/test_multinode_example.py",
     "resume_mid_epoch.py": "tests/parallel/test_resume_mid_epoch.py",
     "check_resume_loop.py": "tests/integrations/test_check_resume.py",
+    "transformers_resume.py": "tests/integrations/test_transformers.py",
 }
 EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if p.name not in OWN_TESTS)
 #: Seconds per training run of the DDP example (its ranks, their workers, a gloo group).
@@ -40,6 +41,7 @@ TIMEOUTS = {"ddp_training.py": 2 * LAUNCH_TIMEOUT}
 LIBRARIES = {
     "lightning_resume.py": "lightning",
     "deterministic_ctx.integrations.lightning": "lightning",
+    "deterministic_ctx.integrations.transformers": "transformers",
 }
 
 
@@ -126,7 +128,7 @@ def _modules():
     return sorted(names)
 
 
-OPTIONAL = {"deterministic_ctx.integrations.ipython"}
+OPTIONAL = {"deterministic_ctx.integrations.ipython", "deterministic_ctx.integrations.transformers"}
 #: Modules whose examples need a torch capability (``deterministic_ctx._torch``).
 NEEDS = {
     "deterministic_ctx.state.dcp": _torch.DCP_STATEFUL,
