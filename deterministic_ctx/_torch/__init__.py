@@ -51,6 +51,7 @@ __all__ = [
     "ONEDNN_ALLOW_TF32",
     "Capability",
     "ProbeLater",
+    "SCOPED_EXEMPTION",
     "TorchFeatureError",
     "accelerator_type",
     "default_device",
@@ -264,6 +265,43 @@ DISPATCH_MODES = Capability(
     probe=_dispatch_modes,
 )
 """``(torch._C._get_dispatch_mode, (FAKE, PROXY))``: a thread's tracer modes."""
+
+
+def _scoped_exemption() -> tuple[Any, Any, Any, Any] | None:
+    torch = _torch()
+    c = torch._C
+    key = getattr(getattr(c, "DispatchKey", None), "PreDispatch", None)
+    parts = tuple(
+        getattr(c, name, None)
+        for name in (
+            "_dispatch_tls_is_dispatch_key_included",
+            "_dispatch_tls_set_dispatch_key_included",
+            "_dispatch_keyset_full_after",
+        )
+    )
+    if key is None or any(p is None for p in parts):
+        return None
+    import inspect
+
+    try:  # Library.impl's with_keyset: the kernel is handed the keyset to redispatch with
+        keyset = "with_keyset" in inspect.signature(torch.library.Library.impl).parameters
+    except (TypeError, ValueError):
+        keyset = False
+    if not keyset:
+        return None
+    return key, parts[0], parts[1], parts[2](key)
+
+
+SCOPED_EXEMPTION = Capability(
+    "scoped_exemption",
+    reads="torch._C.DispatchKey.PreDispatch, torch._C._dispatch_tls_is/set_dispatch_key_included, "
+    "torch._C._dispatch_keyset_full_after and torch.library.Library.impl(with_keyset=)",
+    since="2.2",
+    fallback="allow_nondeterministic cannot exempt an op (it raises TorchFeatureError)",
+    probe=_scoped_exemption,
+)
+"""``(PreDispatch, is_included, set_included, keyset after PreDispatch)``: what
+:mod:`deterministic_ctx._torch.exempt` puts a kernel in front of an op with."""
 
 
 def _frame_strategy() -> tuple[Any, Any, Any] | None:
