@@ -49,9 +49,9 @@ __all__ = [
     "LAZY_DEVICES",
     "MKLDNN_DETERMINISTIC",
     "ONEDNN_ALLOW_TF32",
+    "SCOPED_EXEMPTION",
     "Capability",
     "ProbeLater",
-    "SCOPED_EXEMPTION",
     "TorchFeatureError",
     "accelerator_type",
     "default_device",
@@ -271,15 +271,10 @@ def _scoped_exemption() -> tuple[Any, Any, Any, Any] | None:
     torch = _torch()
     c = torch._C
     key = getattr(getattr(c, "DispatchKey", None), "PreDispatch", None)
-    parts = tuple(
-        getattr(c, name, None)
-        for name in (
-            "_dispatch_tls_is_dispatch_key_included",
-            "_dispatch_tls_set_dispatch_key_included",
-            "_dispatch_keyset_full_after",
-        )
-    )
-    if key is None or any(p is None for p in parts):
+    included: Any = getattr(c, "_dispatch_tls_is_dispatch_key_included", None)
+    include: Any = getattr(c, "_dispatch_tls_set_dispatch_key_included", None)
+    after: Any = getattr(c, "_dispatch_keyset_full_after", None)
+    if key is None or included is None or include is None or after is None:
         return None
     import inspect
 
@@ -289,7 +284,7 @@ def _scoped_exemption() -> tuple[Any, Any, Any, Any] | None:
         keyset = False
     if not keyset:
         return None
-    return key, parts[0], parts[1], parts[2](key)
+    return key, included, include, after(key)
 
 
 SCOPED_EXEMPTION = Capability(

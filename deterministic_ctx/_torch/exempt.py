@@ -35,7 +35,7 @@ from torch._ops import OpOverload, OpOverloadPacket
 
 from . import SCOPED_EXEMPTION, TorchFeatureError
 
-__all__ = ["include", "install", "op_label", "redispatch", "resolve_ops", "tracing_now"]
+__all__ = ["include", "included", "install", "op_label", "redispatch", "resolve_ops", "tracing_now"]
 
 _C: Any = torch._C
 
@@ -48,7 +48,7 @@ def resolve_ops(spec: object) -> tuple[OpOverload, ...]:
     if isinstance(spec, OpOverload):
         return (spec,)
     if isinstance(spec, OpOverloadPacket):
-        return tuple(getattr(spec, name) for name in spec.overloads())
+        return tuple(getattr(spec, name) for name in spec.overloads())  # type: ignore[no-untyped-call]
     if not isinstance(spec, str):
         raise TypeError(
             f"allow_nondeterministic: each op is a name like 'aten::index_add' or an op "
@@ -71,7 +71,7 @@ def resolve_ops(spec: object) -> tuple[OpOverload, ...]:
         if overload:
             found = getattr(packet, overload)
             return (found,) if isinstance(found, OpOverload) else ()
-        return tuple(getattr(packet, o) for o in packet.overloads())
+        return tuple(getattr(packet, o) for o in packet.overloads())  # type: ignore[no-untyped-call]
     except (AttributeError, RuntimeError):
         raise ValueError(
             f"allow_nondeterministic: torch has no op {spec!r} (no '{namespace}::{rest}' is "
@@ -83,7 +83,7 @@ def resolve_ops(spec: object) -> tuple[OpOverload, ...]:
 
 def op_label(op: OpOverload) -> str:
     """``'aten::index_add'``, ``'aten::index_add.out'``: an overload as torch names it."""
-    label: str = op.name()
+    label: str = op.name()  # type: ignore[no-untyped-call]
     return label
 
 
@@ -127,18 +127,20 @@ def install(op: OpOverload, kernel: Callable[..., Any]) -> None:
         namespace, _, qualified = name.partition("::")
         library = _libraries.get(namespace)
         if library is None:
-            library = _libraries[namespace] = torch.library.Library(namespace, "IMPL")
+            library = _libraries[namespace] = torch.library.Library(namespace, "IMPL")  # type: ignore[no-untyped-call]
         library.impl(qualified, kernel, "PreDispatch", with_keyset=True)
         _installed.add(op)
 
 
-def include(on: bool) -> bool:
-    """Make the calling thread's ops reach the kernels (``on``) or not; return
-    whether they did before."""
-    was: bool = _included(_key)
-    if was != on:
-        _set_included(_key, on)
-    return was
+def included() -> bool:
+    """Whether the calling thread's ops reach the kernels now."""
+    now: bool = _included(_key)
+    return now
+
+
+def include(on: bool) -> None:
+    """Make the calling thread's ops reach the kernels (``on``) or not."""
+    _set_included(_key, on)
 
 
 def redispatch(op: OpOverload, keyset: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

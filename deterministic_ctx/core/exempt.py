@@ -29,42 +29,52 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import time
 from collections.abc import Callable
+from contextlib import suppress
 from types import TracebackType
 from typing import Any, TypeVar
 
 from .._torch import exempt as _dispatch
 from ..sources.flags import read_alerts, write_alerts
-from .engine import _completed
+from .engine import _completed, drain_signals
 
 __all__ = ["active_exemptions", "allow_nondeterministic", "exempted_calls"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: The open exemptions (by entry token) and the ops they name; ``_exempt`` is
-#: the union, what the kernels read.
+#: The open exemptions (by entry token) and the ops each names.  Only C-level
+#: dict operations touch it (atomic under the GIL): no lock to leave held when
+#: an interrupt lands.
 _entries: dict[object, tuple[Any, ...]] = {}
-_exempt: frozenset[Any] = frozenset()
 _labels: dict[Any, str] = {}
 
 #: The exempted calls running now (by token), and the flag's state before the
 #: first of them turned it off (``None``: it was off, or no call runs).
 _holders: set[object] = set()
 _saved: list[tuple[bool, bool] | None] = [None]
-_lock = threading.Lock()
+
+#: Who holds the window's lock: ``{0: thread id}``.  ``dict.setdefault`` takes it
+#: in one C call, so the thread that holds it knows it does, and a completion
+#: step run again after an interrupt takes it again and gives it back (a
+#: ``threading.Lock`` left held by an interrupt between its acquire and the
+#: protected lines would stop every later exempted call).
+_owner: dict[int, int] = {}
 
 #: Every exempted op that ran with the flag turned off since the process
 #: started, with its number of calls (for the verify messages' suspects).
 _ran: dict[str, int] = {}
 
 
-def _refresh() -> None:
-    global _exempt
-    _exempt = frozenset(op for ops in _entries.values() for op in ops)
+_NOT_FOUND = object()
+
+
+def _exempted(op: Any) -> bool:
+    return any(op in ops for ops in tuple(_entries.values()))
 
 
 def _kernel(op: Any, keyset: Any, *args: Any, **kwargs: Any) -> Any:
-    if op not in _exempt:  # another thread's exemption, or a key included by torch itself
+    if not _exempted(op):  # another thread's exemption, or a key included by torch itself
         return _dispatch.redispatch(op, keyset, args, kwargs)
     if _dispatch.tracing_now():
         raise RuntimeError(
@@ -87,27 +97,43 @@ def _kernel(op: Any, keyset: Any, *args: Any, **kwargs: Any) -> Any:
         raise
 
 
+def _acquire() -> None:
+    me = threading.get_ident()
+    while _owner.setdefault(0, me) != me:
+        time.sleep(0)  # another thread's exempted call is opening or closing the window
+
+
+def _release() -> None:
+    if _owner.get(0) == threading.get_ident():
+        del _owner[0]
+
+
 def _pause(token: object) -> None:
-    with _lock:
-        if not _holders:
-            now = read_alerts()
-            if now[0]:
-                _saved[0] = now  # recorded before the write: an interrupt after it is undone
-                write_alerts((False, now[1]))
-        _holders.add(token)
+    """Open the window for one call (the first call turns the flag off).  An
+    interrupt is undone by :func:`_resume`, which the caller runs then."""
+    _acquire()
+    if not _holders:
+        now = read_alerts()
+        if now[0]:
+            _saved[0] = now  # recorded before the write: _resume undoes it
+            write_alerts((False, now[1]))
+    _holders.add(token)
+    _release()
 
 
 def _resume(token: object) -> None:
-    """Idempotent: the completion step may run it twice."""
-    with _lock:
-        _holders.discard(token)
-        saved = _saved[0]
-        if not _holders and saved is not None:
-            write_alerts(saved)
-            _saved[0] = None
+    """Close the window for one call (the last call puts the flag back).
+    Idempotent, lock included: the completion step may run it twice."""
+    _acquire()
+    _holders.discard(token)
+    saved = _saved[0]
+    if not _holders and saved is not None:
+        write_alerts(saved)
+        _saved[0] = None
+    _release()
 
 
-class allow_nondeterministic:  # noqa: N801  (a context manager, named like deterministic)
+class allow_nondeterministic:
     """Deterministic everywhere except the ops you name: inside it, each call of
     one of ``ops`` runs without torch's deterministic-algorithms check (no
     error, and no warning under ``warn_only=True``); every other op stays
@@ -171,14 +197,16 @@ class allow_nondeterministic:  # noqa: N801  (a context manager, named like dete
                 _labels[op] = _dispatch.op_label(op)
         token = object()
         try:
-            self._open.append((token, threading.get_ident(), _dispatch.include(True)))
-            with _lock:
-                _entries[token] = self._ops
-                _refresh()
+            # Recorded before anything changes: _leave undoes what was done of it.
+            self._open.append((token, threading.get_ident(), _dispatch.included()))
+            _entries[token] = self._ops
+            _dispatch.include(True)
+            # Pending signals run here, where they are still undone (as a block's entry).
+            drain_signals()
+            return self
         except BaseException:
             _completed(functools.partial(self._leave, token))
             raise
-        return self
 
     def __exit__(
         self,
@@ -186,30 +214,43 @@ class allow_nondeterministic:  # noqa: N801  (a context manager, named like dete
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        try:  # the first line: every later one is under the handler
+            token = self._latest()
+            _completed(functools.partial(self._leave, token))
+        except BaseException:
+            # Interrupted before ``token`` was found: nothing was left yet.
+            found = locals().get("token", _NOT_FOUND)
+            _completed(
+                functools.partial(self._leave, self._latest() if found is _NOT_FOUND else found)
+            )
+            raise
+
+    def _latest(self) -> object:
+        """The token of the calling thread's latest entry (``None``: none open)."""
         me = threading.get_ident()
-        for token, thread, _ in reversed(self._open):
+        for token, thread, _ in reversed(tuple(self._open)):
             if thread == me:
-                _completed(functools.partial(self._leave, token))
-                return
+                return token
+        return None
 
     def _leave(self, token: object) -> None:
         """Idempotent: drop the entry ``token``, put the thread's dispatch state back."""
-        with _lock:
-            if _entries.pop(token, None) is not None:
-                _refresh()
-        for i, (held, _, before) in enumerate(self._open):
-            if held is token:
-                _dispatch.include(before)
-                del self._open[i]
-                break
+        _entries.pop(token, None)
+        for entry in tuple(self._open):  # other threads may use the same object
+            if entry[0] is token:
+                _dispatch.include(entry[2])
+                with suppress(ValueError):
+                    self._open.remove(entry)
 
     def __call__(self, func: F) -> F:
         if not callable(func):
             raise TypeError(
                 f"allow_nondeterministic(...) decorates a function, not {type(func).__name__}"
             )
-        if inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func) or (
-            inspect.isasyncgenfunction(func)
+        if (
+            inspect.isgeneratorfunction(func)
+            or inspect.iscoroutinefunction(func)
+            or (inspect.isasyncgenfunction(func))
         ):
             raise TypeError(
                 f"allow_nondeterministic(...) decorates plain functions; {func.__qualname__} "
@@ -227,8 +268,7 @@ class allow_nondeterministic:  # noqa: N801  (a context manager, named like dete
 
 def active_exemptions() -> tuple[str, ...]:
     """The ops exempted now by an open ``allow_nondeterministic`` (any thread), sorted."""
-    with _lock:
-        ops = _exempt
+    ops = {op for ops in tuple(_entries.values()) for op in ops}
     return tuple(sorted(_labels.get(op, "?") for op in ops))
 
 
