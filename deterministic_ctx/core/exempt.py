@@ -6,7 +6,7 @@ exemption, each call of a named op runs with the flag off, and the flag is
 back as it was as soon as the call returns; every other op sees the flag as
 the surrounding block set it.  The dispatcher's side (a kernel in front of
 each named op, reached only while an exemption is open in the thread) is in
-:mod:`deterministic_ctx._torch.exempt`; the flag is read and written by
+:mod:`deterministic_ctx._torch.internals`; the flag is read and written by
 :mod:`deterministic_ctx.sources.flags`.
 
 **Interrupts.**  Putting the flag back is the engine's completion step
@@ -35,7 +35,8 @@ from contextlib import suppress
 from types import TracebackType
 from typing import Any, TypeVar
 
-from .._torch import exempt as _dispatch
+from .._torch import internals as _dispatch
+from .._torch.compiler import tracing_here
 from ..sources.flags import read_alerts, write_alerts
 from .engine import _completed, drain_signals
 
@@ -75,8 +76,8 @@ def _exempted(op: Any) -> bool:
 
 def _kernel(op: Any, keyset: Any, *args: Any, **kwargs: Any) -> Any:
     if not _exempted(op):  # another thread's exemption, or a key included by torch itself
-        return _dispatch.redispatch(op, keyset, args, kwargs)
-    if _dispatch.tracing_now():
+        return _dispatch.redispatch_exempted(op, keyset, args, kwargs)
+    if tracing_here():
         raise RuntimeError(
             f"deterministic-ctx: allow_nondeterministic cannot exempt {_labels[op]} in a graph "
             f"that torch traces (torch.compile, torch.export): the compiled code would run it "
@@ -89,7 +90,7 @@ def _kernel(op: Any, keyset: Any, *args: Any, **kwargs: Any) -> Any:
     token = object()
     try:
         _pause(token)
-        result = _dispatch.redispatch(op, keyset, args, kwargs)
+        result = _dispatch.redispatch_exempted(op, keyset, args, kwargs)
         _completed(functools.partial(_resume, token))
         return result
     except BaseException:
@@ -193,14 +194,14 @@ class allow_nondeterministic:
     def __enter__(self) -> allow_nondeterministic:
         for op in self._ops:  # before anything changes: may raise TorchFeatureError
             if op not in _labels:
-                _dispatch.install(op, functools.partial(_kernel, op))
+                _dispatch.install_exemption(op, functools.partial(_kernel, op))
                 _labels[op] = _dispatch.op_label(op)
         token = object()
         try:
             # Recorded before anything changes: _leave undoes what was done of it.
-            self._open.append((token, threading.get_ident(), _dispatch.included()))
+            self._open.append((token, threading.get_ident(), _dispatch.exemption_included()))
             _entries[token] = self._ops
-            _dispatch.include(True)
+            _dispatch.include_exemption(True)
             # Pending signals run here, where they are still undone (as a block's entry).
             drain_signals()
             return self
@@ -238,7 +239,7 @@ class allow_nondeterministic:
         _entries.pop(token, None)
         for entry in tuple(self._open):  # other threads may use the same object
             if entry[0] is token:
-                _dispatch.include(entry[2])
+                _dispatch.include_exemption(entry[2])
                 with suppress(ValueError):
                     self._open.remove(entry)
 
