@@ -40,7 +40,7 @@ from .._torch.compiler import tracing_here
 from ..sources.flags import read_alerts, write_alerts
 from .engine import _completed, drain_signals
 
-__all__ = ["active_exemptions", "allow_nondeterministic", "exempted_calls"]
+__all__ = ["active_exemptions", "allow_nondeterministic", "exempted_calls", "is_exempted"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -271,6 +271,11 @@ def active_exemptions() -> tuple[str, ...]:
     """The ops exempted now by an open ``allow_nondeterministic`` (any thread), sorted."""
     ops = {op for ops in tuple(_entries.values()) for op in ops}
     return tuple(sorted(_labels.get(op, "?") for op in ops))
+
+
+def is_exempted(op: Any) -> bool:
+    """Whether an open ``allow_nondeterministic`` (any thread) exempts the overload ``op``."""
+    return bool(_entries) and _exempted(op)
 
 
 def exempted_calls() -> dict[str, int]:
