@@ -33,9 +33,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_locate import MLP  # noqa: E402
+from bench_locate import MLP
 
-from deterministic_ctx import allow_nondeterministic, deterministic  # noqa: E402
+from deterministic_ctx import allow_nondeterministic, deterministic
 
 TARGET = 1.05
 
