@@ -383,3 +383,26 @@ def test_report_of_calls_counts_the_exempted_calls() -> None:
         scatter_like(x())
         scatter_like(x())
     assert exempt.exempted_calls()[FORWARD] == before + 2
+
+
+@pytest.mark.slow
+def test_torch_compile_refuses_an_exempted_op_in_the_region_it_traces() -> None:
+    """Compiling, inside an exemption, a function that calls an exempted op: the library's
+    error (dynamo wraps it), never a graph that runs the op with the check off or on."""
+    import torch._dynamo
+
+    def step(t: torch.Tensor) -> torch.Tensor:
+        return torch.ops.dctx_test.scatter_like(t) + 1
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(step, backend="eager")
+        with (
+            deterministic(0),
+            allow_nondeterministic(FORWARD),
+            pytest.raises(Exception, match="allow_nondeterministic cannot exempt") as info,
+        ):
+            compiled(x())
+        assert "torch.compile" in str(info.value)
+    finally:
+        torch._dynamo.reset()
