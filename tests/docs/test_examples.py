@@ -114,6 +114,7 @@ OPTIONAL = {"deterministic_ctx.integrations.ipython"}
 #: Modules whose examples need a torch capability (``deterministic_ctx._torch``).
 NEEDS = {
     "deterministic_ctx.state.dcp": _torch.DCP_STATEFUL,
+    "deterministic_ctx.core.exempt": _torch.SCOPED_EXEMPTION,
 }
 
 
