@@ -81,6 +81,7 @@ __all__ = [
     "op_label",
     "redispatch_exempted",
     "remove_function_mode",
+    "require_exemption",
     "resolve_ops",
     "set_device_context_slot",
     "write_config_override",
@@ -514,7 +515,8 @@ _installed: set[OpOverload] = set()
 _install_lock = threading.Lock()
 
 
-def _require() -> None:
+def require_exemption() -> None:
+    """Raise ``TorchFeatureError`` where this torch cannot intercept one op's call."""
     _probe_exemption()
     if _key is None:
         raise TorchFeatureError(
@@ -529,7 +531,7 @@ def install_exemption(op: OpOverload, kernel: Callable[..., Any]) -> None:
     process.  ``TorchFeatureError`` where this torch cannot, or where torch put
     a kernel of its own there (``torch.export``'s pre-dispatch tracing does for
     a few ops): that one is never replaced."""
-    _require()
+    require_exemption()
     with _install_lock:
         if op in _installed:
             return

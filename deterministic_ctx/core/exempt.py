@@ -179,6 +179,7 @@ class allow_nondeterministic:
                 "allow_nondeterministic() needs at least one op, e.g. "
                 "allow_nondeterministic('aten::upsample_bilinear2d_backward')"
             )
+        _dispatch.require_exemption()
         found: dict[Any, None] = {}
         for spec in ops:
             for op in _dispatch.resolve_ops(spec):

@@ -409,3 +409,12 @@ def test_torch_compile_refuses_an_exempted_op_in_the_region_it_traces() -> None:
         assert "torch.compile" in str(info.value)
     finally:
         torch._dynamo.reset()
+
+
+def test_a_torch_without_the_key_gets_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deterministic_ctx._torch import internals
+
+    monkeypatch.setattr(internals, "_probe_exemption", lambda: None)
+    monkeypatch.setattr(internals, "_key", None)
+    with pytest.raises(_torch.TorchFeatureError, match=r"allow_nondeterministic needs .*torch >="):
+        allow_nondeterministic(FORWARD)
