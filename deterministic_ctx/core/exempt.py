@@ -44,10 +44,12 @@ __all__ = ["active_exemptions", "allow_nondeterministic", "exempted_calls", "is_
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: The open exemptions (by entry token) and the ops each names.  Only C-level
-#: dict operations touch it (atomic under the GIL): no lock to leave held when
-#: an interrupt lands.
-_entries: dict[object, tuple[Any, ...]] = {}
+#: The open exemptions (by entry token): the ops each names, the thread that opened
+#: it.  Only C-level dict operations touch it (atomic under the GIL): no lock to
+#: leave held when an interrupt lands.
+_entries: dict[object, tuple[tuple[Any, ...], int]] = {}
+#: Whether each thread with an exemption open included the key before its first one.
+_bases: dict[int, bool] = {}
 _labels: dict[Any, str] = {}
 
 #: The exempted calls running now (by token), and the flag's state before the
@@ -71,7 +73,7 @@ _NOT_FOUND = object()
 
 
 def _exempted(op: Any) -> bool:
-    return any(op in ops for ops in tuple(_entries.values()))
+    return any(op in ops for ops, _ in tuple(_entries.values()))
 
 
 def _kernel(op: Any, keyset: Any, *args: Any, **kwargs: Any) -> Any:
@@ -200,8 +202,11 @@ class allow_nondeterministic:
         token = object()
         try:
             # Recorded before anything changes: _leave undoes what was done of it.
-            self._open.append((token, threading.get_ident(), _dispatch.exemption_included()))
-            _entries[token] = self._ops
+            me = threading.get_ident()
+            before = _dispatch.exemption_included()
+            self._open.append((token, me, before))
+            _bases.setdefault(me, before)  # the thread's first open exemption sets it
+            _entries[token] = (self._ops, me)
             _dispatch.include_exemption(True)
             # Pending signals run here, where they are still undone (as a block's entry).
             drain_signals()
@@ -236,13 +241,21 @@ class allow_nondeterministic:
         return None
 
     def _leave(self, token: object) -> None:
-        """Idempotent: drop the entry ``token``, put the thread's dispatch state back."""
+        """Idempotent: drop the entry ``token``; once the thread has no exemption
+        open, put its dispatch state back as before its first (tasks of one
+        thread may leave theirs in any order)."""
         _entries.pop(token, None)
+        me = threading.get_ident()
+        alone = not any(thread == me for _, thread in tuple(_entries.values()))
         for entry in tuple(self._open):  # other threads may use the same object
             if entry[0] is token:
-                _dispatch.include_exemption(entry[2])
+                if alone:
+                    _dispatch.include_exemption(_bases.get(me, entry[2]))
                 with suppress(ValueError):
                     self._open.remove(entry)
+                break
+        if alone:
+            _bases.pop(me, None)
 
     def __call__(self, func: F) -> F:
         if not callable(func):
@@ -270,7 +283,7 @@ class allow_nondeterministic:
 
 def active_exemptions() -> tuple[str, ...]:
     """The ops exempted now by an open ``allow_nondeterministic`` (any thread), sorted."""
-    ops = {op for ops in tuple(_entries.values()) for op in ops}
+    ops = {op for ops, _ in tuple(_entries.values()) for op in ops}
     return tuple(sorted(_labels.get(op, "?") for op in ops))
 
 

@@ -36,7 +36,7 @@ def _ops() -> Iterator[None]:
     yield
     # Every exemption left: nothing named, the flag's window closed, the key not included.
     assert exempt.active_exemptions() == ()
-    assert not exempt._holders
+    assert not exempt._holders and not exempt._bases
     assert not torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PreDispatch)
 
 
@@ -359,6 +359,7 @@ def test_interrupt_at_any_line_leaves_nothing_changed(warn_only: bool) -> None:
             assert flags() == (True, warn_only), fire_at
             assert exempt.active_exemptions() == (), fire_at
             assert not exempt._holders and exempt._saved == [None], fire_at
+            assert not exempt._bases, fire_at
             assert not torch._C._dispatch_tls_is_dispatch_key_included(
                 torch._C.DispatchKey.PreDispatch
             ), fire_at
@@ -418,3 +419,16 @@ def test_a_torch_without_the_key_gets_a_clear_error(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(internals, "_key", None)
     with pytest.raises(_torch.TorchFeatureError, match=r"allow_nondeterministic needs .*torch >="):
         allow_nondeterministic(FORWARD)
+
+
+def test_exemptions_left_out_of_order_keep_the_other_open() -> None:
+    """Interleaved tasks of one thread leave their exemptions in any order."""
+    first, second = allow_nondeterministic(FORWARD), allow_nondeterministic(BACKWARD)
+    with deterministic(0):
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)  # before the exemption opened after it
+        scatter_like_backward(x())  # the second one still reaches its op
+        with pytest.raises(RuntimeError):
+            scatter_like(x())
+        second.__exit__(None, None, None)
