@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -54,7 +55,7 @@ _labels: dict[Any, str] = {}
 
 #: The exempted calls running now (by token), and the flag's state before the
 #: first of them turned it off (``None``: it was off, or no call runs).
-_holders: set[object] = set()
+_holders: dict[object, int] = {}  # token -> the thread making the call
 _saved: list[tuple[bool, bool] | None] = [None]
 
 #: Who holds the window's lock: ``{0: thread id}``.  ``dict.setdefault`` takes it
@@ -120,7 +121,7 @@ def _pause(token: object) -> None:
         if now[0]:
             _saved[0] = now  # recorded before the write: _resume undoes it
             write_alerts((False, now[1]))
-    _holders.add(token)
+    _holders[token] = threading.get_ident()
     _release()
 
 
@@ -128,7 +129,7 @@ def _resume(token: object) -> None:
     """Close the window for one call (the last call puts the flag back).
     Idempotent, lock included: the completion step may run it twice."""
     _acquire()
-    _holders.discard(token)
+    _holders.pop(token, None)
     saved = _saved[0]
     if not _holders and saved is not None:
         write_alerts(saved)
@@ -296,3 +297,28 @@ def exempted_calls() -> dict[str, int]:
     """How often each exempted op has run with the check off, since the process
     started (a copy: compare two of them to see what ran in between)."""
     return dict(_ran)
+
+
+def _after_fork_in_child() -> None:
+    """Only the forking thread lives on in a child: the calls, windows and
+    exemptions of the others are gone, and the flag is put back if only they
+    held it off."""
+    me = threading.get_ident()
+    _owner.clear()
+    for token, thread in tuple(_holders.items()):
+        if thread != me:
+            del _holders[token]
+    saved = _saved[0]
+    if not _holders and saved is not None:
+        write_alerts(saved)
+        _saved[0] = None
+    for token, (_, thread) in tuple(_entries.items()):
+        if thread != me:
+            del _entries[token]
+    for thread in tuple(_bases):
+        if thread != me:
+            del _bases[thread]
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

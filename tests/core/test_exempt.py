@@ -6,6 +6,7 @@ torch's CUDA kernels without a deterministic implementation do).
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import warnings
@@ -432,3 +433,44 @@ def test_exemptions_left_out_of_order_keep_the_other_open() -> None:
         with pytest.raises(RuntimeError):
             scatter_like(x())
         second.__exit__(None, None, None)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_during_another_threads_exempted_call_gets_the_flag_back() -> None:
+    """The thread whose call turned the flag off does not exist in the child."""
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(t: torch.Tensor) -> torch.Tensor:
+        inside.set()
+        release.wait(10)
+        return t
+
+    def worker() -> None:
+        with allow_nondeterministic(FORWARD):
+            standin_ops.pause_with = slow
+            try:
+                scatter_like(x())
+            finally:
+                standin_ops.pause_with = None
+
+    with deterministic(0):
+        thread = threading.Thread(target=worker)
+        thread.start()
+        try:
+            assert inside.wait(10)
+            assert not torch.are_deterministic_algorithms_enabled()  # the window is open
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: report the flag and whether an exemption is left
+                os.close(read)
+                state = (torch.are_deterministic_algorithms_enabled(), exempt.active_exemptions())
+                os.write(write, repr(state).encode())
+                os._exit(0)
+            os.close(write)
+            with os.fdopen(read) as pipe:
+                seen = pipe.read()
+            os.waitpid(pid, 0)
+        finally:
+            release.set()
+            thread.join()
+    assert seen == "(True, ())"
