@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from .base.seed import derive_seed
     from .core.context import deterministic, isolated
     from .core.decorate import reproducible
+    from .core.exempt import allow_nondeterministic
     from .integrations.check_resume import checkpoint_saved, record_step
     from .integrations.lightning import LightningCallback
     from .integrations.transformers import TransformersCallback
@@ -103,6 +104,7 @@ __all__ = [
     "TransformersCallback",
     "UncheckedTorchWarning",
     "UnregisteredRngError",
+    "allow_nondeterministic",
     "assert_batch_invariant",
     "assert_compiled_matches_eager",
     "assert_reproducible",
@@ -135,6 +137,7 @@ __all__ = [
 
 #: Where each public name lives: ``(module, attribute)``.
 _WHERE: dict[str, tuple[str, str]] = {
+    "allow_nondeterministic": (".core.exempt", "allow_nondeterministic"),
     "AbandonedBlockWarning": (".base.errors", "AbandonedBlockWarning"),
     "AuditFinding": (".audit", "AuditFinding"),
     "AuditReport": (".audit", "AuditReport"),

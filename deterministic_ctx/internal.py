@@ -71,6 +71,7 @@ from .base.settings import (
 )
 from .base.version import __version__ as VERSION
 from .core.engine import Block, inside_block, opaque
+from .core.exempt import active_exemptions, exempted_calls, is_exempted
 from .sources import (
     fast_paths,
     generator_sources,
@@ -114,6 +115,7 @@ __all__ = [
     "TorchFeatureError",
     "UnwrappedDispatchMode",
     "accelerator_type",
+    "active_exemptions",
     "bad_fork_check",
     "check_bool",
     "compiled_in_place",
@@ -125,6 +127,7 @@ __all__ = [
     "derive_seed",
     "dynamo_disable",
     "dynamo_disable_message",
+    "exempted_calls",
     "export_env_var",
     "fast_paths",
     "foreach_copy_",
@@ -134,6 +137,7 @@ __all__ = [
     "inductor_mode_options",
     "inside_block",
     "is_compiling",
+    "is_exempted",
     "launcher_variables",
     "managed_env_vars",
     "missing_capabilities",

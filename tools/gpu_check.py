@@ -15,6 +15,11 @@ Its steps, in this order:
    equality is the block's doing), and the caller's generator state must be the same
    after the blocks as before.  It runs first, in this process, so that CUDA and
    cuBLAS are first used inside a block (``CUBLAS_WORKSPACE_CONFIG`` is read once).
+   **exemption**: ``allow_nondeterministic`` on real CUDA ops without a deterministic
+   kernel (the backward of ``F.interpolate(mode="bicubic")``, ``histc``, ``kthvalue``:
+   those this torch refuses): refused in a block, run with the exemption, another refused
+   op still refused inside it, no warning under ``warn_only=True``, the flags as before
+   (``--exemption-only``: these two steps alone).
 2. **gpu tests**: ``pytest -m gpu -n 0`` (one device: the tests run one at a time).
 3. **suite**: the whole suite with xdist (``-n auto``; ``--quick``: ``-m "not slow"``).
 4. **benchmark**: with CUDA initialized, the median µs of ``with deterministic(seed=0)``,
@@ -127,6 +132,119 @@ def determinism_check(device: str, steps: int) -> Step:
     )
     status = "failed" if problems else "passed"
     return Step("determinism", status, "; ".join(problems) or detail, time.monotonic() - started)
+
+
+# -- 1b. one op exempted ---------------------------------------------------------------------
+
+
+def _exemption_candidates(device: str) -> list[tuple[str, Callable[[], object]]]:
+    """Real ops without a deterministic CUDA kernel in some torch: ``(op name, a call of it)``.
+
+    Each call makes its tensors fresh (inside the block, on ``device``).  The first is the
+    headline of issue 43: a backward op, which CUDA runs on autograd's own threads.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    def bicubic_backward() -> object:
+        image = torch.randn(1, 3, 16, 16, device=device, requires_grad=True)
+        F.interpolate(image, scale_factor=2, mode="bicubic").sum().backward()  # type: ignore[no-untyped-call]
+        return image.grad
+
+    def histc() -> object:
+        return torch.histc(torch.randn(1000, device=device), bins=10)
+
+    def kthvalue() -> object:
+        return torch.randn(100, device=device).kthvalue(3)
+
+    return [
+        ("aten::upsample_bicubic2d_backward", bicubic_backward),
+        ("aten::histc", histc),
+        ("aten::kthvalue", kthvalue),
+    ]
+
+
+def _refused(call: Callable[[], object]) -> bool:
+    try:
+        call()
+    except RuntimeError as exc:
+        if "does not have a deterministic implementation" in str(exc):
+            return True
+        raise
+    return False
+
+
+def exemption_check(device: str) -> Step:
+    """``allow_nondeterministic`` on real CUDA ops: each op that torch refuses in a block
+    runs with the exemption, with the check still on for the other ops (another refused
+    op is refused inside the same exemption), no warning under ``warn_only=True``, and
+    the flags as before once the block is left."""
+    import warnings
+
+    import torch
+
+    from deterministic_ctx import allow_nondeterministic, deterministic
+
+    started = time.monotonic()
+    if device != "cuda":
+        return Step("exemption", "skipped", "no CUDA device: no op of torch alerts on the CPU", 0.0)
+    flags_before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    problems: list[str] = []
+    refused: list[tuple[str, Callable[[], object]]] = []
+    not_alerting_names: list[str] = []
+    for name, call in _exemption_candidates(device):
+        with deterministic(seed=0):
+            if _refused(call):
+                refused.append((name, call))
+            else:
+                not_alerting_names.append(name)
+    if not refused:
+        return Step(
+            "exemption",
+            "skipped",
+            f"no candidate op is refused by this torch ({', '.join(not_alerting_names)})",
+            time.monotonic() - started,
+        )
+    for i, (name, call) in enumerate(refused):
+        others = [c for j, (_, c) in enumerate(refused) if j != i]
+        with deterministic(seed=0):
+            with allow_nondeterministic(name):
+                try:
+                    call()
+                except RuntimeError as exc:
+                    problems.append(f"{name} refused inside its exemption: {exc}")
+                if not torch.are_deterministic_algorithms_enabled():
+                    problems.append(f"the check stayed off after an exempted {name}")
+                for other in others:  # the rest of the step is still checked
+                    if not _refused(other):
+                        problems.append(f"another op ran unchecked inside {name}'s exemption")
+            if not _refused(call):
+                problems.append(f"{name} ran unchecked after its exemption ended")
+        with deterministic(seed=0, warn_only=True), allow_nondeterministic(name):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                call()
+            alerts = [w for w in caught if "deterministic implementation" in str(w.message)]
+            if alerts:
+                problems.append(f"{name} warned inside its exemption under warn_only=True")
+    flags_after = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    if flags_after != flags_before:
+        problems.append(f"the flags are {flags_after} after the blocks, {flags_before} before")
+    names = ", ".join(n for n, _ in refused)
+    detail = (
+        f"refused in a block, run with allow_nondeterministic, the other ops still refused, no "
+        f"warning under warn_only: {names}"
+    )
+    if not_alerting_names:
+        detail += f" (not refused by this torch: {', '.join(not_alerting_names)})"
+    status = "failed" if problems else "passed"
+    return Step("exemption", status, "; ".join(problems) or detail, time.monotonic() - started)
 
 
 # -- 2. and 3. pytest runs -----------------------------------------------------------------
@@ -244,6 +362,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--skip-suite", action="store_true", help="leave the suite step out")
     parser.add_argument(
+        "--exemption-only",
+        action="store_true",
+        help="run the determinism and exemption steps only (allow_nondeterministic on real ops)",
+    )
+    parser.add_argument(
         "--gpu-tests-args",
         metavar="ARGS",
         help="pytest arguments for the GPU tests instead of -m gpu -n 0",
@@ -266,6 +389,12 @@ def main(argv: list[str] | None = None) -> int:
         record(Step("determinism", "failed", f"{type(exc).__name__}: {exc}"))
     if device != "cuda":
         steps[-1].detail += " (on the CPU: no CUDA device, the CUDA check was not made)"
+    try:
+        record(exemption_check(device))
+    except Exception as exc:
+        record(Step("exemption", "failed", f"{type(exc).__name__}: {exc}"))
+    if options.exemption_only:
+        return _summary(steps, described, device)
 
     gpu_args = shlex.split(options.gpu_tests_args or "-m gpu -n 0")
     if device == "cuda":
@@ -288,6 +417,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         record(Step("benchmark", "failed", f"{type(exc).__name__}: {exc}"))
 
+    return _summary(steps, described, device)
+
+
+def _summary(steps: list[Step], described: str, device: str) -> int:
     print()
     print(f"gpu_check summary ({described})")
     if device == "cuda":

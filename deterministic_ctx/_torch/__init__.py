@@ -49,6 +49,7 @@ __all__ = [
     "LAZY_DEVICES",
     "MKLDNN_DETERMINISTIC",
     "ONEDNN_ALLOW_TF32",
+    "SCOPED_EXEMPTION",
     "Capability",
     "ProbeLater",
     "TorchFeatureError",
@@ -264,6 +265,38 @@ DISPATCH_MODES = Capability(
     probe=_dispatch_modes,
 )
 """``(torch._C._get_dispatch_mode, (FAKE, PROXY))``: a thread's tracer modes."""
+
+
+def _scoped_exemption() -> tuple[Any, Any, Any, Any] | None:
+    torch = _torch()
+    c = torch._C
+    key = getattr(getattr(c, "DispatchKey", None), "PreDispatch", None)
+    included: Any = getattr(c, "_dispatch_tls_is_dispatch_key_included", None)
+    include: Any = getattr(c, "_dispatch_tls_set_dispatch_key_included", None)
+    after: Any = getattr(c, "_dispatch_keyset_full_after", None)
+    if key is None or included is None or include is None or after is None:
+        return None
+    import inspect
+
+    try:  # Library.impl's with_keyset: the kernel is handed the keyset to redispatch with
+        keyset = "with_keyset" in inspect.signature(torch.library.Library.impl).parameters
+    except (TypeError, ValueError):
+        keyset = False
+    if not keyset:
+        return None
+    return key, included, include, after(key)
+
+
+SCOPED_EXEMPTION = Capability(
+    "scoped_exemption",
+    reads="torch._C.DispatchKey.PreDispatch, torch._C._dispatch_tls_is/set_dispatch_key_included, "
+    "torch._C._dispatch_keyset_full_after and torch.library.Library.impl(with_keyset=)",
+    since="2.2",
+    fallback="allow_nondeterministic cannot exempt an op (it raises TorchFeatureError)",
+    probe=_scoped_exemption,
+)
+"""``(PreDispatch, is_included, set_included, keyset after PreDispatch)``: what
+:mod:`deterministic_ctx._torch.exempt` puts a kernel in front of an op with."""
 
 
 def _frame_strategy() -> tuple[Any, Any, Any] | None:

@@ -24,7 +24,7 @@ from . import DISPATCH_MODES, FRAME_EXEC_STRATEGY, IS_COMPILING, is_compiling
 from .flags import set_eval_frame
 from .internals import mark_opaque_to_dynamo
 
-__all__ = ["opaque", "pause_compiler", "refuse_while_tracing", "resume_compiler"]
+__all__ = ["opaque", "pause_compiler", "refuse_while_tracing", "resume_compiler", "tracing_here"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 # dynamo's C frame hook, in every supported torch.
@@ -86,6 +86,16 @@ def refuse_while_tracing() -> None:
             "the call of the exported or compiled program instead: "
             "`with deterministic(0): program(x)`."
         )
+
+
+def tracing_here() -> bool:
+    """Whether torch traces the calling thread's code into a graph: as
+    :func:`refuse_while_tracing` tells it (the thread's fake or proxy tensor
+    mode with ``is_compiling()``; a fake or proxy mode alone is enough here,
+    since an op call under one is recorded, not run)."""
+    if _get_mode is not None:
+        return any(map(_get_mode, _MODE_KEYS))
+    return bool(_is_compiling())
 
 
 def opaque(func: _F, reason: str, *, recursive: bool) -> _F:

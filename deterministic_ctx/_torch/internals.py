@@ -27,15 +27,19 @@ from __future__ import annotations
 
 import importlib
 import sys
+import threading
 from collections.abc import Callable
 from operator import attrgetter
 from types import CodeType
 from typing import Any
 
 import torch
+from torch._ops import OpOverload, OpOverloadPacket
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+
+from . import SCOPED_EXEMPTION, TorchFeatureError
 
 __all__ = [
     "AUTOGRAD_ENGINE_ENTRIES",
@@ -61,17 +65,24 @@ __all__ = [
     "device_context_slot",
     "dynamo_disable",
     "dynamo_disable_message",
+    "exemption_included",
     "foreach_copy_",
     "function_mode_stack",
     "import_dynamo",
+    "include_exemption",
     "inductor_config",
     "inductor_mode_options",
+    "install_exemption",
     "is_compiled_check",
     "is_device_context",
     "lazy_seed_queue",
     "mark_opaque_to_dynamo",
     "node_sequence_nr",
+    "op_label",
+    "redispatch_exempted",
     "remove_function_mode",
+    "require_exemption",
+    "resolve_ops",
     "set_device_context_slot",
     "write_config_override",
 ]
@@ -422,3 +433,135 @@ def mark_opaque_to_dynamo(func: Callable[..., Any], reason: str) -> None:
         attributes.pop(name, None)
     attributes["_torchdynamo_disable"] = True
     attributes["_torchdynamo_disable_msg"] = reason
+
+
+# -- one op's call exempted from the deterministic check (core/exempt.py) ----------------
+#
+# torch checks ``use_deterministic_algorithms`` inside its kernels and keeps the flag
+# process-wide, so an op is exempted by turning the flag off for exactly its call.  The
+# call is intercepted in the dispatcher, not by a dispatch mode (a Python call for every
+# op of a step, several times a small model's step): a Python kernel is registered, once
+# per exempted overload, at the ``PreDispatch`` key, where every other op runs torch's
+# own no-op fallback (one C++ redispatch).  That key is in no tensor's key set: it is
+# reached only while a thread *includes* it (:func:`include_exemption`), which an
+# exemption does while it is open.  The included keys are part of the thread-local state
+# autograd hands to its engine threads, so the backward kernels of a ``backward()`` called
+# inside an exemption (CUDA runs them on those threads) reach the kernel too.
+
+
+def resolve_ops(spec: object) -> tuple[OpOverload, ...]:
+    """The overloads ``spec`` names: ``"ns::name"``, ``"ns.name"`` (every overload),
+    ``"ns::name.overload"``, an ``OpOverloadPacket`` (every overload) or an
+    ``OpOverload`` (that one).  ``ValueError`` names an op torch does not know;
+    ``TypeError`` anything else."""
+    if isinstance(spec, OpOverload):
+        return (spec,)
+    if isinstance(spec, OpOverloadPacket):
+        return tuple(getattr(spec, name) for name in spec.overloads())  # type: ignore[no-untyped-call]
+    if not isinstance(spec, str):
+        raise TypeError(
+            f"allow_nondeterministic: each op is a name like 'aten::index_add' or an op "
+            f"object like torch.ops.aten.index_add, not {type(spec).__name__} ({spec!r})"
+        )
+    namespace, sep, rest = spec.partition("::")
+    if not sep:
+        namespace, sep, rest = spec.partition(".")
+    name, _, overload = rest.partition(".")
+    if not (sep and namespace and name):
+        raise ValueError(
+            f"allow_nondeterministic: {spec!r} is not an op name: write it as torch's alert "
+            f"and audit_nondeterminism do, 'namespace::name' (e.g. "
+            f"'aten::upsample_bilinear2d_backward')"
+        )
+    try:
+        packet = getattr(getattr(torch.ops, namespace), name)
+        if not isinstance(packet, OpOverloadPacket):
+            raise AttributeError(name)
+        if overload:
+            found = getattr(packet, overload)
+            return (found,) if isinstance(found, OpOverload) else ()
+        return tuple(getattr(packet, o) for o in packet.overloads())  # type: ignore[no-untyped-call]
+    except (AttributeError, RuntimeError):
+        raise ValueError(
+            f"allow_nondeterministic: torch has no op {spec!r} (no '{namespace}::{rest}' is "
+            f"registered; the name is the one in torch's alert or audit_nondeterminism's "
+            f"table, e.g. 'aten::upsample_bilinear2d_backward'; a custom op's library must "
+            f"be loaded first)"
+        ) from None
+
+
+def op_label(op: OpOverload) -> str:
+    """``'aten::index_add'``, ``'aten::index_add.out'``: an overload as torch names it."""
+    label: str = op.name()  # type: ignore[no-untyped-call]
+    return label
+
+
+_key: Any = None
+_included: Any = None
+_set_included: Any = None
+_after: Any = None
+
+
+def _probe_exemption() -> None:
+    global _key, _included, _set_included, _after
+    if _key is None and SCOPED_EXEMPTION.available:
+        _key, _included, _set_included, _after = SCOPED_EXEMPTION.value
+
+
+#: The libraries that hold the kernels, by namespace (one per namespace: a
+#: ``torch.library.Library`` registers only in its own), and the overloads done.
+_libraries: dict[str, Any] = {}
+_installed: set[OpOverload] = set()
+_install_lock = threading.Lock()
+
+
+def require_exemption() -> None:
+    """Raise ``TorchFeatureError`` where this torch cannot intercept one op's call."""
+    _probe_exemption()
+    if _key is None:
+        raise TorchFeatureError(
+            f"allow_nondeterministic needs {SCOPED_EXEMPTION.reads} (torch >= "
+            f"{SCOPED_EXEMPTION.since}); this torch lacks it, so no op can be exempted: turn "
+            f"deterministic algorithms off around the op, or use warn_only=True"
+        )
+
+
+def install_exemption(op: OpOverload, kernel: Callable[..., Any]) -> None:
+    """Register ``kernel(keyset, *args, **kwargs)`` in front of ``op``, once per
+    process.  ``TorchFeatureError`` where this torch cannot, or where torch put
+    a kernel of its own there (``torch.export``'s pre-dispatch tracing does for
+    a few ops): that one is never replaced."""
+    require_exemption()
+    with _install_lock:
+        if op in _installed:
+            return
+        name = op_label(op)
+        if torch._C._dispatch_has_kernel_for_dispatch_key(name, _key):
+            raise TorchFeatureError(
+                f"allow_nondeterministic cannot exempt {name}: torch has a kernel of its own "
+                f"for it at the dispatch key the exemption uses (PreDispatch)"
+            )
+        namespace, _, qualified = name.partition("::")
+        library = _libraries.get(namespace)
+        if library is None:
+            library = _libraries[namespace] = torch.library.Library(namespace, "IMPL")  # type: ignore[no-untyped-call]
+        library.impl(qualified, kernel, "PreDispatch", with_keyset=True)
+        _installed.add(op)
+
+
+def exemption_included() -> bool:
+    """Whether the calling thread's ops reach the kernels now."""
+    now: bool = _included(_key)
+    return now
+
+
+def include_exemption(on: bool) -> None:
+    """Make the calling thread's ops reach the kernels (``on``) or not."""
+    _set_included(_key, on)
+
+
+def redispatch_exempted(
+    op: OpOverload, keyset: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Run ``op`` as if the kernel were not there: what torch's fallback does."""
+    return op.redispatch(keyset & _after, *args, **kwargs)

@@ -32,6 +32,8 @@ class AuditFinding:
         condition: the table's condition on the arguments, in words.
         entry: the key of the table entry, e.g. ``"put-accumulate"``.
         count: how many calls at this place.
+        exempted: whether an open ``allow_nondeterministic`` exempted the op from the
+            deterministic check when it was called (its first call at this place).
 
     Example:
         >>> f = AuditFinding("aten.put_.default", None, None, "train.py:3", "raise", "forward", "")
@@ -49,6 +51,7 @@ class AuditFinding:
     condition: str = ""
     entry: str = ""
     count: int = 1
+    exempted: bool = False
 
     @property
     def where(self) -> str:
@@ -149,7 +152,8 @@ class AuditReport:
             explained: dict[tuple[str, str], int] = {}  # each note once: later ones point back
             for n, f in enumerate(self.findings, 1):
                 calls = f"{f.count} call" + ("s" if f.count != 1 else "")
-                lines.append(f"  {n}. {f.op} ({f.phase}, {calls}) in {f.where}")
+                exempt = ", exempted by allow_nondeterministic" if f.exempted else ""
+                lines.append(f"  {n}. {f.op} ({f.phase}, {calls}{exempt}) in {f.where}")
                 condition = f"when {f.condition}: " if f.condition else ""
                 lines.append(f"     {condition}under {mode} {_VERBS[f.behaviour]}.")
                 first = explained.setdefault((f.entry, f.note), n)

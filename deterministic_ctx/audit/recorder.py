@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..internal import TORCH_MACHINERY, current_autograd_node
+from ..internal import TORCH_MACHINERY, current_autograd_node, is_exempted
 from ..verify.ops import (
     NodeOrigins,
     QuietDispatchMode,
@@ -209,7 +209,7 @@ class Auditor:
 
     # Findings.
 
-    def add(self, entry: OpEntry, op: str, site: Site, phase: str) -> None:
+    def add(self, entry: OpEntry, op: str, site: Site, phase: str, exempted: bool = False) -> None:
         key = (entry.key, op, site.location, site.module, phase)
         found = self.findings.get(key)
         if found is not None:
@@ -225,6 +225,7 @@ class Auditor:
             entry.note,
             entry.condition,
             entry.key,
+            exempted=exempted,
         )
 
     def _dispatch(
@@ -248,7 +249,8 @@ class Auditor:
                 call = OpCall(str(func), name, op_arguments(func, args, kwargs), site.callers)
                 for entry in entries:
                     if entry.kind == "op" and entry.matches(call):
-                        self.add(entry, call.op, site, "forward" if node is None else "backward")
+                        phase = "forward" if node is None else "backward"
+                        self.add(entry, call.op, site, phase, is_exempted(func))
                         break
         if self._uninitialized:
             self._check_reads(func, name, args, kwargs, frame)

@@ -66,6 +66,7 @@ def report() -> DeterminismReport:
 
     from ..internal import (
         VERSION,
+        active_exemptions,
         compiled_settings,
         fast_paths,
         inside_block,
@@ -123,4 +124,5 @@ def report() -> DeterminismReport:
         torch_compile,
         collectives,
         fast_paths(),
+        active_exemptions(),
     )

@@ -69,6 +69,9 @@ class DeterminismReport:
     #: Which fast paths blocks use (``DETERMINISTIC_CTX_NO_FAST_PATHS=1`` turns them
     #: off); empty in reports built before it existed.
     fast_paths: dict[str, bool] = dataclasses.field(default_factory=dict)
+    #: The ops an open ``allow_nondeterministic`` exempts from the deterministic check
+    #: (any thread), as torch names them; empty in reports built before it existed.
+    exempted_ops: tuple[str, ...] = ()
 
     @property
     def warnings(self) -> tuple[Problem, ...]:
@@ -95,6 +98,11 @@ class DeterminismReport:
         lines.append("  " + ", ".join(f"{k} {v}" for k, v in self.versions.items() if v))
         lines.append(f"  inside a deterministic block: {'yes' if self.in_block else 'no'}")
         lines += _section("Flags", self.flags)
+        if self.exempted_ops:
+            lines.append(
+                "  exempted from the check (allow_nondeterministic): "
+                + ", ".join(self.exempted_ops)
+            )
         lines += _section(
             "Environment", {k: "(unset)" if v is None else v for k, v in self.env.items()}
         )

@@ -57,7 +57,14 @@ from .precision import (
     restore_precision,
 )
 
-__all__ = ["PRECISION_OPS", "UNSUPPORTED_FLAGS", "FlagState", "TorchFlagsSource"]
+__all__ = [
+    "PRECISION_OPS",
+    "UNSUPPORTED_FLAGS",
+    "FlagState",
+    "TorchFlagsSource",
+    "read_alerts",
+    "write_alerts",
+]
 
 
 #: ``torch._inductor.config.deterministic`` (inductor's random-number entries
@@ -174,6 +181,21 @@ def _write_flags(want: tuple[Any, ...], now: tuple[Any, ...] | None) -> None:
             setter(want[i])
     if now is None or now[_MODE] != want[_MODE] or now[_WARN_ONLY] != want[_WARN_ONLY]:
         set_deterministic_algorithms(want[_MODE], warn_only=want[_WARN_ONLY])
+
+
+# -- one op's call without the alert (core/exempt.py) ----------------------------
+
+
+def read_alerts() -> tuple[bool, bool]:
+    """``(mode, warn_only)`` of ``use_deterministic_algorithms`` now."""
+    return get_deterministic_algorithms(), get_deterministic_algorithms_warn_only()
+
+
+def write_alerts(state: tuple[bool, bool]) -> None:
+    """Write ``(mode, warn_only)``: the exemption turns the mode off with
+    ``warn_only`` unchanged, and writes back what :func:`read_alerts` read
+    (idempotent, so a completion step can write it again)."""
+    set_deterministic_algorithms(state[0], warn_only=state[1])
 
 
 # -- the source ----------------------------------------------------------------

@@ -70,10 +70,11 @@ from typing import Any
 import torch
 
 from ..core.context import deterministic
+from ..internal import exempted_calls
 from .compare import short_repr, tensor_difference
 from .ops import OpDifference, first_op_difference
 from .record import OpWindow, Run, record
-from .rerun import check_runs, prepare_runs
+from .rerun import check_runs, exempted_since, prepare_runs, suspects
 from .timeline import Finding, compare_runs
 
 __all__ = ["Agreement", "Divergence", "DivergenceReport", "divergence_of", "locate_divergence"]
@@ -222,6 +223,8 @@ class DivergenceReport(Agreement):
     run 1, ``compared`` the number of fingerprinted events (outputs, gradients,
     final tensors) that agreed before the divergence, or in all; ``ops``
     whether the first differing op was looked for.
+    ``exempted`` names the ops exempted from the deterministic check
+    (``allow_nondeterministic``) that ran in the run that differs: suspects.
     ``str(report)`` is a readable summary and ``to_dict()`` a JSON-serializable one.
     """
 
@@ -232,6 +235,7 @@ class DivergenceReport(Agreement):
     compared: int
     divergence: Divergence | None
     ops: bool = False
+    exempted: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         d = self.divergence
@@ -243,7 +247,8 @@ class DivergenceReport(Agreement):
                 "buffers, and the return values are identical."
             )
         first = f"Runs diverge (seed={self.seed}): run {d.run} differs from run 1 first at"
-        return "\n".join([f"{first} {d.where}", *d.lines(self.compared)])
+        suspect = suspects(self.exempted, d.run)
+        return "\n".join([f"{first} {d.where}", *d.lines(self.compared), *filter(None, [suspect])])
 
 
 def locate_divergence(
@@ -317,9 +322,12 @@ def locate_divergence(
         finding: Finding | None = None
         agreed = 0
         run = 1
+        exempted: tuple[str, ...] = ()
         for run in range(2, runs + 1):
+            calls = exempted_calls()
             finding, agreed = compare_runs(first, again(), run)
             if finding is not None:
+                exempted = exempted_since(calls)
                 break
         if finding is not None:
             # The same two re-runs keep the differing tensor and record the op calls.
@@ -347,6 +355,7 @@ def locate_divergence(
         compared=agreed,
         divergence=None if finding is None else divergence_of(finding, run, drilled),
         ops=ops,
+        exempted=exempted if finding is not None else (),
     )
 
 

@@ -8,8 +8,9 @@ from typing import Any
 
 from .._errors import PUBLIC_MODULE, DeterministicCtxError
 from ..core.context import deterministic
+from ..internal import exempted_calls
 from .compare import first_difference
-from .rerun import call_and_consume, check_runs, prepare_runs
+from .rerun import call_and_consume, check_runs, exempted_since, prepare_runs, suspects
 
 __all__ = ["NotReproducibleError", "assert_reproducible", "fn_name"]
 
@@ -114,6 +115,7 @@ def assert_reproducible(
             first = call_and_consume(fn, args, kwargs)
         for run in range(2, runs + 1):
             saved.load()
+            calls = exempted_calls()
             try:
                 with block:
                     other = call_and_consume(fn, args, kwargs)
@@ -126,13 +128,15 @@ def assert_reproducible(
                 ) from exc
             found = first_difference(first, other)
             if found is not None:
+                suspect = suspects(exempted_since(calls), run)
                 raise NotReproducibleError(
                     f"{fn_name(fn)} is not reproducible with seed={block.seed}: run {run} of "
                     f"{runs} differs from run 1 at {found.path}: "
                     f"{found.describe('run 1', f'run {run}')}\n"
                     "Randomness the block does not manage (os.urandom, time, an unregistered "
                     "generator: see register_rng) or a nondeterministic operation changed it; "
-                    "locate_divergence() finds the first module call where a model diverges.",
+                    "locate_divergence() finds the first module call where a model diverges."
+                    + (f"\n{suspect}" if suspect else ""),
                     path=found.path,
                     index=found.index,
                     max_abs_diff=found.max_abs_diff,

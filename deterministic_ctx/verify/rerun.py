@@ -37,9 +37,30 @@ __all__ = [
     "call_and_consume",
     "check_fn",
     "check_runs",
+    "exempted_since",
     "objects_to_reset",
     "prepare_runs",
+    "suspects",
 ]
+
+
+def exempted_since(before: Mapping[str, int]) -> tuple[str, ...]:
+    """The ops that ran exempted from the deterministic check (``allow_nondeterministic``)
+    since ``exempted_calls()`` returned ``before``, sorted."""
+    from ..internal import exempted_calls
+
+    after = exempted_calls()
+    return tuple(sorted(op for op, n in after.items() if n > before.get(op, 0)))
+
+
+def suspects(ops: tuple[str, ...], run: int) -> str:
+    """A line naming the exempted ops that ran in ``run`` as suspects ("" for none)."""
+    if not ops:
+        return ""
+    return (
+        f"Suspect: {', '.join(ops)} ran in run {run} exempted from the deterministic check "
+        "(allow_nondeterministic): an exempted op may give different results on every run."
+    )
 
 
 def check_fn(fn: object) -> None:

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
+from deterministic_ctx import _torch
 from tests.helpers import ROOT, run_python
 
 README = ROOT / "README.md"
@@ -149,6 +150,12 @@ SKIPPED: dict[str, str] = {
     "processes (tests/integrations/test_lightning.py, tests/docs/test_examples.py)",
 }
 
+# allow_nondeterministic needs torch's PreDispatch key (torch >= 2.2): its page runs where torch has it.
+if not _torch.SCOPED_EXEMPTION.available:
+    SKIPPED["import allow_nondeterministic"] = (
+        f"needs {_torch.SCOPED_EXEMPTION.reads} (torch >= {_torch.SCOPED_EXEMPTION.since}); "
+        "tests/core/test_exempt.py skips likewise"
+    )
 #: A line of a block that needs a CUDA device -> what runs instead where there is none.
 NEEDS_CUDA: dict[str, str] = {
     "g = torch.cuda.CUDAGraph()": "needs a CUDA device: tests/core/test_cuda_graphs.py runs this "

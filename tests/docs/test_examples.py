@@ -132,6 +132,7 @@ OPTIONAL = {"deterministic_ctx.integrations.ipython", "deterministic_ctx.integra
 #: Modules whose examples need a torch capability (``deterministic_ctx._torch``).
 NEEDS = {
     "deterministic_ctx.state.dcp": _torch.DCP_STATEFUL,
+    "deterministic_ctx.core.exempt": _torch.SCOPED_EXEMPTION,
 }
 
 

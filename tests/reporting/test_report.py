@@ -49,6 +49,7 @@ def test_structure_json_and_text():
         "torch_compile",
         "collectives",
         "fast_paths",
+        "exempted_ops",
     }
     assert data["versions"]["torch"] == torch.__version__
     assert data["flags"]["deterministic_algorithms"] == torch.are_deterministic_algorithms_enabled()

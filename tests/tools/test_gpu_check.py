@@ -56,7 +56,7 @@ def test_it_runs_every_step_it_can_and_says_what_it_skipped() -> None:
     proc = gpu_check("--suite-args", ONE_TEST)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = summary(proc.stdout)
-    assert set(rows) == {"determinism", "gpu tests", "suite", "benchmark"}
+    assert set(rows) == {"determinism", "exemption", "gpu tests", "suite", "benchmark"}
     assert (
         "PASSED" in rows["determinism"] and "bitwise equal twice in a block" in rows["determinism"]
     )
@@ -64,6 +64,7 @@ def test_it_runs_every_step_it_can_and_says_what_it_skipped() -> None:
     assert "with isolated()" in rows["benchmark"]
     if CUDA:
         assert "PASSED" in rows["gpu tests"]
+        assert "PASSED" in rows["exemption"] or "no candidate op" in rows["exemption"]
         assert "fork_rng(devices=[0])" in rows["benchmark"]
         assert "result: OK" in proc.stdout
     else:  # everything that needs a device is named as left out
@@ -71,7 +72,8 @@ def test_it_runs_every_step_it_can_and_says_what_it_skipped() -> None:
         assert "the CUDA check was not made" in rows["determinism"]
         assert "fork_rng(devices=[])" in rows["benchmark"]
         assert "not measured" in rows["benchmark"]
-        assert "result: OK (skipped: gpu tests)" in proc.stdout
+        assert "SKIPPED" in rows["exemption"] and "no CUDA device" in rows["exemption"]
+        assert "result: OK (skipped: exemption, gpu tests)" in proc.stdout
 
 
 @pytest.mark.slow
