@@ -33,6 +33,7 @@ is an instance of each one's ``Callback``, so either ``Trainer`` takes it.
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import os
 import sys
@@ -185,6 +186,10 @@ _KEPT = (
 )
 
 
+#: What this torch's ``DataLoader`` takes.
+_LOADER_PARAMETERS = frozenset(inspect.signature(DataLoader.__init__).parameters)
+
+
 def _torchdata(name: str) -> type | None:
     """torchdata's ``name`` (``StatefulDataLoader`` and its own samplers), if it is loaded."""
     for module_name in ("torchdata.stateful_dataloader", "torchdata.stateful_dataloader.sampler"):
@@ -242,6 +247,12 @@ def rebuild(loader: object, seed: int, trainer: Any) -> _KeyedLoader:
     batch_size = loader.batch_size
     full = per_rank // batch_size if loader.drop_last else math.ceil(per_rank / batch_size)
     settings = {name: getattr(loader, name) for name in _KEPT if hasattr(loader, name)}
+    if settings.get("in_order", True) is not True:
+        # Batches in the order the workers finish them: not the same two runs in a row.
+        raise _unkeyable("in_order=False hands out batches in the order the workers finish them")
+    # A StatefulDataLoader may know settings this torch's DataLoader does not (in_order
+    # before torch 2.6): left at their defaults (in_order=True), which the loader has.
+    settings = {name: value for name, value in settings.items() if name in _LOADER_PARAMETERS}
     if settings.get("num_workers", 0) == 0:
         settings.pop("prefetch_factor", None)  # DataLoader refuses one without workers
     return _KeyedLoader(

@@ -3,6 +3,7 @@ train exactly the uninterrupted run's steps, losses and weights; bad input is re
 
 from __future__ import annotations
 
+import inspect
 import json
 import pickle
 import runpy
@@ -350,6 +351,17 @@ def test_a_stateful_dataloader_is_rebuilt_keyed():
     assert type(loader) is integration._KeyedLoader
     assert isinstance(loader.dataset, SeededDataset) and loader.batch_size == 4
     assert loader.sampler.shuffle
+
+
+def test_a_stateful_dataloader_out_of_order_is_refused():
+    stateful = pytest.importorskip(
+        "torchdata.stateful_dataloader", reason="torchdata is not installed"
+    )
+    if "in_order" not in inspect.signature(stateful.StatefulDataLoader.__init__).parameters:
+        pytest.skip("this torchdata's StatefulDataLoader has no in_order")
+    user = stateful.StatefulDataLoader(Items(), batch_size=2, num_workers=2, in_order=False)
+    with pytest.raises(ValueError, match="in_order=False"):
+        integration.rebuild(user, 0, L.Trainer(logger=False, enable_progress_bar=False))
 
 
 def test_the_callback_pickles_with_its_settings():
