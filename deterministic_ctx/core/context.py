@@ -16,6 +16,7 @@ from inspect import CO_ASYNC_GENERATOR, CO_COROUTINE, CO_GENERATOR, CO_ITERABLE_
 from types import FrameType, TracebackType
 from typing import Any, TypeVar, overload
 
+from .._errors import MisuseError
 from ..base.lock import LOCK
 from ..base.settings import CompiledRng, Rank, Settings
 from .decorate import decorate
@@ -127,7 +128,7 @@ class _Blocks:
         for block in _THREADS.withs[::-1]:  # a copy: a finalizer may add blocks meanwhile
             if block.of is self and block.task is task and not block.exited:
                 return block
-        raise RuntimeError("deterministic block exited without being entered") from None
+        raise MisuseError("deterministic block exited without being entered") from None
 
     def _leave(self, task: object) -> _Paused:
         """Complete an interrupted ``__exit__`` (``stop()`` is idempotent) and
