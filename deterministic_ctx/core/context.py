@@ -18,7 +18,7 @@ from typing import Any, TypeVar, overload
 
 from .._errors import MisuseError
 from ..base.lock import LOCK
-from ..base.settings import CompiledRng, Rank, Settings
+from ..base.settings import CompiledRng, Rank, Settings, check_bool
 from .decorate import decorate
 from .engine import Block, drain_signals, opaque, pause_compiler, resume_compiler
 
@@ -115,9 +115,11 @@ class _Blocks:
     (or ``async with``) is one :class:`~deterministic_ctx.core.engine.Block` of
     these settings (``None``: capture and restore, apply nothing)."""
 
-    __slots__ = ("_settings",)
+    __slots__ = ("_enabled", "_settings")
 
     _settings: Settings | None
+    #: ``False``: ``deterministic(..., enabled=False)``, every use a no-op.
+    _enabled: bool
 
     def _latest(self, task: object) -> _With:
         """The calling thread's latest block of this object for ``task`` (an
@@ -145,6 +147,8 @@ class _Blocks:
         # paused first, until the exit.  Outside compiled code this swaps None
         # for None (``_paused_here`` only inside compiled code: no frame for it
         # elsewhere).
+        if not self._enabled:
+            return self
         callback = pause_compiler()
         block = _With(self, None, None if callback is None else _paused_here(callback))
         # Written out, not shared with ``__aenter__``: an interrupt as a helper
@@ -165,6 +169,8 @@ class _Blocks:
     ) -> None:
         # Written out, not shared with ``__aexit__``: every call is a point
         # where a signal handler can raise, so the exit starts protected.
+        if not self._enabled:
+            return
         try:
             # Dynamo paused before any Python frame (see __enter__).
             now = pause_compiler()
@@ -187,6 +193,8 @@ class _Blocks:
         block.paused = None  # the left block stays listed until the next entry: not its frame
 
     async def __aenter__(self: _B) -> _B:
+        if not self._enabled:
+            return self
         block = _With(self, _current_task(), None)
         try:
             _enter(block)
@@ -203,6 +211,8 @@ class _Blocks:
         tb: TracebackType | None,
     ) -> None:
         # Each task leaves its own block, whatever the order the tasks leave in.
+        if not self._enabled:
+            return
         try:
             block = self._latest(_current_task())
             block.stop()
@@ -212,7 +222,7 @@ class _Blocks:
             raise
 
     def __call__(self, func: F) -> F:
-        return decorate(func, self._settings)
+        return decorate(func, self._settings) if self._enabled else func
 
 
 # Opaque to dynamo (see _torch/compiler.py): a ``with`` in compiled code is one
@@ -277,6 +287,13 @@ class deterministic(
             (default) leaves inductor's setting as it is: compiled code draws
             its own numbers, reproducible run to run but not equal to eager's.
             Either way, inductor's random-number settings are restored on exit.
+        enabled: with ``False`` (like ``torch.random.fork_rng(enabled=False)``)
+            every use of the object does nothing: a block neither seeds nor
+            captures nor isolates (the body draws from the caller's streams
+            and keeps what it changes), and as a decorator it returns the
+            function unchanged.  For code that makes determinism a switch:
+            ``with deterministic(seed=0, enabled=args.deterministic):``.  The
+            other arguments are still checked.
 
     Inside a function compiled with ``torch.compile``, a block is a graph
     break: dynamo runs that function eagerly and the block's body draws
@@ -305,6 +322,7 @@ class deterministic(
         flags: bool = True,
         fill_uninitialized_memory: bool = True,
         compiled_rng: CompiledRng = None,
+        enabled: bool = True,
     ) -> None:
         if callable(seed):  # ``@deterministic`` without arguments: say what to write
             name = getattr(seed, "__name__", type(seed).__name__)
@@ -315,6 +333,7 @@ class deterministic(
         self._settings = Settings.build(
             seed, warn_only, rank, flags, fill_uninitialized_memory, compiled_rng
         )
+        self._enabled = check_bool(enabled, "enabled")
 
     @property
     def seed(self) -> int:
@@ -346,13 +365,20 @@ class deterministic(
         """``"eager"`` if compiled code draws eager's random numbers in the block, else ``None``."""
         return self._settings.compiled_rng
 
+    @property
+    def enabled(self) -> bool:
+        """``False`` if every use of this object is a no-op (``enabled=False``)."""
+        return self._enabled
+
     def __repr__(self) -> str:
         rank = "" if self.rank is None else f", rank={self.rank!r}"
         flags = "" if self.flags else ", flags=False"
         fill = "" if self.fill_uninitialized_memory else ", fill_uninitialized_memory=False"
         rng = "" if self.compiled_rng is None else f", compiled_rng={self.compiled_rng!r}"
+        off = "" if self._enabled else ", enabled=False"
         return (
-            f"deterministic(seed={self.seed}, warn_only={self.warn_only}{rank}{flags}{fill}{rng})"
+            f"deterministic(seed={self.seed}, warn_only={self.warn_only}"
+            f"{rank}{flags}{fill}{rng}{off})"
         )
 
 
@@ -396,6 +422,7 @@ class isolated(_Blocks):  # lowercase, like ``deterministic``
             return decorate(func, None)
         self = super().__new__(cls)
         self._settings = None
+        self._enabled = True
         return self
 
     def __repr__(self) -> str:
