@@ -86,7 +86,9 @@ class MisuseError(DeterministicCtxError, RuntimeError):
     """A tool of the library was used where or when it cannot work.
 
     Raised for the library's own conditions, never for a bad argument: a
-    block left in a thread (or task) that did not enter it, a fork of
+    block left in a thread (or task) that did not enter it, a
+    :meth:`deterministic.stop() <deterministic_ctx.deterministic.stop>`
+    without its ``start()`` in the same thread, a fork of
     :class:`~deterministic_ctx.RngStreams` left without being entered or out of
     order, an ``OpRecorder`` entered twice or read before it exits,
     :func:`~deterministic_ctx.seed_worker` called outside a DataLoader worker,

@@ -66,6 +66,11 @@ class _With(Block):
         self.exited = False
 
 
+#: The ``task`` of the blocks :meth:`_Blocks.start` enters: never an asyncio task
+#: or ``None``, so ``__exit__`` never leaves one of them and ``stop()`` nothing else.
+_STARTED = object()
+
+
 def _enter(block: _With) -> None:
     """Record ``block`` in its thread's list and start it.
 
@@ -121,16 +126,30 @@ class _Blocks:
     #: ``False``: ``deterministic(..., enabled=False)``, every use a no-op.
     _enabled: bool
 
-    def _latest(self, task: object) -> _With:
+    def _find(self, task: object) -> _With | None:
         """The calling thread's latest block of this object for ``task`` (an
-        asyncio task, or ``None``) that has not left: so one object (``DET =
+        asyncio task, ``None`` for a ``with``, :data:`_STARTED` for
+        :meth:`start`) that has not left: so one object (``DET =
         deterministic(seed=0)`` at module level) can be entered by many
         threads and tasks at once, each leaving its blocks in its own order."""
         block: _With
         for block in _THREADS.withs[::-1]:  # a copy: a finalizer may add blocks meanwhile
             if block.of is self and block.task is task and not block.exited:
                 return block
-        raise MisuseError("deterministic block exited without being entered") from None
+        return None
+
+    def _latest(self, task: object) -> _With:
+        """:meth:`_find`'s block; :class:`MisuseError` if there is none."""
+        block = self._find(task)
+        if block is not None:
+            return block
+        if task is _STARTED:
+            raise MisuseError(
+                f"{self!r}.stop() without a matching start() in this thread: each stop() "
+                f"leaves the latest block that start() opened on this object in the same "
+                f"thread (not a `with` block of it), once"
+            )
+        raise MisuseError("deterministic block exited without being entered")
 
     def _leave(self, task: object) -> _Paused:
         """Complete an interrupted ``__exit__`` (``stop()`` is idempotent) and
@@ -169,18 +188,19 @@ class _Blocks:
     ) -> None:
         # Written out, not shared with ``__aexit__``: every call is a point
         # where a signal handler can raise, so the exit starts protected.
-        if not self._enabled:
-            return
         try:
+            if not self._enabled:
+                return
             # Dynamo paused before any Python frame (see __enter__).
             now = pause_compiler()
             block = self._latest(None)
             block.stop()
             block.exited = True  # last, and no call after it: an interrupt lands before it or never
         except BaseException:
-            paused = self._leave(None)
-            if paused is not None and paused[1] is sys._getframe(1):
-                resume_compiler(paused[0])
+            if self._enabled:
+                paused = self._leave(None)
+                if paused is not None and paused[1] is sys._getframe(1):
+                    resume_compiler(paused[0])
             raise
         # Given back: the callback the entry paused, by the frame that entered
         # (a ``with`` in compiled code); anywhere else (an ExitStack, a
@@ -211,14 +231,65 @@ class _Blocks:
         tb: TracebackType | None,
     ) -> None:
         # Each task leaves its own block, whatever the order the tasks leave in.
-        if not self._enabled:
-            return
         try:
+            if not self._enabled:
+                return
             block = self._latest(_current_task())
             block.stop()
             block.exited = True
         except BaseException:
-            self._leave(_current_task())
+            if self._enabled:
+                self._leave(_current_task())
+            raise
+
+    def start(self: _B) -> _B:
+        """Enter a block, as ``__enter__`` does, for code that cannot use ``with``
+        (``setUp`` with ``addCleanup(obj.stop)``, a pytest fixture); returns the object.
+
+        Leave it with :meth:`stop` in the same thread.  The block is an
+        ordinary one: nested with ``with`` blocks and other started ones in
+        any order, one thread at a time (the lock is held until ``stop()``),
+        and a thread that ends without ``stop()`` is handled like one that
+        ends inside a ``with`` (:class:`~deterministic_ctx.AbandonedBlockWarning`).
+
+        Example:
+            >>> import torch
+            >>> from deterministic_ctx import deterministic
+            >>> det = deterministic(seed=0).start()
+            >>> a = torch.rand(2)
+            >>> det.stop()
+            >>> with deterministic(seed=0):
+            ...     torch.equal(torch.rand(2), a)
+            True
+        """
+        if not self._enabled:
+            return self
+        block = _With(self, _STARTED, None)
+        try:
+            _enter(block)
+            drain_signals()
+            return self
+        except BaseException:
+            _abandon(block)
+            raise
+
+    def stop(self) -> None:
+        """Leave the latest block :meth:`start` entered on this object in this
+        thread, as ``__exit__`` does: everything is restored (or handed on to
+        a block entered after it that is still open), even if interrupted.
+
+        Raises :class:`~deterministic_ctx.MisuseError` if this thread has no
+        such block open: stop() without start(), twice, or in another thread.
+        """
+        try:
+            if not self._enabled:
+                return
+            block = self._latest(_STARTED)
+            block.stop()
+            block.exited = True
+        except BaseException:
+            if self._enabled and self._find(_STARTED) is not None:
+                self._leave(_STARTED)
             raise
 
     def __call__(self, func: F) -> F:
@@ -234,6 +305,8 @@ opaque(_Blocks.__enter__, _IN_COMPILED_CODE, recursive=False)
 opaque(_Blocks.__exit__, _IN_COMPILED_CODE, recursive=False)
 opaque(_Blocks.__aenter__, _IN_COMPILED_CODE, recursive=True)
 opaque(_Blocks.__aexit__, _IN_COMPILED_CODE, recursive=True)
+opaque(_Blocks.start, _IN_COMPILED_CODE, recursive=True)
+opaque(_Blocks.stop, _IN_COMPILED_CODE, recursive=True)
 
 
 class deterministic(
