@@ -86,9 +86,10 @@ def _enter(block: _With) -> None:
     block.start()
 
 
-def _abandon(block: _With) -> None:
-    """``__enter__`` failed: ``with`` calls ``__exit__`` only if ``__enter__``
-    returned, so leave ``block`` now (nothing to do if it was never entered)."""
+def _undo_entry(block: _With) -> None:
+    """``__enter__`` (or ``start()``) failed: ``with`` calls ``__exit__`` only
+    if ``__enter__`` returned, so leave ``block`` now (nothing to do if it was
+    never entered).  Not the decorator's ``_abandon``, which closes a body."""
     try:
         block.stop()
     finally:
@@ -177,7 +178,7 @@ class _Blocks:
             drain_signals()
             return self
         except BaseException:
-            _abandon(block)
+            _undo_entry(block)
             raise
 
     def __exit__(
@@ -221,7 +222,7 @@ class _Blocks:
             drain_signals()
             return self
         except BaseException:
-            _abandon(block)
+            _undo_entry(block)
             raise
 
     async def __aexit__(
@@ -270,7 +271,7 @@ class _Blocks:
             drain_signals()
             return self
         except BaseException:
-            _abandon(block)
+            _undo_entry(block)
             raise
 
     def stop(self) -> None:
