@@ -161,14 +161,14 @@ class _Blocks:
         return block.paused
 
     def __enter__(self: _B) -> _B:
+        if not self._enabled:
+            return self
         # Inside a compiled function (which dynamo then runs eagerly, see
         # _IN_COMPILED_CODE) the frames the body calls must run eagerly too,
         # or they would be compiled and draw inductor's numbers: dynamo is
         # paused first, until the exit.  Outside compiled code this swaps None
         # for None (``_paused_here`` only inside compiled code: no frame for it
         # elsewhere).
-        if not self._enabled:
-            return self
         callback = pause_compiler()
         block = _With(self, None, None if callback is None else _paused_here(callback))
         # Written out, not shared with ``__aenter__``: an interrupt as a helper
