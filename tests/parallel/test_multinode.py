@@ -224,7 +224,7 @@ def test_broadcast_needs_the_process_group_and_then_agrees(launches):
         assert refused_none[0] == "ValueError"
         assert "pass broadcast=True" in refused_none[1]
         for refused in (refused_broadcast, refused_seed):
-            assert refused[0] == "RuntimeError"
+            assert refused[0] == "MisuseError"  # a RuntimeError
             assert "WORLD_SIZE=4" in refused[1]
             assert "init_process_group() first" in refused[1]
     seeds = {r["broadcast"]["seed"] for r in launches["2x2"]}
