@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._errors import DeterministicCtxError as DeterministicCtxError
 from ._errors import DeterministicCtxWarning as DeterministicCtxWarning
+from ._errors import MisuseError as MisuseError
 from ._errors import StateWarning as StateWarning
 from .base.version import __version__ as __version__
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and read
     from .audit import AuditFinding, AuditReport, UncheckedTorchWarning, audit_nondeterminism
     from .base.errors import (
         AbandonedBlockWarning,
+        DeviceMismatchError,
         GraphCaptureError,
         InvalidSnapshotError,
         LockWaitWarning,
@@ -81,12 +83,14 @@ __all__ = [
     "DeterminismReport",
     "DeterministicCtxError",
     "DeterministicCtxWarning",
+    "DeviceMismatchError",
     "DivergenceReport",
     "GraphCaptureError",
     "InvalidSnapshotError",
     "InvalidTraceError",
     "LightningCallback",
     "LockWaitWarning",
+    "MisuseError",
     "NotReproducibleError",
     "Ranks",
     "RestoreError",
@@ -145,6 +149,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "CompiledMismatchError": (".verify", "CompiledMismatchError"),
     "DETERMINISTIC_COLLECTIVES": (".reporting.collectives", "DETERMINISTIC_COLLECTIVES"),
     "DeterminismReport": (".reporting", "DeterminismReport"),
+    "DeviceMismatchError": (".base.errors", "DeviceMismatchError"),
     "DivergenceReport": (".verify.locate", "DivergenceReport"),
     "GraphCaptureError": (".base.errors", "GraphCaptureError"),
     "InvalidSnapshotError": (".base.errors", "InvalidSnapshotError"),

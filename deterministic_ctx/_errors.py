@@ -1,5 +1,6 @@
-"""The two base classes of everything deterministic-ctx raises or warns, and
-:class:`StateWarning`, the warning every layer issues.
+"""The two base classes of everything deterministic-ctx raises or warns,
+:class:`StateWarning`, the warning every layer issues, and :class:`MisuseError`,
+the error every layer raises for a tool used out of its order or place.
 
 They live in this leaf module, below every layer (``.importlinter``), because
 errors are defined in every layer, ``_torch`` included; users import them from
@@ -15,6 +16,7 @@ __all__ = [
     "PUBLIC_MODULE",
     "DeterministicCtxError",
     "DeterministicCtxWarning",
+    "MisuseError",
     "StateWarning",
 ]
 
@@ -74,6 +76,34 @@ class StateWarning(DeterministicCtxWarning, RuntimeWarning):
 
     Example:
         >>> issubclass(StateWarning, RuntimeWarning)
+        True
+    """
+
+    __module__ = PUBLIC_MODULE
+
+
+class MisuseError(DeterministicCtxError, RuntimeError):
+    """A tool of the library was used where or when it cannot work.
+
+    Raised for the library's own conditions, never for a bad argument: a
+    block left in a thread (or task) that did not enter it, a
+    :meth:`deterministic.stop() <deterministic_ctx.deterministic.stop>`
+    without its ``start()`` in the same thread, a fork of
+    :class:`~deterministic_ctx.RngStreams` left without being entered or out of
+    order, an ``OpRecorder`` entered twice or read before it exits,
+    :func:`~deterministic_ctx.seed_worker` called outside a DataLoader worker,
+    :func:`~deterministic_ctx.broadcast_seed` called before the process group
+    exists (or receiving something other than rank 0's seed).  The message
+    says what to do instead.  Also a ``RuntimeError``, which these were before.
+
+    Example:
+        >>> from deterministic_ctx import MisuseError, deterministic
+        >>> try:
+        ...     deterministic(seed=0).__exit__(None, None, None)
+        ... except MisuseError as error:
+        ...     print(error)
+        deterministic block exited without being entered
+        >>> issubclass(MisuseError, RuntimeError)
         True
     """
 

@@ -1,4 +1,7 @@
 """What every layer stands on: errors, seeds, the block's settings, the process lock, the version.
 
-Imports nothing else of the package (and neither torch nor NumPy).
+Imports only ``_errors`` and ``_torch`` of the package.  ``seed`` and
+``settings`` import NumPy, and ``settings`` reaches torch through ``_torch``
+(a capability, the process's rank); the errors, the lock and the version
+import neither, so the command line reads the version without loading them.
 """

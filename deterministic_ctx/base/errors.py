@@ -9,6 +9,7 @@ from .._errors import PUBLIC_MODULE, DeterministicCtxError, DeterministicCtxWarn
 
 __all__ = [
     "AbandonedBlockWarning",
+    "DeviceMismatchError",
     "GraphCaptureError",
     "InvalidSnapshotError",
     "LockWaitWarning",
@@ -152,6 +153,21 @@ class GraphCaptureError(DeterministicCtxError, RuntimeError):
 
     Example:
         >>> issubclass(GraphCaptureError, RuntimeError)
+        True
+    """
+
+
+class DeviceMismatchError(DeterministicCtxError, RuntimeError):
+    """A device's generators here do not match the state to be put back.
+
+    Raised while a state is restored (so it reaches you as the device's entry
+    in :attr:`RestoreError.failures <deterministic_ctx.RestoreError>`, every
+    other source restored): the number of device generators changed since the
+    capture, or, with ``strict_devices=True``, a snapshot taken before the
+    device was initialized is restored where the device is in use.
+
+    Example:
+        >>> issubclass(DeviceMismatchError, RuntimeError)
         True
     """
 

@@ -16,8 +16,9 @@ from inspect import CO_ASYNC_GENERATOR, CO_COROUTINE, CO_GENERATOR, CO_ITERABLE_
 from types import FrameType, TracebackType
 from typing import Any, TypeVar, overload
 
+from .._errors import MisuseError
 from ..base.lock import LOCK
-from ..base.settings import CompiledRng, Rank, Settings
+from ..base.settings import CompiledRng, Rank, Settings, check_bool
 from .decorate import decorate
 from .engine import Block, drain_signals, opaque, pause_compiler, resume_compiler
 
@@ -65,6 +66,11 @@ class _With(Block):
         self.exited = False
 
 
+#: The ``task`` of the blocks :meth:`_Blocks.start` enters: never an asyncio task
+#: or ``None``, so ``__exit__`` never leaves one of them and ``stop()`` nothing else.
+_STARTED = object()
+
+
 def _enter(block: _With) -> None:
     """Record ``block`` in its thread's list and start it.
 
@@ -80,9 +86,10 @@ def _enter(block: _With) -> None:
     block.start()
 
 
-def _abandon(block: _With) -> None:
-    """``__enter__`` failed: ``with`` calls ``__exit__`` only if ``__enter__``
-    returned, so leave ``block`` now (nothing to do if it was never entered)."""
+def _undo_entry(block: _With) -> None:
+    """``__enter__`` (or ``start()``) failed: ``with`` calls ``__exit__`` only
+    if ``__enter__`` returned, so leave ``block`` now (nothing to do if it was
+    never entered).  Not the decorator's ``_abandon``, which closes a body."""
     try:
         block.stop()
     finally:
@@ -114,20 +121,36 @@ class _Blocks:
     (or ``async with``) is one :class:`~deterministic_ctx.core.engine.Block` of
     these settings (``None``: capture and restore, apply nothing)."""
 
-    __slots__ = ("_settings",)
+    __slots__ = ("_enabled", "_settings")
 
     _settings: Settings | None
+    #: ``False``: ``deterministic(..., enabled=False)``, every use a no-op.
+    _enabled: bool
 
-    def _latest(self, task: object) -> _With:
+    def _find(self, task: object) -> _With | None:
         """The calling thread's latest block of this object for ``task`` (an
-        asyncio task, or ``None``) that has not left: so one object (``DET =
+        asyncio task, ``None`` for a ``with``, :data:`_STARTED` for
+        :meth:`start`) that has not left: so one object (``DET =
         deterministic(seed=0)`` at module level) can be entered by many
         threads and tasks at once, each leaving its blocks in its own order."""
         block: _With
         for block in _THREADS.withs[::-1]:  # a copy: a finalizer may add blocks meanwhile
             if block.of is self and block.task is task and not block.exited:
                 return block
-        raise RuntimeError("deterministic block exited without being entered") from None
+        return None
+
+    def _latest(self, task: object) -> _With:
+        """:meth:`_find`'s block; :class:`MisuseError` if there is none."""
+        block = self._find(task)
+        if block is not None:
+            return block
+        if task is _STARTED:
+            raise MisuseError(
+                f"{self!r}.stop() without a matching start() in this thread: each stop() "
+                f"leaves the latest block that start() opened on this object in the same "
+                f"thread (not a `with` block of it), once"
+            )
+        raise MisuseError("deterministic block exited without being entered")
 
     def _leave(self, task: object) -> _Paused:
         """Complete an interrupted ``__exit__`` (``stop()`` is idempotent) and
@@ -138,6 +161,8 @@ class _Blocks:
         return block.paused
 
     def __enter__(self: _B) -> _B:
+        if not self._enabled:
+            return self
         # Inside a compiled function (which dynamo then runs eagerly, see
         # _IN_COMPILED_CODE) the frames the body calls must run eagerly too,
         # or they would be compiled and draw inductor's numbers: dynamo is
@@ -153,7 +178,7 @@ class _Blocks:
             drain_signals()
             return self
         except BaseException:
-            _abandon(block)
+            _undo_entry(block)
             raise
 
     def __exit__(
@@ -165,15 +190,18 @@ class _Blocks:
         # Written out, not shared with ``__aexit__``: every call is a point
         # where a signal handler can raise, so the exit starts protected.
         try:
+            if not self._enabled:
+                return
             # Dynamo paused before any Python frame (see __enter__).
             now = pause_compiler()
             block = self._latest(None)
             block.stop()
             block.exited = True  # last, and no call after it: an interrupt lands before it or never
         except BaseException:
-            paused = self._leave(None)
-            if paused is not None and paused[1] is sys._getframe(1):
-                resume_compiler(paused[0])
+            if self._enabled:
+                paused = self._leave(None)
+                if paused is not None and paused[1] is sys._getframe(1):
+                    resume_compiler(paused[0])
             raise
         # Given back: the callback the entry paused, by the frame that entered
         # (a ``with`` in compiled code); anywhere else (an ExitStack, a
@@ -186,13 +214,15 @@ class _Blocks:
         block.paused = None  # the left block stays listed until the next entry: not its frame
 
     async def __aenter__(self: _B) -> _B:
+        if not self._enabled:
+            return self
         block = _With(self, _current_task(), None)
         try:
             _enter(block)
             drain_signals()
             return self
         except BaseException:
-            _abandon(block)
+            _undo_entry(block)
             raise
 
     async def __aexit__(
@@ -203,15 +233,68 @@ class _Blocks:
     ) -> None:
         # Each task leaves its own block, whatever the order the tasks leave in.
         try:
+            if not self._enabled:
+                return
             block = self._latest(_current_task())
             block.stop()
             block.exited = True
         except BaseException:
-            self._leave(_current_task())
+            if self._enabled:
+                self._leave(_current_task())
+            raise
+
+    def start(self: _B) -> _B:
+        """Enter a block, as ``__enter__`` does, for code that cannot use ``with``
+        (``setUp`` with ``addCleanup(obj.stop)``, a pytest fixture); returns the object.
+
+        Leave it with :meth:`stop` in the same thread.  The block is an
+        ordinary one: nested with ``with`` blocks and other started ones in
+        any order, one thread at a time (the lock is held until ``stop()``),
+        and a thread that ends without ``stop()`` is handled like one that
+        ends inside a ``with`` (:class:`~deterministic_ctx.AbandonedBlockWarning`).
+
+        Example:
+            >>> import torch
+            >>> from deterministic_ctx import deterministic
+            >>> det = deterministic(seed=0).start()
+            >>> a = torch.rand(2)
+            >>> det.stop()
+            >>> with deterministic(seed=0):
+            ...     torch.equal(torch.rand(2), a)
+            True
+        """
+        if not self._enabled:
+            return self
+        block = _With(self, _STARTED, None)
+        try:
+            _enter(block)
+            drain_signals()
+            return self
+        except BaseException:
+            _undo_entry(block)
+            raise
+
+    def stop(self) -> None:
+        """Leave the latest block :meth:`start` entered on this object in this
+        thread, as ``__exit__`` does: everything is restored (or handed on to
+        a block entered after it that is still open), even if interrupted.
+
+        Raises :class:`~deterministic_ctx.MisuseError` if this thread has no
+        such block open: stop() without start(), twice, or in another thread.
+        """
+        try:
+            if not self._enabled:
+                return
+            block = self._latest(_STARTED)
+            block.stop()
+            block.exited = True
+        except BaseException:
+            if self._enabled and self._find(_STARTED) is not None:
+                self._leave(_STARTED)
             raise
 
     def __call__(self, func: F) -> F:
-        return decorate(func, self._settings)
+        return decorate(func, self._settings) if self._enabled else func
 
 
 # Opaque to dynamo (see _torch/compiler.py): a ``with`` in compiled code is one
@@ -223,6 +306,8 @@ opaque(_Blocks.__enter__, _IN_COMPILED_CODE, recursive=False)
 opaque(_Blocks.__exit__, _IN_COMPILED_CODE, recursive=False)
 opaque(_Blocks.__aenter__, _IN_COMPILED_CODE, recursive=True)
 opaque(_Blocks.__aexit__, _IN_COMPILED_CODE, recursive=True)
+opaque(_Blocks.start, _IN_COMPILED_CODE, recursive=True)
+opaque(_Blocks.stop, _IN_COMPILED_CODE, recursive=True)
 
 
 class deterministic(
@@ -276,6 +361,13 @@ class deterministic(
             (default) leaves inductor's setting as it is: compiled code draws
             its own numbers, reproducible run to run but not equal to eager's.
             Either way, inductor's random-number settings are restored on exit.
+        enabled: with ``False`` (like ``torch.random.fork_rng(enabled=False)``)
+            every use of the object does nothing: a block neither seeds nor
+            captures nor isolates (the body draws from the caller's streams
+            and keeps what it changes), and as a decorator it returns the
+            function unchanged.  For code that makes determinism a switch:
+            ``with deterministic(seed=0, enabled=args.deterministic):``.  The
+            other arguments are still checked.
 
     Inside a function compiled with ``torch.compile``, a block is a graph
     break: dynamo runs that function eagerly and the block's body draws
@@ -304,6 +396,7 @@ class deterministic(
         flags: bool = True,
         fill_uninitialized_memory: bool = True,
         compiled_rng: CompiledRng = None,
+        enabled: bool = True,
     ) -> None:
         if callable(seed):  # ``@deterministic`` without arguments: say what to write
             name = getattr(seed, "__name__", type(seed).__name__)
@@ -314,6 +407,7 @@ class deterministic(
         self._settings = Settings.build(
             seed, warn_only, rank, flags, fill_uninitialized_memory, compiled_rng
         )
+        self._enabled = check_bool(enabled, "enabled")
 
     @property
     def seed(self) -> int:
@@ -345,13 +439,20 @@ class deterministic(
         """``"eager"`` if compiled code draws eager's random numbers in the block, else ``None``."""
         return self._settings.compiled_rng
 
+    @property
+    def enabled(self) -> bool:
+        """``False`` if every use of this object is a no-op (``enabled=False``)."""
+        return self._enabled
+
     def __repr__(self) -> str:
         rank = "" if self.rank is None else f", rank={self.rank!r}"
         flags = "" if self.flags else ", flags=False"
         fill = "" if self.fill_uninitialized_memory else ", fill_uninitialized_memory=False"
         rng = "" if self.compiled_rng is None else f", compiled_rng={self.compiled_rng!r}"
+        off = "" if self._enabled else ", enabled=False"
         return (
-            f"deterministic(seed={self.seed}, warn_only={self.warn_only}{rank}{flags}{fill}{rng})"
+            f"deterministic(seed={self.seed}, warn_only={self.warn_only}"
+            f"{rank}{flags}{fill}{rng}{off})"
         )
 
 
@@ -395,6 +496,7 @@ class isolated(_Blocks):  # lowercase, like ``deterministic``
             return decorate(func, None)
         self = super().__new__(cls)
         self._settings = None
+        self._enabled = True
         return self
 
     def __repr__(self) -> str:

@@ -19,7 +19,7 @@ import unittest
 from collections.abc import Callable, Generator
 from typing import Any, NoReturn, TypeVar, cast, overload
 
-from ..base.settings import CompiledRng, Rank, Settings
+from ..base.settings import CompiledRng, Rank, Settings, check_bool
 from .engine import Block, opaque
 
 __all__ = ["DEFAULT_SEED", "decorate", "reproducible"]
@@ -345,6 +345,7 @@ def reproducible(
     flags: bool = ...,
     fill_uninitialized_memory: bool = ...,
     compiled_rng: CompiledRng = ...,
+    enabled: bool = ...,
 ) -> Callable[[F], F]: ...
 
 
@@ -358,6 +359,7 @@ def reproducible(
     flags: bool = True,
     fill_uninitialized_memory: bool = True,
     compiled_rng: CompiledRng = None,
+    enabled: bool = True,
 ) -> Any:
     """Make every call of a function (or every test of a TestCase) a fresh block.
 
@@ -371,7 +373,9 @@ def reproducible(
     is as in :class:`deterministic`; ``"auto"`` is looked up at each call, so
     decorating at import time, before the process group exists, is fine.
     ``flags``, ``fill_uninitialized_memory`` and ``compiled_rng`` are as in
-    :class:`deterministic`.  Called from code compiled with ``torch.compile``,
+    :class:`deterministic`.  With ``enabled=False`` (checked like the other
+    options) the function is returned unchanged: its calls run no block.
+    Called from code compiled with ``torch.compile``,
     a decorated function is a graph break and runs eagerly, body included.
 
     Example:
@@ -384,6 +388,8 @@ def reproducible(
         True
     """
     settings = Settings.build(seed, warn_only, rank, flags, fill_uninitialized_memory, compiled_rng)
+    if not check_bool(enabled, "enabled"):
+        return (lambda f: f) if func is None else func
     if func is None:
         return lambda f: decorate(f, settings)
     return decorate(func, settings)

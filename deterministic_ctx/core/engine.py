@@ -18,8 +18,10 @@ the lock holder's open blocks in entry order; a suspended block carries the
 blocks opened in its step; each thread's record holds its ``with`` blocks.
 A thread holds the lock once while it has any block open.
 
-This module knows nothing of torch: sources do the work.  It also keeps the
-process's random state right across ``os.fork``.
+The RNGs and flags are the sources' work: this module reaches torch only
+through :mod:`deterministic_ctx._torch.compiler` (where blocks meet
+``torch.compile`` and ``torch.export``).  It also keeps the process's random
+state right across ``os.fork``.
 """
 
 from __future__ import annotations

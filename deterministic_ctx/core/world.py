@@ -60,7 +60,9 @@ class World:
         source is restored again, then the rest, and the interrupt is
         re-raised afterwards.  A source that fails twice in a row has failed;
         every other source is still restored, then :class:`RestoreError`
-        names the ones that failed.
+        names the ones that failed.  A ``RecursionError`` that the retry, with
+        a few frames more, does not meet again was a lack of stack, not an
+        interruption: the source is restored and nothing is raised for it.
         """
         failures: dict[str, BaseException] | None = None
         interrupt: BaseException | None = None
@@ -86,7 +88,12 @@ class World:
                 except BaseException as again:  # interrupted again: go on with the others
                     interrupt = interrupt or again
                 else:
-                    interrupt = interrupt or exc
+                    # Any other exception may have come from a signal handler
+                    # (a SIGALRM timeout raises an ordinary one): it propagates.
+                    # A RecursionError the headroom cured was the stack's: the
+                    # source is back, and a fully restored block must not raise.
+                    if not isinstance(exc, RecursionError):
+                        interrupt = interrupt or exc
                 finally:
                     sys.setrecursionlimit(limit)
         if interrupt is not None:

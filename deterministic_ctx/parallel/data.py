@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from .._errors import MisuseError
 from ..core.context import deterministic
 from ..internal import (
     MAX_SEED,
@@ -101,7 +102,7 @@ def seeded_generator(
 def _seed_this_worker(rank: int) -> None:
     info = torch.utils.data.get_worker_info()
     if info is None:
-        raise RuntimeError(
+        raise MisuseError(
             "seed_worker runs in DataLoader worker processes: pass it as "
             "DataLoader(worker_init_fn=seed_worker, num_workers=1 or more)"
         )

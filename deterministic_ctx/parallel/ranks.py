@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
+from .._errors import MisuseError
 from ..internal import (
     Rank,
     launcher_variables,
@@ -157,9 +158,9 @@ def broadcast_seed(seed: int | None = None) -> int:
     (no process group, no launcher) it returns ``seed`` (or a fresh one), so
     one script serves one-process and multi-process runs.  Under a launcher
     that started several processes (``WORLD_SIZE`` > 1), it raises
-    ``RuntimeError`` until ``init_process_group`` has run: there is nothing
-    to broadcast over yet.  Log or save the result to replay the run with a
-    fixed seed.
+    :class:`~deterministic_ctx.MisuseError` (a ``RuntimeError``) until
+    ``init_process_group`` has run: there is nothing to broadcast over yet.
+    Log or save the result to replay the run with a fixed seed.
 
     Example:
         >>> from deterministic_ctx import deterministic
@@ -175,7 +176,7 @@ def broadcast_seed(seed: int | None = None) -> int:
     if not grouped:
         world = ranks().world_size
         if world > 1:
-            raise RuntimeError(
+            raise MisuseError(
                 f"broadcast_seed is a collective over the default process group, and the "
                 f"launcher started {world} processes (WORLD_SIZE={world}) but none has joined "
                 f"one yet: call torch.distributed.init_process_group() first (under torchrun "
@@ -190,5 +191,8 @@ def broadcast_seed(seed: int | None = None) -> int:
     dist.broadcast_object_list(box, src=0)
     value = box[0]
     if not isinstance(value, int):  # only rank 0 writes it, and it writes an int
-        raise RuntimeError(f"broadcast_seed received {value!r} from rank 0")
+        raise MisuseError(
+            f"broadcast_seed received {value!r} from rank 0: call it at the same point "
+            f"on every rank (each rank must run the same collectives in the same order)"
+        )
     return value

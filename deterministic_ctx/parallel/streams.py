@@ -67,12 +67,13 @@ any op.
 **Threads and nesting.**  A fork swaps process-global generators, as
 ``torch.random.fork_rng`` does, and takes no lock: fork in one thread at a
 time, and leave forks in reverse order of entry (``with`` does; an exit out
-of order raises ``RuntimeError``).  An inner fork of a stream already forked
-continues it, also with forks of other streams in between.  A decorated
-generator (:func:`~deterministic_ctx.reproducible`) may hold a fork open
-across its ``yield``: its world, its fork.  Seeding or restoring a snapshot
-inside a fork is undone for torch's generators by the fork's exit, which puts
-back what it found at its entry; seeding starts the streams over (a block's
+of order raises :class:`~deterministic_ctx.MisuseError`, a ``RuntimeError``).
+An inner fork of a stream already forked continues it, also with forks of
+other streams in between.  A decorated generator
+(:func:`~deterministic_ctx.reproducible`) may hold a fork open across its
+``yield``: its world, its fork.  Seeding or restoring a snapshot inside a
+fork is undone for torch's generators by the fork's exit, which puts back
+what it found at its entry; seeding starts the streams over (a block's
 entry does too) and the fork's exit then keeps nothing.
 
 **Cost.**  A fork is two generator-state reads and two writes per device (a
@@ -95,6 +96,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._errors import MisuseError
 from ..internal import accelerator_type, derive_seed, register_rng, validate_seed
 from .keyed import check_count
 
@@ -382,7 +384,7 @@ class _Fork:
 
     def __exit__(self, *exc: object) -> None:
         if not self._frames:
-            raise RuntimeError(f"fork({self._name!r}) exited without being entered")
+            raise MisuseError(f"fork({self._name!r}) exited without being entered")
         frame = self._frames.pop()
         if frame is None:
             return
@@ -395,7 +397,7 @@ class _Fork:
             later = last.name if last is not None else "?"
             if frame in open_:
                 open_.remove(frame)
-            raise RuntimeError(
+            raise MisuseError(
                 f"fork({self._name!r}) exited while fork({later!r}), entered after it, is "
                 f"still open: forks swap torch's process-global generators and must be left "
                 f"in reverse order of entry (interleaved tasks or threads cannot share them)"

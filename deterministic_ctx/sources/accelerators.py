@@ -76,7 +76,7 @@ from .._torch.internals import (
     is_compiled_check,
     lazy_seed_queue,
 )
-from ..base.errors import GraphCaptureError
+from ..base.errors import DeviceMismatchError, GraphCaptureError
 from ..base.settings import Settings
 from . import _plain
 
@@ -267,7 +267,7 @@ class LazyAcceleratorSource:
             self._refuse_inside_capture()
             generators = m.default_generators
             if type(state) is LiveState and len(generators) != len(state.states):
-                raise RuntimeError(
+                raise DeviceMismatchError(
                     f"{self.name}: {len(state.states)} device generator(s) captured, "
                     f"{len(generators)} present"
                 )
@@ -339,7 +339,7 @@ class LazyAcceleratorSource:
                 f"so it has no generator state for the devices in use here"
             )
             if strict:
-                raise RuntimeError(f"{problem} (strict_devices=True)")
+                raise DeviceMismatchError(f"{problem} (strict_devices=True)")
             _plain.warn(f"{problem}; they keep their current state")
 
     def _queue_states(self, states: tuple[torch.Tensor, ...]) -> None:

@@ -234,14 +234,18 @@ def _read(find_default: bool) -> _Hidden:
 def _put_back(put: Any, undo: list[tuple[str, str, str]]) -> None:
     """Write back every ``(backend, op, value)`` in ``undo``, last first, even if
     a signal handler raises after one of the writes (each C call is a point
-    where it can): that write is made again, the rest follow, then the exception."""
+    where it can): that write is made again, the rest follow, then the first
+    exception.  A write that fails again is left: the rest still follow."""
     pending: BaseException | None = None
     for entry in reversed(undo):
         try:
             put(*entry)
         except BaseException as exc:
             pending = pending or exc
-            put(*entry)
+            try:
+                put(*entry)
+            except BaseException as again:  # the rest must still be written back
+                pending = pending or again
     if pending is not None:
         raise pending
 

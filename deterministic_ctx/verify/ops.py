@@ -66,6 +66,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from .._errors import MisuseError
 from ..internal import (
     AUTOGRAD_ENGINE_ENTRIES,
     DYNAMO,
@@ -635,7 +636,7 @@ class OpRecorder:
 
     def __enter__(self) -> OpRecorder:
         if self._state != "new":
-            raise RuntimeError("an OpRecorder records once: make a new one")
+            raise MisuseError("an OpRecorder records once: make a new one")
         self._owner = threading.get_ident()
         self._mode.__enter__()  # type: ignore[no-untyped-call]
         self._mode_on = True
@@ -674,7 +675,7 @@ class OpRecorder:
     def calls(self) -> list[OpCall]:
         """The op calls recorded, in order; available once the recorder has exited."""
         if self._calls is None:
-            raise RuntimeError("OpRecorder.calls is available once the recorder has exited")
+            raise MisuseError("OpRecorder.calls is available once the recorder has exited")
         return self._calls
 
     @property

@@ -286,3 +286,10 @@ def test_rebinding_random_random_in_a_block_warns_at_the_next_block():
         warnings.simplefilter("error")
         with deterministic(seed=0):
             pass
+
+
+def test_an_exit_without_an_entry_is_a_misuse_error():
+    from deterministic_ctx import MisuseError
+
+    with pytest.raises(MisuseError, match="exited without being entered"):
+        deterministic(seed=0).__exit__(None, None, None)

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker
 
 import deterministic_ctx.parallel.data as data_module
 import deterministic_ctx.parallel.ranks as distributed_module
-from deterministic_ctx import derive_seed, deterministic, register_rng, unregister_rng
+from deterministic_ctx import MisuseError, derive_seed, deterministic, register_rng, unregister_rng
 from deterministic_ctx.parallel.data import chain_worker_init, seed_worker, seeded_generator
 
 needs_fork = pytest.mark.skipif(
@@ -187,7 +187,7 @@ def test_device_generators_stay_behind(monkeypatch, user_rng):
 
 
 def test_seed_worker_outside_a_worker_says_where_it_belongs():
-    with pytest.raises(RuntimeError, match=r"worker_init_fn=seed_worker"):
+    with pytest.raises(MisuseError, match=r"worker_init_fn=seed_worker"):
         seed_worker(0)
 
 

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from deterministic_ctx import (
+    MisuseError,
     deterministic,
     register_rng,
     reproducible,
@@ -223,7 +224,7 @@ def test_broadcast_needs_the_process_group_and_then_agrees(launches):
         assert refused_none[0] == "ValueError"
         assert "pass broadcast=True" in refused_none[1]
         for refused in (refused_broadcast, refused_seed):
-            assert refused[0] == "RuntimeError"
+            assert refused[0] == "MisuseError"  # a RuntimeError
             assert "WORLD_SIZE=4" in refused[1]
             assert "init_process_group() first" in refused[1]
     seeds = {r["broadcast"]["seed"] for r in launches["2x2"]}
@@ -379,9 +380,9 @@ def test_stray_local_variables_without_rank_are_ignored():
 
 def test_a_launcher_of_several_processes_needs_the_group_to_broadcast():
     with launched(**torchrun_vars(1, 1, 2)):
-        with pytest.raises(RuntimeError, match=r"started 2 processes .*init_process_group\(\)"):
+        with pytest.raises(MisuseError, match=r"started 2 processes .*init_process_group\(\)"):
             broadcast_seed(5)
-        with pytest.raises(RuntimeError, match=r"init_process_group\(\) first"):
+        with pytest.raises(MisuseError, match=r"init_process_group\(\) first"):
             seed_everything(None, rank="auto", broadcast=True)
         with pytest.raises(ValueError, match="pass broadcast=True"):
             seed_everything(None, rank="auto")

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 import deterministic_ctx.parallel.streams as streams_module
 from deterministic_ctx import (
     InvalidSnapshotError,
+    MisuseError,
     RestoreError,
     Snapshot,
     derive_seed,
@@ -216,10 +217,10 @@ def test_forks_must_be_left_in_reverse_order():
     with isolated():
         outer.__enter__()
         inner.__enter__()
-        with pytest.raises(RuntimeError, match=r"fork\('tp'\) exited while fork\('dp'\)"):
+        with pytest.raises(MisuseError, match=r"fork\('tp'\) exited while fork\('dp'\)"):
             outer.__exit__(None, None, None)
         inner.__exit__(None, None, None)
-    with pytest.raises(RuntimeError, match="exited without being entered"):
+    with pytest.raises(MisuseError, match="exited without being entered"):
         outer.__exit__(None, None, None)
     # The streams are usable afterwards.
     assert drawn(streams, "tp").shape == (4,)

@@ -481,6 +481,26 @@ def test_captures_in_threads_never_see_each_others_probes(world):
     assert hidden() == state
 
 
+def test_a_put_back_that_fails_twice_still_writes_the_rest_then_raises_the_first():
+    # The undo entries of a capture's probe are written back last first; one
+    # interrupted and failing on its retry must not leave the others unset.
+    from deterministic_ctx.sources.precision import _put_back
+
+    written: list[tuple[str, str, str]] = []
+    failures = [KeyboardInterrupt("first"), ValueError("retry")]
+
+    def put(backend: str, op: str, value: str) -> None:
+        if backend == "cuda" and failures:
+            raise failures.pop(0)
+        written.append((backend, op, value))
+
+    undo = [("generic", "all", "tf32"), ("cuda", "all", "ieee"), ("mkldnn", "all", "bf16")]
+    with pytest.raises(KeyboardInterrupt, match="first"):
+        _put_back(put, undo)
+    assert written == [("mkldnn", "all", "bf16"), ("generic", "all", "tf32")]
+    assert failures == []
+
+
 def _python(code: str, env: dict[str, str] | None = None) -> None:
     """Run ``code`` in a fresh interpreter (an import, or cuDNN's initial
     precision, cannot be undone in this one)."""

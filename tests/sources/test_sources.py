@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from deterministic_ctx import StateWarning, _torch
+from deterministic_ctx import DeviceMismatchError, StateWarning, _torch
 from deterministic_ctx.base.settings import Settings
 from deterministic_ctx.sources import SOURCES, accelerators
 from deterministic_ctx.sources.accelerators import (
@@ -320,7 +320,17 @@ def test_live_device_count_mismatch_is_a_clear_error():
     source = _fake_source(dev)
     state = source.capture()
     dev.default_generators = dev.default_generators[:1]
-    with pytest.raises(RuntimeError, match="2 device generator"):
+    with pytest.raises(DeviceMismatchError, match="2 device generator"):
+        source.restore(state)
+
+
+def test_strict_devices_refuses_a_state_saved_before_the_device_was_initialized():
+    dev = FakeDevice(2)
+    source = _fake_source(dev)
+    saved = source.export_state(source.capture())  # never initialized where it was saved
+    dev.lazy_init()
+    state = source.import_state(saved, "devices.fake", strict=True)
+    with pytest.raises(DeviceMismatchError, match=r"before the device was initialized.*strict"):
         source.restore(state)
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from deterministic_ctx import deterministic
+from deterministic_ctx import MisuseError, deterministic
 from deterministic_ctx.verify.locate import locate_divergence
 from deterministic_ctx.verify.ops import OpCall, OpRecorder, TensorPrint, first_op_difference
 from tests.helpers import run_python
@@ -542,7 +542,7 @@ def test_locate_ops_on_cuda_names_the_op_forward_and_backward():
 
 def test_recorder_pause_stop_and_errors():
     rec = OpRecorder()
-    with pytest.raises(RuntimeError, match="available once the recorder has exited"):
+    with pytest.raises(MisuseError, match="available once the recorder has exited"):
         rec.calls  # noqa: B018
     with rec:
         a = torch.ones(2)
@@ -559,7 +559,7 @@ def test_recorder_pause_stop_and_errors():
         line("recorder: mul"),
         "test_recorder_pause_stop_and_errors",
     )
-    with pytest.raises(RuntimeError, match="records once"):
+    with pytest.raises(MisuseError, match="records once"):
         rec.__enter__()
     with pytest.raises(ValueError, match="phase must be one of 'any', 'forward', 'backward'"):
         OpRecorder(phase="both")

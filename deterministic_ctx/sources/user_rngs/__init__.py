@@ -50,8 +50,11 @@ changed since.
 **Cost per registered RNG** is flat in their number: each entry chose at
 registration how it is captured, seeded and restored (:mod:`.entries`).
 
-**Layout.**  This package's ``__init__`` is its only public face; each
-module has one job, and each imports only those listed before it:
+**Layout.**  This package's ``__init__`` is its face to users
+(:func:`register_rng` and the rest); the global ``random`` and NumPy sources
+also build on :mod:`.entries`, :mod:`.kinds` and :mod:`.persistence`
+directly.  Each module has one job, and each imports only those listed
+before it:
 
 * :mod:`.persistence`: states as checkpoint data and back, checked (the
   global ``random``'s and NumPy's codecs too);
