@@ -93,7 +93,10 @@ class MisuseError(DeterministicCtxError, RuntimeError):
     order, an ``OpRecorder`` entered twice or read before it exits,
     :func:`~deterministic_ctx.seed_worker` called outside a DataLoader worker,
     :func:`~deterministic_ctx.broadcast_seed` called before the process group
-    exists (or receiving something other than rank 0's seed).  The message
+    exists (or receiving something other than rank 0's seed), an op exempted by
+    :class:`~deterministic_ctx.allow_nondeterministic` in a graph that
+    ``torch.compile`` traces, :class:`~deterministic_ctx.LightningCallback` with
+    a Lightning whose fit loop no longer has the train data source it wraps.  The message
     says what to do instead.  Also a ``RuntimeError``, which these were before.
 
     Example:

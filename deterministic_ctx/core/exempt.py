@@ -36,6 +36,7 @@ from contextlib import suppress
 from types import TracebackType
 from typing import Any, TypeVar
 
+from .._errors import MisuseError
 from .._torch import internals as _dispatch
 from .._torch.compiler import tracing_here
 from ..sources.flags import read_alerts, write_alerts
@@ -81,7 +82,7 @@ def _kernel(op: Any, keyset: Any, *args: Any, **kwargs: Any) -> Any:
     if not _exempted(op):  # another thread's exemption, or a key included by torch itself
         return _dispatch.redispatch_exempted(op, keyset, args, kwargs)
     if tracing_here():
-        raise RuntimeError(
+        raise MisuseError(
             f"deterministic-ctx: allow_nondeterministic cannot exempt {_labels[op]} in a graph "
             f"that torch traces (torch.compile, torch.export): the compiled code would run it "
             f"later, outside the exemption, and its check cannot be turned off for one op "
@@ -156,8 +157,9 @@ class allow_nondeterministic:
     ``KeyboardInterrupt`` lands in between; outside any block (deterministic
     algorithms off) it changes nothing.  A ``backward()`` called inside reaches
     the backward ops; ops in a graph that ``torch.compile`` traces inside an
-    exemption raise ``RuntimeError`` saying so.  While an exempted op runs, the
-    flag is off for the other threads of the process too (it is process-wide).
+    exemption raise :class:`~deterministic_ctx.MisuseError` saying so.  While an
+    exempted op runs, the flag is off for the other threads of the process too
+    (it is process-wide).
 
     Raises:
         ValueError: an op torch does not know (named in the message); nothing is

@@ -506,12 +506,17 @@ class ResumeResult:
 
 #: What usually makes a resumed step differ in each field, when the step before matched.
 _CAUSES = {
-    "data": "the loader's position (the sampler's state) or the data's random state is not "
-    "restored: SeededSampler's state_dict in the checkpoint, SeededDataset for augmentation",
-    "rng": "the random state is not restored: a Snapshot in the checkpoint, restored last, "
-    "and a DataLoader with its own generator (seeded_generator)",
-    "loss": "same data and random state, another loss: the model's, optimizer's or "
-    "scheduler's state is not restored whole (or a kernel is nondeterministic)",
+    "data": "the loader's position or the data's randomness is not restored: with a plain "
+    "loop, SeededSampler's state_dict in the checkpoint and SeededDataset for augmentation; "
+    "with the callbacks, randomness outside the dataset's __getitem__ (a collate_fn or data "
+    "collator, a transform on whole batches), which is not keyed per sample",
+    "rng": "the random state is not restored: with a plain loop, a Snapshot in the "
+    "checkpoint, restored last, and a DataLoader with its own generator (seeded_generator)",
+    "loss": "same data and random state, another loss: a random generator of your own "
+    "(np.random.default_rng, torch.Generator, random.Random) that the checkpoint does not "
+    "hold (register_rng it, or draw from the global ones), randomness drawn outside the "
+    "training step, or the model's, optimizer's or scheduler's state not restored whole "
+    "(or a nondeterministic kernel)",
 }
 
 
@@ -544,11 +549,16 @@ def compare_resume(
     difference = first_difference(whole, joined)
     if difference is None:
         count = len(want)
+        trained = (
+            f"trained steps {_spans(resumed_steps)}"
+            if resumed_steps
+            else "trained no step (the checkpoint was the run's last)"
+        )
         return ResumeResult(
             at,
             "ok",
             f"{count} step{'s' * (count != 1)} match the uninterrupted run; the resumed run "
-            f"trained steps {_spans(resumed_steps)}",
+            f"{trained}",
             resumed_steps=resumed_steps,
         )
     notes: list[str] = []
@@ -631,6 +641,9 @@ def _launch(
     child_env[RECORDS_VAR] = records
     if kill_at is not None:
         child_env[KILL_AT_VAR] = str(kill_at)
+    # Output into a file is block-buffered: a run killed (at K, or at the timeout) would
+    # lose what it printed last, which is what a failure's report shows.
+    child_env.setdefault("PYTHONUNBUFFERED", "1")
     posix = os.name != "nt"
     with open(log, "ab") as out:
         # A session of its own: what the script started (loader workers) ends with it.

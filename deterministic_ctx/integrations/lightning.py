@@ -50,6 +50,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from .._errors import MisuseError
 from ..core.context import deterministic
 from ..internal import check_bool, derive_seed, validate_seed
 from ..parallel.keyed import SeededDataset, SeededSampler
@@ -71,7 +72,7 @@ def train_source(trainer: Any) -> Any:
     """The fit loop's train data source (the one private touch), or a clear error."""
     source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
     if source is None or not callable(getattr(source, "dataloader", None)):
-        raise RuntimeError(
+        raise MisuseError(
             f"LightningCallback cannot find the train data source of this Lightning version "
             f"({type(trainer).__module__}): it relies on trainer.fit_loop._data_source."
             f"dataloader(), which this version does not have; please report it"
@@ -427,6 +428,7 @@ class LightningCallback:
         self._fit_block(self._seed)  # the block's own checks, now
         self._outer: deterministic | None = None  # from on_train_start to on_train_end
         self._block: deterministic | None = None  # one training step
+        self._steps_before = 0  # trainer.global_step when the open step began
         self._loader: _KeyedLoader | None = None
         self._source: Any = None
         self._trainer: Any = None
@@ -525,6 +527,7 @@ class LightningCallback:
         )
         block.__enter__()
         self._block = block
+        self._steps_before = trainer.global_step
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
@@ -532,7 +535,10 @@ class LightningCallback:
         try:
             if os.environ.get(RECORDS_VAR):
                 loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-                record_step(trainer.global_step, loss=loss, batch=batch)
+                # The optimizer step this batch belongs to: under accumulate_grad_batches
+                # the batches before the one that steps count towards the next step too.
+                step = trainer.global_step
+                record_step(step if step > self._steps_before else step + 1, loss=loss, batch=batch)
         finally:
             self._exit()
         if self._loader is not None:

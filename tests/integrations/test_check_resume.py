@@ -136,7 +136,7 @@ def test_a_difference_after_the_restart() -> None:
     assert result.difference is not None and result.difference.kind == "rng"
     assert result.message.startswith("step 4: the RNG state differs (and the loss)")
     assert "first step after the restart" in result.message
-    assert "likely cause: the random state is not restored: a Snapshot" in result.message
+    assert "likely cause: the random state is not restored: with a plain loop, a Snapshot" in result.message
 
 
 def test_a_step_recorded_before_the_kill_counts_after_the_restart() -> None:

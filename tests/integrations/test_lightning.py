@@ -23,7 +23,7 @@ from torch.utils.data import (  # noqa: E402
     TensorDataset,
 )
 
-from deterministic_ctx import LightningCallback, SeededDataset, isolated  # noqa: E402
+from deterministic_ctx import LightningCallback, MisuseError, SeededDataset, isolated  # noqa: E402
 from deterministic_ctx.integrations import lightning as integration  # noqa: E402
 from tests.helpers import ROOT  # noqa: E402
 
@@ -158,7 +158,7 @@ def test_lightnings_private_names_are_where_the_callback_reaches_them():
 
 
 def test_a_trainer_without_the_private_source_is_named_clearly():
-    with pytest.raises(RuntimeError, match=r"fit_loop\._data_source"):
+    with pytest.raises(MisuseError, match=r"fit_loop\._data_source"):
         integration.train_source(object())
 
 
@@ -231,6 +231,20 @@ def test_check_resume_records_each_step_and_each_checkpointed_step_once(tmp_path
     # Two files per step (top-k and last), one notice, after both are on disk.
     assert [r["checkpoint"] for r in lines if "checkpoint" in r] == [2, 4, 6]
     assert "save_checkpoint" not in vars(trainer)
+
+
+def test_check_resume_records_micro_batches_under_the_step_they_belong_to(tmp_path, monkeypatch):
+    records = tmp_path / "records.jsonl"
+    monkeypatch.setenv("DETERMINISTIC_CTX_RESUME_RECORDS", str(records))
+    fit(
+        DataLoader(data(), batch_size=4, shuffle=True),
+        callbacks=[LightningCallback(seed=0)],
+        accumulate_grad_batches=2,
+    )
+    steps = [json.loads(line)["step"] for line in records.read_text().splitlines()]
+    # 3 batches an epoch, 2 epochs: Lightning steps the optimizer at every second batch and
+    # at an epoch's last one.
+    assert steps == [1, 1, 2, 3, 3, 4]
 
 
 def test_resuming_with_another_seed_is_refused():
