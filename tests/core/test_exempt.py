@@ -7,7 +7,6 @@ torch's CUDA kernels without a deterministic implementation do).
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -16,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 
-import deterministic_ctx
 from deterministic_ctx import (
     MisuseError,
     _torch,
@@ -26,6 +24,7 @@ from deterministic_ctx import (
 )
 from deterministic_ctx.core import exempt
 from tests import standin_ops
+from tests.core.test_interrupts import _Tracer
 from tests.helpers import needs
 from tests.standin_ops import BACKWARD, FORWARD, scatter_like, scatter_like_backward
 
@@ -34,7 +33,6 @@ needs_backward = pytest.mark.skipif(
     not standin_ops.has_autograd(),
     reason="the stand-in's backward needs torch.library.register_autograd (torch >= 2.4)",
 )
-PACKAGE = deterministic_ctx.__file__.rsplit("/", 1)[0]
 
 
 @pytest.fixture(autouse=True)
@@ -304,43 +302,15 @@ def test_overlapping_calls_in_threads_leave_the_flag_on() -> None:
     assert errors == []
 
 
-class _Tracer:
-    """Raises ``KeyboardInterrupt`` at the ``fire_at``-th line the package runs
-    (what a signal handler can raise between any two lines); ``fired`` is
-    ``(function, whether at its first line)``."""
-
-    def __init__(self, fire_at: int) -> None:
-        self.fire_at = fire_at
-        self.count = 0
-        self.fired: tuple[str, bool] | None = None
-        self._fresh: set[int] = set()
-
-    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
-        if not frame.f_code.co_filename.startswith(PACKAGE):
-            return None
-        if event == "call":
-            self._fresh.add(id(frame))
-        elif event == "line":
-            self.count += 1
-            first = id(frame) in self._fresh
-            self._fresh.discard(id(frame))
-            if self.count == self.fire_at and self.fired is None:
-                self.fired = (frame.f_code.co_name, first)
-                raise KeyboardInterrupt("injected")
-        return self
-
-
 def _interrupted(body: Callable[[], None], fire_at: int) -> tuple[str, bool] | None:
+    """``KeyboardInterrupt`` raised at the ``fire_at``-th line the package runs (what a
+    signal handler can raise between any two lines): ``(function, whether at its first
+    line)``, or ``None`` once ``body`` runs fewer lines."""
     tracer = _Tracer(fire_at)
-    previous = sys.gettrace()
-    sys.settrace(tracer)
-    try:
-        body()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        sys.settrace(previous)
-    return tracer.fired
+    error = tracer.run(body)
+    if error is not None and not isinstance(error, KeyboardInterrupt):
+        raise error
+    return None if tracer.fired is None else (tracer.fired[0], tracer.fired[2])
 
 
 @needs_backward
