@@ -136,7 +136,10 @@ def test_a_difference_after_the_restart() -> None:
     assert result.difference is not None and result.difference.kind == "rng"
     assert result.message.startswith("step 4: the RNG state differs (and the loss)")
     assert "first step after the restart" in result.message
-    assert "likely cause: the random state is not restored: with a plain loop, a Snapshot" in result.message
+    assert (
+        "likely cause: the random state is not restored: with a plain loop, a Snapshot"
+        in result.message
+    )
 
 
 def test_a_step_recorded_before_the_kill_counts_after_the_restart() -> None:
@@ -565,3 +568,40 @@ def test_the_example_that_skips_after_an_epoch_end_misses_steps(tmp_path: Path) 
 def test_no_stray_environment() -> None:
     assert RECORDS_VAR not in os.environ and KILL_AT_VAR not in os.environ
     assert sys.modules["deterministic_ctx.integrations.check_resume"] is cr
+
+
+#: The trainers' examples as check-resume runs them: (library, arguments, the steps to crash at).
+TRAINER_EXAMPLES = {
+    "lightning": (
+        [str(ROOT / "examples" / "lightning_resume.py"), "--train", ".", "--resume", "auto"],
+        ("8", "12"),  # mid-epoch, an epoch's last batch
+    ),
+    "transformers": (
+        [
+            str(ROOT / "examples" / "transformers_resume.py"),
+            "--child",
+            json.dumps(
+                {"output_dir": "out", "workers": 2, "resume": True, "callback": True}
+                | {"report": "report.json"}
+            ),
+        ],
+        ("4", "6"),  # mid-epoch, an epoch's last step
+    ),
+}
+
+
+@POSIX
+@pytest.mark.slow
+@pytest.mark.parametrize("library", sorted(TRAINER_EXAMPLES))
+def test_the_trainers_examples_pass_with_their_callbacks_and_no_code_of_theirs(
+    tmp_path: Path, library: str
+) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(library) is None:  # looked up: importing draws from random
+        pytest.skip(f"needs {library}")
+    script, steps = TRAINER_EXAMPLES[library]
+    proc = check_resume([arg for k in steps for arg in ("--at", k)] + script, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for k in steps:
+        assert f"--at {k}: OK" in proc.stdout, proc.stdout
