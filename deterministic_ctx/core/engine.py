@@ -47,6 +47,7 @@ from .world import headroom as _headroom
 # decorate layers take them from here, the engine they are built on.
 __all__ = [
     "Block",
+    "complete_step",
     "drain_signals",
     "inside_block",
     "opaque",
@@ -161,7 +162,7 @@ class Block:
 
         Completed even if interrupted; the interrupt propagates afterwards.
         """
-        _completed(self._suspend)
+        complete_step(self._suspend)
 
     def _suspend(self) -> None:
         i = _position(self)
@@ -181,7 +182,7 @@ class Block:
         Idempotent, and completed even if interrupted; the interrupt (or a
         :class:`RestoreError`) propagates afterwards.
         """
-        _completed(self._finish)
+        complete_step(self._finish)
 
     def _finish(self) -> None:
         error: RestoreError | None = None
@@ -285,7 +286,7 @@ def _describe(block: Block) -> str:
 LOCK.on_dead_owner = _after_dead_owner
 
 
-def _completed(step: Callable[[], None]) -> None:
+def complete_step(step: Callable[[], None]) -> None:
     """Run the exit ``step``; if an interrupt stops it, run it once more, with
     room on the stack, to complete it, then re-raise the interrupt.
 

@@ -10,7 +10,7 @@ each named op, reached only while an exemption is open in the thread) is in
 :mod:`deterministic_ctx.sources.flags`.
 
 **Interrupts.**  Putting the flag back is the engine's completion step
-(:func:`~deterministic_ctx.core.engine._completed`): a ``KeyboardInterrupt``
+(:func:`~deterministic_ctx.core.engine.complete_step`): a ``KeyboardInterrupt``
 raised by a signal handler anywhere in an exempted call, or in the exit of
 an exemption, is re-raised only once the flag (and the thread's dispatch
 state) are back.
@@ -40,7 +40,7 @@ from .._errors import MisuseError
 from .._torch import internals as _dispatch
 from .._torch.compiler import tracing_here
 from ..sources.flags import read_alerts, write_alerts
-from .engine import _completed, drain_signals
+from .engine import complete_step, drain_signals
 
 __all__ = ["active_exemptions", "allow_nondeterministic", "exempted_calls", "is_exempted"]
 
@@ -95,10 +95,10 @@ def _kernel(op: Any, keyset: Any, *args: Any, **kwargs: Any) -> Any:
     try:
         _pause(token)
         result = _dispatch.redispatch_exempted(op, keyset, args, kwargs)
-        _completed(functools.partial(_resume, token))
+        complete_step(functools.partial(_resume, token))
         return result
     except BaseException:
-        _completed(functools.partial(_resume, token))
+        complete_step(functools.partial(_resume, token))
         raise
 
 
@@ -215,7 +215,7 @@ class allow_nondeterministic:
             drain_signals()
             return self
         except BaseException:
-            _completed(functools.partial(self._leave, token))
+            complete_step(functools.partial(self._leave, token))
             raise
 
     def __exit__(
@@ -226,11 +226,11 @@ class allow_nondeterministic:
     ) -> None:
         try:  # the first line: every later one is under the handler
             token = self._latest()
-            _completed(functools.partial(self._leave, token))
+            complete_step(functools.partial(self._leave, token))
         except BaseException:
             # Interrupted before ``token`` was found: nothing was left yet.
             found = locals().get("token", _NOT_FOUND)
-            _completed(
+            complete_step(
                 functools.partial(self._leave, self._latest() if found is _NOT_FOUND else found)
             )
             raise
