@@ -92,6 +92,9 @@ def _kernel(op: Any, keyset: Any, *args: Any, **kwargs: Any) -> Any:
     label = _labels[op]
     _ran[label] = _ran.get(label, 0) + 1
     token = object()
+    # Not a ``finally``: an interrupt landing between the call's return and the
+    # ``finally``'s first line would skip it (the interrupt test finds that line);
+    # written out, every line is under the handler.
     try:
         _pause(token)
         result = _dispatch.redispatch_exempted(op, keyset, args, kwargs)
