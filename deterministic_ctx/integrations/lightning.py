@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
 import os
 import sys
 import types
@@ -244,9 +243,8 @@ def rebuild(loader: object, seed: int, trainer: Any) -> _KeyedLoader:
         num_replicas=kwargs.get("num_replicas", 1),
         rank=kwargs.get("rank", 0),
     )
-    per_rank = len(sampler)
-    batch_size = loader.batch_size
-    full = per_rank // batch_size if loader.drop_last else math.ceil(per_rank / batch_size)
+    # The batches of a whole epoch on this rank, counted as the loader's own BatchSampler counts.
+    full = len(BatchSampler(sampler, loader.batch_size, loader.drop_last))
     settings = {name: getattr(loader, name) for name in _KEPT if hasattr(loader, name)}
     if settings.get("in_order", True) is not True:
         # Batches in the order the workers finish them: not the same two runs in a row.
