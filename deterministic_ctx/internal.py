@@ -72,6 +72,7 @@ from .base.settings import (
 from .base.version import __version__ as VERSION
 from .core.engine import Block, inside_block, opaque
 from .core.exempt import active_exemptions, exempted_calls, is_exempted
+from .core.world import World
 from .sources import (
     fast_paths,
     generator_sources,
@@ -114,6 +115,7 @@ __all__ = [
     "Settings",
     "TorchFeatureError",
     "UnwrappedDispatchMode",
+    "World",
     "accelerator_type",
     "active_exemptions",
     "bad_fork_check",
