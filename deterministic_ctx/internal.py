@@ -81,11 +81,11 @@ from .sources import (
     source_named,
 )
 from .sources._config import unchanged_config
-from .sources._plain import fields as plain_fields
-from .sources._plain import flag as plain_flag
-from .sources._plain import integer as plain_integer
-from .sources._plain import mapping as plain_mapping
-from .sources._plain import shown as plain_shown
+from .base.plain import fields as plain_fields
+from .base.plain import flag as plain_flag
+from .base.plain import integer as plain_integer
+from .base.plain import mapping as plain_mapping
+from .base.plain import shown as plain_shown
 from .sources.compiler import compiled_settings
 from .sources.environ import CUBLAS_VALID, export_env_var, managed_env_vars, register_env_var
 from .sources.environ import SEED as SEED_ENV_VAR
