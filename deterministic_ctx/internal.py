@@ -80,7 +80,7 @@ from .sources import (
     seed_registered_rngs,
     source_named,
 )
-from .sources._config import unchanged_config
+from .sources.config_entries import unchanged_config
 from .base.plain import fields as plain_fields
 from .base.plain import flag as plain_flag
 from .base.plain import integer as plain_integer

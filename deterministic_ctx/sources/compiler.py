@@ -50,7 +50,7 @@ from .._torch.internals import INDUCTOR_CONFIG as _INDUCTOR
 from .._torch.internals import config_unset
 from ..base import plain as _plain
 from ..base.settings import Settings
-from ._config import AT_DEFAULT, ConfigEntry
+from .config_entries import AT_DEFAULT, ConfigEntry
 
 __all__ = [
     "ENTRIES",

@@ -45,7 +45,7 @@ from .._torch.flags import (
 from .._torch.internals import INDUCTOR_CONFIG as _INDUCTOR
 from ..base import plain as _plain
 from ..base.settings import Settings
-from ._config import AT_DEFAULT, ConfigEntry
+from .config_entries import AT_DEFAULT, ConfigEntry
 from .precision import (
     ONEDNN,
     OPTIONAL_PRECISION,
