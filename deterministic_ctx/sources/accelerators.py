@@ -76,9 +76,9 @@ from .._torch.internals import (
     is_compiled_check,
     lazy_seed_queue,
 )
+from ..base import plain as _plain
 from ..base.errors import DeviceMismatchError, GraphCaptureError
 from ..base.settings import Settings
-from . import _plain
 
 __all__ = [
     "PHILOX_DEVICES",

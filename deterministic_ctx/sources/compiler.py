@@ -48,9 +48,9 @@ from .._torch.internals import DYNAMO_CONFIG as _DYNAMO
 from .._torch.internals import FUNCTORCH_CONFIG as _FUNCTORCH
 from .._torch.internals import INDUCTOR_CONFIG as _INDUCTOR
 from .._torch.internals import config_unset
+from ..base import plain as _plain
 from ..base.settings import Settings
-from . import _plain
-from ._config import AT_DEFAULT, ConfigEntry
+from .config_entries import AT_DEFAULT, ConfigEntry
 
 __all__ = [
     "ENTRIES",

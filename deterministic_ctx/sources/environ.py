@@ -75,8 +75,8 @@ from itertools import compress
 from operator import ne
 from typing import Any, NamedTuple
 
+from ..base import plain as _plain
 from ..base.settings import Settings
-from . import _plain
 from ._memory import ENABLED
 
 __all__ = [

@@ -6,8 +6,8 @@ import random
 from functools import partial
 from typing import Any
 
+from ..base import plain as _plain
 from ..base.settings import Settings
-from . import _plain
 from ._memory import ENABLED
 from ._seeded import SeededCache
 from .user_rngs.entries import Entry

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
+from ..base import plain as _plain
 from ..base.settings import Settings
-from . import _plain
 from ._seeded import SeededCache
 from .accelerators import PHILOX_DEVICES, check_philox_state
 

@@ -51,8 +51,8 @@ from .._torch.internals import (
     remove_function_mode,
     set_device_context_slot,
 )
+from ..base import plain as _plain
 from ..base.settings import Settings
-from . import _plain
 
 __all__ = ["DefaultsState", "TorchDefaultsSource"]
 

@@ -21,7 +21,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from .. import _plain
+from ...base import plain as _plain
 from .._memory import MT_WORDS
 from ..torch_cpu import generator_state_from_plain
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...base import plain as _plain
 from ...base.settings import Settings
-from .. import _plain
 from .entries import Entry, Record
 from .kinds import BY_NAME
 from .persistence import class_path
