@@ -15,12 +15,15 @@ spread on a shared machine: its two per-step hooks (``on_train_batch_start``, wh
 the block around training, and ``on_train_batch_end``), and Lightning's dispatch of the
 per-step hooks (``_call_callback_hooks``: each callback's hook method, called in a profiler
 context) with and without the callback; the difference less the hooks is what Lightning's
-dispatch spends on the callback's presence, counted apart from the callback's own code.
+dispatch spends on the callback's presence, counted apart from the callback's own code.  And
+the workers' CPU time a step (``RUSAGE_CHILDREN`` over the fit, their start included): the
+keyed items (each seeded from its key, the process's state put back once a batch) run there.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import runpy
 import statistics
 import time
@@ -108,10 +111,11 @@ KINDS = ("plain", "deterministic", "callback")
 
 def step_time(
     kind: str, items: int, workers: int, hooks: dict[str, list[float]]
-) -> tuple[float, float, float]:
-    """Wall and main-process CPU seconds per training step of one epoch, and the seconds a
-    step spent in Lightning's dispatch of the per-step hooks; the callback's per-step hooks'
-    seconds are appended to ``hooks[name]``."""
+) -> tuple[float, float, float, float]:
+    """Wall and main-process CPU seconds per training step of one epoch, the seconds a step
+    spent in Lightning's dispatch of the per-step hooks, and the workers' CPU seconds per
+    step (their start included); the callback's per-step hooks' seconds are appended to
+    ``hooks[name]``."""
     L.seed_everything(0, verbose=False)
     model = EXAMPLE["Model"](workers)
     loader = DataLoader(
@@ -138,10 +142,17 @@ def step_time(
         devices=1,
     )
     DISPATCH.clear()
+    before = _children_cpu()
     trainer.fit(model, train_dataloaders=loader)
     wall, cpu = clock.seconds
     steps = trainer.global_step
-    return wall / steps, cpu / steps, sum(DISPATCH) / steps
+    # The workers' CPU time, once they have exited (Lightning shuts them down after fit).
+    return wall / steps, cpu / steps, sum(DISPATCH) / steps, (_children_cpu() - before) / steps
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -154,7 +165,7 @@ def main() -> None:
     timed_dispatch()
     hooks: dict[str, list[float]] = {}
     step_time("callback", args.items, args.workers, {})  # warm-up: imports, first compilations
-    times: dict[str, list[tuple[float, float, float]]] = {kind: [] for kind in KINDS}
+    times: dict[str, list[tuple[float, float, float, float]]] = {kind: [] for kind in KINDS}
     for r in range(args.rounds):
         order = KINDS[r % 3 :] + KINDS[: r % 3]  # each kind first, second and third in turn
         for kind in order:
@@ -173,6 +184,20 @@ def main() -> None:
     base_step = statistics.median(t[0] for t in times["deterministic"])
     dispatch = {kind: statistics.median(t[2] for t in times[kind]) for kind in KINDS}
     lightning = dispatch["callback"] - dispatch["deterministic"] - per_step
+    workers_cpu = {kind: statistics.median(t[3] for t in times[kind]) for kind in KINDS}
+    print(
+        "the workers' CPU, ms a step: "
+        + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in workers_cpu.items())
+    )
+    for base in ("plain", "deterministic"):
+        ratios = [
+            (c[1] + c[3]) / (b[1] + b[3])
+            for b, c in zip(times[base], times["callback"], strict=True)
+        ]
+        print(
+            f"  all CPU (main + workers), callback / {base}: median "
+            f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})"
+        )
     print(
         f"the callback's hooks: {per_step * 1e6:.1f} us a step, "
         f"{per_step / base_step:.2%} of a step with deterministic=True"
