@@ -55,7 +55,10 @@ class StepTimes(transformers.TrainerCallback):
 
 #: The events the Trainer sends every callback once an optimizer step (one batch each here).
 PER_STEP = frozenset({"on_step_begin", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end"})
-DISPATCH: list[float] = []  # seconds in the Trainer's dispatch of PER_STEP, this run
+#: Seconds of each dispatch of a PER_STEP event, by event, in the runs with (True) and
+#: without (False) the callback.
+DISPATCH: dict[bool, dict[str, list[float]]] = {True: {}, False: {}}
+WITH = [False]  # whether the run in progress has the callback
 EVENTS: dict[str, list[float]] = {}  # seconds in each of the callback's per-step events
 
 
@@ -70,7 +73,7 @@ def timed_dispatch() -> None:
         try:
             return call_event(self, event, *args, **kwargs)
         finally:
-            DISPATCH.append(time.perf_counter() - start)
+            DISPATCH[WITH[0]].setdefault(event, []).append(time.perf_counter() - start)
 
     CallbackHandler.call_event = wrapper  # type: ignore[method-assign]
 
@@ -92,11 +95,10 @@ def timed(callback: TransformersCallback) -> TransformersCallback:
     return callback
 
 
-def run(*, callback: bool, steps: int, workers: int) -> tuple[float, float]:
-    """The median step time of one training run and the seconds a step spent in the
-    Trainer's dispatch of the per-step events, in ms."""
+def run(*, callback: bool, steps: int, workers: int) -> float:
+    """The median step time of one training run, in ms."""
     timer = StepTimes()
-    DISPATCH.clear()
+    WITH[0] = callback
     with tempfile.TemporaryDirectory() as tmp, isolated():
         transformers.set_seed(0)
         args = TrainingArguments(
@@ -119,7 +121,7 @@ def run(*, callback: bool, steps: int, workers: int) -> tuple[float, float]:
         )
         trainer.train()
     intervals = [b - a for a, b in zip(timer.times, timer.times[1:], strict=False)]
-    return 1e3 * statistics.median(intervals), 1e3 * sum(DISPATCH) / len(timer.times)
+    return 1e3 * statistics.median(intervals)
 
 
 def main() -> int:
@@ -131,12 +133,13 @@ def main() -> int:
     timed_dispatch()
     run(callback=True, steps=6, workers=options.workers)  # warm-up: imports, first workers
     EVENTS.clear()
-    without: list[tuple[float, float]] = []
-    with_: list[tuple[float, float]] = []
+    DISPATCH[True].clear()
+    without: list[float] = []
+    with_: list[float] = []
     for _ in range(options.repeats):
         without.append(run(callback=False, steps=options.steps, workers=options.workers))
         with_.append(run(callback=True, steps=options.steps, workers=options.workers))
-    a, b = (statistics.median(t[0] for t in runs) for runs in (without, with_))
+    a, b = statistics.median(without), statistics.median(with_)
     print(f"transformers {transformers.__version__}, {options.workers} workers, ", end="")
     print(f"{options.steps} steps x {options.repeats} runs each, medians")
     print("| run | ms per step |")
@@ -145,20 +148,23 @@ def main() -> int:
     print(f"| with TransformersCallback | {b:.3f} |")
     verdict = "met" if b <= 1.03 * a else "missed"
     print(f"ratio {b / a:.3f} (target <= 1.03: {verdict})")
-    # Once a step each (one forward a step here).
-    events = 1e3 * sum(statistics.median(spent) for spent in EVENTS.values())
-    dispatch = [statistics.median(t[1] for t in runs) for runs in (without, with_)]
-    share = (
-        dispatch[1]
-        - dispatch[0]
-        - 1e3 * sum(statistics.median(EVENTS[name]) for name in ("on_step_begin", "on_step_end"))
-    )
+    # Each once a step (one forward a step here); medians of single calls, in us.
+    own = {name: 1e6 * statistics.median(spent) for name, spent in EVENTS.items()}
     print(
-        f"the callback's events and forward hooks: {events * 1e3:.1f} us a step "
-        f"({events / a:.2%} of a step without it); the Trainer's dispatch of the per-step "
-        f"events: {dispatch[0] * 1e3:.1f} us a step without the callback, "
-        f"{dispatch[1] * 1e3:.1f} with it, {share * 1e3:.1f} us of that the dispatch's own"
+        "the callback's own code, us a step: " + ", ".join(f"{k} {v:.1f}" for k, v in own.items())
     )
+    added = {
+        event: 1e6 * (statistics.median(DISPATCH[True][event]) - statistics.median(spent))
+        for event, spent in DISPATCH[False].items()
+    }
+    share = sum(added.values()) - own["on_step_begin"] - own["on_step_end"]
+    total = sum(own.values()) + share
+    print(
+        "the Trainer's dispatch of each per-step event, us more with the callback: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in added.items())
+        + f"; less the callback's events: {share:.1f} us"
+    )
+    print(f"the callback's code + that: {total:.1f} us a step, {total / (1e3 * a):.2%} of a step")
     return 0
 
 
