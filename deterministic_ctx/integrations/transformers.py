@@ -123,7 +123,8 @@ class TransformersCallback(TrainerCallback, ExportableState):
       step depend on ``(seed, n)`` only; what runs between steps (loading
       data, the Trainer's ``rng_state.pth``, evaluation) continues from the
       last step's streams and cannot shift the next step, which starts from
-      its own key again;
+      its own key again.  Like every open block it holds the process-wide
+      block lock: a block entered in another thread waits for ``train()``;
     * **the training data**: when training starts, the train loader's dataset
       is wrapped in ``SeededDataset(dataset, seed)`` (one private touch: torch
       guards the loader's ``dataset`` attribute), and each epoch's number is
