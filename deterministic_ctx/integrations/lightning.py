@@ -13,13 +13,12 @@ things happen:
   ``RandomSampler`` shuffles, ``SequentialSampler`` does not; rank-aware under
   DDP), every other setting kept.  The loader saves its position in the
   checkpoint (Lightning's stateful-loader protocol) and resumes there.
-* **Each training step is a block keyed by the step**:
-  ``deterministic(seed=derive_seed(seed, "step", epoch, batch_idx))`` from
-  ``on_train_batch_start`` to ``on_train_batch_end``, inside one block around
-  training that sets the determinism flags.  Dropout and anything
-  else the step draws depend on the seed, the epoch and the batch only; what
-  Lightning draws outside steps (sanity check, validation, iterators) cannot
-  shift training.
+* **Each training step starts from a key of its own**: one block around
+  training sets the determinism flags and, at each ``on_train_batch_start``,
+  its random number generators are seeded afresh from a key of
+  ``(seed, epoch, batch_idx)``.  Dropout and anything else the step draws
+  depend on the seed, the epoch and the batch only; what Lightning draws
+  between steps (validation, iterators) cannot shift training.
 * **Under ``deterministic-ctx check-resume``** (and only there) each step is
   recorded with ``record_step``, and
   ``checkpoint_saved`` is called once a step's
@@ -50,10 +49,10 @@ from torch.utils.data import (
 )
 
 from .._errors import MisuseError
-from ..core.context import deterministic
 from ..internal import check_bool, derive_seed, validate_seed
 from ..parallel.keyed import SeededDataset, SeededSampler
 from .check_resume import RECORDS_VAR, checkpoint_saved, record_step
+from .trainer_steps import TrainingBlock
 
 __all__ = ["LightningCallback"]
 
@@ -342,17 +341,22 @@ class LightningCallback:
     ``ValueError`` naming it, before anything changed.  Validation and test
     loaders are left alone.
 
-    **Each training step** runs in ``deterministic(seed=derive_seed(seed,
-    "step", epoch, batch_idx))``, entered in ``on_train_batch_start`` and left
-    in ``on_train_batch_end`` (or ``on_exception``): the step's random numbers
-    depend on the seed, the epoch and the batch only, and the streams continue
-    after the step as if it never ran.  Training as a whole (``on_train_start``
-    to ``on_train_end``, validation during it included) runs in one
-    ``deterministic(seed=derive_seed(seed, "fit"))`` block, which sets the
-    determinism flags once (``flags``, ``warn_only``,
+    **Each training step starts from its own key.**  Training as a whole
+    (``on_train_start`` to ``on_train_end``, validation during it included)
+    runs in one block, seeded with ``derive_seed(seed, "fit")``, which sets
+    the determinism flags once (``flags``, ``warn_only``,
     ``fill_uninitialized_memory`` as for :class:`~deterministic_ctx.deterministic`)
-    and gives your program's streams and flags back after ``fit``; each step's
-    block only seeds and isolates.
+    and gives your program's streams and flags back after ``fit`` (or on
+    ``on_exception``).  At each ``on_train_batch_start`` that block's random
+    number generators are seeded afresh, as
+    ``deterministic(seed=k, flags=False)`` seeds them, with the batch's key
+    ``k``: a function of ``(seed, epoch, batch_idx)`` only, derived as
+    :class:`~deterministic_ctx.SeededDataset` derives its items' keys (one
+    ``derive_seed`` per epoch, a SplitMix64 step per batch).  So dropout and
+    anything else a step draws depend on the seed, the epoch and the batch
+    only; what runs between two steps (validation, Lightning's own draws)
+    continues from the last step's streams, the same in a resumed run, and
+    cannot shift the next step, which starts from its own key again.
 
     The seed is saved in the checkpoint; resuming with another seed is
     refused.  Under ``deterministic-ctx check-resume`` each step is recorded
@@ -368,12 +372,12 @@ class LightningCallback:
     Args:
         seed: an int in ``0 .. 2**32 - 1``: the data keys, the order and the
             steps' seeds derive from it.
-        warn_only: inside steps, deterministic algorithms warn instead of
+        warn_only: during training, deterministic algorithms warn instead of
             raising for an operation without a deterministic implementation.
         flags: with ``False``, steps are seeded and isolated but set no
             determinism flag.
         fill_uninitialized_memory: ``torch.utils.deterministic.fill_uninitialized_memory``
-            inside steps.
+            during training.
 
     Example:
         >>> import lightning as L
@@ -423,14 +427,14 @@ class LightningCallback:
                 fill_uninitialized_memory, "fill_uninitialized_memory"
             ),
         }
-        self._fit_block(self._seed)  # the block's own checks, now
-        self._outer: deterministic | None = None  # from on_train_start to on_train_end
-        self._block: deterministic | None = None  # one training step
-        self._steps_before = 0  # trainer.global_step when the open step began
+        # From on_train_start to on_train_end; its settings are built (and checked) now.
+        self._training = TrainingBlock(self._seed, owner="LightningCallback", **self._options)
+        self._steps_before = 0  # trainer.global_step when the open step began (check-resume)
         self._loader: _KeyedLoader | None = None
         self._source: Any = None
         self._trainer: Any = None
         self._pending: int | None = None  # a step whose checkpoints check-resume awaits
+        self._recording = False  # under check-resume (set by setup)
 
     @property
     def seed(self) -> int:
@@ -438,9 +442,7 @@ class LightningCallback:
         return self._seed
 
     def __reduce__(self) -> tuple[Any, ...]:
-        state = dict(
-            self.__dict__, _outer=None, _block=None, _loader=None, _source=None, _trainer=None
-        )
+        state = dict(self.__dict__, _loader=None, _source=None, _trainer=None)
         return (_rebuilt, (LightningCallback, state))
 
     def __repr__(self) -> str:
@@ -477,7 +479,9 @@ class LightningCallback:
         source.dataloader = dataloader
         self._source = source
         self._trainer = trainer
-        if os.environ.get(RECORDS_VAR):
+        # Under check-resume only: read once, not at every step.
+        self._recording = bool(os.environ.get(RECORDS_VAR))
+        if self._recording:
             save = trainer.save_checkpoint
 
             def save_checkpoint(*args: Any, **kwargs: Any) -> None:
@@ -489,7 +493,7 @@ class LightningCallback:
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
             return
-        self._exit_all()
+        self._training.close()
         self._flush()
         source, self._source = self._source, None
         if source is not None:
@@ -501,16 +505,10 @@ class LightningCallback:
     # -- steps -------------------------------------------------------------------------
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        # One block around training sets the determinism flags once; each step's block
-        # inside it only seeds and isolates (flags=False): toggling the flags and their
-        # environment variables at every step would double a step's overhead.
-        self._exit_all()
-        outer = self._fit_block(derive_seed(self._seed, "fit"))
-        outer.__enter__()
-        self._outer = outer
+        self._training.start()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self._exit_all()
+        self._training.close()
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._flush()
@@ -519,26 +517,21 @@ class LightningCallback:
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
         self._flush()
-        self._exit()
-        block = deterministic(
-            derive_seed(self._seed, "step", trainer.current_epoch, batch_idx), flags=False
-        )
-        block.__enter__()
-        self._block = block
-        self._steps_before = trainer.global_step
+        # The fit block's generators seeded afresh from the step's key, not a block per
+        # step: the capture and the restore are the fit block's, once a fit.
+        self._training.step(trainer.current_epoch, batch_idx)
+        if self._recording:
+            self._steps_before = trainer.global_step
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        try:
-            if os.environ.get(RECORDS_VAR):
-                loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-                # The optimizer step this batch belongs to: under accumulate_grad_batches
-                # the batches before the one that steps count towards the next step too.
-                step = trainer.global_step
-                record_step(step if step > self._steps_before else step + 1, loss=loss, batch=batch)
-        finally:
-            self._exit()
+        if self._recording:
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            # The optimizer step this batch belongs to: under accumulate_grad_batches
+            # the batches before the one that steps count towards the next step too.
+            step = trainer.global_step
+            record_step(step if step > self._steps_before else step + 1, loss=loss, batch=batch)
         if self._loader is not None:
             epoch, batches = trainer.current_epoch, batch_idx + 1
             if batches >= trainer.num_training_batches:
@@ -554,29 +547,7 @@ class LightningCallback:
             self._loader.completed(trainer.current_epoch + 1, 0)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self._exit_all()
-
-    def _fit_block(self, seed: int) -> deterministic:
-        options = self._options
-        return deterministic(
-            seed,
-            warn_only=options["warn_only"],
-            flags=options["flags"],
-            fill_uninitialized_memory=options["fill_uninitialized_memory"],
-        )
-
-    def _exit(self) -> None:
-        block, self._block = self._block, None
-        if block is not None:
-            block.__exit__(None, None, None)
-
-    def _exit_all(self) -> None:
-        try:
-            self._exit()
-        finally:
-            outer, self._outer = self._outer, None
-            if outer is not None:
-                outer.__exit__(None, None, None)
+        self._training.close()
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, None

@@ -1,7 +1,8 @@
 """A transformers ``Trainer`` callback that makes training resume bit for bit.
 
-``Trainer(..., callbacks=[TransformersCallback(seed=0)])``: every optimizer
-step runs in a ``deterministic`` block keyed by the step's number, and every
+``Trainer(..., callbacks=[TransformersCallback(seed=0)])``: training runs in
+one ``deterministic`` block whose generators are seeded afresh from the step's
+number when each optimizer step starts, and every
 training sample's random draws are keyed by ``(seed, epoch, index)``
 (:class:`~deterministic_ctx.SeededDataset`).  A run killed after any checkpoint
 and resumed with ``trainer.train(resume_from_checkpoint=...)`` in a fresh
@@ -40,10 +41,10 @@ import torch
 from transformers.trainer_callback import TrainerCallback
 
 from .._errors import StateWarning
-from ..core.context import deterministic
-from ..internal import check_bool, derive_seed, validate_seed
+from ..internal import check_bool, validate_seed
 from ..parallel.keyed import SeededDataset
 from .check_resume import RECORDS_VAR, checkpoint_saved, record_step
+from .trainer_steps import TrainingBlock
 
 try:  # transformers >= 4.41: callbacks whose state goes into the checkpoint
     from transformers.trainer_callback import ExportableState
@@ -111,12 +112,19 @@ class TransformersCallback(TrainerCallback, ExportableState):
     What it does:
 
     * **each optimizer step** (all its gradient-accumulation micro-batches,
-      the backward passes and the optimizer's step) runs in
-      ``deterministic(seed=derive_seed(seed, "step", n))``, ``n`` the number of
-      steps taken before it: dropout and any other draw of the step depend on
-      ``(seed, n)`` only, and the process's own streams are put back after
-      each step (so the Trainer's ``rng_state.pth`` and the loader's
-      iterators cannot shift training);
+      the backward passes and the optimizer's step) starts from a key of its
+      own: ``train()`` runs in one block (from ``on_train_begin`` to
+      ``on_train_end``; it sets the determinism flags once, for evaluation
+      during training too, and puts the process's own streams and flags back
+      at the end), and at each ``on_step_begin`` that block's generators are
+      seeded afresh, as ``deterministic(seed=k, flags=False)`` seeds them,
+      with the step's key ``k``, a function of ``(seed, n)`` only, ``n`` the
+      number of steps taken before it.  Dropout and any other draw of the
+      step depend on ``(seed, n)`` only; what runs between steps (loading
+      data, the Trainer's ``rng_state.pth``, evaluation) continues from the
+      last step's streams and cannot shift the next step, which starts from
+      its own key again.  Like every open block it holds the process-wide
+      block lock: a block entered in another thread waits for ``train()``;
     * **the training data**: when training starts, the train loader's dataset
       is wrapped in ``SeededDataset(dataset, seed)`` (one private touch: torch
       guards the loader's ``dataset`` attribute), and each epoch's number is
@@ -141,15 +149,17 @@ class TransformersCallback(TrainerCallback, ExportableState):
     epoch's dataset) raise ``TypeError``/``ValueError`` when training starts.
 
     The Trainer has no event for errors: an exception in the model's forward
-    leaves the step's block on its way out (a forward hook of the callback's,
-    ``always_call=True``); one elsewhere in a step (the backward pass, the
-    optimizer, another callback) leaves it open until the next ``train()`` or
-    :meth:`close` (``try: trainer.train() finally: callback.close()``).
+    (training or evaluation) leaves the block on its way out (a forward hook
+    of the callback's, ``always_call=True``); one raised anywhere else during
+    ``train()`` (the backward pass, the optimizer, loading data, evaluation,
+    saving a checkpoint, another callback) leaves it open, with the training's
+    streams and flags in force, until the next ``train()`` or :meth:`close`
+    (``try: trainer.train() finally: callback.close()``).
 
     Args:
         seed: an int in ``0 .. 2**32 - 1``: the steps' and the samples' keys
             derive from it.
-        flags: turn deterministic algorithms on inside the steps (as
+        flags: turn deterministic algorithms on during ``train()`` (as
             ``deterministic(flags=...)``); ``False`` keeps the caller's flags.
         warn_only: deterministic algorithms warn instead of raising where an
             operation has no deterministic implementation.
@@ -164,7 +174,11 @@ class TransformersCallback(TrainerCallback, ExportableState):
         self.seed = validate_seed(seed)
         self.flags = check_bool(flags, "flags")
         self.warn_only = check_bool(warn_only, "warn_only")
-        self._block: deterministic | None = None
+        self._training = TrainingBlock(
+            self.seed, owner="TransformersCallback", flags=self.flags, warn_only=self.warn_only
+        )
+        self._in_step = False  # from on_step_begin to on_step_end
+        self._recording = False  # under check-resume (read by on_train_begin)
         self._dataset: SeededDataset[Any] | None = None
         self._next_epoch: int | None = None
         self._hooks: list[Any] = []
@@ -191,21 +205,20 @@ class TransformersCallback(TrainerCallback, ExportableState):
         }
 
     def close(self) -> None:
-        """Leave the step's block if one is open (after an exception inside a step);
-        nothing otherwise.
+        """Leave the block around training if it is open (after an exception during
+        ``train()``); nothing otherwise.
 
         Example:
             >>> from deterministic_ctx import TransformersCallback
-            >>> TransformersCallback(seed=0).close()  # no step is open: nothing happens
+            >>> TransformersCallback(seed=0).close()  # not training: nothing happens
         """
-        block, self._block = self._block, None
-        if block is not None:
-            block.__exit__(None, None, None)
+        self._in_step = False
+        self._training.close()
 
     # -- the events ------------------------------------------------------------------------
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.close()  # a step an exception left open
+        self.close()  # the block an exception left open
         self._remove_hooks()
         loader = _loader_of(kwargs.get("train_dataloader"))
         if getattr(loader, "persistent_workers", False) and loader.num_workers > 0:
@@ -228,14 +241,15 @@ class TransformersCallback(TrainerCallback, ExportableState):
         model = kwargs.get("model")
         if isinstance(model, torch.nn.Module):
             # The Trainer has no event for errors: an exception in the model's forward
-            # leaves the step's block here, on its way out (torch runs always_call hooks).
+            # leaves the training block here, on its way out (torch runs always_call hooks).
             self._hooks.append(model.register_forward_pre_hook(self._forward_starts))
             self._hooks.append(model.register_forward_hook(self._forward_ends, always_call=True))
-            if os.environ.get(RECORDS_VAR):
+            self._recording = bool(os.environ.get(RECORDS_VAR))
+            if self._recording:
                 self._hooks.append(model.register_forward_hook(self._record, with_kwargs=True))
+        self._training.start()  # last: nothing is left open if the above raises
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.close()
         # The Trainer's first epoch of a train() call is the one its state's epoch is in
         # (1.0 after a checkpoint on the first epoch's last step); the next ones follow.
         epoch = math.floor(state.epoch or 0) if self._next_epoch is None else self._next_epoch
@@ -244,31 +258,25 @@ class TransformersCallback(TrainerCallback, ExportableState):
             self._dataset.set_epoch(epoch)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.close()
-        block = deterministic(
-            derive_seed(self.seed, "step", state.global_step),
-            flags=self.flags,
-            warn_only=self.warn_only,
-        )
         self._forwards = []
-        block.__enter__()
-        self._block = block
+        self._in_step = True
+        # The training block's generators seeded afresh from the step's key, not a
+        # block per step: the capture and the restore are paid once a train().
+        self._training.step(0, state.global_step)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        try:
-            if self._hooks and self._block is not None:
-                forwards, self._forwards = self._forwards, []
-                losses = [loss for _, loss in forwards if loss is not None]
-                record_step(
-                    state.global_step,
-                    loss=torch.stack(losses) if losses else None,
-                    batch=[inputs for inputs, _ in forwards],
-                )
-        finally:
-            self.close()
+        if self._recording and self._in_step:
+            forwards, self._forwards = self._forwards, []
+            losses = [loss for _, loss in forwards if loss is not None]
+            record_step(
+                state.global_step,
+                loss=torch.stack(losses) if losses else None,
+                batch=[inputs for inputs, _ in forwards],
+            )
+        self._in_step = False
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.close()  # a step a callback's should_epoch_stop cut between micro-batches
+        self._in_step = False  # a step a callback's should_epoch_stop cut between micro-batches
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The Trainer calls on_save once the checkpoint's files are written.
@@ -318,7 +326,7 @@ class TransformersCallback(TrainerCallback, ExportableState):
     def _record(
         self, module: object, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
     ) -> None:
-        if self._block is not None:  # a training step's forward, not an evaluation's
+        if self._in_step:  # a training step's forward, not an evaluation's
             self._forwards.append(((args, kwargs), _step_loss(out)))
 
     def _remove_hooks(self) -> None:

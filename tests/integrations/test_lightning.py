@@ -23,8 +23,16 @@ from torch.utils.data import (  # noqa: E402
     TensorDataset,
 )
 
-from deterministic_ctx import LightningCallback, MisuseError, SeededDataset, isolated  # noqa: E402
+from deterministic_ctx import (  # noqa: E402
+    LightningCallback,
+    MisuseError,
+    SeededDataset,
+    derive_seed,
+    deterministic,
+    isolated,
+)
 from deterministic_ctx.integrations import lightning as integration  # noqa: E402
+from deterministic_ctx.integrations.trainer_steps import StepKeys  # noqa: E402
 from tests.helpers import ROOT  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "lightning_resume.py"
@@ -207,6 +215,60 @@ def test_steps_leave_the_global_streams_alone():
         torch.set_rng_state(before)
         trainer.fit(model)
         assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_each_step_starts_from_its_key_in_the_one_block_around_training(monkeypatch):
+    # A step's first draw is the first draw of a block seeded with its key, whatever ran
+    # before it (the previous step, validation); no block is entered per step.
+    class Draws(Model):
+        def training_step(self, batch, batch_idx):
+            self.seen.append((self.current_epoch, batch_idx, torch.rand(()).item()))
+            torch.rand(5)  # the rest of the step moves the stream on
+            return super().training_step(batch, batch_idx)
+
+        def validation_step(self, batch, batch_idx):
+            torch.rand(7)  # validation between steps draws too
+
+    starts = []
+    start = integration.TrainingBlock.start
+    monkeypatch.setattr(
+        integration.TrainingBlock, "start", lambda self: (starts.append(1), start(self))[1]
+    )
+    with isolated():
+        model = Draws(DataLoader(data(), batch_size=4, shuffle=True))
+        model.seen = []
+        model.val_dataloader = lambda: DataLoader(data(4), batch_size=2)
+        trainer = L.Trainer(
+            max_epochs=2,
+            callbacks=[LightningCallback(seed=9)],
+            val_check_interval=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model)
+    keys = StepKeys(derive_seed(9, "step"))
+    assert [(e, b) for e, b, _ in model.seen] == [(e, b) for e in (0, 1) for b in range(3)]
+    for epoch, batch_idx, first in model.seen:
+        with deterministic(seed=keys.key(epoch, batch_idx), flags=False):
+            assert torch.rand(()).item() == first
+    assert len(starts) == 1  # one block for the whole fit, reseeded per step
+
+
+def test_a_block_left_open_at_a_steps_start_is_named():
+    class LeavesOneOpen(L.Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            self.block = deterministic(seed=1).start()
+
+        def on_exception(self, trainer, pl_module, exception):
+            self.block.stop()
+
+    with pytest.raises(MisuseError, match="LightningCallback seeds each training step"):
+        fit(
+            DataLoader(data(), batch_size=4),
+            callbacks=[LightningCallback(seed=0), LeavesOneOpen()],
+        )
 
 
 def test_check_resume_records_each_step_and_each_checkpointed_step_once(tmp_path, monkeypatch):

@@ -42,6 +42,7 @@ if not transformers.utils.is_torch_available():  # transformers 5 wants a newer 
 
 from deterministic_ctx import TransformersCallback
 from deterministic_ctx.integrations import transformers as integration
+from deterministic_ctx.integrations.trainer_steps import StepKeys
 
 EXAMPLE = ROOT / "examples" / "transformers_resume.py"
 
@@ -181,13 +182,13 @@ def _trainer(tmp_path: Path, model: torch.nn.Module, callback: Any, data: Any = 
     )
 
 
-def test_each_step_runs_in_its_block_and_each_item_is_keyed(tmp_path, monkeypatch):
+def test_each_step_starts_from_its_key_and_each_item_is_keyed(tmp_path, monkeypatch):
     model = Probe()
     callback = TransformersCallback(seed=7)
     with isolated():
         trainer = _trainer(tmp_path, model, callback, gradient_accumulation_steps=2)
         trainer.train()
-        assert callback._block is None
+        assert not callback._training.is_open
     assert len(model.seen) == 8  # 2 epochs of 4 batches, 2 steps of 2 batches each
     keyed = SeededDataset(Indexed(), seed=7)
     for n, (inside, x, draw) in enumerate(model.seen):
@@ -196,22 +197,22 @@ def test_each_step_runs_in_its_block_and_each_item_is_keyed(tmp_path, monkeypatc
         for i, value in x.tolist():
             assert value == keyed[SeededIndex(int(i), epoch=epoch)]["x"][1].item()
         if n % 2 == 0:  # the first draw of a step: the step's key, whatever came before
-            with deterministic(seed=derive_seed(7, "step", n // 2)):
+            with deterministic(seed=StepKeys(derive_seed(7, "step")).key(0, n // 2)):
                 assert draw == torch.rand(()).item()
 
 
-def test_an_exception_in_the_forward_leaves_the_steps_block(tmp_path):
+def test_an_exception_in_the_forward_leaves_the_training_block(tmp_path):
     callback = TransformersCallback(seed=0)
     with isolated():
         trainer = _trainer(tmp_path, Probe(fail_at=3), callback)
         with pytest.raises(RuntimeError, match="planted failure"):
             trainer.train()
-        assert callback._block is None
+        assert not callback._training.is_open
         assert not torch.are_deterministic_algorithms_enabled()
         trainer.model.fail_at = None
         trainer.train()
         assert len(trainer.model.seen) == 3 + 8
-        assert callback._block is None
+        assert not callback._training.is_open
 
 
 def test_an_exception_elsewhere_is_closed_by_close_and_by_the_next_train(tmp_path):
@@ -226,15 +227,15 @@ def test_an_exception_elsewhere_is_closed_by_close_and_by_the_next_train(tmp_pat
         trainer.add_callback(Fails())
         with pytest.raises(RuntimeError, match="planted failure"):
             trainer.train()
-        assert callback._block is not None  # the Trainer has no event for errors
+        assert callback._training.is_open  # the Trainer has no event for errors
         callback.close()
-        assert callback._block is None
+        assert not callback._training.is_open
         assert not torch.are_deterministic_algorithms_enabled()
         with pytest.raises(RuntimeError, match="planted failure"):
             trainer.train()
         trainer.remove_callback(Fails)
         trainer.train()  # the next train() first leaves the block the error left open
-        assert callback._block is None
+        assert not callback._training.is_open
 
 
 NEEDS_EXPORTABLE_STATE = pytest.mark.skipif(
