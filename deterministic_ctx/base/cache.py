@@ -49,15 +49,14 @@ class BoundedCache(Generic[K, V]):
 
     def put(self, key: K, value: V) -> None:
         """Remember ``value`` for ``key`` (the oldest key goes when full)."""
-        if not self._enabled:
-            return
-        items = self._items
-        while len(items) >= self._size and key not in items:
-            try:
-                del items[next(iter(items))]
-            except (KeyError, RuntimeError, StopIteration):  # another thread got there first
-                break
-        items[key] = value
+        if self._enabled:
+            items = self._items
+            if len(items) >= self._size and key not in items:  # one in, one out
+                try:
+                    del items[next(iter(items))]
+                except (KeyError, RuntimeError, StopIteration):  # another thread got there first
+                    pass
+            items[key] = value
 
     def __contains__(self, key: object) -> bool:
         return key in self._items

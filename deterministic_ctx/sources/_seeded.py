@@ -52,4 +52,4 @@ class SeededCache(BoundedCache[int, T | None]):
         ``None`` marks the first), so that ``take`` runs for seeds seen
         before only; never with the fast paths off."""
         if self._enabled:
-            self.put(seed, take() if self._eager or seed in self else None)
+            self.put(seed, take() if self._eager or seed in self._items else None)
