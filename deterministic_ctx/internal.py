@@ -1,14 +1,21 @@
-"""The internal API: what the integrations use besides the public one.
+"""The internal API: the engine's parts that the layers above it use, and nothing else.
 
-The integrations (``seeding``, ``data``, ``distributed``, ``verify``,
-``locate`` and their parts, ``report``, ``cli``, ``ipython`` and the pytest
-plugin) import from the public modules (:mod:`~deterministic_ctx.core.context`,
-:mod:`~deterministic_ctx.core.decorate`, :mod:`~deterministic_ctx.state.snapshot`,
-:mod:`~deterministic_ctx.state.checkpoint`) and from here, never from the engine,
-the sources or a private module directly; ``lint-imports`` (the contracts in
-the repository's ``.importlinter``) fails the build otherwise.  Changing an
-integration therefore needs nothing beyond this page, and the engine can
-change behind it.
+The layers above the engine (``parallel``, ``state``, ``verify``, ``reporting``,
+``audit``, ``trace`` and the integrations) import the public modules
+(:mod:`~deterministic_ctx.core.context`, :mod:`~deterministic_ctx.state.snapshot`,
+...), the foundation every layer may use (:mod:`deterministic_ctx._torch`, torch's
+private and version-dependent API; :mod:`deterministic_ctx.base.plain`, checked
+reading of saved data; :mod:`deterministic_ctx.base.version`) and this module;
+never the engine's parts (``core.engine``, ``core.world``, ``sources``, the rest
+of ``base``) directly.  ``lint-imports`` (the contracts in the repository's
+``.importlinter``) fails the build otherwise.
+
+So this is the engine's explicit API, in four groups: blocks; seeds and a
+block's settings; the sources' registries and the facts the report shows; the
+exempted calls.  Each name is here because a module above uses it (a test in
+``tests/test_layout.py`` checks that, and that there are at most 30), and each
+comes from a public (not ``_``-prefixed) module below, so that nothing private
+leaks upwards through this page.
 
 Not for users: names here may change in any release.
 
@@ -25,39 +32,7 @@ Example:
 
 from __future__ import annotations
 
-from ._torch import (
-    DCP_STATEFUL,
-    TorchFeatureError,
-    accelerator_type,
-    default_device,
-    is_compiling,
-    missing_capabilities,
-    release_of,
-)
-from ._torch.distributed import launcher_variables, process_rank
-from ._torch.flags import current_autograd_node
-from ._torch.internals import (
-    AUTOGRAD_ENGINE_ENTRIES,
-    BATCH_NORM_BASE,
-    DROPOUT_BASE,
-    DYNAMO,
-    DYNAMO_CONFIG,
-    INDUCTOR,
-    INDUCTOR_CONFIG,
-    TORCH_MACHINERY,
-    UnwrappedDispatchMode,
-    bad_fork_check,
-    compiled_in_place,
-    compiled_original,
-    current_dispatch_mode,
-    dynamo_disable,
-    dynamo_disable_message,
-    foreach_copy_,
-    import_dynamo,
-    inductor_config,
-    inductor_mode_options,
-    node_sequence_nr,
-)
+# Seeds and a block's settings, validated.
 from .base.seed import MAX_SEED, derive_seed, validate_seed
 from .base.settings import (
     AUTO,
@@ -66,12 +41,19 @@ from .base.settings import (
     Settings,
     check_bool,
     seed_for_rank,
-    validate_compiled_rng,
     validate_rank,
 )
-from .base.version import __version__ as VERSION
-from .core.engine import Block, inside_block, opaque
+
+# Blocks: the engine's one way in and out.
+from .core.engine import Block, inside_block
+
+# Exempted calls (allow_nondeterministic): what the checks above must not count.
 from .core.exempt import active_exemptions, exempted_calls, is_exempted
+
+# A world: the captured state of every source, or of some (what a block restores).
+from .core.world import World
+
+# The sources: registered RNGs, the sources by name, what the report shows of them.
 from .sources import (
     fast_paths,
     generator_sources,
@@ -80,84 +62,41 @@ from .sources import (
     seed_registered_rngs,
     source_named,
 )
-from .sources._config import unchanged_config
-from .sources._plain import fields as plain_fields
-from .sources._plain import flag as plain_flag
-from .sources._plain import integer as plain_integer
-from .sources._plain import mapping as plain_mapping
-from .sources._plain import shown as plain_shown
 from .sources.compiler import compiled_settings
-from .sources.environ import CUBLAS_VALID, export_env_var, managed_env_vars, register_env_var
+from .sources.config_entries import unchanged_config
+from .sources.environ import CUBLAS_VALID, export_env_var, managed_env_vars
 from .sources.environ import SEED as SEED_ENV_VAR
 from .sources.flags import PRECISION_OPS, UNSUPPORTED_FLAGS
 
 __all__ = [
     "AUTO",
-    "AUTOGRAD_ENGINE_ENTRIES",
-    "BATCH_NORM_BASE",
     "CUBLAS_VALID",
-    "DCP_STATEFUL",
-    "DROPOUT_BASE",
-    "DYNAMO",
-    "DYNAMO_CONFIG",
-    "INDUCTOR",
-    "INDUCTOR_CONFIG",
     "MAX_SEED",
     "PRECISION_OPS",
     "SEED_ENV_VAR",
-    "TORCH_MACHINERY",
     "UNSUPPORTED_FLAGS",
-    "VERSION",
     "Block",
     "CompiledRng",
     "Rank",
     "Settings",
-    "TorchFeatureError",
-    "UnwrappedDispatchMode",
-    "accelerator_type",
+    "World",
     "active_exemptions",
-    "bad_fork_check",
     "check_bool",
-    "compiled_in_place",
-    "compiled_original",
     "compiled_settings",
-    "current_autograd_node",
-    "current_dispatch_mode",
-    "default_device",
     "derive_seed",
-    "dynamo_disable",
-    "dynamo_disable_message",
     "exempted_calls",
     "export_env_var",
     "fast_paths",
-    "foreach_copy_",
     "generator_sources",
-    "import_dynamo",
-    "inductor_config",
-    "inductor_mode_options",
     "inside_block",
-    "is_compiling",
     "is_exempted",
-    "launcher_variables",
     "managed_env_vars",
-    "missing_capabilities",
-    "node_sequence_nr",
-    "opaque",
-    "plain_fields",
-    "plain_flag",
-    "plain_integer",
-    "plain_mapping",
-    "plain_shown",
-    "process_rank",
-    "register_env_var",
     "register_rng",
     "registered_rngs",
-    "release_of",
     "seed_for_rank",
     "seed_registered_rngs",
     "source_named",
     "unchanged_config",
-    "validate_compiled_rng",
     "validate_rank",
     "validate_seed",
 ]

@@ -202,6 +202,71 @@ def test_private_torch_names_live_in_one_place():
     assert all(name.startswith("_torch/") for name in naming), naming
 
 
+# -- the internal API: narrow, and nothing private through it (issue 42) ----------------------
+
+INTERNAL = PACKAGE / "internal.py"
+#: Names still re-exported from a private module for a module above that imports them from
+#: deterministic_ctx.internal: each goes once that module imports it from where it lives.
+PENDING: dict[str, str] = {}
+
+
+def _internal_imports() -> list[tuple[str, str]]:
+    """``(module it comes from, name)`` for each name internal.py imports."""
+    return [
+        ("." * node.level + (node.module or ""), alias.asname or alias.name)
+        for node in ast.parse(INTERNAL.read_text()).body
+        if isinstance(node, ast.ImportFrom) and node.module != "__future__"
+        for alias in node.names
+    ]
+
+
+def test_the_internal_api_is_narrow():
+    from deterministic_ctx import internal
+
+    assert len(internal.__all__) <= 30, len(internal.__all__)
+    assert sorted(internal.__all__) == sorted(name for _, name in _internal_imports())
+
+
+def test_the_internal_api_takes_nothing_from_a_private_module():
+    # A private module's name passed on here would let the layers above reach what the
+    # contracts in .importlinter forbid them, through the one module they may import.
+    private = sorted(
+        f"{name} from {module}"
+        for module, name in _internal_imports()
+        if any(part.startswith("_") for part in module.lstrip(".").split("."))
+        and name not in PENDING
+    )
+    assert private == []
+    from deterministic_ctx import internal
+
+    assert set(PENDING) <= set(internal.__all__), "a pending name is gone: drop it from PENDING"
+
+
+def _names_taken_from_internal(path: Path) -> set[str]:
+    """The names ``path`` imports from deterministic_ctx.internal, and the attributes it
+    reads where it imports the module itself (``from .. import internal``)."""
+    tree = ast.parse(path.read_text())
+    taken: set[str] = set()
+    whole = False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            if (node.module or "").split(".")[-1] == "internal":
+                taken.update(alias.name for alias in node.names)
+            elif any(alias.name == "internal" for alias in node.names):
+                whole = True
+    if whole:
+        taken.update(node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute))
+    return taken
+
+
+def test_every_internal_name_is_used_above_the_engine():
+    # Each name is there because a layer above needs it: a name nobody imports any more goes.
+    from deterministic_ctx import internal
+
+    used = set().union(*(_names_taken_from_internal(p) for p in _modules() if p != INTERNAL))
+    assert sorted(set(internal.__all__) - used) == []
+
+
 # -- errors and warnings: one base, one public path --------------------------------------------
 
 

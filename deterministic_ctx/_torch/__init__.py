@@ -352,7 +352,7 @@ CONFIG_OVERRIDES = Capability(
     "reads as set by the user",
     probe=_config_overrides,
 )
-"""torch's "nobody set it" sentinel of config entries (``sources/_config.py`` reads it
+"""torch's "nobody set it" sentinel of config entries (``sources/config_entries.py`` reads it
 from ``sys.modules``; this probe is for the report and the tests)."""
 
 

@@ -115,7 +115,7 @@ TORCH_MACHINERY = ("torch._dynamo", "torch._compile", "torch._ops", "torch.utils
 supported torch; a module renamed by a later torch reads as the caller's code)."""
 
 
-# -- config modules (sources/_config.py) --------------------------------------------------
+# -- config modules (sources/config_entries.py) -------------------------------------------
 
 
 def config_unset() -> object | None:

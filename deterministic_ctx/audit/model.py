@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from .._errors import PUBLIC_MODULE, DeterministicCtxWarning
-from ..internal import release_of
+from .._torch import release_of
 
 __all__ = [
     "CHECKED_TORCH",

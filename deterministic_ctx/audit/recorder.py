@@ -18,7 +18,9 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..internal import TORCH_MACHINERY, current_autograd_node, is_exempted
+from .._torch.flags import current_autograd_node
+from .._torch.internals import TORCH_MACHINERY
+from ..internal import is_exempted
 from ..verify.ops import (
     NodeOrigins,
     QuietDispatchMode,

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 from torch.nn.modules import module as _nn_module
 
+from .._torch import release_of
 from ..core.context import deterministic
-from ..internal import CUBLAS_VALID, release_of
+from ..internal import CUBLAS_VALID
 from ..verify.compare import short_repr, tensor_leaves
 from ..verify.rerun import call_and_consume, prepare_runs
 from .findings import AuditReport

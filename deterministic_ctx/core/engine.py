@@ -34,10 +34,11 @@ from collections.abc import Callable
 from contextlib import suppress
 
 from .. import sources as _sources
-from .._errors import StateWarning
+from .._errors import MisuseError, StateWarning
 from .._torch.compiler import opaque, pause_compiler, refuse_while_tracing, resume_compiler
 from ..base.errors import AbandonedBlockWarning, RestoreError
 from ..base.lock import LOCK
+from ..base.seed import validate_seed
 from ..base.settings import Settings
 from .world import World
 from .world import headroom as _headroom
@@ -84,10 +85,16 @@ class Block:
     back once the thread has no block open, however often it is called.
     """
 
-    __slots__ = ("_carried", "_carrier", "_inner", "_outer", "_settings", "_started")
+    __slots__ = ("_carried", "_carrier", "_inner", "_outer", "_settings", "_sources", "_started")
 
-    def __init__(self, settings: Settings | None) -> None:
+    def __init__(
+        self, settings: Settings | None, sources: tuple[_sources.Source, ...] | None = None
+    ) -> None:
         self._settings = settings  # None: isolation only, nothing applied
+        # The sources the block captures, applies and restores: ``None`` for
+        # every source (read at each start: a test may swap SOURCES), else a
+        # part of them (a keyed item's RNGs, a stream's generators).
+        self._sources = sources
         self._outer: World | None = None  # the caller's state, while the block is open
         self._inner: World | None = None  # the block's own state, while it is suspended
         self._started = False
@@ -112,7 +119,7 @@ class Block:
             # Listed first: the thread keeps the lock while it has a block
             # listed, even if a finalizer runs a whole block during the capture.
             _active.append(self)
-            outer = World.capture()
+            outer = World.capture(self._sources)
             if self._outer is None:  # else handed on by a block below that left meanwhile
                 self._outer = outer
             if self._started:
@@ -152,6 +159,30 @@ class Block:
                 block._carrier = self
             del _active[i + 1 :]
 
+    def reseed(self, seed: int) -> None:
+        """Seed the block's RNGs afresh, as a block of its settings started with
+        ``seed`` (and ``flags=False``) would seed them; its flags, variables and
+        what it will restore on exit stay as they are.
+
+        For loops whose every step must depend on its own key only, without
+        a block per step: a keyed item (:class:`~deterministic_ctx.SeededDataset`),
+        a training step.  The block must be the calling thread's live world
+        (its innermost open block): :class:`MisuseError` otherwise.  An
+        interrupt half-way leaves some RNGs seeded anew and others not, inside
+        the block only: its exit restores the caller's state all the same.
+        """
+        if not (_active and _active[-1] is self and LOCK.mine()):
+            raise MisuseError(
+                "reseed() needs the block to be the calling thread's innermost open block"
+            )
+        settings = self._settings
+        # Built directly, not through ``Settings.build``'s cache: a keyed loop
+        # reseeds with a new seed every step, and its other fields are checked.
+        step = Settings(
+            validate_seed(seed), False, None if settings is None else settings.rank, False
+        )
+        _sources.apply_all(step, self._sources if self._sources is not None else _sources.SOURCES)
+
     @property
     def suspended(self) -> bool:
         """Left at a suspension point, with its own state saved to resume from."""
@@ -168,7 +199,7 @@ class Block:
         i = _position(self)
         if i is not None:
             if self._inner is None:  # not captured yet in this suspension
-                self._inner = World.capture()
+                self._inner = World.capture(self._sources)
             self._carry(i)
             assert self._outer is not None
             self._outer.restore()

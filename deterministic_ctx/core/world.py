@@ -43,9 +43,12 @@ class World:
         self.states = states
 
     @classmethod
-    def capture(cls) -> World:
-        """The state of every source of :data:`~deterministic_ctx.sources.SOURCES` now."""
-        sources = _sources.SOURCES
+    def capture(cls, sources: tuple[Source, ...] | None = None) -> World:
+        """The state now of each of ``sources``: by default every source of
+        :data:`~deterministic_ctx.sources.SOURCES`; a block over a part of them
+        (a keyed item's RNGs, a stream's generators) passes that part."""
+        if sources is None:
+            sources = _sources.SOURCES
         world = _new(cls)  # without ``__init__``'s Python frame: a swap captures twice
         world.sources = sources
         world.states = tuple(map(_capture, sources))

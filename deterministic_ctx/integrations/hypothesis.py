@@ -40,9 +40,8 @@ Example:
 from __future__ import annotations
 
 import threading
-from typing import Any
 
-from ..internal import Settings, generator_sources
+from ..internal import Block, Settings, World, generator_sources
 
 __all__ = ["TorchRandom", "register", "unregister"]
 
@@ -101,11 +100,13 @@ class TorchRandom:
         """
         if not self.enabled:
             return
-        settings = Settings.build(seed, False)
-        for source in _SOURCES:
-            source.apply(settings)
+        # A block over these sources that keeps what it applied: the engine's lock,
+        # and nothing half-seeded if a source fails (it rolls back).
+        block = Block(Settings.build(seed, False), _SOURCES)
+        block.start()
+        block.commit()
 
-    def getstate(self) -> tuple[Any, ...] | None:
+    def getstate(self) -> World | None:
         """The state of every managed generator now (``None`` while disabled).
 
         Example:
@@ -120,9 +121,9 @@ class TorchRandom:
         """
         if not self.enabled:
             return None
-        return tuple(source.capture() for source in _SOURCES)
+        return World.capture(_SOURCES)
 
-    def setstate(self, state: tuple[Any, ...] | None) -> None:
+    def setstate(self, state: World | None) -> None:
         """Put back a state from :meth:`getstate`, bit for bit; ``None`` does nothing.
 
         Example:
@@ -137,14 +138,14 @@ class TorchRandom:
         """
         if state is None:
             return
-        if type(state) is not tuple or len(state) != len(_SOURCES):
+        if type(state) is not World or state.sources != _SOURCES:
             raise TypeError(
                 f"setstate() takes a state returned by TorchRandom.getstate(), got "
                 f"{type(state).__name__}"
             )
-        # Reverse capture order, as a snapshot restores.
-        for source, saved in zip(reversed(_SOURCES), reversed(state), strict=True):
-            source.restore(saved)
+        # The engine's restore: in reverse capture order, completed if interrupted,
+        # every source tried before a RestoreError names those that failed.
+        state.restore()
 
     def __repr__(self) -> str:
         names = ", ".join(source.name for source in _SOURCES)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import operator
-import random
 import warnings
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any, Generic, TypeVar
@@ -33,11 +32,10 @@ import torch.utils.data
 
 from .._errors import StateWarning
 from ..internal import (
-    Settings,
+    Block,
     check_bool,
     derive_seed,
     register_rng,
-    seed_registered_rngs,
     source_named,
     validate_seed,
 )
@@ -123,60 +121,33 @@ def _seeded_index(index: int, epoch: int) -> SeededIndex:
     return self
 
 
-# The sources of the state an item seeds and restores: the same capture and
-# restore a block runs (with their probed fast paths, and the plain public API
-# under DETERMINISTIC_CTX_NO_FAST_PATHS=1).  NumPy's public get_state() +
-# set_state() alone would cost 2-5 times a whole keyed item (benchmarks/README.md).
-_RANDOM = source_named("random")
-_NUMPY = source_named("numpy")
-_USER = source_named("user")
-_MT19937 = np.random.MT19937
-# ``random.seed(k)`` for an int ``k`` is the C seeding plus ``gauss_next = None``;
-# calling them directly saves a Python frame per item.  The generator is the one
-# the random source manages (module functions are its bound methods).
-_PY_RNG: Any = getattr(random.random, "__self__")  # noqa: B009 - untyped attribute
-_PY_SEED: Any = random.Random.__mro__[1].seed  # type: ignore[attr-defined]
+#: What an item seeds from its key and what is put back afterwards: Python's
+#: ``random``, NumPy's global RNG, torch's CPU generator and the registered RNGs
+#: (accelerators are not seeded per item: augmentation runs on the CPU).  A block
+#: over these sources does both, with the engine's lock, retries and
+#: ``RestoreError``, and the sources' own fast paths (off under
+#: ``DETERMINISTIC_CTX_NO_FAST_PATHS=1``).
+_ITEM_SOURCES = tuple(source_named(name) for name in ("random", "numpy", "torch.cpu", "user"))
 
 
 def _keyed_calls(dataset: Any, indices: Sequence[int], keys: Sequence[int]) -> list[Any]:
     """``[dataset[i] for i in indices]``, each item with ``random``, NumPy's
     global RNG, torch's CPU generator and the registered RNGs seeded from its
-    key as a block seeded with it seeds them; the process's state is captured
-    once before the first item and put back once after the last, however it ends."""
-    gen = torch.default_generator
-    rs = np.random.mtrand._rand
-    seed_torch = gen.manual_seed
-    py = _PY_RNG
-    out: list[Any] = []
-    r, n, t, u = _RANDOM.capture(), _NUMPY.capture(), gen.get_state(), _USER.capture()
+    key as a block seeded with it seeds them: one isolation-only block over
+    those sources, reseeded per item, so the process's state is captured once
+    before the first item and put back once after the last, however it ends."""
+    block = Block(None, _ITEM_SOURCES)
+    block.start()
     try:
+        out: list[Any] = []
         for index, key in zip(indices, keys, strict=True):
-            _PY_SEED(py, key)  # random.seed(key)
-            py.gauss_next = None
-            if type(rs._bit_generator) is _MT19937:
-                rs.seed(key)  # legacy seeding, as np.random.seed; clears the gaussian cache
-            else:  # np.random.seed refuses other bit generators: the block's way, MT19937
-                _NUMPY.apply(Settings(key, False))
-            # Not torch.manual_seed: it also queues lazy seeds for every accelerator,
-            # about 100 times the cost of seeding the CPU generator.
-            seed_torch(key)
-            # Every item, not only where some were registered at the start: an item
-            # may register one, and the next item seeds it, as one by one.
-            seed_registered_rngs(key)
+            # Every item, registered RNGs included: an item may register one,
+            # and the next item seeds it, as one by one.
+            block.reseed(key)
             out.append(dataset[index])
         return out
     finally:
-        try:
-            if u:
-                _USER.restore(u)
-        finally:
-            try:
-                gen.set_state(t)
-            finally:
-                try:
-                    _NUMPY.restore(n)
-                finally:
-                    _RANDOM.restore(r)
+        block.stop()
 
 
 class SeededDataset(torch.utils.data.Dataset[T_co], Generic[T_co]):
@@ -211,8 +182,11 @@ class SeededDataset(torch.utils.data.Dataset[T_co], Generic[T_co]):
 
     Registered RNGs travel with the dataset to ``spawn`` workers (as with
     :data:`~deterministic_ctx.seed_worker`): the worker registers the very
-    objects its dataset holds.  Items are not serialized with blocks in
-    other threads of the same process.
+    objects its dataset holds.  A batch is fetched inside a block over those
+    generators (the engine's, reseeded per item), so it waits for blocks in
+    other threads of the process, as any block does, and its restore is the
+    engine's (completed if interrupted, :class:`~deterministic_ctx.RestoreError`
+    if a generator cannot be put back).
 
     Args:
         dataset: a map-style dataset (``__getitem__`` with int indices).
@@ -414,18 +388,34 @@ def _world(num_replicas: object, rank: object) -> tuple[int, int]:
     return replicas, where
 
 
-def _warn_if_base_seed_drawn(at_set_epoch: torch.Tensor) -> None:
-    """Warn if torch's global generator is exactly one ``DataLoader`` base seed past
-    ``at_set_epoch``: the draw ``_BaseDataLoaderIter.__init__`` makes from it when the
-    loader has no generator of its own (every torch from 2.1 on), before the sampler's
-    first index.  A resumed pass starts mid-epoch, where the uninterrupted run created
-    no iterator: from here on the main process's stream (dropout) is not that run's.
-    Only that exact step warns: a Snapshot restored after set_epoch does not, and a
-    torch that ever drew otherwise would make this silent, never wrong."""
-    probe = torch.Generator()
-    probe.set_state(at_set_epoch)
-    torch.empty((), dtype=torch.int64).random_(generator=probe)
-    if torch.equal(probe.get_state(), torch.default_generator.get_state()):
+#: torch's global generator, the one a ``DataLoader`` without a generator draws from.
+_TORCH_CPU = _ITEM_SOURCES[2]
+
+
+def _after_base_seed_draw() -> torch.Tensor:
+    """torch's global generator as the draw ``_BaseDataLoaderIter.__init__`` makes
+    from it for its workers' base seed (when the loader has no generator of its
+    own: every torch from 2.1 on) would leave it now; the draw is made in a
+    block over that generator, which puts it back."""
+    block = Block(None, (_TORCH_CPU,))
+    block.start()
+    try:
+        torch.empty((), dtype=torch.int64).random_()
+        after: torch.Tensor = _TORCH_CPU.capture()
+        return after
+    finally:
+        block.stop()
+
+
+def _warn_if_base_seed_drawn(expected: torch.Tensor) -> None:
+    """Warn if torch's global generator is ``expected``: exactly one ``DataLoader``
+    base seed past its state at ``set_epoch`` (:func:`_after_base_seed_draw`), before
+    the sampler's first index.  A resumed pass starts mid-epoch, where the
+    uninterrupted run created no iterator: from here on the main process's stream
+    (dropout) is not that run's.  Only that exact step warns: a Snapshot restored
+    after set_epoch does not, and a torch that ever drew otherwise would make this
+    silent, never wrong."""
+    if torch.equal(expected, _TORCH_CPU.capture()):
         warnings.warn(
             "SeededSampler: this resumed pass began in a DataLoader without a generator of "
             "its own, which drew its workers' base seed from torch's global generator: the "
@@ -525,8 +515,9 @@ class SeededSampler(torch.utils.data.Sampler[int]):
         self._done: tuple[int, int] | None = None
         # The epoch set_epoch asked for since the last pass began (None: not asked).
         self._asked: int | None = None
-        # Torch's global generator at that set_epoch, and whether a state was loaded
-        # since the last pass began: what the resumed pass checks (_warn_if_base_seed_drawn).
+        # Torch's global generator one DataLoader base-seed draw past that set_epoch,
+        # and whether a state was loaded since the last pass began: what the resumed
+        # pass checks (_warn_if_base_seed_drawn).
         self._global_at_set_epoch: torch.Tensor | None = None
         self._loaded = False
 
@@ -577,7 +568,7 @@ class SeededSampler(torch.utils.data.Sampler[int]):
         """
         epoch = check_count(epoch, "epoch")
         done, self._done, self._asked = self._done, None, epoch
-        self._global_at_set_epoch = torch.default_generator.get_state()
+        self._global_at_set_epoch = _after_base_seed_draw()
         if done is not None and epoch == done[0]:
             # A loop that saved the finished epoch with the state asks for it again:
             # it gets that epoch's empty rest, then asks for the next one.

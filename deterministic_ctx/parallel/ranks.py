@@ -40,14 +40,8 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from .._errors import MisuseError
-from ..internal import (
-    Rank,
-    launcher_variables,
-    process_rank,
-    seed_for_rank,
-    validate_rank,
-    validate_seed,
-)
+from .._torch.distributed import launcher_variables, process_rank
+from ..internal import Rank, seed_for_rank, validate_rank, validate_seed
 
 __all__ = [
     "Ranks",

@@ -6,6 +6,8 @@ import logging
 import os
 from typing import Any
 
+from .._torch.compiler import opaque
+from .._torch.distributed import process_rank
 from ..internal import (
     AUTO,
     SEED_ENV_VAR,
@@ -15,8 +17,6 @@ from ..internal import (
     Settings,
     check_bool,
     export_env_var,
-    opaque,
-    process_rank,
     validate_seed,
 )
 

@@ -97,7 +97,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._errors import MisuseError
-from ..internal import accelerator_type, derive_seed, register_rng, validate_seed
+from .._torch import accelerator_type
+from ..internal import derive_seed, register_rng, validate_seed
 from .keyed import check_count
 
 if TYPE_CHECKING:

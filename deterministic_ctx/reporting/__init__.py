@@ -64,14 +64,9 @@ def report() -> DeterminismReport:
     import numpy as np
     import torch
 
-    from ..internal import (
-        VERSION,
-        active_exemptions,
-        compiled_settings,
-        fast_paths,
-        inside_block,
-        missing_capabilities,
-    )
+    from .._torch import missing_capabilities
+    from ..base.version import __version__ as VERSION
+    from ..internal import active_exemptions, compiled_settings, fast_paths, inside_block
     from ..state.snapshot import Snapshot
 
     snapshot = Snapshot.capture()

@@ -85,7 +85,7 @@ def flags(torch: Any, snapshot: Any) -> dict[str, Any]:
 
 
 def cuda_facts(torch: Any) -> dict[str, Any]:
-    from ..internal import bad_fork_check
+    from .._torch.internals import bad_fork_check
 
     cuda = torch.cuda
     # Whether this is a child forked after CUDA initialized (it cannot use CUDA).

@@ -131,7 +131,7 @@ def _section(title: str, values: Mapping[str, Any]) -> list[str]:
 
 
 def _compile_section(settings: Mapping[str, Any]) -> list[str]:
-    from ..internal import INDUCTOR, INDUCTOR_CONFIG
+    from .._torch.internals import INDUCTOR, INDUCTOR_CONFIG
 
     lines = _section("torch.compile", settings)
     if not any(name.startswith(INDUCTOR_CONFIG) for name in settings):

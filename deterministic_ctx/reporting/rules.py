@@ -71,8 +71,16 @@ def _internal() -> Any:
     return internal
 
 
+def _configs() -> Any:
+    """:mod:`deterministic_ctx._torch.internals`, for the names of torch's config modules:
+    imported when a rule runs, for the same reason."""
+    from .._torch import internals
+
+    return internals
+
+
 def _compiled_rng(f: Facts) -> Problem | None:
-    from ..internal import DYNAMO, INDUCTOR_CONFIG
+    from .._torch.internals import DYNAMO, INDUCTOR_CONFIG
 
     # Absent when torch._inductor is not imported: nothing was compiled by inductor then.
     # A note, not a warning: compiled numbers are reproducible run to run; they are only
@@ -319,7 +327,7 @@ RULES: tuple[Callable[[Facts], Problem | None], ...] = (
         "inductor",
         lambda f: f.flags.get("inductor_deterministic") is False,
         lambda f: (
-            f"{_internal().INDUCTOR_CONFIG}.deterministic is off: torch.compile may "
+            f"{_configs().INDUCTOR_CONFIG}.deterministic is off: torch.compile may "
             "autotune and pick different kernels in each run"
         ),
     ),
@@ -330,10 +338,10 @@ RULES: tuple[Callable[[Facts], Problem | None], ...] = (
         "note",
         "compiled-numpy-rng",
         lambda f: (
-            f.torch_compile.get(f"{_internal().DYNAMO_CONFIG}.use_numpy_random_stream") is False
+            f.torch_compile.get(f"{_configs().DYNAMO_CONFIG}.use_numpy_random_stream") is False
         ),
         lambda f: (
-            f"{_internal().DYNAMO_CONFIG}.use_numpy_random_stream is off: np.random calls inside "
+            f"{_configs().DYNAMO_CONFIG}.use_numpy_random_stream is off: np.random calls inside "
             "code compiled with torch.compile draw from torch's generator, not NumPy's (other "
             "numbers than eager, and NumPy's state does not advance); set it to True to keep "
             "NumPy's stream (each such call is then a graph break)"

@@ -76,10 +76,10 @@ from .._torch.internals import (
     is_compiled_check,
     lazy_seed_queue,
 )
+from ..base import plain as _plain
 from ..base.errors import DeviceMismatchError, GraphCaptureError
 from ..base.fast_paths import FastPath
 from ..base.settings import Settings
-from . import _plain
 
 __all__ = [
     "PHILOX_DEVICES",

@@ -48,10 +48,10 @@ from .._torch.internals import DYNAMO_CONFIG as _DYNAMO
 from .._torch.internals import FUNCTORCH_CONFIG as _FUNCTORCH
 from .._torch.internals import INDUCTOR_CONFIG as _INDUCTOR
 from .._torch.internals import config_unset
+from ..base import plain as _plain
 from ..base.fast_paths import FastPath
 from ..base.settings import Settings
-from . import _plain
-from ._config import AT_DEFAULT, ConfigEntry
+from .config_entries import AT_DEFAULT, ConfigEntry
 
 __all__ = [
     "ENTRIES",

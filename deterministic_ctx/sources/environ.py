@@ -75,10 +75,10 @@ from itertools import compress
 from operator import ne
 from typing import Any, NamedTuple
 
+from ..base import plain as _plain
 from ..base.cache import BoundedCache
 from ..base.fast_paths import ENABLED, FastPath
 from ..base.settings import Settings
-from . import _plain
 
 __all__ = [
     "CUBLAS_VALID",

@@ -43,10 +43,10 @@ from .._torch.flags import (
     set_deterministic_algorithms,
 )
 from .._torch.internals import INDUCTOR_CONFIG as _INDUCTOR
+from ..base import plain as _plain
 from ..base.fast_paths import FastPath
 from ..base.settings import Settings
-from . import _plain
-from ._config import AT_DEFAULT, ConfigEntry
+from .config_entries import AT_DEFAULT, ConfigEntry
 from .precision import (
     ONEDNN,
     OPTIONAL_PRECISION,

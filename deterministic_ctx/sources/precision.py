@@ -61,7 +61,7 @@ from .._torch.flags import (
     set_cudnn_allow_tf32,
     set_float32_matmul_precision,
 )
-from . import _plain
+from ..base import plain as _plain
 
 if TYPE_CHECKING:  # flags.py imports this module
     from .flags import FlagState

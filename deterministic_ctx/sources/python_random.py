@@ -6,9 +6,9 @@ import random
 from functools import partial
 from typing import Any
 
+from ..base import plain as _plain
 from ..base.fast_paths import ENABLED, FastPath
 from ..base.settings import Settings
-from . import _plain
 from ._seeded import SeededCache
 from .rngs.entries import Entry
 from .rngs.kinds import RANDOM

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
+from ..base import plain as _plain
 from ..base.fast_paths import FastPath
 from ..base.settings import Settings
-from . import _plain
 from ._seeded import SeededCache
 from .rngs.persistence import generator_state_from_plain
 

@@ -51,9 +51,9 @@ from .._torch.internals import (
     remove_function_mode,
     set_device_context_slot,
 )
+from ..base import plain as _plain
 from ..base.fast_paths import FastPath
 from ..base.settings import Settings
-from . import _plain
 
 __all__ = ["DefaultsState", "TorchDefaultsSource"]
 

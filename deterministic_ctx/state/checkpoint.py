@@ -80,9 +80,10 @@ from typing import Any, NamedTuple, cast
 import torch
 
 from .. import sources as _sources
+from ..base import plain as _plain
 from ..base.errors import InvalidSnapshotError, UnregisteredRngError
 from ..core.world import World
-from ..sources import DeviceSource, Source, _plain
+from ..sources import DeviceSource, Source
 from ..sources.accelerators import check_foreign_devices
 
 __all__ = [

@@ -83,7 +83,8 @@ from typing import Any, Literal
 
 import torch
 
-from ..internal import DCP_STATEFUL, check_bool
+from .._torch import DCP_STATEFUL
+from ..internal import check_bool
 from ..parallel.keyed import check_count
 from ..parallel.ranks import ranks
 from .checkpoint import MAX_FILE_BYTES, InvalidSnapshotError, check_version, encode

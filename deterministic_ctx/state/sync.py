@@ -47,7 +47,8 @@ import torch
 import torch.distributed as dist
 
 from .._errors import PUBLIC_MODULE, DeterministicCtxError
-from ..internal import accelerator_type, registered_rngs
+from .._torch import accelerator_type
+from ..internal import registered_rngs
 from ..parallel.keyed import check_count
 from .checkpoint import InvalidSnapshotError, decode, encode, from_state_dict
 from .snapshot import Snapshot

@@ -15,7 +15,11 @@ from typing import Any, cast
 import torch
 
 from .._errors import PUBLIC_MODULE
-from ..internal import plain_fields, plain_flag, plain_integer, plain_mapping, plain_shown
+from ..base.plain import fields as plain_fields
+from ..base.plain import flag as plain_flag
+from ..base.plain import integer as plain_integer
+from ..base.plain import mapping as plain_mapping
+from ..base.plain import shown as plain_shown
 from ..state.checkpoint import (
     FileKind,
     InvalidSnapshotError,

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._torch.internals import import_dynamo
 from ..core.context import deterministic
-from ..internal import import_dynamo
 from ..verify.compare import float_bits, leaves
 from ..verify.fingerprint import fingerprint_parts
 from ..verify.record import Event, OpWindow, Run, record

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from .._errors import PUBLIC_MODULE
+from .._torch.internals import BATCH_NORM_BASE, DROPOUT_BASE
 from ..core.context import deterministic
-from ..internal import BATCH_NORM_BASE, DROPOUT_BASE
 from .compare import Difference, first_difference, tensor_leaves
 from .reproducible import NotReproducibleError, fn_name
 from .rerun import call_and_consume, prepare_runs

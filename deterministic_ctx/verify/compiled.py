@@ -9,20 +9,18 @@ from typing import Any
 import torch
 
 from .._errors import PUBLIC_MODULE
-from ..core.context import deterministic
-from ..internal import (
+from .._torch import release_of
+from .._torch.internals import (
     DYNAMO_CONFIG,
     INDUCTOR_CONFIG,
-    CompiledRng,
-    check_bool,
     compiled_in_place,
     compiled_original,
     dynamo_disable_message,
     inductor_config,
     inductor_mode_options,
-    release_of,
-    unchanged_config,
 )
+from ..core.context import deterministic
+from ..internal import CompiledRng, check_bool, unchanged_config
 from .compare import first_difference, short_repr
 from .reproducible import NotReproducibleError, fn_name
 from .rerun import call_and_consume, prepare_runs

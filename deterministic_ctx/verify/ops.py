@@ -67,16 +67,16 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from .._errors import MisuseError
-from ..internal import (
+from .._torch.flags import current_autograd_node
+from .._torch.internals import (
     AUTOGRAD_ENGINE_ENTRIES,
     DYNAMO,
     UnwrappedDispatchMode,
-    check_bool,
-    current_autograd_node,
     current_dispatch_mode,
     dynamo_disable,
     node_sequence_nr,
 )
+from ..internal import check_bool
 from .compare import tensor_leaves
 from .fingerprint import FingerprintStore
 
@@ -379,7 +379,7 @@ def _classify(frame: FrameType) -> str | None:
 def user_frame(frame: FrameType | None) -> tuple[FrameType | None, bool, frozenset[str]]:
     """The innermost frame of user code from ``frame`` outwards (``None`` when there is
     none), whether autograd's engine was entered below it (the op is then not that
-    code's own: see :data:`~deterministic_ctx.internal.AUTOGRAD_ENGINE_ENTRIES`), and
+    code's own: see :data:`~deterministic_ctx._torch.internals.AUTOGRAD_ENGINE_ENTRIES`), and
     the torch functions on the way (``torch.nn.functional.pad``).
 
     User code is what :func:`_classify` does not count as library code, nor as
@@ -538,7 +538,7 @@ class QuietDispatchMode(UnwrappedDispatchMode):  # type: ignore[no-untyped-call]
     torch would wrap ``__torch_dispatch__`` in a dynamo guard that imports
     ``torch._dynamo`` at its first call (about 2 s in the first recording of a
     process, and a change of process state that traces report); its base,
-    :class:`~deterministic_ctx.internal.UnwrappedDispatchMode`, turns that off.
+    :class:`~deterministic_ctx._torch.internals.UnwrappedDispatchMode`, turns that off.
     What the guard protects against is dynamo tracing into this Python code
     while it compiles a function run under the mode; dynamo can do that only
     once it is imported, so ``__torch_dispatch__`` goes through

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from ..internal import check_bool, foreach_copy_
+from .._torch.internals import foreach_copy_
+from ..internal import check_bool
 from .compare import short_repr
 
 __all__ = [

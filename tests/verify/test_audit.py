@@ -21,12 +21,12 @@ from torch.nn.modules import module as nn_module
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from deterministic_ctx import UncheckedTorchWarning, deterministic, isolated
+from deterministic_ctx._torch import release_of
 from deterministic_ctx.audit import AuditFinding, AuditReport, audit_nondeterminism
 from deterministic_ctx.audit import run as audit_run
 from deterministic_ctx.audit import table as audit_table
 from deterministic_ctx.audit.model import CHECKED_TORCH, CHECKS, OpCall, nearest_checked
 from deterministic_ctx.audit.table import entries_for, table, uninitialized_entry
-from deterministic_ctx.internal import release_of
 from deterministic_ctx.verify import ops as verify_ops
 from tests._oracle import World
 from tests.helpers import ROOT, run_python

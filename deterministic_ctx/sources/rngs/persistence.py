@@ -22,7 +22,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from .. import _plain
+from ...base import plain as _plain
 from ..accelerators import PHILOX_DEVICES, check_philox_state
 from .layouts import MT_WORDS
 

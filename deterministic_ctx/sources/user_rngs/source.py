@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...base import plain as _plain
 from ...base.fast_paths import FastPath
 from ...base.settings import Settings
-from .. import _plain
 from ..rngs.entries import Entry, Record
 from ..rngs.kinds import BY_NAME
 from ..rngs.persistence import class_path

@@ -1,11 +1,25 @@
-"""Checked reading of plain checkpoint data, for the sources' ``import_state``.
+"""Checked reading of plain data: what a snapshot, a checkpoint or a trace file holds.
 
 A saved snapshot is made only of dicts with string keys, lists, ints, floats,
 strings and uint8 tensors.  Each source turns its piece back into a captured
-state with these readers, which check type, shape and range and name the field
-by its path (``sources.numpy.state.pos``).  They raise ``ValueError``; the
-checkpoint module adds the file's name.  Nothing here calls anything found in
-the data, and nothing allocates more than the data already holds.
+state with these readers, and the file formats above the sources (the
+snapshot's header, :mod:`~deterministic_ctx.trace`'s file) read theirs with
+them too: they check type, shape and range and name the field by its path
+(``sources.numpy.state.pos``).  They raise ``ValueError``; the checkpoint
+module adds the file's name.  Nothing here calls anything found in the data,
+and nothing allocates more than the data already holds.
+
+Not about any source, so not in :mod:`deterministic_ctx.sources`: every layer
+that reads saved data uses this module directly (``.importlinter`` allows it).
+
+Example:
+    >>> from deterministic_ctx.base import plain
+    >>> plain.fields({"seed": 3}, "state", ["seed"])
+    {'seed': 3}
+    >>> plain.integer(-1, "state.seed", 0, 2**32 - 1)
+    Traceback (most recent call last):
+    ...
+    ValueError: state.seed: expected an int in 0 .. 4294967295, got int -1
 """
 
 from __future__ import annotations

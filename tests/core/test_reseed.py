@@ -1,0 +1,106 @@
+"""A block over part of the sources, and ``Block.reseed``: a step keyed by its own seed."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from deterministic_ctx import MisuseError, deterministic, isolated
+from deterministic_ctx.internal import Block, Settings, source_named
+from tests.helpers import draw
+
+
+def test_reseed_draws_what_a_block_of_that_seed_draws_and_keeps_the_flags():
+    with deterministic(seed=7):
+        expected = draw(), [torch.rand(2).tolist() for _ in range(2)]
+    block = Block(Settings.build(0, False))
+    block.start()
+    try:
+        assert torch.are_deterministic_algorithms_enabled()
+        random.random()  # the stream moves on...
+        block.reseed(7)  # ...and starts over from 7
+        got = draw(), [torch.rand(2).tolist() for _ in range(2)]
+        assert torch.are_deterministic_algorithms_enabled()  # the block's flags stay
+    finally:
+        block.stop()
+    assert got == expected
+
+
+def test_reseed_follows_the_blocks_rank():
+    with deterministic(seed=5, rank=3):
+        expected = draw()
+    block = Block(Settings.build(0, False, 3))
+    block.start()
+    try:
+        block.reseed(5)
+        got = draw()
+    finally:
+        block.stop()
+    assert got == expected
+
+
+def test_the_callers_state_is_back_after_reseeding():
+    before = random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()
+    block = Block(None)
+    block.start()
+    try:
+        for key in range(3):
+            block.reseed(key)
+            draw()
+    finally:
+        block.stop()
+    assert random.getstate() == before[0]
+    assert np.array_equal(np.random.get_state()[1], before[1])
+    assert torch.equal(torch.get_rng_state(), before[2])
+
+
+def test_reseed_only_on_the_innermost_open_block():
+    outer = Block(None)
+    with pytest.raises(MisuseError, match="innermost open block"):
+        outer.reseed(1)  # not open
+    outer.start()
+    try:
+        with deterministic(seed=0):
+            state = torch.get_rng_state()
+            with pytest.raises(MisuseError, match="innermost open block"):
+                outer.reseed(1)  # a block entered after it is the live world
+            assert torch.equal(torch.get_rng_state(), state)  # nothing was seeded
+    finally:
+        outer.stop()
+
+
+@pytest.mark.parametrize(
+    ("seed", "error"), [(-1, ValueError), (2**32, ValueError), (1.0, TypeError), (True, TypeError)]
+)
+def test_reseed_checks_the_seed_before_seeding(seed, error):
+    block = Block(None)
+    block.start()
+    try:
+        state = torch.get_rng_state()
+        with pytest.raises(error, match="seed"):
+            block.reseed(seed)
+        assert torch.equal(torch.get_rng_state(), state)
+    finally:
+        block.stop()
+
+
+def test_a_block_over_part_of_the_sources_captures_applies_and_restores_only_those():
+    with isolated():  # the test seeds the caller's random and NumPy
+        only_random = (source_named("random"),)
+        np.random.seed(1)
+        random.seed(1)
+        block = Block(Settings.build(3, False), only_random)
+        block.start()
+        try:
+            assert not torch.are_deterministic_algorithms_enabled()  # no flag source in it
+            assert random.random() == random.Random(3).random()  # the random source was applied
+            np.random.rand()  # NumPy is not the block's: its draw is kept
+        finally:
+            block.stop()
+        assert random.random() == random.Random(1).random()  # restored
+        second = np.random.RandomState(1)
+        second.rand()
+        assert np.random.rand() == second.rand()  # NumPy went on from the draw in the block
