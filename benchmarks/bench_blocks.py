@@ -145,7 +145,7 @@ def floor_case() -> Callable[[], None]:
     import threading
 
     from deterministic_ctx import managed_env_vars
-    from deterministic_ctx.sources._memory import NUMPY_LAYOUT, RANDOM_LAYOUT, mt19937_view
+    from deterministic_ctx.sources.rngs.layouts import NUMPY_LAYOUT, RANDOM_LAYOUT, mt19937_view
 
     if RANDOM_LAYOUT is None or NUMPY_LAYOUT is None:
         return lambda: None

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from deterministic_ctx import deterministic, register_rng, unregister_rng
-from deterministic_ctx.sources._memory import RANDOM_LAYOUT
+from deterministic_ctx.sources.rngs.layouts import RANDOM_LAYOUT
 
 _block = deterministic(seed=0)
 

@@ -20,6 +20,8 @@ import numpy as np
 
 from .._torch import FILL_UNINITIALIZED_MEMORY
 from .._torch.distributed import process_rank
+from .cache import BoundedCache
+from .fast_paths import FastPath
 from .seed import derive_seed, show_int, validate_seed
 
 __all__ = [
@@ -198,10 +200,11 @@ class Settings:
             # default, True, is simply off there, and report() says so).
             FILL_UNINITIALIZED_MEMORY.require("fill_uninitialized_memory=False")
         if plain:
-            if len(_BUILT) >= 1024:  # a new seed every block must not grow it without bound
-                _BUILT.clear()
-            _BUILT[key] = settings
+            _BUILT.put(key, settings)
         return settings
 
 
-_BUILT: dict[tuple[object, ...], Settings] = {}
+#: Settings of plain arguments, by their arguments (empty with the fast paths off).
+_BUILT: BoundedCache[tuple[object, ...], Settings] = BoundedCache(1024)
+#: The fast path of :data:`_BUILT`, listed by ``fast_paths()``.
+FAST_PATH = FastPath("settings: built and checked once per plain arguments", lambda: True)

@@ -56,7 +56,7 @@ def report() -> DeterminismReport:
         (True, True)
         >>> "nondeterministic-algorithms" in [p.code for p in r.problems]
         False
-        >>> r.fast_paths["seeding: seeded states remembered per seed"] in (True, False)
+        >>> r.fast_paths["random.Random: state copied as memory"] in (True, False)
         True
     """
     import platform

@@ -6,8 +6,9 @@ a flag means adding or changing one module here, nothing above it.
 
 from __future__ import annotations
 
+from ..base import settings as _settings
+from ..base.fast_paths import ENABLED
 from ..base.settings import Settings
-from . import _memory
 from ._base import DeviceSource, Source
 from .accelerators import accelerator_sources
 from .compiler import TorchCompileSource
@@ -55,17 +56,15 @@ SOURCES: tuple[Source, ...] = (
 def apply_all(settings: Settings, sources: tuple[Source, ...]) -> None:
     """Apply the block's settings to each of ``sources`` (the caller rolls back on error).
 
-    Sources that say they apply nothing (``applies_nothing``: torch's defaults,
-    a device this build can never initialize) are skipped, a frame each per
-    block; with the fast paths off every source's ``apply`` runs.
+    Sources that say they apply nothing (:attr:`Source.applies_nothing`:
+    torch's defaults, a device this build can never initialize) are skipped,
+    a frame each per block.
     """
     global _appliers
     settings = settings.resolved()
     found = _appliers  # read once: another thread may replace it
     if found[0] is not sources:
-        skip = _memory.ENABLED
-        appliers = tuple(s for s in sources if not (skip and getattr(s, "applies_nothing", False)))
-        found = _appliers = (sources, appliers)
+        found = _appliers = (sources, tuple(s for s in sources if not s.applies_nothing))
     for source in found[1]:
         source.apply(settings)
 
@@ -97,31 +96,16 @@ def source_named(name: str) -> Source:
 def fast_paths() -> dict[str, bool]:
     """Which fast paths this process uses, by what each one speeds up.
 
-    Each is chosen once, at import, by the source it speeds up, and only
-    where its layout was proven (see :mod:`._memory`);
+    Built from what each source declares (:attr:`Source.fast_paths`; the
+    registered RNGs' source declares its kinds', :mod:`.rngs.kinds`); each is
+    chosen once, at import, or at first use for a layout probed then, and
+    only where its layout was proven (:mod:`.rngs.layouts`).
     ``DETERMINISTIC_CTX_NO_FAST_PATHS=1`` turns every one off.
 
     Example:
         >>> from deterministic_ctx.sources import fast_paths
-        >>> sorted(fast_paths())[0]
-        'NumPy Generators: state copied as memory (PCG64, PCG64DXSM)'
+        >>> "random.Random: state copied as memory" in fast_paths()
+        True
     """
-    environ = source_named("environ")
-    records = {type_.__name__ for type_ in _memory.proven_records()}
-    return {
-        "random.Random: state copied as memory": _memory.RANDOM_LAYOUT is not None,
-        "NumPy legacy RNG: state copied as memory": _memory.NUMPY_LAYOUT is not None,
-        "NumPy Generators: state copied as memory (PCG64, PCG64DXSM)": {
-            "PCG64",
-            "PCG64DXSM",
-        }
-        <= records,
-        "seeding: seeded states remembered per seed": _memory.ENABLED,
-        "blocks: sources whose apply does nothing are skipped": _memory.ENABLED,
-        "os.environ: read and written through its C-level dict": bool(
-            getattr(environ, "fast", False)
-        ),
-        "os.environ: seeds written into entries the process owns (C putenv)": bool(
-            getattr(environ, "owned", False)
-        ),
-    }
+    paths = (_settings.FAST_PATH, *(path for s in SOURCES for path in s.fast_paths))
+    return {path.what: ENABLED and path.used() for path in paths}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from ..base.fast_paths import FastPath
 from ..base.settings import Settings
 
 __all__ = ["DeviceSource", "Source"]
@@ -30,12 +31,24 @@ class Source(Protocol):
     ``device_type`` is ``None``, except for generators of a device type
     (:class:`DeviceSource`), whose entries a checkpoint keeps under
     ``"devices"`` and matches to the devices present where it is loaded.
+
+    Every source also declares ``applies_nothing`` (``True``: its ``apply``
+    never changes anything, so blocks skip it: torch's defaults, a device
+    this build can never initialize) and ``fast_paths``, the fast paths it
+    takes (:class:`~deterministic_ctx.base.fast_paths.FastPath`), which
+    :func:`~deterministic_ctx.sources.fast_paths` lists.
     """
 
     name: str
 
     @property
     def device_type(self) -> str | None: ...
+
+    @property
+    def applies_nothing(self) -> bool: ...
+
+    @property
+    def fast_paths(self) -> tuple[FastPath, ...]: ...
 
     def capture(self) -> Any: ...
 

@@ -78,6 +78,7 @@ from .._torch.internals import (
 )
 from ..base import plain as _plain
 from ..base.errors import DeviceMismatchError, GraphCaptureError
+from ..base.fast_paths import FastPath
 from ..base.settings import Settings
 
 __all__ = [
@@ -160,6 +161,7 @@ class LazyAcceleratorSource:
         #: Whether :meth:`apply` always returns at once (this build can never
         #: initialize the device): ``apply_all`` may skip it.
         self.applies_nothing = not self.can_initialize
+        self.fast_paths: tuple[FastPath, ...] = ()
         #: Whether this is a child forked after the device initialized, which
         #: cannot use it (like ``torch.manual_seed``, nothing is done then).
         self._bad_fork: Callable[[], bool] = bad_fork_check(module) or (lambda: False)

@@ -49,6 +49,7 @@ from .._torch.internals import FUNCTORCH_CONFIG as _FUNCTORCH
 from .._torch.internals import INDUCTOR_CONFIG as _INDUCTOR
 from .._torch.internals import config_unset
 from ..base import plain as _plain
+from ..base.fast_paths import FastPath
 from ..base.settings import Settings
 from .config_entries import AT_DEFAULT, ConfigEntry
 
@@ -100,6 +101,8 @@ class TorchCompileSource:
 
     name = "torch.compile"
     device_type: str | None = None  # not a device generator: saved under "sources"
+    applies_nothing = False
+    fast_paths: tuple[FastPath, ...] = ()
 
     def capture(self) -> tuple[object, ...]:
         """Each entry's override: as set, torch's "unset" sentinel, or

@@ -76,8 +76,9 @@ from operator import ne
 from typing import Any, NamedTuple
 
 from ..base import plain as _plain
+from ..base.cache import BoundedCache
+from ..base.fast_paths import ENABLED, FastPath
 from ..base.settings import Settings
-from ._memory import ENABLED
 
 __all__ = [
     "CUBLAS_VALID",
@@ -483,6 +484,7 @@ class EnvironSource:
 
     name = "environ"
     device_type: str | None = None  # not a device generator: saved under "sources"
+    applies_nothing = False
 
     def __init__(self, environ: MutableMapping[str, str] | None = None) -> None:
         self._access = access = _access(environ if environ is not None else os.environ)
@@ -491,12 +493,21 @@ class EnvironSource:
         #: Whether ``PYTHONHASHSEED`` and ``DETERMINISTIC_CTX_SEED`` are written into
         #: entries this process owns, so that new seeds do not grow the process.
         self.owned = access.owned
+        self.fast_paths = (
+            FastPath("os.environ: read and written through its C-level dict", lambda: self.fast),
+            FastPath(
+                "os.environ: seeds written into entries the process owns (C putenv)",
+                lambda: self.owned,
+            ),
+            FastPath("os.environ: PYTHONHASHSEED's value remembered per seed", lambda: True),
+        )
         # (names, their keys): replaced as a whole when a name is registered.
         self._cache: tuple[tuple[str, ...], tuple[Any, ...]] = (_MANAGED, access.keys(_MANAGED))
         self._cublas_key = access.encodekey(CUBLAS)
         self._hash_key = access.encodekey(HASHSEED)
         self._cublas_valid = tuple(map(access.encode, CUBLAS_VALID))
-        self._hash_values: dict[int, Any] = {}  # seed -> PYTHONHASHSEED's raw value
+        #: Seed -> ``PYTHONHASHSEED``'s raw value.
+        self._hash_values: BoundedCache[int, Any] = BoundedCache(256)
 
     def capture(self) -> EnvState:
         names, keys = self._cache
@@ -514,9 +525,7 @@ class EnvironSource:
         wanted = self._hash_values.get(seed)
         if wanted is None:
             wanted = access.encode(str(seed))
-            if len(self._hash_values) >= 256:  # a new seed each block must not grow it
-                self._hash_values.clear()
-            self._hash_values[seed] = wanted
+            self._hash_values.put(seed, wanted)
         if access.get(self._cublas_key) not in self._cublas_valid:
             access.put(self._cublas_key, self._cublas_valid[0])
         if access.get(self._hash_key) != wanted:

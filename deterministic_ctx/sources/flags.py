@@ -44,6 +44,7 @@ from .._torch.flags import (
 )
 from .._torch.internals import INDUCTOR_CONFIG as _INDUCTOR
 from ..base import plain as _plain
+from ..base.fast_paths import FastPath
 from ..base.settings import Settings
 from .config_entries import AT_DEFAULT, ConfigEntry
 from .precision import (
@@ -207,6 +208,8 @@ class TorchFlagsSource:
 
     name = "torch.flags"
     device_type: str | None = None  # not a device generator: saved under "sources"
+    applies_nothing = False
+    fast_paths: tuple[FastPath, ...] = ()
 
     def capture(self) -> FlagState:
         inductor: bool | None = None

@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
+from ..base.fast_paths import ENABLED, FastPath
 from ..base.settings import Settings
-from ._memory import ENABLED
 from ._seeded import SeededCache
-from .user_rngs.entries import Entry
-from .user_rngs.kinds import RANDOM_STATE
-from .user_rngs.persistence import bit_generator_state_from_plain, numpy_state_to_plain
+from .rngs.entries import Entry
+from .rngs.kinds import RANDOM_STATE
+from .rngs.persistence import bit_generator_state_from_plain, numpy_state_to_plain
 
 __all__ = ["NumpyGlobalSource"]
 
@@ -63,11 +63,17 @@ if hasattr(os, "register_at_fork"):
 
 class NumpyGlobalSource:
     """The ``RandomState`` singleton behind the ``np.random.*`` functions,
-    captured and restored as a registered ``RandomState`` is: by an
-    :class:`~.user_rngs.entries.Entry` for the bit generator installed."""
+    declared as one object of the ``RandomState`` kind (:mod:`.rngs.kinds`),
+    captured and restored as a registered one is: by an
+    :class:`~.rngs.entries.Entry` for the bit generator installed."""
 
     name = "numpy"
     device_type: str | None = None  # not a device generator: saved under "sources"
+    applies_nothing = False
+    fast_paths = (
+        *RANDOM_STATE.fast_paths,
+        FastPath("NumPy legacy RNG: the records seeding left remembered per seed", lambda: True),
+    )
 
     def __init__(self, rs: np.random.RandomState | None = None, *, fast: bool = ENABLED) -> None:
         self._rs: np.random.RandomState = rs if rs is not None else np.random.mtrand._rand

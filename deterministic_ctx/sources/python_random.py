@@ -7,12 +7,11 @@ from functools import partial
 from typing import Any
 
 from ..base import plain as _plain
+from ..base.fast_paths import ENABLED, FastPath
 from ..base.settings import Settings
-from ._memory import ENABLED
 from ._seeded import SeededCache
-from .user_rngs.entries import Entry
-from .user_rngs.kinds import RANDOM
-from .user_rngs.persistence import random_state_from_plain, random_state_to_plain
+from .rngs.entries import Entry
+from .rngs.kinds import RANDOM
 
 __all__ = ["PythonRandomSource"]
 
@@ -22,12 +21,17 @@ _SEEDED: SeededCache[tuple[bytes, None]] = SeededCache()
 
 class PythonRandomSource:
     """The hidden ``random.Random`` instance behind ``random.random()`` & co.,
-    captured and restored as a registered ``random.Random`` is (an
-    :class:`~.user_rngs.entries.Entry`): ``(2500-byte C record, gauss_next)``
-    on the fast path, else ``random.getstate()``."""
+    declared as one object of the ``random.Random`` kind (:mod:`.rngs.kinds`),
+    captured and restored as a registered one is: ``(2500-byte C record,
+    gauss_next)`` on the fast path, else ``random.getstate()``."""
 
     name = "random"
     device_type: str | None = None  # not a device generator: saved under "sources"
+    applies_nothing = False
+    fast_paths = (
+        *RANDOM.fast_paths[:1],
+        FastPath("random: the state seeding left remembered per seed", lambda: True),
+    )
 
     def __init__(self, rng: random.Random | None = None, *, fast: bool = ENABLED) -> None:
         # Module-level functions are bound methods of this instance, so it is the
@@ -63,8 +67,9 @@ class PythonRandomSource:
         self._entry.seed_exactly(self._rng, settings.rank_seed, _SEEDED)
 
     def export_state(self, state: Any) -> dict[str, Any]:
-        """The state as plain data for a checkpoint (see :func:`.random_state_to_plain`)."""
-        return random_state_to_plain(self._entry.public(self._rng, state))
+        """The state as plain data for a checkpoint (``{"state": [625 ints], "gauss_next"}``)."""
+        plain: dict[str, Any] = RANDOM.to_plain(self._rng, self._entry.public(self._rng, state))
+        return plain
 
     def import_state(self, data: object, path: str) -> tuple[Any, ...]:
         """Check saved data and rebuild a state; ``ValueError`` names the bad field.
@@ -72,4 +77,5 @@ class PythonRandomSource:
         The state is kept in ``getstate()`` form, so ``restore`` goes through
         ``random.setstate``, which checks it again, never through raw memory.
         """
-        return random_state_from_plain(data, path)
+        result: tuple[Any, ...] = RANDOM.from_plain(self._rng, data, path)
+        return result

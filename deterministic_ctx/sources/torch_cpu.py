@@ -7,9 +7,10 @@ from typing import Any
 import torch
 
 from ..base import plain as _plain
+from ..base.fast_paths import FastPath
 from ..base.settings import Settings
 from ._seeded import SeededCache
-from .accelerators import PHILOX_DEVICES, check_philox_state
+from .rngs.persistence import generator_state_from_plain
 
 __all__ = ["TorchCPUSource", "generator_state_from_plain"]
 
@@ -23,6 +24,10 @@ class TorchCPUSource:
 
     name = "torch.cpu"
     device_type: str | None = None  # not a device generator: saved under "sources"
+    applies_nothing = False
+    fast_paths = (
+        FastPath("torch CPU generator: the state seeding left remembered per seed", lambda: True),
+    )
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self._gen = generator if generator is not None else torch.default_generator
@@ -55,23 +60,3 @@ class TorchCPUSource:
         """Check saved data and rebuild a state; ``ValueError`` names the bad field."""
         d = _plain.fields(data, path, ["state"])
         return generator_state_from_plain(d["state"], f"{path}.state", self._gen)
-
-
-def generator_state_from_plain(value: object, path: str, like: torch.Generator) -> torch.Tensor:
-    """A checked state for the generator ``like``: a uint8 tensor of its size.
-
-    A CPU state is also set on a throw-away generator first: torch checks the
-    Mersenne Twister's fields there (a bad ``left``/``next`` is "Invalid mt19937
-    state"), so a crafted state fails here, not at restore.  A CUDA or XPU state
-    is checked against torch's Philox rules instead (:func:`check_philox_state`),
-    without touching the device: a throw-away generator there would.
-    """
-    state = _plain.byte_tensor(value, path, numel=like.get_state().numel())
-    if like.device.type == "cpu":
-        try:
-            torch.Generator().set_state(state)
-        except RuntimeError as exc:
-            raise ValueError(f"{path}: torch rejects the generator state ({exc})") from exc
-    elif like.device.type in PHILOX_DEVICES:
-        check_philox_state(state, path, like.device.type)
-    return state

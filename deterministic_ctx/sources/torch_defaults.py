@@ -52,6 +52,7 @@ from .._torch.internals import (
     set_device_context_slot,
 )
 from ..base import plain as _plain
+from ..base.fast_paths import FastPath
 from ..base.settings import Settings
 
 __all__ = ["DefaultsState", "TorchDefaultsSource"]
@@ -152,6 +153,7 @@ class TorchDefaultsSource:
 
     #: :meth:`apply` does nothing: ``apply_all`` may skip it.
     applies_nothing = True
+    fast_paths: tuple[FastPath, ...] = ()
 
     def apply(self, settings: Settings) -> None:
         """Nothing: a block keeps the caller's defaults."""

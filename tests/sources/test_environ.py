@@ -21,8 +21,8 @@ import pytest
 
 import deterministic_ctx
 from deterministic_ctx import InvalidSnapshotError, Snapshot, deterministic
+from deterministic_ctx.base import fast_paths as _memory
 from deterministic_ctx.base.settings import Settings
-from deterministic_ctx.sources import _memory
 from deterministic_ctx.sources import environ as environ_mod
 from deterministic_ctx.sources.environ import EnvironSource
 from deterministic_ctx.state import checkpoint

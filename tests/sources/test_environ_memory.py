@@ -22,9 +22,10 @@ import os
 import pytest
 
 from deterministic_ctx import deterministic, seed_everything
+from deterministic_ctx.base import fast_paths as _memory
 from deterministic_ctx.base.settings import Settings
-from deterministic_ctx.sources import _memory, source_named
 from deterministic_ctx.sources import environ as environ_mod
+from deterministic_ctx.sources import source_named
 from deterministic_ctx.sources.environ import SLOT_CHARS, EnvironSource
 
 HASHSEED, SEED = "PYTHONHASHSEED", "DETERMINISTIC_CTX_SEED"

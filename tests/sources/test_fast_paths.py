@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from deterministic_ctx.base import fast_paths as _memory
 from deterministic_ctx.reporting import report
-from deterministic_ctx.sources import _memory, fast_paths
+from deterministic_ctx.sources import fast_paths
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,7 +92,7 @@ def test_the_switch_chooses_every_path_at_import(off):
 
 
 def test_only_1_or_a_value_turns_them_off():
-    code = "from deterministic_ctx.sources import _memory; print(_memory.ENABLED)"
+    code = "from deterministic_ctx.base import fast_paths as _memory; print(_memory.ENABLED)"
     for value, enabled in (("0", True), ("", True), ("1", False), ("yes", False)):
         env = {**os.environ, _memory.SWITCH: value}
         done = subprocess.run(
@@ -118,3 +119,24 @@ def test_the_laws_hold_with_the_fast_paths_off():
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout
+
+
+#: What the caches outside the RNG sources remember after two blocks with seed 5.
+_CACHES = textwrap.dedent("""
+    from deterministic_ctx import deterministic
+    from deterministic_ctx.base import settings
+    from deterministic_ctx.sources import source_named
+
+    for _ in range(2):
+        with deterministic(seed=5):
+            pass
+    print(len(settings._BUILT), len(source_named("environ")._hash_values))
+""")
+
+
+@pytest.mark.parametrize("off", [False, True], ids=["on", "off"])
+def test_the_switch_turns_every_cache_off(off):
+    done = _fresh(_CACHES, off=off)
+    assert done.returncode == 0, done.stderr
+    built, hash_values = map(int, done.stdout.split())
+    assert (built > 0, hash_values > 0) == (not off, not off)

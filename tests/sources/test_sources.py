@@ -24,11 +24,11 @@ from deterministic_ctx.sources.environ import EnvironSource
 from deterministic_ctx.sources.flags import TorchFlagsSource
 from deterministic_ctx.sources.numpy_global import NumpyGlobalSource
 from deterministic_ctx.sources.python_random import PythonRandomSource
-from deterministic_ctx.sources.torch_cpu import TorchCPUSource
-from deterministic_ctx.sources.user_rngs.persistence import (
+from deterministic_ctx.sources.rngs.persistence import (
     numpy_state_to_plain,
     random_state_to_plain,
 )
+from deterministic_ctx.sources.torch_cpu import TorchCPUSource
 from tests.helpers import cuda_initialized_after
 
 S0 = Settings(0, False)
@@ -461,7 +461,7 @@ def test_torch_cpu_cached_seeding_equals_manual_seed(seed):
 
 
 def test_environ_fast_reader_agrees_with_os_environ(monkeypatch):
-    from deterministic_ctx.sources._memory import ENABLED
+    from deterministic_ctx.base.fast_paths import ENABLED
     from deterministic_ctx.sources.environ import _access
 
     access = _access(os.environ)

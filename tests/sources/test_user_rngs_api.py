@@ -33,7 +33,7 @@ from deterministic_ctx import (
     registered_rngs,
     unregister_rng,
 )
-from deterministic_ctx.sources.user_rngs import persistence
+from deterministic_ctx.sources.rngs import persistence
 from tests.helpers import RandomLike
 
 Like = RandomLike  # a random-like object: not a random.Random, only the three methods

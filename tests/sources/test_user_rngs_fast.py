@@ -31,9 +31,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from deterministic_ctx import Snapshot, derive_seed, deterministic, register_rng, unregister_rng
-from deterministic_ctx.sources import _memory, user_rngs
-from deterministic_ctx.sources.user_rngs import entries, kinds, registry
-from deterministic_ctx.sources.user_rngs.persistence import numpy_state_to_plain
+from deterministic_ctx.sources import user_rngs
+from deterministic_ctx.sources.rngs import entries, kinds
+from deterministic_ctx.sources.rngs import layouts as _memory
+from deterministic_ctx.sources.rngs.persistence import numpy_state_to_plain
+from deterministic_ctx.sources.user_rngs import registry
 from tests.helpers import RandomLike
 
 

@@ -31,37 +31,25 @@ keeps its first key (as for any second ``register_rng``).  A broken entry point 
 ``StateWarning`` (a ``RuntimeWarning``) naming it and the error, registering none of its RNGs.
 
 Objects that can be weakly referenced (``random.Random``, ``torch.Generator``
-on torch 2.13, most Python classes) are held by weak reference.  NumPy
-generators and bit generators cannot be (their C types lack ``__weakref__``),
-nor can torch 2.11's ``torch.Generator`` (seen on a GPU machine), so they are
-held until :func:`unregister_rng`.
-
-The registry stays as small as the set of live RNGs, however many were
-registered and collected: each weak reference's callback removes its entry
-the moment the object dies, and the duplicate check in ``register_rng`` and
-``unregister_rng`` is a dict lookup by ``id``, not a scan.  A callback can run
-at any moment a reference count drops to zero or a collection runs: in the
-middle of a block's capture loop, while this thread holds the registry's
-``_lock``, or in another thread.  So callbacks take no lock and do nothing
-but single dict operations (atomic under the GIL), and every loop runs over
-an immutable tuple of the entries, rebuilt only when the registry has
-changed since.
+on torch 2.13, most Python classes) are held by weak reference and leave the
+registry when collected (a :class:`weakref.finalize` removes the entry, so
+the registry stays as small as the set of live RNGs).  NumPy generators and
+bit generators cannot be (their C types lack ``__weakref__``), nor can torch
+2.11's ``torch.Generator`` (seen on a GPU machine), so they are held until
+:func:`unregister_rng`.
 
 **Cost per registered RNG** is flat in their number: each entry chose at
-registration how it is captured, seeded and restored (:mod:`.entries`).
+registration how it is captured, seeded and restored, by its kind
+(:mod:`..rngs.kinds`); 8 or more exact ``random.Random`` in a row run as one
+batch (:class:`~..rngs.entries.MtBatch`).
 
-**Layout.**  This package's ``__init__`` is its face to users
-(:func:`register_rng` and the rest); the global ``random`` and NumPy sources
-also build on :mod:`.entries`, :mod:`.kinds` and :mod:`.persistence`
-directly.  Each module has one job, and each imports only those listed
-before it:
+**Layout.**  :func:`register_rng`, :func:`unregister_rng`,
+:func:`registered_rngs`, :func:`seed_registered_rngs` and
+:data:`ENTRY_POINT_GROUP` are this package's public face, re-exported by
+``deterministic_ctx``; :class:`UserRngSource` is for the block engine.  The
+kinds of RNG themselves are :mod:`..rngs`, below this package and shared
+with the global ``random`` and NumPy sources:
 
-* :mod:`.persistence`: states as checkpoint data and back, checked (the
-  global ``random``'s and NumPy's codecs too);
-* :mod:`.kinds`: the kinds of RNG accepted, which one an object is, and
-  each kind's public API and codec;
-* :mod:`.entries`: one RNG, captured, seeded and restored (also the global
-  ``random`` and NumPy's global ``RandomState``, whose sources use one);
 * :mod:`.registry`: registration, the seeding loop, entry points;
 * :mod:`.source`: :class:`UserRngSource`, the blocks' and snapshots' source.
 """

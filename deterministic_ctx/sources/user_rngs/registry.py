@@ -1,13 +1,17 @@
 """The registry of user RNGs: who is registered, under which key, and the
 order the blocks' loops go through them.
 
-:func:`register_rng` and :func:`unregister_rng` change it under ``_lock``;
-a collected RNG's weak-reference callback (:func:`_on_collect`) removes its
-entry without it (see the package docstring for why that is safe).
-:func:`live_entries` gives the loops an immutable tuple, rebuilt only when
-the registry changed.  :func:`seed_registered_rngs`
-is the seeding loop; the entry points of :data:`ENTRY_POINT_GROUP` are
-loaded here too, at the first read of the registry, since they register RNGs.
+:func:`register_rng` and :func:`unregister_rng` change it under ``_lock``.
+A weakly held RNG leaves it when collected through a
+:class:`weakref.finalize`, which runs wherever the object died (in a block's
+capture loop, while this thread holds ``_lock``, in another thread): it
+takes no lock and does single dict operations only, and the standard library
+runs it never after interpreter shutdown began.  An RNG that cannot be
+weakly referenced is held by its entry until :func:`unregister_rng`.
+:func:`live_entries` gives the loops immutable tuples, rebuilt only when the
+registry changed; :func:`seed_registered_rngs` is the seeding loop; the
+entry points of :data:`ENTRY_POINT_GROUP` are loaded here too, at the first
+read of the registry, since they register RNGs.
 """
 
 from __future__ import annotations
@@ -16,15 +20,15 @@ import itertools
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Mapping
-from functools import partial
+import weakref
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 from ..._errors import StateWarning
 from ...base.seed import short_repr
 from ...base.settings import check_bool
-from .entries import Entry
-from .kinds import kind_of, manageable
+from ..rngs.entries import Entry, Step, batched
+from ..rngs.kinds import kind_of, manageable
 
 T = TypeVar("T")
 
@@ -35,73 +39,68 @@ ENTRY_POINT_GROUP = "deterministic_ctx.rngs"
 
 
 #: Serializes ``register_rng`` / ``unregister_rng`` against each other.  Never
-#: taken by a weak-reference callback, which may run while this thread holds it.
+#: taken by a finalizer, which may run while this thread holds it.
 _lock = threading.Lock()
 #: id(object) -> its entry, in registration order (dicts keep insertion order);
 #: also the O(1) duplicate check.  A registered object's id is its own while
-#: the entry lives: a held object cannot die, and a weakly referenced one
-#: still occupies its address while its callback removes the entry.
+#: the entry lives: a held object cannot die, and a weakly held one still
+#: occupies its address while its finalizer removes the entry.
 _entries: dict[int, Entry] = {}
+#: id(object) -> the finalizer of its entry, for weakly held objects; detached
+#: when it is unregistered (so that registering an object again and again
+#: keeps none alive).
+_finalizers: dict[int, weakref.finalize[Any, Any]] = {}
 #: Default keys: the ordinal among registrations without ``key=`` (never reused).
 _counter = itertools.count()
-#: Bumped after every change to ``_entries``; ``_cache`` is valid while it matches.
+#: Bumped (``next()`` on a C counter: atomic) after every change to ``_entries``;
+#: ``_cache`` is valid while it matches, so a tuple built before a change never
+#: matches after it.
 _versions = itertools.count(1)
 _version = 0
-#: ``(version, entries)``; starts stale, so that the first
+#: ``(version, entries, the loops' steps)``; starts stale, so that the first
 #: :func:`live_entries` loads the entry points.
-_cache: tuple[int, tuple[Entry, ...]] = (-1, ())
+_cache: tuple[int, tuple[Entry, ...], tuple[Step, ...]] = (-1, (), ())
 
 
 def _changed() -> None:
-    # ``next()`` on a C counter is atomic: racing bumps never produce one value
-    # twice, so a cache built before a change never matches after it.
     global _version
     _version = next(_versions)
 
 
-def _on_collect(
-    oid: int,
-    ref: object,
-    _entries: dict[int, Entry] = _entries,
-    _changed: Callable[[], None] = _changed,
-) -> None:
-    """Drop the entry of a collected RNG (whose id was ``oid``), if ``ref`` is
-    still its weak reference.  Runs wherever the object died (see the package
-    docstring): no lock, single dict operations only.  The table (and the
-    version bump) are bound as defaults so that a callback at interpreter
-    shutdown, when module globals may already be None, still finds them."""
-    entry = _entries.get(oid)
-    if entry is None or entry.get is not ref:
-        return  # unregistered before it died (a snapshot kept the entry alive)
-    # The dying object still occupies its address until this returns, so no
-    # other object can have registered under the same id since the lookup.
-    _entries.pop(oid, None)
-    # Not contextlib.suppress: at interpreter shutdown that module's name may be gone too.
-    try:  # noqa: SIM105
+def _forget(oid: int, entry: Entry) -> None:
+    """A finalizer: drop ``entry``, whose object (of id ``oid``) was collected,
+    unless it was unregistered before it died."""
+    if _entries.get(oid) is entry:
+        _entries.pop(oid, None)
+        _finalizers.pop(oid, None)
         _changed()
-    except TypeError:  # interpreter shutdown: the module's globals are gone, no block follows
-        pass
+
+
+def _rebuild() -> tuple[int, tuple[Entry, ...], tuple[Step, ...]]:
+    """The tuples for the registry as it is now (the first time, after the entry points load)."""
+    global _cache
+    if _plugins_pending:
+        _load_plugins()
+    version = _version  # read before copying: a change after it makes a mismatch
+    # ``dict.copy`` runs no Python code and no collection, so no finalizer can
+    # change the dict halfway.
+    entries = tuple(_entries.copy().values())
+    _cache = cache = (version, entries, batched(entries))
+    return cache
 
 
 def live_entries() -> tuple[Entry, ...]:
     """The entries in registration order, as an immutable tuple to iterate over:
-    the cached one, rebuilt after a change (the first time, after the entry points load)."""
-    global _cache
+    the cached one, rebuilt after a change."""
     cache = _cache
-    if cache[0] == _version:
-        return cache[1]
-    if _plugins_pending:
-        _load_plugins()
-    while True:
-        version = _version  # read before copying: a change after it makes a mismatch
-        try:
-            # ``dict.copy`` runs no Python code and no collection, so no callback
-            # can change the dict halfway; the retry is a guard, not a path.
-            entries = tuple(_entries.copy().values())
-        except RuntimeError:  # pragma: no cover - "dictionary changed size"
-            continue
-        _cache = (version, entries)
-        return entries
+    return cache[1] if cache[0] == _version else _rebuild()[1]
+
+
+def live_steps() -> tuple[Step, ...]:
+    """:func:`live_entries` as the loops go through them: runs of one kind as
+    that kind's batch (:func:`~..rngs.entries.batched`)."""
+    cache = _cache
+    return cache[2] if cache[0] == _version else _rebuild()[2]
 
 
 def _after_fork_in_child() -> None:
@@ -183,13 +182,11 @@ def register_rng(obj: T, *, key: str | None = None, shared: bool = False) -> T:
                     f"shared={shared}"
                 )
             return obj
-        _entries[id(obj)] = Entry(
-            obj,
-            key if key is not None else str(next(_counter)),
-            kind,
-            shared,
-            on_collect=partial(_on_collect, id(obj)),
-        )
+        entry = Entry(obj, key if key is not None else str(next(_counter)), kind, shared)
+        if type(entry.get) is weakref.ref:
+            finalizer = _finalizers[id(obj)] = weakref.finalize(obj, _forget, id(obj), entry)
+            finalizer.atexit = False
+        _entries[id(obj)] = entry
         _changed()
     return obj
 
@@ -204,9 +201,13 @@ def unregister_rng(obj: object) -> None:
         >>> unregister_rng(rng)
     """
     with _lock:
-        if _find(obj) is not None:
+        entry = _find(obj)
+        if entry is not None:
             del _entries[id(obj)]
             _changed()
+            finalizer = _finalizers.pop(id(obj), None)
+            if finalizer is not None:
+                finalizer.detach()
             return
     raise ValueError(f"unregister_rng(): {obj!r} is not registered")
 
@@ -245,8 +246,8 @@ def seed_registered_rngs(seed: int, *, shared_seed: int | None = None) -> None:
         True
         >>> unregister_rng(rng)
     """
-    for entry in live_entries():
-        entry.seed(shared_seed if entry.shared and shared_seed is not None else seed)
+    for step in live_steps():
+        step.seed(shared_seed if step.shared and shared_seed is not None else seed)
 
 
 # -- entry points ------------------------------------------------------------------------

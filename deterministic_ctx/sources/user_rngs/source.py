@@ -1,9 +1,10 @@
 """The source of all registered RNGs: what a block captures, applies and
 restores for them, and what a snapshot saves of them.
 
-:class:`UserRngSource` runs the blocks' loops over :func:`.registry.live_entries`
-(each entry captures, seeds and restores its RNG); its checkpoint methods turn
-states into plain data and back through each kind's codec (:mod:`.kinds`).
+:class:`UserRngSource` runs the blocks' loops over :func:`.registry.live_steps`
+(each entry, or each kind's batch of them, captures, seeds and restores its
+RNGs); its checkpoint methods turn states into plain data and back through
+each kind's codec (:mod:`..rngs.kinds`).
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from ...base import plain as _plain
+from ...base.fast_paths import FastPath
 from ...base.settings import Settings
-from .entries import Entry, Record
-from .kinds import BY_NAME
-from .persistence import class_path
-from .registry import live_entries, seed_registered_rngs
+from ..rngs.entries import Entry, Record
+from ..rngs.kinds import BY_NAME
+from ..rngs.persistence import class_path
+from .registry import live_entries, live_steps, seed_registered_rngs
 
 
 class UserRngSource:
@@ -24,21 +26,32 @@ class UserRngSource:
     name = "user"
     device_type: str | None = None  # not a device generator: saved under "sources"
 
+    #: Nothing to skip: registering an RNG makes a block seed it.
+    applies_nothing = False
+    #: Each kind's (:mod:`..rngs.kinds`), and each entry's memo of its seeded state.
+    fast_paths = (
+        *(path for kind in BY_NAME.values() for path in kind.fast_paths),
+        FastPath("registered RNGs: the state seeding left remembered per block seed", lambda: True),
+    )
+
     def capture(self) -> tuple[Record, ...]:
-        """One record ``(entry, object, state)`` per live RNG; ``()`` when there are none."""
-        entries = live_entries()
-        if not entries:  # nothing registered: the usual case
+        """One record ``(step, object(s), state)`` per live RNG or batch of them;
+        ``()`` when there are none."""
+        steps = live_steps()
+        if not steps:  # nothing registered: the usual case
             return ()
         out: list[Record] = []
-        for entry in entries:
-            obj = entry.get()
+        for step in steps:
+            obj = step.get()
             if obj is not None:
-                out.append((entry, obj, entry.capture(obj)))
+                out.append((step, obj, step.capture(obj)))
+            else:  # collected (an entry), or one of them collected (a batch)
+                out.extend(step.fallback())
         return tuple(out)
 
     def apply(self, settings: Settings) -> None:
         # Per rank, like ``random`` and NumPy; ``shared=True`` ones like torch.
-        if live_entries():  # nothing registered (the usual case): nothing to seed
+        if live_steps():  # nothing registered (the usual case): nothing to seed
             seed_registered_rngs(settings.rank_seed, shared_seed=settings.seed)
 
     def restore(self, state: tuple[Record, ...]) -> None:
@@ -65,7 +78,7 @@ class UserRngSource:
         """
         out: list[dict[str, Any]] = []
         keys: set[str] = set()
-        for entry, obj, saved in state:
+        for entry, obj, saved in (r for record in state for r in record[0].split(*record[1:])):
             if entry.key in keys:
                 raise ValueError(
                     f"two registered RNGs share the key {entry.key!r}, so a saved snapshot "

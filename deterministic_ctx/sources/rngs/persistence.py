@@ -1,16 +1,17 @@
-"""Registered RNGs' states as checkpoint data, and back, checked.
+"""RNG states as checkpoint data, and back, checked.
 
 For each kind, how a public state becomes plain data (``*_to_plain(obj,
 state)``; ``ValueError`` says why where a checkpoint cannot hold it, and
-:class:`.source.UserRngSource` names the RNG) and how plain data read from a
-file becomes a public state again (``*_from_plain(obj, data, path)``),
-checked field by field (``ValueError`` names the field); :mod:`.kinds` binds
-them to the kinds.  The codecs of ``random.Random`` and of NumPy's states are
-also those of the global ``random`` (:mod:`..python_random`) and of NumPy's
-global RNG (:mod:`..numpy_global`).  A random-like object's ``getstate()`` may return
-any tree of plain Python data: it is flattened (no nesting in the file) and
-bounded (``_MAX_*``), so that a crafted or runaway state cannot make a
-checkpoint slow to write or load.
+:class:`~..user_rngs.source.UserRngSource` names the RNG) and how plain data
+read from a file becomes a public state again (``*_from_plain(obj, data,
+path)``), checked field by field (``ValueError`` names the field);
+:mod:`.kinds` binds them to the kinds.  The codecs are also those of the
+global ``random`` (:mod:`..python_random`), of NumPy's global RNG
+(:mod:`..numpy_global`) and of torch's CPU generator (:mod:`..torch_cpu`).
+A random-like object's ``getstate()`` may return any tree of plain Python
+data: it is flattened (no nesting in the file) and bounded (``_MAX_*``), so
+that a crafted or runaway state cannot make a checkpoint slow to write or
+load.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import numpy as np
 import torch
 
 from ...base import plain as _plain
-from .._memory import MT_WORDS
-from ..torch_cpu import generator_state_from_plain
+from ..accelerators import PHILOX_DEVICES, check_philox_state
+from .layouts import MT_WORDS
 
 
 def random_state_to_plain(public: tuple[Any, ...]) -> dict[str, Any]:
@@ -144,6 +145,26 @@ def numpy_from_plain(obj: Any, data: object, path: str) -> dict[str, Any]:
             f"{path}.bit_generator: saved {state['bit_generator']}, but the registered RNG "
             f"uses {uses}"
         )
+    return state
+
+
+def generator_state_from_plain(value: object, path: str, like: torch.Generator) -> torch.Tensor:
+    """A checked state for the generator ``like``: a uint8 tensor of its size.
+
+    A CPU state is also set on a throw-away generator first: torch checks the
+    Mersenne Twister's fields there (a bad ``left``/``next`` is "Invalid mt19937
+    state"), so a crafted state fails here, not at restore.  A CUDA or XPU state
+    is checked against torch's Philox rules instead (:func:`check_philox_state`),
+    without touching the device: a throw-away generator there would.
+    """
+    state = _plain.byte_tensor(value, path, numel=like.get_state().numel())
+    if like.device.type == "cpu":
+        try:
+            torch.Generator().set_state(state)
+        except RuntimeError as exc:
+            raise ValueError(f"{path}: torch rejects the generator state ({exc})") from exc
+    elif like.device.type in PHILOX_DEVICES:
+        check_philox_state(state, path, like.device.type)
     return state
 
 

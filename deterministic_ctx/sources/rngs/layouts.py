@@ -1,13 +1,8 @@
-"""The fast paths' switch, and the only module that touches RNG memory directly.
+"""Where RNG objects keep their state in memory: the only module that
+touches RNG memory directly, for the kinds' fast paths (:mod:`.kinds`).
 
-**The switch.**  ``DETERMINISTIC_CTX_NO_FAST_PATHS=1`` in the environment when
-this module is first imported turns every fast path off (:data:`ENABLED` is
-then ``False``): no layout below is probed or used, seeding caches never hit,
-``os.environ`` is read and written through its public API, registered RNGs
-take their public API one by one.  Each source chooses its path once, at
-import (or at registration, for a user RNG), so the same suite proves both
-paths: CI runs it once with the variable set.  :func:`fast_paths` says which
-are on (``report()`` shows it).
+Nothing here is probed or used with ``DETERMINISTIC_CTX_NO_FAST_PATHS=1``
+(:mod:`deterministic_ctx.base.fast_paths`).
 
 **Raw memory.**  Copying the 2.5 KB of a Mersenne Twister through a view
 costs ~0.3 µs.  Through the public APIs, measured here (torch 2.13 CPU, NumPy
@@ -36,7 +31,6 @@ object's ``__basicsize__`` (or the bit generator's state struct).
 from __future__ import annotations
 
 import ctypes
-import os
 import random
 import struct
 import sys
@@ -45,8 +39,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ...base.fast_paths import ENABLED
+
 __all__ = [
-    "ENABLED",
     "NUMPY_LAYOUT",
     "RANDOM_LAYOUT",
     "Layout",
@@ -54,12 +49,6 @@ __all__ = [
     "mt19937_view",
     "proven_records",
 ]
-
-#: The environment variable that turns every fast path off (read once, at import).
-SWITCH = "DETERMINISTIC_CTX_NO_FAST_PATHS"
-#: Whether fast paths may be used: ``False`` where :data:`SWITCH` is set to
-#: anything but ``""`` or ``"0"``.
-ENABLED: bool = os.environ.get(SWITCH, "") in ("", "0")
 
 #: The 32-bit words of a Mersenne Twister state.
 MT_WORDS = 624

@@ -1,0 +1,17 @@
+"""RNGs by kind: the adapters every source of RNG state is declared with.
+
+The global ``random`` (:mod:`..python_random`), NumPy's global
+``RandomState`` (:mod:`..numpy_global`) and the registered RNGs
+(:mod:`..user_rngs`) say *which* objects they manage; how an object of each
+kind is captured, seeded, restored and saved is here, once.  Each module
+imports only those listed before it:
+
+* :mod:`.layouts`: where RNG objects keep their state in memory, probed
+  (the only module that touches RNG memory directly);
+* :mod:`.persistence`: states as checkpoint data and back, checked;
+* :mod:`.kinds`: one adapter per kind (``random.Random``, NumPy
+  ``Generator`` and ``RandomState``, ``torch.Generator``, random-like
+  objects), with its fast paths declared, and which kind an object is;
+* :mod:`.entries`: one RNG bound to its kind's paths, and
+  ``random.Random``'s batch over many.
+"""
