@@ -4,10 +4,12 @@ Seeding a Mersenne Twister runs its 624-word initialization (1-4 µs); writing
 a remembered result is a 2.5 KB copy (~0.1 µs).  A loop of blocks with one
 seed hits the cache every time.  A block with a *new* seed each time (the
 per-sample pattern: ``with deterministic(seed=idx):`` in ``__getitem__``)
-never does, so a miss must cost no more than seeding itself: the caller seeds
-the live generator directly and offers the result, and remembering it is a
-dict insert.  Where taking the result costs an allocation (torch's state
-tensor), it is taken only for a seed seen before (``eager=False``).
+never does, and neither does a keyed item (a block reseeded with each item's
+key), so a miss must cost no more than seeding itself: the caller seeds the
+live generator directly and offers the result, which is taken only for a seed
+that missed once before (the first miss leaves a mark, a dict insert).  Taking
+it on every miss cost a keyed item about 2 µs a generator (a 2.5 KB copy and
+the eviction of another copy), more than a seeding it would never save.
 
 The cache is a :class:`~deterministic_ctx.base.cache.BoundedCache`: bounded,
 safe without a lock, and empty with the fast paths off.
@@ -34,22 +36,23 @@ class SeededCache(BoundedCache[int, T | None]):
         >>> cache: SeededCache[bytes] = SeededCache(size=2, enabled=True)
         >>> cache.lookup(7) is None
         True
-        >>> cache.offer(7, lambda: b"state")
+        >>> cache.offer(7, lambda: b"state")  # a first miss: marked, not taken
+        >>> cache.lookup(7) is None
+        True
+        >>> cache.offer(7, lambda: b"state")  # seen before: taken
         >>> cache.lookup(7)
         b'state'
     """
 
-    __slots__ = ("_eager", "lookup")
+    __slots__ = ("lookup",)
 
-    def __init__(self, size: int = 64, *, eager: bool = True, enabled: bool = ENABLED) -> None:
+    def __init__(self, size: int = 64, *, enabled: bool = ENABLED) -> None:
         super().__init__(size, enabled=enabled)
-        self._eager = eager
         self.lookup = self.get
 
     def offer(self, seed: int, take: Callable[[], T]) -> None:
-        """After a miss for ``seed``, remember ``take()``, what seeding left:
-        always when eager, else only the second time the seed misses (a
-        ``None`` marks the first), so that ``take`` runs for seeds seen
-        before only; never with the fast paths off."""
+        """After a miss for ``seed``, remember ``take()``, what seeding left,
+        the second time the seed misses (a ``None`` marks the first), so that
+        ``take`` runs for seeds seen before only; never with the fast paths off."""
         if self._enabled:
-            self.put(seed, take() if self._eager or seed in self._items else None)
+            self.put(seed, take() if seed in self._items else None)

@@ -16,7 +16,7 @@ __all__ = ["TorchCPUSource", "generator_state_from_plain"]
 
 #: The state ``manual_seed(seed)`` gives a CPU generator, by seed.  Taking it
 #: allocates a tensor (~1 µs), so only seeds seen twice are remembered.
-_SEEDED: SeededCache[torch.Tensor] = SeededCache(eager=False)
+_SEEDED: SeededCache[torch.Tensor] = SeededCache()
 
 
 class TorchCPUSource:
