@@ -97,7 +97,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._errors import MisuseError
-from ..internal import accelerator_type, derive_seed, register_rng, validate_seed
+from ..internal import (
+    Block,
+    Settings,
+    World,
+    derive_seed,
+    generator_sources,
+    register_rng,
+    source_named,
+    validate_seed,
+)
 from .keyed import check_count
 
 if TYPE_CHECKING:
@@ -105,45 +114,32 @@ if TYPE_CHECKING:
 
 __all__ = ["RngStreams"]
 
-#: A stream's states by device (``"cpu"``, ``"cuda:0"``), with the seed they
-#: were drawn from: ``name -> (seed, {device: state})``.  Never mutated once
-#: made (a fork's exit builds a new one), so a capture holds it without a copy.
-_States = dict[str, tuple[int, dict[str, torch.Tensor]]]
+#: The sources of the generators a fork isolates: torch's CPU generator, and
+#: the default generators of each accelerator type this build can initialize
+#: (all its devices; the source never initializes one).  A type this build can
+#: never initialize (CUDA on a CPU build) has no generator to draw from.
+_SOURCES = (
+    source_named("torch.cpu"),
+    *(
+        source
+        for source in generator_sources()
+        if source.device_type is not None and not getattr(source, "applies_nothing", False)
+    ),
+)
+
+#: Each stream's state in a stream world: ``name -> (seed, world)``, the seed
+#: it started from and its generators as its last fork left them, captured over
+#: :data:`_SOURCES` (or over fewer, as read from a checkpoint: a fork then
+#: seeds the rest).  Never mutated once made (a fork's exit builds a new one).
+_Streams = dict[str, tuple[int, World]]
+#: The same as plain data, what ``getstate()`` returns and a checkpoint holds:
+#: ``name -> (seed, {device: uint8 state})``, devices ``"cpu"``, ``"cuda:0"``, ...
+_Plain = dict[str, tuple[int, dict[str, torch.Tensor]]]
 
 #: The identity of a stream world (see ``_StreamStates``): unique in this
 #: process, and started at random so that a token loaded from another
 #: process's checkpoint does not name one of this process's open forks.
 _TOKENS = itertools.count(secrets.randbits(62))
-
-
-def _accelerator() -> tuple[Any, str]:
-    """The accelerator's torch module and device type, if its generators can be
-    swapped: ``default_generators`` behind ``is_initialized()`` and
-    ``current_device()`` (CUDA, XPU, ...).  ``(None, "")`` on a CPU build;
-    MPS is not swapped."""
-    device_type = accelerator_type()  # never initializes a device
-    module = getattr(torch, device_type, None) if device_type else None
-    if not all(
-        callable(getattr(module, name, None)) for name in ("is_initialized", "current_device")
-    ) or not hasattr(module, "default_generators"):
-        return None, device_type
-    return module, device_type
-
-
-_DEVICE_MODULE, _DEVICE_TYPE = _accelerator()
-_CPU = torch.default_generator
-_CPU_STATE_BYTES = _CPU.get_state().numel()
-
-
-def _generators() -> list[tuple[str, torch.Generator]]:
-    """torch's generators a fork swaps now: the CPU one, and the current
-    accelerator device's if that device is initialized (asking never initializes it)."""
-    found = [("cpu", _CPU)]
-    module = _DEVICE_MODULE
-    if module is not None and module.is_initialized():
-        index = int(module.current_device())  # initialized: asking is safe
-        found.append((f"{_DEVICE_TYPE}:{index}", module.default_generators[index]))
-    return found
 
 
 class _StreamStates:
@@ -169,8 +165,9 @@ class _StreamStates:
         "_coords",
         "_known",
         "_open",
+        "_plain",
         "_seeds",
-        "_states",
+        "_streams",
         "_token",
         "_varies",
     )
@@ -185,22 +182,24 @@ class _StreamStates:
         self._varies: dict[str, tuple[str, ...]] = {}
         self._base = base
         self._token = next(_TOKENS)
-        self._states: _States = {}
+        self._streams: _Streams = {}
+        #: ``(streams, plain)``: the plain form ``getstate`` made of ``streams`` last.
+        self._plain: tuple[_Streams, _Plain] | None = None
         #: Stream seeds: ``(base, name) -> seed``.
         self._seeds: dict[tuple[int, str], int] = {}
-        #: Every open fork, in order of entry (runtime bookkeeping, not state).
+        #: The open forks that swapped, in order of entry (which stream is live in
+        #: which world: the engine's stack holds their blocks, not their streams).
         self._open: list[_Frame] = []
-        #: ``id(states) -> (states, base)`` for states dicts made or checked
-        #: here (kept, so no id is reused): restoring one again skips the
-        #: checks, which would otherwise cost every block a few microseconds.
-        self._known: dict[int, tuple[_States, int]] = {}
-        self._remember(self._states, base)
+        #: ``id(plain) -> (plain, base, streams)`` for plain states made or checked
+        #: here (kept, so no id is reused): restoring one again takes its streams
+        #: without the checks, which would otherwise cost every block microseconds.
+        self._known: dict[int, tuple[_Plain, int, _Streams]] = {}
 
-    def _remember(self, states: _States, base: int) -> None:
+    def _remember(self, plain: _Plain, base: int, streams: _Streams) -> None:
         known = self._known
         if len(known) >= 16:  # a bound: forgetting costs one check later
             known.clear()
-        known[id(states)] = (states, base)
+        known[id(plain)] = (plain, base, streams)
 
     # -- the random-like protocol ------------------------------------------------
 
@@ -208,11 +207,17 @@ class _StreamStates:
         """Start every stream over from ``seed`` (a block's entry does this)."""
         self._base = validate_seed(seed)
         self._token = next(_TOKENS)
-        self._states = {}
-        self._remember(self._states, self._base)
+        self._streams = {}
 
-    def getstate(self) -> tuple[int, int, _States]:
-        return (self._base, self._token, self._states)
+    def getstate(self) -> tuple[int, int, _Plain]:
+        streams, made = self._streams, self._plain
+        if made is not None and made[0] is streams:
+            plain = made[1]
+        else:  # made once per change of the streams, not per block
+            plain = {name: (seed, _plain_states(world)) for name, (seed, world) in streams.items()}
+            self._plain = (streams, plain)
+            self._remember(plain, self._base, streams)
+        return (self._base, self._token, plain)
 
     def setstate(self, state: object) -> None:
         """Bring back a state of :meth:`getstate`, checked first (it may come
@@ -220,20 +225,22 @@ class _StreamStates:
         drawn from another seed than its coordinates here give it."""
         if type(state) is not tuple or len(state) != 3:
             raise ValueError(f"expected (base, token, states), got {type(state).__name__}")
-        base, token, states = state
+        base, token, plain = state
         base = validate_seed(base, name="the streams' base seed")
         if type(token) is not int:
             raise ValueError(f"the streams' token must be an int, got {type(token).__name__}")
-        known = self._known.get(id(states))
-        if known is None or known[0] is not states or known[1] != base:
-            if type(states) is not dict:
-                raise ValueError(f"the streams' states must be a dict, got {type(states).__name__}")
-            for name, entry in states.items():
-                self._check(base, name, entry)
-            self._remember(states, base)
-        self._base, self._token, self._states = base, token, states
+        known = self._known.get(id(plain))
+        if known is not None and known[0] is plain and known[1] == base:
+            streams = known[2]
+        else:
+            if type(plain) is not dict:
+                raise ValueError(f"the streams' states must be a dict, got {type(plain).__name__}")
+            streams = {name: self._imported(base, name, entry) for name, entry in plain.items()}
+            self._remember(plain, base, streams)
+        self._base, self._token, self._streams = base, token, streams
+        self._plain = (streams, plain)
 
-    def _check(self, base: int, name: object, entry: object) -> None:
+    def _imported(self, base: int, name: object, entry: object) -> tuple[int, World]:
         if name not in self._varies:
             declared = ", ".join(map(repr, self._varies)) or "none"
             raise ValueError(
@@ -253,15 +260,7 @@ class _StreamStates:
                 f"along, or the stream varied along other dimensions there; restoring it "
                 f"would give this rank another rank's random numbers"
             )
-        for device, value in devices.items():
-            if type(device) is not str or type(value) is not torch.Tensor:
-                raise ValueError(f"stream {name!r}: expected {{device: uint8 tensor}}")
-            if (
-                value.dtype != torch.uint8
-                or value.dim() != 1
-                or (device == "cpu" and value.numel() != _CPU_STATE_BYTES)
-            ):
-                raise ValueError(f"stream {name!r}, device {device}: not a generator state")
+        return expected, _world_from_plain(name, devices)
 
     def _where(self, name: str) -> str:
         varies = self._varies[name]
@@ -287,39 +286,97 @@ class _StreamStates:
             seed = self._seeds[base, name] = derive_seed(base, *keys, bits=64)
         return seed
 
-    def record(self, name: str, token: int, advanced: dict[str, torch.Tensor]) -> None:
-        """Keep what a fork of ``name`` opened in world ``token`` drew, if that
-        world is still the current one (a new one replaced it: nothing to keep)."""
+    def record(self, name: str, token: int, world: World) -> None:
+        """Keep the world a fork of ``name`` opened in world ``token`` left, if
+        that world is still the current one (a new one replaced it: nothing to keep)."""
         if token != self._token:
             return
-        old = self._states
+        old = self._streams
         entry = old.get(name)
-        if entry is None:
-            entry = (self.seed_for(self._base, name), advanced)
-        elif entry[1].keys() <= advanced.keys():  # the usual case: the same devices
-            entry = (entry[0], advanced)
-        else:
-            entry = (entry[0], {**entry[1], **advanced})
-        self._states = states = {**old, name: entry}
-        self._remember(states, self._base)
+        seed = entry[0] if entry is not None else self.seed_for(self._base, name)
+        self._streams = {**old, name: (seed, world)}
 
     def __repr__(self) -> str:
         return f"<RngStreams states {sorted(self._varies)}>"
 
 
+def _plain_states(world: World) -> dict[str, torch.Tensor]:
+    """A stream's world as ``{device: uint8 state}`` (``"cpu"``, ``"cuda:0"``, ...),
+    through each source's export: an accelerator type not initialized has none."""
+    out: dict[str, torch.Tensor] = {}
+    for source, state in zip(world.sources, world.states, strict=True):
+        data = source.export_state(state)
+        device_type = source.device_type
+        if device_type is None:
+            out["cpu"] = data["state"]
+        else:
+            for index, value in enumerate(data["states"]):
+                out[f"{device_type}:{index}"] = value
+    return out
+
+
+def _world_from_plain(name: str, devices: dict[Any, Any]) -> World:
+    """The checked inverse of :func:`_plain_states`, through each source's import
+    (``ValueError`` names the stream and the device).  A device type this build
+    cannot use is left out, and so is one the state has nothing for: the fork
+    seeds it from the stream's seed."""
+    cpu = None
+    by_type: dict[str, dict[int, Any]] = {}
+    for key, value in devices.items():
+        if key == "cpu":
+            cpu = value
+            continue
+        device_type, colon, index = key.partition(":") if type(key) is str else ("", "", "")
+        if not (device_type and colon and index.isdigit() and index == str(int(index))):
+            raise ValueError(
+                f"stream {name!r}: expected {{device: uint8 tensor}} with devices 'cpu', "
+                f"'cuda:0', ..., got the key {key!r:.80}"
+            )
+        by_type.setdefault(device_type, {})[int(index)] = value
+    sources = []
+    states = []
+    for source in _SOURCES:
+        device_type = source.device_type
+        path = f"stream {name!r}, device {device_type or 'cpu'}"
+        if device_type is None:
+            if cpu is None:
+                continue
+            state = source.import_state({"state": cpu}, path)
+        else:
+            found = by_type.get(device_type)
+            if not found:
+                continue
+            if sorted(found) != list(range(len(found))):
+                raise ValueError(
+                    f"{path}: expected devices 0 to {len(found) - 1}, got {sorted(found)}"
+                )
+            data = {"initialized": True, "states": [found[i] for i in range(len(found))]}
+            state = source.import_state(data, path)
+            if state is None:  # no device here to restore
+                continue
+        sources.append(source)
+        states.append(state)
+    return World(tuple(sources), tuple(states))
+
+
 @dataclass(slots=True, eq=False)  # eq=False: frames are found by identity
 class _Frame:
-    """An open fork: its stream and world, and per swapped device
-    ``[device, generator, state]``, where ``state`` is the caller's (the state
-    the generator gets back at the exit)."""
+    """An open fork that swapped: its stream and world, and its block."""
 
     name: str
     token: int
-    swapped: list[list[Any]]
-    #: For a fork of a stream open lower in the stack: the frame entered
-    #: right above that one, whose callers' states hold the stream's live
-    #: state (its exit gives them back to the generators).
+    #: The fork's block: the engine's, over :data:`_SOURCES`.
+    block: Block
+    #: For a fork of a stream open lower in its world, under forks of other
+    #: streams: the frame entered right above that stream's, whose ``held``
+    #: is the stream's live state.
     holder: _Frame | None
+    #: The state of the stream the fork found live in its world at its entry
+    #: (``None``: none was); a fork of that stream inside this one continues
+    #: from it and leaves its advance here, which this fork's exit puts back.
+    held: World | None = None
+    #: Whether a fork inside this one moved ``held`` on.
+    moved: bool = False
 
 
 class _Fork:
@@ -337,86 +394,100 @@ class _Fork:
     def __enter__(self) -> None:
         states, name = self._states, self._name
         token = states._token
-        open_ = states._open
         # The open forks of this world (a suspended decorated generator's stay
-        # open in its own world), innermost first, down to this stream's;
-        # ``holder``: the last one seen, entered right after the one found.
+        # open in its own world), innermost first, down to this stream's:
+        # ``top``, the innermost, is live; ``holder``, the one entered right
+        # after the stream's, holds the stream's live state.
+        top: _Frame | None = None
         holder: _Frame | None = None
-        for other in reversed(open_):
+        for other in reversed(states._open):
             if other.token != token:
                 continue
             if other.name == name:  # forked already in this world
                 if holder is None:  # and it is the live stream: nothing to swap
                     self._frames.append(None)
                     return
-                # Another stream was forked inside it: the stream's live state is
-                # what that fork (the holder) gives back at its exit.
-                saved = {entry[0]: entry[2] for entry in holder.swapped}
                 break
+            top = top or other
             holder = other
         else:
             holder = None
-            entry = states._states.get(name)
-            saved = entry[1] if entry is not None else {}
-        swapped: list[list[Any]] = []
-        frame = _Frame(name, token, swapped, holder)
+        if holder is not None:
+            start: World | None = holder.held
+        else:
+            entry = states._streams.get(name)
+            start = entry[1] if entry is not None else None
+        sources = _SOURCES
+        # Seeded where the stream has no state yet for every generator (its first
+        # fork in this world; a state read from a checkpoint lacks a device).
+        settings = None
+        if start is None or (start.sources is not sources and start.sources != sources):
+            settings = Settings(states.seed_for(states._base, name), False, None, False)
+        block = Block(settings, sources)
+        frame = _Frame(name, token, block, holder)
         try:
-            for device, gen in _generators():
-                state = saved.get(device)
-                if state is None and holder is not None:
-                    continue  # not swapped out by the holder: the live state is the stream's
-                caller = gen.get_state()
-                if state is None:  # its first fork on this device in this world
-                    gen.manual_seed(states.seed_for(states._base, name))
-                else:
-                    gen.set_state(state)
-                swapped.append([device, gen, caller])
+            if top is not None:  # its block is open: this thread holds the lock
+                frame.held = World.capture(sources)
+            block.start()
+            if start is not None:
+                start.restore()
             self._frames.append(frame)
-            open_.append(frame)
+            states._open.append(frame)
         except BaseException:  # nothing half-applied
-            if self._frames and self._frames[-1] is frame:
-                del self._frames[-1]
-            if open_ and open_[-1] is frame:
-                del open_[-1]
-            for _device, gen, caller in reversed(swapped):
-                gen.set_state(caller)
+            self._drop(frame)
             raise
 
+    def _drop(self, frame: _Frame) -> None:
+        """Leave ``frame``'s block (the engine's ``stop()``: idempotent, completed
+        if interrupted) and forget the frame, wherever an entry or exit stopped."""
+        try:
+            frame.block.stop()
+        finally:
+            if frame in self._states._open:
+                self._states._open.remove(frame)
+            if self._frames and self._frames[-1] is frame:
+                del self._frames[-1]
+
     def __exit__(self, *exc: object) -> None:
-        if not self._frames:
+        frames = self._frames
+        if not frames:
             raise MisuseError(f"fork({self._name!r}) exited without being entered")
-        frame = self._frames.pop()
+        frame = frames[-1]
         if frame is None:
+            del frames[-1]
             return
         open_ = self._states._open
-        # The innermost open fork of its world must be this one.
-        last = open_[-1] if open_ else None
-        if last is not frame:
-            last = next((f for f in reversed(open_) if f.token == frame.token), None)
-        if last is not frame:
-            later = last.name if last is not None else "?"
-            if frame in open_:
-                open_.remove(frame)
-            raise MisuseError(
-                f"fork({self._name!r}) exited while fork({later!r}), entered after it, is "
-                f"still open: forks swap torch's process-global generators and must be left "
-                f"in reverse order of entry (interleaved tasks or threads cannot share them)"
-            )
         try:
-            advanced = {device: gen.get_state() for device, gen, _ in frame.swapped}
-        finally:  # whatever happens, the caller's generators come back
-            for _device, gen, caller in frame.swapped:
-                gen.set_state(caller)
-            # Not always the last: a suspended generator's fork may be open above
-            # it, in another world.
+            # The innermost open fork of its world must be this one.
+            last = open_[-1] if open_ else None
+            if last is not frame:
+                last = next((f for f in reversed(open_) if f.token == frame.token), None)
+            if last is not frame:
+                later = last.name if last is not None else "?"
+                raise MisuseError(
+                    f"fork({self._name!r}) exited while fork({later!r}), entered after it, is "
+                    f"still open: forks swap torch's process-global generators and must be "
+                    f"left in reverse order of entry (interleaved tasks or threads cannot "
+                    f"share them)"
+                )
+            advanced = World.capture(_SOURCES)
+            frame.block.stop()
             open_.remove(frame)
+            del frames[-1]
+        except BaseException:
+            # Left all the same (the engine hands the caller's state on to a block
+            # still open above it), so that nothing stays applied or locked.
+            self._drop(frame)
+            raise
+        if frame.moved:  # the stream below advanced inside: its state, not the entry's
+            assert frame.held is not None
+            frame.held.restore()
         holder = frame.holder
         if holder is None:
             self._states.record(self._name, frame.token, advanced)
-        else:  # the stream lives on in the holder's saved states
-            for entry in holder.swapped:
-                if entry[0] in advanced:
-                    entry[2] = advanced[entry[0]]
+        else:  # the stream lives on in the holder's held state
+            holder.held = advanced
+            holder.moved = True
 
 
 class RngStreams:

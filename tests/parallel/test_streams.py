@@ -38,6 +38,7 @@ from deterministic_ctx import (
     seed_everything,
 )
 from deterministic_ctx.parallel.streams import RngStreams
+from deterministic_ctx.sources.accelerators import LazyAcceleratorSource
 from tests.helpers import (
     free_port,
     join_loopback_group,
@@ -488,9 +489,12 @@ def simulated_device(monkeypatch):
         is_initialized=lambda: device.initialized,
         current_device=lambda: 0,
         default_generators=(torch.Generator().manual_seed(11),),
+        _lazy_seed_tracker=type(torch.cuda._lazy_seed_tracker)(),
+        _queued_calls=[],
     )
-    monkeypatch.setattr(streams_module, "_DEVICE_MODULE", device)
-    monkeypatch.setattr(streams_module, "_DEVICE_TYPE", "sim")
+    # A fork isolates the generators of its sources: torch's CPU one and this device's.
+    cpu = next(s for s in streams_module._SOURCES if s.device_type is None)
+    monkeypatch.setattr(streams_module, "_SOURCES", (cpu, LazyAcceleratorSource(device, "sim")))
     return device
 
 
@@ -511,19 +515,54 @@ def test_the_current_device_generator_is_swapped_too(simulated_device):
         assert torch.equal(gen.get_state(), before)
 
 
+class _Refusing:
+    """A device generator that refuses its next ``refuse`` states."""
+
+    def __init__(self, gen: torch.Generator) -> None:
+        self.gen = gen
+        self.refuse = 0
+
+    def get_state(self) -> torch.Tensor:
+        return self.gen.get_state()
+
+    def set_state(self, state: torch.Tensor) -> None:
+        if self.refuse:
+            self.refuse -= 1
+            raise RuntimeError("refused")
+        self.gen.set_state(state)
+
+    def manual_seed(self, seed: int) -> torch.Generator:
+        return self.gen.manual_seed(seed)
+
+
 def test_a_fork_that_fails_to_enter_changes_nothing(simulated_device):
+    # The engine's restore: the stream's state refused twice by the device (the
+    # restore and its retry) is a RestoreError, and the entry rolls back.
+    streams = make()
+    with streams.fork("tp"):
+        pass
+    gen = simulated_device.default_generators[0]
+    refusing = _Refusing(gen)
+    simulated_device.default_generators = (refusing,)
+    refusing.refuse = 2
+    before, device_before = torch.get_rng_state(), gen.get_state()
+    with pytest.raises(RestoreError, match=r"torch\.sim"), streams.fork("tp"):
+        pytest.fail("entered")
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(gen.get_state(), device_before)
+    assert streams._states._open == []
+
+
+def test_a_state_no_fork_could_restore_is_refused_where_it_is_set(simulated_device):
     streams = make()
     with streams.fork("tp"):
         pass
     base, token, states = streams._states.getstate()
     seed, devices = states["tp"]
     bad = {**states, "tp": (seed, {**devices, "sim:0": torch.zeros(7, dtype=torch.uint8)})}
-    streams._states.setstate((base, token, bad))
-    before = torch.get_rng_state()
-    with pytest.raises(RuntimeError), streams.fork("tp"):
-        pytest.fail("entered")
-    assert torch.equal(torch.get_rng_state(), before)
-    assert streams._states._open == []
+    with pytest.raises(ValueError, match=r"stream 'tp', device sim\.states\[0\]: expected 5056"):
+        streams._states.setstate((base, token, bad))
+    assert streams._states.getstate()[2] is states  # nothing changed
 
 
 # -- bad input ------------------------------------------------------------------------------
