@@ -326,13 +326,13 @@ def _world_from_plain(name: str, devices: dict[Any, Any]) -> World:
         if key == "cpu":
             cpu = value
             continue
-        device_type, colon, index = key.partition(":") if type(key) is str else ("", "", "")
-        if not (device_type and colon and index.isdigit() and index == str(int(index))):
+        kind, colon, index = key.partition(":") if type(key) is str else ("", "", "")
+        if not (kind and colon and index.isdigit() and index == str(int(index))):
             raise ValueError(
                 f"stream {name!r}: expected {{device: uint8 tensor}} with devices 'cpu', "
                 f"'cuda:0', ..., got the key {key!r:.80}"
             )
-        by_type.setdefault(device_type, {})[int(index)] = value
+        by_type.setdefault(kind, {})[int(index)] = value
     sources = []
     states = []
     for source in _SOURCES:
