@@ -305,12 +305,16 @@ def _plain_states(world: World) -> dict[str, torch.Tensor]:
     through each source's export: an accelerator type not initialized has none."""
     out: dict[str, torch.Tensor] = {}
     for source, state in zip(world.sources, world.states, strict=True):
-        data = source.export_state(state)
         device_type = source.device_type
         if device_type is None:
-            out["cpu"] = data["state"]
+            # The CPU generator's state is a uint8 tensor that nothing writes to:
+            # plain already.  Its export would copy it, which a block entered after
+            # every fork would pay (a snapshot copies it when it saves it).
+            out["cpu"] = (
+                state if type(state) is torch.Tensor else source.export_state(state)["state"]
+            )
         else:
-            for index, value in enumerate(data["states"]):
+            for index, value in enumerate(source.export_state(state)["states"]):
                 out[f"{device_type}:{index}"] = value
     return out
 
@@ -471,6 +475,14 @@ class _Fork:
                     f"share them)"
                 )
             advanced = World.capture(_SOURCES)
+            # Kept before the caller's state comes back: a restore that fails
+            # (RestoreError) or is interrupted leaves the fork all the same.
+            holder = frame.holder
+            if holder is None:
+                self._states.record(self._name, frame.token, advanced)
+            else:  # the stream lives on in the holder's held state
+                holder.held = advanced
+                holder.moved = True
             frame.block.stop()
             open_.remove(frame)
             del frames[-1]
@@ -482,12 +494,6 @@ class _Fork:
         if frame.moved:  # the stream below advanced inside: its state, not the entry's
             assert frame.held is not None
             frame.held.restore()
-        holder = frame.holder
-        if holder is None:
-            self._states.record(self._name, frame.token, advanced)
-        else:  # the stream lives on in the holder's held state
-            holder.held = advanced
-            holder.moved = True
 
 
 class RngStreams:

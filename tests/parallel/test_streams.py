@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import pickle
 import random
+import threading
 import types
 import warnings
 from pathlib import Path
@@ -37,6 +38,7 @@ from deterministic_ctx import (
     reproducible,
     seed_everything,
 )
+from deterministic_ctx.internal import inside_block
 from deterministic_ctx.parallel.streams import RngStreams
 from deterministic_ctx.sources.accelerators import LazyAcceleratorSource
 from tests.helpers import (
@@ -480,15 +482,12 @@ def test_streams_leave_the_registry_with_their_object():
 # -- the accelerator's generator ------------------------------------------------------------
 
 
-@pytest.fixture
-def simulated_device(monkeypatch):
-    """An accelerator module over a real (CPU) generator: where a build without a
-    GPU checks that the current device's generator is swapped with the CPU one."""
+def _simulate(monkeypatch: pytest.MonkeyPatch, devices: int = 1) -> Any:
     device = types.SimpleNamespace(
         initialized=True,
         is_initialized=lambda: device.initialized,
         current_device=lambda: 0,
-        default_generators=(torch.Generator().manual_seed(11),),
+        default_generators=tuple(torch.Generator().manual_seed(11 + i) for i in range(devices)),
         _lazy_seed_tracker=type(torch.cuda._lazy_seed_tracker)(),
         _queued_calls=[],
     )
@@ -496,6 +495,13 @@ def simulated_device(monkeypatch):
     cpu = next(s for s in streams_module._SOURCES if s.device_type is None)
     monkeypatch.setattr(streams_module, "_SOURCES", (cpu, LazyAcceleratorSource(device, "sim")))
     return device
+
+
+@pytest.fixture
+def simulated_device(monkeypatch):
+    """An accelerator module over a real (CPU) generator: where a build without a
+    GPU checks that the current device's generator is swapped with the CPU one."""
+    return _simulate(monkeypatch)
 
 
 def test_the_current_device_generator_is_swapped_too(simulated_device):
@@ -516,11 +522,12 @@ def test_the_current_device_generator_is_swapped_too(simulated_device):
 
 
 class _Refusing:
-    """A device generator that refuses its next ``refuse`` states."""
+    """A device generator that refuses its next ``refuse`` states with ``error``."""
 
-    def __init__(self, gen: torch.Generator) -> None:
+    def __init__(self, gen: torch.Generator, error: type[BaseException] = RuntimeError) -> None:
         self.gen = gen
         self.refuse = 0
+        self.error = error
 
     def get_state(self) -> torch.Tensor:
         return self.gen.get_state()
@@ -528,7 +535,7 @@ class _Refusing:
     def set_state(self, state: torch.Tensor) -> None:
         if self.refuse:
             self.refuse -= 1
-            raise RuntimeError("refused")
+            raise self.error("refused")
         self.gen.set_state(state)
 
     def manual_seed(self, seed: int) -> torch.Generator:
@@ -563,6 +570,107 @@ def test_a_state_no_fork_could_restore_is_refused_where_it_is_set(simulated_devi
     with pytest.raises(ValueError, match=r"stream 'tp', device sim\.states\[0\]: expected 5056"):
         streams._states.setstate((base, token, bad))
     assert streams._states.getstate()[2] is states  # nothing changed
+
+
+# -- a fork is a block of the engine ------------------------------------------------------
+
+
+def test_a_fork_waits_for_a_block_in_another_thread():
+    # The engine's lock: torch's generators are never swapped under another
+    # thread's block.
+    streams = make()
+    inside, release, forked = threading.Event(), threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with isolated():
+            inside.set()
+            release.wait(10)
+
+    def fork() -> None:
+        with streams.fork("tp"):
+            forked.set()
+
+    holder, other = threading.Thread(target=hold), threading.Thread(target=fork)
+    holder.start()
+    assert inside.wait(10)
+    other.start()
+    try:
+        assert not forked.wait(0.5)
+    finally:
+        release.set()
+        holder.join(10)
+        other.join(10)
+    assert forked.is_set()
+
+
+def test_an_interrupted_fork_exit_still_restores_every_generator(simulated_device):
+    streams = make()
+    gen = simulated_device.default_generators[0]
+    refusing = _Refusing(gen, KeyboardInterrupt)
+    simulated_device.default_generators = (refusing,)
+    model = torch.Generator().manual_seed(streams.seed_of("tp"))
+    before, device_before = torch.get_rng_state(), gen.get_state()
+    with pytest.raises(KeyboardInterrupt), streams.fork("tp"):
+        first = torch.rand(2)
+        refusing.refuse = 1  # the caller's state, put back at the exit: interrupted once
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(gen.get_state(), device_before)
+    assert streams._states._open == [] and not inside_block()
+    assert torch.equal(first, torch.rand(2, generator=model))
+    assert torch.equal(drawn(streams, "tp", 2), torch.rand(2, generator=model))  # kept its advance
+
+
+def test_a_device_that_refuses_the_callers_state_is_a_restore_error_and_the_fork_is_left(
+    simulated_device,
+):
+    streams = make()
+    gen = simulated_device.default_generators[0]
+    refusing = _Refusing(gen)
+    simulated_device.default_generators = (refusing,)
+    before = torch.get_rng_state()
+    with pytest.raises(RestoreError, match=r"torch\.sim"), streams.fork("tp"):
+        refusing.refuse = 2
+    assert torch.equal(torch.get_rng_state(), before)  # every other generator is back
+    assert streams._states._open == [] and not inside_block()
+
+
+def test_forks_left_out_of_order_still_restore_the_state_before_them():
+    streams = make()
+    before = torch.get_rng_state()
+    outer, inner = streams.fork("tp"), streams.fork("dp")
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(MisuseError, match="reverse order"):
+        outer.__exit__(None, None, None)
+    inner.__exit__(None, None, None)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert streams._states._open == [] and not inside_block()
+
+
+def test_every_device_of_the_accelerator_type_is_isolated(monkeypatch):
+    device = _simulate(monkeypatch, devices=2)
+    streams = make()
+    before = [g.get_state() for g in device.default_generators]
+    with streams.fork("tp"):
+        got = [torch.rand(3, generator=g) for g in device.default_generators]
+    expected = torch.rand(3, generator=torch.Generator().manual_seed(streams.seed_of("tp")))
+    assert all(torch.equal(g, expected) for g in got)  # each device starts from the stream's seed
+    assert all(
+        torch.equal(g.get_state(), b)
+        for g, b in zip(device.default_generators, before, strict=True)
+    )
+
+
+def test_a_saved_stream_without_a_device_seeds_it_at_its_next_fork():
+    streams = make()
+    drawn(streams, "tp")
+    base, token, states = streams._states.getstate()
+    seed, _devices = states["tp"]
+    streams._states.setstate((base, token, {**states, "tp": (seed, {})}))
+    model = torch.Generator().manual_seed(streams.seed_of("tp"))
+    assert torch.equal(drawn(streams, "tp"), torch.rand(4, generator=model))
+    with pytest.raises(ValueError, match="got the key 'gpu'"):
+        streams._states.setstate((base, token, {"tp": (seed, {"gpu": torch.zeros(1)})}))
 
 
 # -- bad input ------------------------------------------------------------------------------
