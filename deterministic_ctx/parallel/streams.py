@@ -15,10 +15,12 @@ dimensions it *varies along*.  A stream's seed is
 ``derive_seed(base, "stream", name, dim, rank_along_dim, ...)`` over those
 dimensions only (:func:`~deterministic_ctx.derive_seed`, no offsets): equal on
 ranks that share those coordinates, unrelated elsewhere.  ``with
-streams.fork(name):`` swaps the stream into torch's default generators (the CPU
-one, and the current accelerator device's where that device is initialized:
-CUDA is never initialized here) and swaps it back on exit, keeping the
-stream's advance, so the next fork continues where the last one stopped.
+streams.fork(name):`` is a block of the engine over torch's default
+generators (the CPU one, and every device of each accelerator type this build
+can initialize; a fork never initializes one): it enters the stream's state,
+seeded from its seed at its first fork, and on exit keeps the stream's
+advance and puts the caller's state back, so the next fork continues where
+the last one stopped.
 
 **Blocks, snapshots, checkpoints.**  The streams are registered as a user RNG
 (``register_rng(..., key=key, shared=True)``): every
@@ -64,24 +66,42 @@ at every random op): each rank draws its local shard from its own CPU
 generator, so ranks with equal states draw equal shards; a fork applies as to
 any op.
 
-**Threads and nesting.**  A fork swaps process-global generators, as
-``torch.random.fork_rng`` does, and takes no lock: fork in one thread at a
-time, and leave forks in reverse order of entry (``with`` does; an exit out
-of order raises :class:`~deterministic_ctx.MisuseError`, a ``RuntimeError``).
-An inner fork of a stream already forked continues it, also with forks of
-other streams in between.  A decorated generator
+**Threads and nesting.**  A fork is a block of the engine
+over those generators: it takes the process lock as every block does (a fork
+in one thread waits while another thread is inside a block or a fork), its
+restores complete if interrupted, and a generator that cannot be put back is
+a :class:`~deterministic_ctx.RestoreError` once every other one is back.  Fork
+one ``RngStreams`` in one thread at a time, and leave forks in reverse order
+of entry (``with`` does; an exit out of order raises
+:class:`~deterministic_ctx.MisuseError`, a ``RuntimeError``, and still leaves
+the fork: once the later forks are left too, the state from before them all
+is back).  An inner fork of a stream already forked continues it, also with
+forks of other streams in between.  A decorated generator
 (:func:`~deterministic_ctx.reproducible`) may hold a fork open across its
-``yield``: its world, its fork.  Seeding or restoring a snapshot inside a
-fork is undone for torch's generators by the fork's exit, which puts back
-what it found at its entry; seeding starts the streams over (a block's
-entry does too) and the fork's exit then keeps nothing.
+``yield``: its world, its fork (the engine carries the fork's block with the
+generator's).  Seeding or restoring a snapshot inside a fork is undone for
+torch's generators by the fork's exit, which puts back what it found at its
+entry; seeding starts the streams over (a block's entry does too) and the
+fork's exit then keeps nothing.
 
-**Cost.**  A fork is two generator-state reads and two writes per device (a
-CPU state is 5 KB): about what ``torch.random.fork_rng`` costs for the same
-devices (medians of two runs on a 16-core server: 5.6 to 9.2 µs against 4.9
-to 7.4 µs on the CPU alone, 17.6 to 19.6 µs against 12.1 to 19.3 µs with
-CUDA initialized).  With streams registered, a block pays what any
-registered RNG costs it, plus a few microseconds.
+**Devices.**  A fork isolates every device of an accelerator type, not only
+the current one: all of them start from the stream's seed at its first fork,
+and all come back at its exit, as in a block.  On a device type not yet
+initialized, the first fork queues the stream's seed for initialization
+(never initializing the device), and the exit puts torch's queue back.
+
+**Cost.**  A fork is a block over a few generators: two captures and two
+restores of each (a CPU state is 5 KB), plus the block's lock and completion
+step.  Side by side with the fork it replaced, which swapped the states by
+hand (one process, medians of 7 runs on 2 busy cores, CPU only): 10.3 µs
+against 5.5 to 9.6 µs, 13 µs with a draw, and about 24 µs for a fork inside a
+fork of another stream (which also keeps that stream's state) against 11 to
+12.5 µs; ``torch.random.fork_rng(devices=[])`` took 4.3 µs there.  The
+difference is the engine's: its lock, its tracing check and completion step,
+and its capture and restore loops over the sources.  With CUDA initialized,
+every device's generator is read and written (a 16-byte state each).  With
+streams registered, a block pays what any registered RNG costs it, plus a few
+microseconds.
 """
 
 from __future__ import annotations
@@ -503,9 +523,9 @@ class RngStreams:
     along; its seed is ``derive_seed(base, "stream", name, dim, rank, ...)``
     over those dimensions' ranks (no offsets, so no collisions), where
     ``base`` is ``derive_seed(seed, "user", key)``.  ``with
-    streams.fork(name):`` swaps the stream into torch's default generators
-    (CPU, and the current accelerator device's if initialized) and back,
-    keeping its advance.  The streams are registered with
+    streams.fork(name):`` is a block over torch's default generators (CPU,
+    and every device of the accelerator types this build can initialize)
+    that runs in the stream and keeps its advance.  The streams are registered with
     ``register_rng(..., key=key, shared=True)``: blocks restart them from their
     shared seed and restore them on exit, snapshots and checkpoints hold them
     (see the module docstring for the rules, DTensor and threads).
@@ -593,26 +613,31 @@ class RngStreams:
     def fork(self, name: str) -> AbstractContextManager[None]:
         """A context manager that runs its body with stream ``name`` in torch's generators.
 
-        On entry torch's CPU generator (and the current accelerator device's,
-        where that device is initialized) is set to the stream's state,
-        seeded with :meth:`seed_of` at its first fork; on exit, by any route,
-        the stream keeps its advance and the caller's generator states come
-        back.  A fork inside a fork of the same stream continues it.  The
-        object can be entered again; leave forks in reverse order of entry.
+        A block of the engine over torch's CPU generator and every device of
+        the accelerator types this build can initialize (a fork never
+        initializes one): on entry the generators are set to the stream's
+        state, seeded with :meth:`seed_of` at its first fork; on exit, by any
+        route, the stream keeps its advance and the caller's generator states
+        come back.  A fork inside a fork of the same stream continues it.
+        The object can be entered again; leave forks in reverse order of
+        entry.  Like any block, a fork waits for blocks of other threads, and
+        a generator that cannot be put back is a
+        :class:`~deterministic_ctx.RestoreError` once the others are back.
 
         Example:
             >>> import torch
-            >>> from deterministic_ctx import isolated
+            >>> from deterministic_ctx import deterministic
             >>> from deterministic_ctx import RngStreams
             >>> streams = RngStreams(0)
             >>> streams.add("noise")
-            >>> with isolated():
+            >>> with deterministic(seed=1):
             ...     with streams.fork("noise"):
             ...         a = torch.rand(1)
-            ...     before = torch.get_rng_state()
             ...     with streams.fork("noise"):
             ...         b = torch.rand(1)
-            ...     torch.equal(before, torch.get_rng_state())
+            ...     outside = torch.rand(1)
+            >>> with deterministic(seed=1):  # torch's own stream, as if no fork ran
+            ...     bool(torch.rand(1) == outside)
             True
             >>> bool(a != b)  # the second fork went on from the first
             True
