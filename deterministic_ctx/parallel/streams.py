@@ -109,6 +109,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import sys
+import time
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -155,6 +156,13 @@ _Streams = dict[str, tuple[int, World]]
 #: The same as plain data, what ``getstate()`` returns and a checkpoint holds:
 #: ``name -> (seed, {device: uint8 state})``, devices ``"cpu"``, ``"cuda:0"``, ...
 _Plain = dict[str, tuple[int, dict[str, torch.Tensor]]]
+
+#: A call of a C function, after which CPython runs pending signal handlers:
+#: the end of a fork's entry calls it while the entry can still roll back
+#: (``with`` calls no ``__exit__`` for an ``__enter__`` that raised).  The
+#: engine's ``drain_signals``, which ``internal`` does not export: a copy of
+#: its one line until it does.
+_drain_signals = time.perf_counter
 
 #: The identity of a stream world (see ``_StreamStates``): unique in this
 #: process, and started at random so that a token loaded from another
@@ -395,9 +403,11 @@ class _Frame:
     #: streams: the frame entered right above that stream's, whose ``held``
     #: is the stream's live state.
     holder: _Frame | None
-    #: The state of the stream the fork found live in its world at its entry
-    #: (``None``: none was); a fork of that stream inside this one continues
-    #: from it and leaves its advance here, which this fork's exit puts back.
+    #: The fork whose stream was live in its world at this one's entry (``None``:
+    #: none was), and that stream's state then: a fork of that stream inside this
+    #: one continues from it and leaves its advance here, which this fork's exit
+    #: puts back (if ``below`` is still open).
+    below: _Frame | None = None
     held: World | None = None
     #: Whether a fork inside this one moved ``held`` on.
     moved: bool = False
@@ -416,6 +426,19 @@ class _Fork:
         self._frames: list[_Frame | None] = []
 
     def __enter__(self) -> None:
+        frames = self._frames
+        depth = len(frames)
+        try:
+            self._enter()
+            _drain_signals()
+        except BaseException:  # after the entry was recorded: leave it
+            if len(frames) > depth:
+                self._undo(frames[-1])
+            raise
+
+    def _enter(self) -> None:
+        """Record an entry (a frame, or ``None`` where nothing is swapped); on
+        an exception before it is recorded, nothing is left applied."""
         states, name = self._states, self._name
         token = states._token
         # The open forks of this world (a suspended decorated generator's stay
@@ -451,15 +474,22 @@ class _Fork:
         frame = _Frame(name, token, block, holder)
         try:
             if top is not None:  # its block is open: this thread holds the lock
-                frame.held = World.capture(sources)
+                frame.below, frame.held = top, World.capture(sources)
             block.start()
             if start is not None:
                 start.restore()
-            self._frames.append(frame)
             states._open.append(frame)
+            self._frames.append(frame)
         except BaseException:  # nothing half-applied
             self._drop(frame)
             raise
+
+    def _undo(self, entry: _Frame | None) -> None:
+        """Leave the latest entry, ``entry``, wherever its entry or exit stopped."""
+        if entry is None:
+            del self._frames[-1]
+        else:
+            self._drop(entry)
 
     def _drop(self, frame: _Frame) -> None:
         """Leave ``frame``'s block (the engine's ``stop()``: idempotent, completed
@@ -473,45 +503,52 @@ class _Fork:
                 del self._frames[-1]
 
     def __exit__(self, *exc: object) -> None:
-        frames = self._frames
-        if not frames:
-            raise MisuseError(f"fork({self._name!r}) exited without being entered")
-        frame = frames[-1]
-        if frame is None:
-            del frames[-1]
-            return
-        open_ = self._states._open
+        # Protected from the first line, as a block's exit: an exception raised
+        # anywhere in it leaves the fork all the same (the engine hands the
+        # caller's state on to a block still open above it), so that nothing
+        # stays applied or locked.  Until its last line the exit's entry is the
+        # latest one.
         try:
-            # The innermost open fork of its world must be this one.
-            last = open_[-1] if open_ else None
-            if last is not frame:
-                last = next((f for f in reversed(open_) if f.token == frame.token), None)
-            if last is not frame:
-                later = last.name if last is not None else "?"
-                raise MisuseError(
-                    f"fork({self._name!r}) exited while fork({later!r}), entered after it, is "
-                    f"still open: forks swap torch's process-global generators and must be "
-                    f"left in reverse order of entry (interleaved tasks or threads cannot "
-                    f"share them)"
-                )
-            advanced = World.capture(_SOURCES)
-            # Kept before the caller's state comes back: a restore that fails
-            # (RestoreError) or is interrupted leaves the fork all the same.
-            holder = frame.holder
-            if holder is None:
-                self._states.record(self._name, frame.token, advanced)
-            else:  # the stream lives on in the holder's held state
-                holder.held = advanced
-                holder.moved = True
-            frame.block.stop()
-            open_.remove(frame)
+            frames = self._frames
+            if not frames:
+                raise MisuseError(f"fork({self._name!r}) exited without being entered")
+            frame = frames[-1]
+            if frame is not None:  # else the stream was live: nothing was swapped
+                self._leave(frame)
             del frames[-1]
         except BaseException:
-            # Left all the same (the engine hands the caller's state on to a block
-            # still open above it), so that nothing stays applied or locked.
-            self._drop(frame)
+            if self._frames:
+                self._undo(self._frames[-1])
             raise
-        if frame.moved:  # the stream below advanced inside: its state, not the entry's
+
+    def _leave(self, frame: _Frame) -> None:
+        open_ = self._states._open
+        # The innermost open fork of its world must be this one.
+        last = open_[-1] if open_ else None
+        if last is not frame:
+            last = next((f for f in reversed(open_) if f.token == frame.token), None)
+        if last is not frame:
+            later = last.name if last is not None else "?"
+            raise MisuseError(
+                f"fork({self._name!r}) exited while fork({later!r}), entered after it, is "
+                f"still open: forks swap torch's process-global generators and must be "
+                f"left in reverse order of entry (interleaved tasks or threads cannot "
+                f"share them)"
+            )
+        advanced = World.capture(_SOURCES)
+        # Kept before the caller's state comes back: a restore that fails
+        # (RestoreError) or is interrupted leaves the fork all the same.
+        holder = frame.holder
+        if holder is None:
+            self._states.record(self._name, frame.token, advanced)
+        else:  # the stream lives on in the holder's held state
+            holder.held = advanced
+            holder.moved = True
+        frame.block.stop()
+        open_.remove(frame)
+        # The stream below advanced inside: its state, not the entry's (unless
+        # its fork was left meanwhile, out of order).
+        if frame.moved and frame.below in open_:
             assert frame.held is not None
             frame.held.restore()
 

@@ -41,6 +41,7 @@ from deterministic_ctx import (
 from deterministic_ctx.internal import inside_block
 from deterministic_ctx.parallel.streams import RngStreams
 from deterministic_ctx.sources.accelerators import LazyAcceleratorSource
+from tests.core.test_interrupts import _lock_free, _Timeout, _Tracer
 from tests.helpers import (
     free_port,
     join_loopback_group,
@@ -601,6 +602,57 @@ def test_a_fork_waits_for_a_block_in_another_thread():
         holder.join(10)
         other.join(10)
     assert forked.is_set()
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, _Timeout])
+def test_an_exception_at_any_line_of_a_fork_leaves_the_callers_state_and_no_lock(exc_type, nested):
+    # What test_interrupts checks for blocks, for forks: an exception raised by a
+    # signal handler at any line of the library, entry or exit; nested: a fork of
+    # another stream, and in it forks of the first (one swaps, one continues it).
+    streams = make()
+    forks = [streams.fork(name) for name in ("tp", "dp", "tp", "tp")[: 4 if nested else 1]]
+
+    def operation() -> None:
+        with forks[0]:
+            torch.rand(1)
+            if nested:
+                with forks[1], forks[2], forks[3]:
+                    torch.rand(1)
+
+    def clean() -> bool:
+        return (
+            torch.equal(torch.get_rng_state(), before)
+            and streams._states._open == []
+            and all(fork._frames == [] for fork in forks)
+            and not inside_block()
+            and _lock_free()
+        )
+
+    before = torch.get_rng_state()
+    _Tracer().run(operation)
+    dry = _Tracer()
+    dry.run(operation)
+    assert clean() and dry.count > 20
+    problems = []
+    boundary = 0
+    for k in range(1, dry.count + 1):
+        tracer = _Tracer(k, exc_type)
+        raised = tracer.run(operation)
+        assert tracer.fired is not None and isinstance(raised, (exc_type, MisuseError)), k
+        name, _line, first = tracer.fired
+        if not clean() and name == "__exit__" and first:
+            # Before the first line of ``__exit__``: the fork is still open (the
+            # enclosing ones, left before it, raised MisuseError), and leaving it
+            # again restores everything, as for a block.
+            boundary += 1
+            for fork in reversed(forks):
+                while fork._frames:
+                    fork.__exit__(None, None, None)
+        if not clean():
+            problems.append(tracer.fired)
+    assert problems == []
+    assert boundary <= len(forks)  # only the first line of each fork's exit
 
 
 def test_an_interrupted_fork_exit_still_restores_every_generator(simulated_device):
