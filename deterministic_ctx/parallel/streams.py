@@ -471,6 +471,11 @@ class _Fork:
         settings = None
         if start is None or (start.sources is not sources and start.sources != sources):
             settings = Settings(states.seed_for(states._base, name), False, None, False)
+            if start is not None:  # restore only what the block puts back at its exit
+                pairs = [
+                    p for p in zip(start.sources, start.states, strict=True) if p[0] in sources
+                ]
+                start = World(tuple(p[0] for p in pairs), tuple(p[1] for p in pairs))
         block = Block(settings, sources)
         frame = _Frame(name, token, block, holder)
         try:

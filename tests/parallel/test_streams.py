@@ -713,6 +713,23 @@ def test_every_device_of_the_accelerator_type_is_isolated(monkeypatch):
     )
 
 
+def test_a_stream_holding_a_generator_forks_no_longer_isolate_leaves_it_alone(monkeypatch):
+    device = _simulate(monkeypatch)
+    streams = make()
+    gen = device.default_generators[0]
+    model = torch.Generator().manual_seed(streams.seed_of("tp"))
+    with streams.fork("tp"):
+        first = torch.rand(2)
+        torch.rand(3, generator=gen)  # the stream's state now holds the device's too
+    monkeypatch.undo()  # forks isolate torch's CPU generator alone again
+    before = gen.get_state()
+    with streams.fork("tp"):
+        second = torch.rand(2)
+    assert torch.equal(gen.get_state(), before)
+    assert torch.equal(first, torch.rand(2, generator=model))
+    assert torch.equal(second, torch.rand(2, generator=model))
+
+
 def test_a_saved_stream_without_a_device_seeds_it_at_its_next_fork():
     streams = make()
     drawn(streams, "tp")
