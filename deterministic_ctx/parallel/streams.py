@@ -76,7 +76,7 @@ of entry (``with`` does; an exit out of order raises
 :class:`~deterministic_ctx.MisuseError`, a ``RuntimeError``, and still leaves
 the fork: once the later forks are left too, the state from before them all
 is back).  An inner fork of a stream already forked continues it, also with
-forks of other streams in between.  A decorated generator
+forks of other streams in between, of this ``RngStreams`` or another.  A decorated generator
 (:func:`~deterministic_ctx.reproducible`) may hold a fork open across its
 ``yield``: its world, its fork (the engine carries the fork's block with the
 generator's).  Seeding or restoring a snapshot inside a fork is undone for
@@ -193,7 +193,6 @@ class _StreamStates:
         "_base",
         "_coords",
         "_known",
-        "_open",
         "_plain",
         "_seeds",
         "_streams",
@@ -216,13 +215,15 @@ class _StreamStates:
         self._plain: tuple[_Streams, _Plain] | None = None
         #: Stream seeds: ``(base, name) -> seed``.
         self._seeds: dict[tuple[int, str], int] = {}
-        #: The open forks that swapped, in order of entry (which stream is live in
-        #: which world: the engine's stack holds their blocks, not their streams).
-        self._open: list[_Frame] = []
         #: ``id(plain) -> (plain, base, streams)`` for plain states made or checked
         #: here (kept, so no id is reused): restoring one again takes its streams
         #: without the checks, which would otherwise cost every block microseconds.
         self._known: dict[int, tuple[_Plain, int, _Streams]] = {}
+
+    @property
+    def _open(self) -> list[_Frame]:
+        """This object's open forks that swapped, in order of entry."""
+        return [frame for frame in _OPEN if frame.states is self]
 
     def _remember(self, plain: _Plain, base: int, streams: _Streams) -> None:
         known = self._known
@@ -394,9 +395,13 @@ def _world_from_plain(name: str, devices: dict[Any, Any]) -> World:
 
 @dataclass(slots=True, eq=False)  # eq=False: frames are found by identity
 class _Frame:
-    """An open fork that swapped: its stream and world, and its block."""
+    """An open fork that swapped: its streams, stream and world, and its block."""
 
+    states: _StreamStates
     name: str
+    #: The stream world it was opened in: ``states``' token then.  The fork is
+    #: in the current world while ``states`` has that token; a block entered
+    #: inside it (or a suspended decorated generator's, outside) has another.
     token: int
     #: The fork's block: the engine's, over :data:`_SOURCES`.
     block: Block
@@ -412,6 +417,13 @@ class _Frame:
     held: World | None = None
     #: Whether a fork inside this one moved ``held`` on.
     moved: bool = False
+
+
+#: The open forks that swapped, of every :class:`RngStreams`, in order of entry:
+#: which stream is live in which world (the engine's stack holds their blocks,
+#: not their streams).  One list for all: torch's generators hold one stream at
+#: a time, whichever object it belongs to.
+_OPEN: list[_Frame] = []
 
 
 class _Fork:
@@ -442,16 +454,16 @@ class _Fork:
         an exception before it is recorded, nothing is left applied."""
         states, name = self._states, self._name
         token = states._token
-        # The open forks of this world (a suspended decorated generator's stay
-        # open in its own world), innermost first, down to this stream's:
+        # The open forks of the current world (a suspended decorated generator's
+        # stay open in its own world), innermost first, down to this stream's:
         # ``top``, the innermost, is live; ``holder``, the one entered right
         # after the stream's, holds the stream's live state.
         top: _Frame | None = None
         holder: _Frame | None = None
-        for other in reversed(states._open):
-            if other.token != token:
+        for other in reversed(_OPEN):
+            if other.token != other.states._token:
                 continue
-            if other.name == name:  # forked already in this world
+            if other.states is states and other.name == name:  # forked already here
                 if holder is None:  # and it is the live stream: nothing to swap
                     self._frames.append(None)
                     return
@@ -477,14 +489,14 @@ class _Fork:
                 ]
                 start = World(tuple(p[0] for p in pairs), tuple(p[1] for p in pairs))
         block = Block(settings, sources)
-        frame = _Frame(name, token, block, holder)
+        frame = _Frame(states, name, token, block, holder)
         try:
             if top is not None:  # its block is open: this thread holds the lock
                 frame.below, frame.held = top, World.capture(sources)
             block.start()
             if start is not None:
                 start.restore()
-            states._open.append(frame)
+            _OPEN.append(frame)
             self._frames.append(frame)
         except BaseException:  # nothing half-applied
             self._drop(frame)
@@ -503,8 +515,8 @@ class _Fork:
         try:
             frame.block.stop()
         finally:
-            if frame in self._states._open:
-                self._states._open.remove(frame)
+            if frame in _OPEN:
+                _OPEN.remove(frame)
             if self._frames and self._frames[-1] is frame:
                 del self._frames[-1]
 
@@ -528,15 +540,10 @@ class _Fork:
             raise
 
     def _leave(self, frame: _Frame) -> None:
-        open_ = self._states._open
-        # The innermost open fork of its world must be this one.
-        last = open_[-1] if open_ else None
-        if last is not frame:
-            last = next((f for f in reversed(open_) if f.token == frame.token), None)
-        if last is not frame:
-            later = last.name if last is not None else "?"
+        later = _later(frame)
+        if later is not None:
             raise MisuseError(
-                f"fork({self._name!r}) exited while fork({later!r}), entered after it, is "
+                f"fork({self._name!r}) exited while fork({later.name!r}), entered after it, is "
                 f"still open: forks swap torch's process-global generators and must be "
                 f"left in reverse order of entry (interleaved tasks or threads cannot "
                 f"share them)"
@@ -551,12 +558,31 @@ class _Fork:
             holder.held = advanced
             holder.moved = True
         frame.block.stop()
-        open_.remove(frame)
+        _OPEN.remove(frame)
         # The stream below advanced inside: its state, not the entry's (unless
         # its fork was left meanwhile, out of order).
-        if frame.moved and frame.below in open_:
+        if frame.moved and frame.below in _OPEN:
             assert frame.held is not None
             frame.held.restore()
+
+
+def _later(frame: _Frame) -> _Frame | None:
+    """An open fork entered after ``frame`` in its world, which must be left
+    first; ``None`` if ``frame`` is the innermost.  Its world: the forks of its
+    object opened in the same stream world, and, while that world is the
+    current one, the current forks of every other object."""
+    states, token = frame.states, frame.token
+    current = token == states._token
+    for other in reversed(_OPEN):
+        if other is frame:
+            return None
+        if (
+            other.token == token
+            if other.states is states
+            else (current and other.token == other.states._token)
+        ):
+            return other
+    return None
 
 
 class RngStreams:

@@ -244,6 +244,32 @@ def test_a_fork_inside_a_fork_of_another_stream_and_back():
     assert torch.equal(c, torch.rand(2, generator=tp))
 
 
+def test_forks_of_two_rng_streams_nest_as_forks_of_one():
+    # torch's generators hold one stream at a time, whichever object it belongs to.
+    first, second = make(key="first"), make(key="second")
+    x = torch.Generator().manual_seed(first.seed_of("tp"))
+    y = torch.Generator().manual_seed(second.seed_of("tp"))
+    before = torch.get_rng_state()
+    with first.fork("tp"):
+        a = torch.rand(2)
+        with second.fork("tp"):
+            b = torch.rand(2)
+            with first.fork("tp"):  # continues first's stream, not second's
+                c = torch.rand(2)
+            d = torch.rand(2)
+        e = torch.rand(2)
+    assert torch.equal(torch.get_rng_state(), before)
+    for got, model in ((a, x), (b, y), (c, x), (d, y), (e, x)):
+        assert torch.equal(got, torch.rand(2, generator=model))
+    outer, inner = first.fork("dp"), second.fork("dp")
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(MisuseError, match=r"fork\('dp'\) exited while fork\('dp'\)"):
+        outer.__exit__(None, None, None)
+    inner.__exit__(None, None, None)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_a_fork_held_open_across_the_yields_of_a_decorated_generator():
     # The generator's fork stays open in its own world while the caller forks in
     # its world; each continues its own streams.
