@@ -297,6 +297,24 @@ def test_a_fork_held_open_across_the_yields_of_a_decorated_generator():
     assert streams._states._open == []
 
 
+def test_a_fork_inside_a_compiled_function_draws_the_stream(restore_world):
+    # Dynamo runs the fork (a block) eagerly: the compiled function draws the
+    # stream, and the caller's generator is as it was.  (``restore_world``: dynamo
+    # sets torch's flags as it found them through inductor's override, torch's doing.)
+    streams = make()
+    model = torch.Generator().manual_seed(streams.seed_of("tp"))
+
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        with streams.fork("tp"):
+            return x + torch.rand(3)
+
+    compiled = torch.compile(noisy, backend="eager")
+    before = torch.get_rng_state()
+    for _ in range(2):
+        assert torch.equal(compiled(torch.zeros(3)), torch.rand(3, generator=model))
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_activation_checkpointing_recomputes_the_streams_masks():
     # torch.utils.checkpoint saves the generator state inside the fork and
     # recomputes with it: the gradients are those of the plain forward.
