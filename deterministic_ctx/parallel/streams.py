@@ -66,23 +66,24 @@ at every random op): each rank draws its local shard from its own CPU
 generator, so ranks with equal states draw equal shards; a fork applies as to
 any op.
 
-**Threads and nesting.**  A fork is a block of the engine
-over those generators: it takes the process lock as every block does (a fork
-in one thread waits while another thread is inside a block or a fork), its
-restores complete if interrupted, and a generator that cannot be put back is
-a :class:`~deterministic_ctx.RestoreError` once every other one is back.  Fork
-one ``RngStreams`` in one thread at a time, and leave forks in reverse order
-of entry (``with`` does; an exit out of order raises
+**Threads and nesting.**  A fork is a block of the engine over those
+generators: it takes the process lock as every block does (a fork in one
+thread waits while another thread is inside a block or a fork), its restores
+complete if interrupted, and a generator that cannot be put back is a
+:class:`~deterministic_ctx.RestoreError` once every other one is back.  Forks
+in several threads take turns, as blocks do, and continue the stream where the
+last one, in any thread, left it.  Leave forks in reverse order of entry
+(``with`` does; an exit out of order raises
 :class:`~deterministic_ctx.MisuseError`, a ``RuntimeError``, and still leaves
 the fork: once the later forks are left too, the state from before them all
 is back).  An inner fork of a stream already forked continues it, also with
-forks of other streams in between, of this ``RngStreams`` or another.  A decorated generator
-(:func:`~deterministic_ctx.reproducible`) may hold a fork open across its
-``yield``: its world, its fork (the engine carries the fork's block with the
-generator's).  Seeding or restoring a snapshot inside a fork is undone for
-torch's generators by the fork's exit, which puts back what it found at its
-entry; seeding starts the streams over (a block's entry does too) and the
-fork's exit then keeps nothing.
+forks of other streams in between, of this ``RngStreams`` or another.  A
+decorated generator (:func:`~deterministic_ctx.reproducible`) may hold a fork
+open across its ``yield``: its world, its fork (the engine carries the fork's
+block with the generator's).  Seeding or restoring a snapshot inside a fork is
+undone for torch's generators by the fork's exit, which puts back what it
+found at its entry; seeding starts the streams over (a block's entry does too)
+and the fork's exit then keeps nothing.
 
 **Devices.**  A fork isolates every device of an accelerator type, not only
 the current one: all of them start from the stream's seed at its first fork,
@@ -125,6 +126,7 @@ from ..internal import (
     World,
     derive_seed,
     generator_sources,
+    inside_block,
     register_rng,
     source_named,
     validate_seed,
@@ -453,14 +455,17 @@ class _Fork:
         """Record an entry (a frame, or ``None`` where nothing is swapped); on
         an exception before it is recorded, nothing is left applied."""
         states, name = self._states, self._name
-        token = states._token
         # The open forks of the current world (a suspended decorated generator's
         # stay open in its own world), innermost first, down to this stream's:
         # ``top``, the innermost, is live; ``holder``, the one entered right
         # after the stream's, holds the stream's live state.
         top: _Frame | None = None
         holder: _Frame | None = None
-        for other in reversed(_OPEN):
+        # Outside every block no fork of this thread is open: an open fork of the
+        # current world is another thread's (whose lock the block below waits
+        # for), and this thread's state is nobody's stream.  Inside one, this
+        # thread holds the lock: no other thread's fork is open now.
+        for other in reversed(_OPEN) if inside_block() else ():
             if other.token != other.states._token:
                 continue
             if other.states is states and other.name == name:  # forked already here
@@ -472,33 +477,42 @@ class _Fork:
             holder = other
         else:
             holder = None
-        if holder is not None:
-            start: World | None = holder.held
-        else:
-            entry = states._streams.get(name)
-            start = entry[1] if entry is not None else None
         sources = _SOURCES
-        # Seeded where the stream has no state yet for every generator (its first
-        # fork in this world; a state read from a checkpoint lacks a device).
-        settings = None
-        if start is None or (start.sources is not sources and start.sources != sources):
-            settings = Settings(states.seed_for(states._base, name), False, None, False)
-            if start is not None:  # restore only what the block puts back at its exit
-                pairs = [
-                    p for p in zip(start.sources, start.states, strict=True) if p[0] in sources
-                ]
-                start = World(tuple(p[0] for p in pairs), tuple(p[1] for p in pairs))
-        block = Block(settings, sources)
-        frame = _Frame(states, name, token, block, holder)
+        block = Block(None, sources)
+        frame = _Frame(states, name, states._token, block, holder)
+        seeded: Block | None = None
         try:
-            if top is not None:  # its block is open: this thread holds the lock
-                frame.below, frame.held = top, World.capture(sources)
             block.start()
+            # Under the lock from here: the world and the stream's state are read
+            # after any other thread's fork has left.
+            frame.token = states._token
+            if top is not None:  # the stream live until now, for a fork of it inside
+                frame.below, frame.held = top, World.capture(sources)
+            if holder is not None:
+                start = holder.held
+            else:
+                entry = states._streams.get(name)
+                start = entry[1] if entry is not None else None
+            if start is None or (start.sources is not sources and start.sources != sources):
+                # Seeded where the stream has no state yet for every generator (its
+                # first fork in this world; a state read from a checkpoint lacks a
+                # device): a block of the stream's seed, kept.
+                seed = states.seed_for(states._base, name)
+                seeded = Block(Settings(seed, False, None, False), sources)
+                seeded.start()
+                seeded.commit()
+                if start is not None:  # restore only what the fork's block puts back
+                    pairs = [
+                        p for p in zip(start.sources, start.states, strict=True) if p[0] in sources
+                    ]
+                    start = World(tuple(p[0] for p in pairs), tuple(p[1] for p in pairs))
             if start is not None:
                 start.restore()
             _OPEN.append(frame)
             self._frames.append(frame)
         except BaseException:  # nothing half-applied
+            if seeded is not None:
+                seeded.stop()  # idempotent: nothing left to do once committed
             self._drop(frame)
             raise
 

@@ -699,6 +699,37 @@ def test_an_exception_at_any_line_of_a_fork_leaves_the_callers_state_and_no_lock
     assert boundary <= len(forks)  # only the first line of each fork's exit
 
 
+def test_forks_of_one_stream_in_two_threads_take_turns_and_continue_it():
+    streams = make()
+    model = torch.Generator().manual_seed(streams.seed_of("tp"))
+    inside, release = threading.Event(), threading.Event()
+    got: dict[str, torch.Tensor] = {}
+
+    def first() -> None:
+        with streams.fork("tp"):
+            got["first"] = torch.rand(2)
+            inside.set()
+            release.wait(10)
+
+    def second() -> None:
+        with streams.fork("tp"):
+            got["second"] = torch.rand(2)
+
+    one, two = threading.Thread(target=first), threading.Thread(target=second)
+    one.start()
+    assert inside.wait(10)
+    two.start()
+    try:
+        two.join(0.5)
+        assert two.is_alive()  # its fork waits for the first thread's
+    finally:
+        release.set()
+        one.join(10)
+        two.join(10)
+    assert torch.equal(got["first"], torch.rand(2, generator=model))
+    assert torch.equal(got["second"], torch.rand(2, generator=model))  # from where it stopped
+
+
 def test_an_interrupted_fork_exit_still_restores_every_generator(simulated_device):
     streams = make()
     gen = simulated_device.default_generators[0]
