@@ -8,6 +8,8 @@ Times, per call (one fork object reused, CPU only):
 * ``fork``: ``with streams.fork("x"): pass``;
 * ``fork+draw``: the same with ``torch.rand(1)`` inside;
 * ``fork in fork of another``: ``with fork("x"): with fork("y"): pass``;
+* ``a block, a first fork in it``: ``with deterministic(seed=1), fork("x"): pass``
+  (the block starts the streams over: the fork seeds the stream);
 * ``torch.random.fork_rng(devices=[])``: torch's own swap of the CPU generator.
 
 Then the parts of a fork: the generator work alone (two ``get_state``, two
@@ -37,6 +39,7 @@ from typing import Any
 
 import torch
 
+from deterministic_ctx import deterministic
 from deterministic_ctx.internal import Block, World
 from deterministic_ctx.parallel import streams as current
 
@@ -70,7 +73,18 @@ def _cases(module: Any, key: str) -> tuple[dict[str, Callable[[], None]], Any]:
         with fx, fy:
             pass
 
-    cases = {"fork": fork, "fork+draw": fork_draw, "fork in fork of another": nested}
+    block = deterministic(seed=1)
+
+    def first_in_block() -> None:  # a block's world: the stream starts from its seed
+        with block, fx:
+            pass
+
+    cases = {
+        "fork": fork,
+        "fork+draw": fork_draw,
+        "fork in fork of another": nested,
+        "a block, a first fork in it": first_in_block,
+    }
     return cases, streams  # the streams stay registered while they are timed
 
 
