@@ -99,12 +99,11 @@ hand (one process, medians of 7 runs of CPU time on 2 busy cores, CPU only):
 for a fork inside a fork of another stream (which also keeps that stream's
 state) against 11 µs; ``torch.random.fork_rng(devices=[])`` took 4.5 µs.  A
 block with a first fork in it (which seeds the stream, through a block of its
-seed) took 1.25 times what it took before.  Of
-a fork's 10 µs, the generator states take 2.2, the engine's capture and
-restore loops over the sources 3.3, the block's lock, tracing check and
-completion step 2.9, and the fork's own bookkeeping 2.1.  With CUDA
-initialized, every device's generator is read and written (a 16-byte state
-each).  With streams registered, a block pays what any registered RNG costs
+seed) took 1.25 times what it took before.  Of a fork's 10 µs, the generator
+states take 2.2, the engine's capture and restore loops over the sources 3.3,
+the block's lock, tracing check and completion step 2.9, and the fork's own
+bookkeeping 2.1.  With CUDA initialized, every device's generator is read and
+written (a 16-byte state each).  With streams registered, a block pays what any registered RNG costs
 it, plus a few microseconds.
 """
 
