@@ -420,6 +420,9 @@ class _Frame:
     held: World | None = None
     #: Whether a fork inside this one moved ``held`` on.
     moved: bool = False
+    #: The block of the stream's seed a first fork starts and commits inside its
+    #: own (``stop()`` does nothing once it is committed).
+    seeding: Block | None = None
 
 
 #: The open forks that swapped, of every :class:`RngStreams`, in order of entry:
@@ -447,14 +450,14 @@ class _Fork:
         try:
             self._enter()
             _drain_signals()
-        except BaseException:  # after the entry was recorded: leave it
+        except BaseException:  # nothing half-applied: the recorded entry is left
             if len(frames) > depth:
                 self._undo(frames[-1])
             raise
 
     def _enter(self) -> None:
-        """Record an entry (a frame, or ``None`` where nothing is swapped); on
-        an exception before it is recorded, nothing is left applied."""
+        """Record an entry (a frame, or ``None`` where nothing is swapped), then
+        apply it; nothing is applied before it is recorded."""
         states, name = self._states, self._name
         # The open forks of the current world (a suspended decorated generator's
         # stay open in its own world), innermost first, down to this stream's:
@@ -479,43 +482,37 @@ class _Fork:
         else:
             holder = None
         sources = _SOURCES
-        block = Block(None, sources)
-        frame = _Frame(states, name, states._token, block, holder)
-        seeded: Block | None = None
-        try:
-            block.start()
-            # Under the lock from here: the world and the stream's state are read
-            # after any other thread's fork has left.
-            frame.token = states._token
-            if top is not None:  # the stream live until now, for a fork of it inside
-                frame.below, frame.held = top, World.capture(sources)
-            if holder is not None:
-                start = holder.held
-            else:
-                entry = states._streams.get(name)
-                start = entry[1] if entry is not None else None
-            if start is None or (start.sources is not sources and start.sources != sources):
-                # Seeded where the stream has no state yet for every generator (its
-                # first fork in this world; a state read from a checkpoint lacks a
-                # device): a block of the stream's seed, kept.
-                seed = states.seed_for(states._base, name)
-                seeded = Block(Settings(seed, False, None, False), sources)
-                seeded.start()
-                seeded.commit()
-                if start is not None:  # restore only what the fork's block puts back
-                    pairs = [
-                        p for p in zip(start.sources, start.states, strict=True) if p[0] in sources
-                    ]
-                    start = World(tuple(p[0] for p in pairs), tuple(p[1] for p in pairs))
-            if start is not None:
-                start.restore()
-            _OPEN.append(frame)
-            self._frames.append(frame)
-        except BaseException:  # nothing half-applied
-            if seeded is not None:
-                seeded.stop()  # idempotent: nothing left to do once committed
-            self._drop(frame)
-            raise
+        frame = _Frame(states, name, states._token, Block(None, sources), holder)
+        # Recorded first: from here ``__enter__`` leaves the frame's blocks on any
+        # exception (stopping a block not started yet does nothing).
+        self._frames.append(frame)
+        frame.block.start()
+        # Under the lock from here: the world and the stream's state are read after
+        # any other thread's fork has left.
+        frame.token = states._token
+        if top is not None:  # the stream live until now, for a fork of it inside
+            frame.below, frame.held = top, World.capture(sources)
+        if holder is not None:
+            start = holder.held
+        else:
+            entry = states._streams.get(name)
+            start = entry[1] if entry is not None else None
+        if start is None or (start.sources is not sources and start.sources != sources):
+            # Seeded where the stream has no state yet for every generator (its
+            # first fork in this world; a state read from a checkpoint lacks a
+            # device): a block of the stream's seed, kept.
+            seed = states.seed_for(states._base, name)
+            frame.seeding = Block(Settings(seed, False, None, False), sources)
+            frame.seeding.start()
+            frame.seeding.commit()
+            if start is not None:  # restore only what the fork's block puts back
+                pairs = [
+                    p for p in zip(start.sources, start.states, strict=True) if p[0] in sources
+                ]
+                start = World(tuple(p[0] for p in pairs), tuple(p[1] for p in pairs))
+        if start is not None:
+            start.restore()
+        _OPEN.append(frame)
 
     def _undo(self, entry: _Frame | None) -> None:
         """Leave the latest entry, ``entry``, wherever its entry or exit stopped."""
@@ -528,6 +525,8 @@ class _Fork:
         """Leave ``frame``'s block (the engine's ``stop()``: idempotent, completed
         if interrupted) and forget the frame, wherever an entry or exit stopped."""
         try:
+            if frame.seeding is not None:  # left open between its start and commit
+                frame.seeding.stop()
             frame.block.stop()
         finally:
             if frame in _OPEN:
