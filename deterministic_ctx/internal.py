@@ -35,7 +35,6 @@ from __future__ import annotations
 # Seeds and a block's settings, validated.
 from .base.seed import MAX_SEED, derive_seed, validate_seed
 from .base.settings import (
-    AUTO,
     CompiledRng,
     Rank,
     Settings,
@@ -45,7 +44,7 @@ from .base.settings import (
 )
 
 # Blocks: the engine's one way in and out.
-from .core.engine import Block, inside_block
+from .core.engine import Block, drain_signals, inside_block
 
 # Exempted calls (allow_nondeterministic): what the checks above must not count.
 from .core.exempt import active_exemptions, exempted_calls, is_exempted
@@ -69,7 +68,6 @@ from .sources.environ import SEED as SEED_ENV_VAR
 from .sources.flags import PRECISION_OPS, UNSUPPORTED_FLAGS
 
 __all__ = [
-    "AUTO",
     "CUBLAS_VALID",
     "MAX_SEED",
     "PRECISION_OPS",
@@ -84,6 +82,7 @@ __all__ = [
     "check_bool",
     "compiled_settings",
     "derive_seed",
+    "drain_signals",
     "exempted_calls",
     "export_env_var",
     "fast_paths",

@@ -9,7 +9,6 @@ from typing import Any
 from .._torch.compiler import opaque
 from .._torch.distributed import process_rank
 from ..internal import (
-    AUTO,
     SEED_ENV_VAR,
     Block,
     CompiledRng,
@@ -148,7 +147,7 @@ def seed_everything(
         else f" (from {SEED_ENV_VAR}, exported by a parent process)"
         if inherited
         else "",
-        process_rank() if rank == AUTO else rank,
+        process_rank() if rank == "auto" else rank,  # as ranks.resolve_rank, None kept
     )
     return settings.seed
 

@@ -15,10 +15,12 @@ dimensions it *varies along*.  A stream's seed is
 ``derive_seed(base, "stream", name, dim, rank_along_dim, ...)`` over those
 dimensions only (:func:`~deterministic_ctx.derive_seed`, no offsets): equal on
 ranks that share those coordinates, unrelated elsewhere.  ``with
-streams.fork(name):`` swaps the stream into torch's default generators (the CPU
-one, and the current accelerator device's where that device is initialized:
-CUDA is never initialized here) and swaps it back on exit, keeping the
-stream's advance, so the next fork continues where the last one stopped.
+streams.fork(name):`` is a block of the engine over torch's default
+generators (the CPU one, and every device of each accelerator type this build
+can initialize; a fork never initializes one): it enters the stream's state,
+seeded from its seed at its first fork, and on exit keeps the stream's
+advance and puts the caller's state back, so the next fork continues where
+the last one stopped.
 
 **Blocks, snapshots, checkpoints.**  The streams are registered as a user RNG
 (``register_rng(..., key=key, shared=True)``): every
@@ -64,24 +66,45 @@ at every random op): each rank draws its local shard from its own CPU
 generator, so ranks with equal states draw equal shards; a fork applies as to
 any op.
 
-**Threads and nesting.**  A fork swaps process-global generators, as
-``torch.random.fork_rng`` does, and takes no lock: fork in one thread at a
-time, and leave forks in reverse order of entry (``with`` does; an exit out
-of order raises :class:`~deterministic_ctx.MisuseError`, a ``RuntimeError``).
-An inner fork of a stream already forked continues it, also with forks of
-other streams in between.  A decorated generator
-(:func:`~deterministic_ctx.reproducible`) may hold a fork open across its
-``yield``: its world, its fork.  Seeding or restoring a snapshot inside a
-fork is undone for torch's generators by the fork's exit, which puts back
-what it found at its entry; seeding starts the streams over (a block's
-entry does too) and the fork's exit then keeps nothing.
+**Threads and nesting.**  A fork is a block of the engine over those
+generators: it takes the process lock as every block does (a fork in one
+thread waits while another thread is inside a block or a fork), its restores
+complete if interrupted, and a generator that cannot be put back is a
+:class:`~deterministic_ctx.RestoreError` once every other one is back.  Forks
+in several threads take turns, as blocks do, and continue the stream where the
+last one, in any thread, left it.  Leave forks in reverse order of entry
+(``with`` does; an exit out of order raises
+:class:`~deterministic_ctx.MisuseError`, a ``RuntimeError``, and still leaves
+the fork: once the later forks are left too, the state from before them all
+is back).  An inner fork of a stream already forked continues it, also with
+forks of other streams in between, of this ``RngStreams`` or another.  A
+decorated generator (:func:`~deterministic_ctx.reproducible`) may hold a fork
+open across its ``yield``: its world, its fork (the engine carries the fork's
+block with the generator's).  Seeding or restoring a snapshot inside a fork is
+undone for torch's generators by the fork's exit, which puts back what it
+found at its entry; seeding starts the streams over (a block's entry does too)
+and the fork's exit then keeps nothing.
 
-**Cost.**  A fork is two generator-state reads and two writes per device (a
-CPU state is 5 KB): about what ``torch.random.fork_rng`` costs for the same
-devices (medians of two runs on a 16-core server: 5.6 to 9.2 µs against 4.9
-to 7.4 µs on the CPU alone, 17.6 to 19.6 µs against 12.1 to 19.3 µs with
-CUDA initialized).  With streams registered, a block pays what any
-registered RNG costs it, plus a few microseconds.
+**Devices.**  A fork isolates every device of an accelerator type, not only
+the current one: all of them start from the stream's seed at its first fork,
+and all come back at its exit, as in a block.  On a device type not yet
+initialized, the first fork queues the stream's seed for initialization
+(never initializing the device), and the exit puts torch's queue back.
+
+**Cost.**  A fork is a block over a few generators: two captures and two
+restores of each (a CPU state is 5 KB), plus the block's lock and completion
+step.  Side by side with the fork it replaced, which swapped the states by
+hand (one process, medians of 7 runs of CPU time on 2 busy cores, CPU only):
+10 µs against 5.3 µs, 12 to 13 µs with a draw against 7.4 to 7.9 µs, and 22 µs
+for a fork inside a fork of another stream (which also keeps that stream's
+state) against 11 µs; ``torch.random.fork_rng(devices=[])`` took 4.5 µs.  A
+block with a first fork in it (which seeds the stream, through a block of its
+seed) took 1.25 times what it took before.  Of a fork's 10 µs, the generator
+states take 2.2, the engine's capture and restore loops over the sources 3.3,
+the block's lock, tracing check and completion step 2.9, and the fork's own
+bookkeeping 2.1.  With CUDA initialized, every device's generator is read and
+written (a 16-byte state each).  With streams registered, a block pays what any registered RNG costs
+it, plus a few microseconds.
 """
 
 from __future__ import annotations
@@ -97,8 +120,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._errors import MisuseError
-from .._torch import accelerator_type
-from ..internal import derive_seed, register_rng, validate_seed
+from ..internal import (
+    Block,
+    Settings,
+    World,
+    derive_seed,
+    drain_signals,
+    generator_sources,
+    inside_block,
+    register_rng,
+    source_named,
+    validate_seed,
+)
 from .keyed import check_count
 
 if TYPE_CHECKING:
@@ -106,45 +139,32 @@ if TYPE_CHECKING:
 
 __all__ = ["RngStreams"]
 
-#: A stream's states by device (``"cpu"``, ``"cuda:0"``), with the seed they
-#: were drawn from: ``name -> (seed, {device: state})``.  Never mutated once
-#: made (a fork's exit builds a new one), so a capture holds it without a copy.
-_States = dict[str, tuple[int, dict[str, torch.Tensor]]]
+#: The sources of the generators a fork isolates: torch's CPU generator, and
+#: the default generators of each accelerator type this build can initialize
+#: (all its devices; the source never initializes one).  A type this build can
+#: never initialize (CUDA on a CPU build) has no generator to draw from.
+_SOURCES = (
+    source_named("torch.cpu"),
+    *(
+        source
+        for source in generator_sources()
+        if source.device_type is not None and not source.applies_nothing
+    ),
+)
+
+#: Each stream's state in a stream world: ``name -> (seed, world)``, the seed
+#: it started from and its generators as its last fork left them, captured over
+#: :data:`_SOURCES` (or over fewer, as read from a checkpoint: a fork then
+#: seeds the rest).  Never mutated once made (a fork's exit builds a new one).
+_Streams = dict[str, tuple[int, World]]
+#: The same as plain data, what ``getstate()`` returns and a checkpoint holds:
+#: ``name -> (seed, {device: uint8 state})``, devices ``"cpu"``, ``"cuda:0"``, ...
+_Plain = dict[str, tuple[int, dict[str, torch.Tensor]]]
 
 #: The identity of a stream world (see ``_StreamStates``): unique in this
 #: process, and started at random so that a token loaded from another
 #: process's checkpoint does not name one of this process's open forks.
 _TOKENS = itertools.count(secrets.randbits(62))
-
-
-def _accelerator() -> tuple[Any, str]:
-    """The accelerator's torch module and device type, if its generators can be
-    swapped: ``default_generators`` behind ``is_initialized()`` and
-    ``current_device()`` (CUDA, XPU, ...).  ``(None, "")`` on a CPU build;
-    MPS is not swapped."""
-    device_type = accelerator_type()  # never initializes a device
-    module = getattr(torch, device_type, None) if device_type else None
-    if not all(
-        callable(getattr(module, name, None)) for name in ("is_initialized", "current_device")
-    ) or not hasattr(module, "default_generators"):
-        return None, device_type
-    return module, device_type
-
-
-_DEVICE_MODULE, _DEVICE_TYPE = _accelerator()
-_CPU = torch.default_generator
-_CPU_STATE_BYTES = _CPU.get_state().numel()
-
-
-def _generators() -> list[tuple[str, torch.Generator]]:
-    """torch's generators a fork swaps now: the CPU one, and the current
-    accelerator device's if that device is initialized (asking never initializes it)."""
-    found = [("cpu", _CPU)]
-    module = _DEVICE_MODULE
-    if module is not None and module.is_initialized():
-        index = int(module.current_device())  # initialized: asking is safe
-        found.append((f"{_DEVICE_TYPE}:{index}", module.default_generators[index]))
-    return found
 
 
 class _StreamStates:
@@ -169,9 +189,9 @@ class _StreamStates:
         "_base",
         "_coords",
         "_known",
-        "_open",
+        "_plain",
         "_seeds",
-        "_states",
+        "_streams",
         "_token",
         "_varies",
     )
@@ -186,22 +206,26 @@ class _StreamStates:
         self._varies: dict[str, tuple[str, ...]] = {}
         self._base = base
         self._token = next(_TOKENS)
-        self._states: _States = {}
+        self._streams: _Streams = {}
+        #: ``(streams, plain)``: the plain form ``getstate`` made of ``streams`` last.
+        self._plain: tuple[_Streams, _Plain] | None = None
         #: Stream seeds: ``(base, name) -> seed``.
         self._seeds: dict[tuple[int, str], int] = {}
-        #: Every open fork, in order of entry (runtime bookkeeping, not state).
-        self._open: list[_Frame] = []
-        #: ``id(states) -> (states, base)`` for states dicts made or checked
-        #: here (kept, so no id is reused): restoring one again skips the
-        #: checks, which would otherwise cost every block a few microseconds.
-        self._known: dict[int, tuple[_States, int]] = {}
-        self._remember(self._states, base)
+        #: ``id(plain) -> (plain, base, streams)`` for plain states made or checked
+        #: here (kept, so no id is reused): restoring one again takes its streams
+        #: without the checks, which would otherwise cost every block microseconds.
+        self._known: dict[int, tuple[_Plain, int, _Streams]] = {}
 
-    def _remember(self, states: _States, base: int) -> None:
+    @property
+    def _open(self) -> list[_Frame]:
+        """This object's open forks that swapped, in order of entry."""
+        return [frame for frame in _OPEN if frame.states is self]
+
+    def _remember(self, plain: _Plain, base: int, streams: _Streams) -> None:
         known = self._known
         if len(known) >= 16:  # a bound: forgetting costs one check later
             known.clear()
-        known[id(states)] = (states, base)
+        known[id(plain)] = (plain, base, streams)
 
     # -- the random-like protocol ------------------------------------------------
 
@@ -209,11 +233,17 @@ class _StreamStates:
         """Start every stream over from ``seed`` (a block's entry does this)."""
         self._base = validate_seed(seed)
         self._token = next(_TOKENS)
-        self._states = {}
-        self._remember(self._states, self._base)
+        self._streams = {}
 
-    def getstate(self) -> tuple[int, int, _States]:
-        return (self._base, self._token, self._states)
+    def getstate(self) -> tuple[int, int, _Plain]:
+        streams, made = self._streams, self._plain
+        if made is not None and made[0] is streams:
+            plain = made[1]
+        else:  # made once per change of the streams, not per block
+            plain = {name: (seed, _plain_states(world)) for name, (seed, world) in streams.items()}
+            self._plain = (streams, plain)
+            self._remember(plain, self._base, streams)
+        return (self._base, self._token, plain)
 
     def setstate(self, state: object) -> None:
         """Bring back a state of :meth:`getstate`, checked first (it may come
@@ -221,20 +251,22 @@ class _StreamStates:
         drawn from another seed than its coordinates here give it."""
         if type(state) is not tuple or len(state) != 3:
             raise ValueError(f"expected (base, token, states), got {type(state).__name__}")
-        base, token, states = state
+        base, token, plain = state
         base = validate_seed(base, name="the streams' base seed")
         if type(token) is not int:
             raise ValueError(f"the streams' token must be an int, got {type(token).__name__}")
-        known = self._known.get(id(states))
-        if known is None or known[0] is not states or known[1] != base:
-            if type(states) is not dict:
-                raise ValueError(f"the streams' states must be a dict, got {type(states).__name__}")
-            for name, entry in states.items():
-                self._check(base, name, entry)
-            self._remember(states, base)
-        self._base, self._token, self._states = base, token, states
+        known = self._known.get(id(plain))
+        if known is not None and known[0] is plain and known[1] == base:
+            streams = known[2]
+        else:
+            if type(plain) is not dict:
+                raise ValueError(f"the streams' states must be a dict, got {type(plain).__name__}")
+            streams = {name: self._imported(base, name, entry) for name, entry in plain.items()}
+            self._remember(plain, base, streams)
+        self._base, self._token, self._streams = base, token, streams
+        self._plain = (streams, plain)
 
-    def _check(self, base: int, name: object, entry: object) -> None:
+    def _imported(self, base: int, name: object, entry: object) -> tuple[int, World]:
         if name not in self._varies:
             declared = ", ".join(map(repr, self._varies)) or "none"
             raise ValueError(
@@ -254,15 +286,7 @@ class _StreamStates:
                 f"along, or the stream varied along other dimensions there; restoring it "
                 f"would give this rank another rank's random numbers"
             )
-        for device, value in devices.items():
-            if type(device) is not str or type(value) is not torch.Tensor:
-                raise ValueError(f"stream {name!r}: expected {{device: uint8 tensor}}")
-            if (
-                value.dtype != torch.uint8
-                or value.dim() != 1
-                or (device == "cpu" and value.numel() != _CPU_STATE_BYTES)
-            ):
-                raise ValueError(f"stream {name!r}, device {device}: not a generator state")
+        return expected, _world_from_plain(name, devices)
 
     def _where(self, name: str) -> str:
         varies = self._varies[name]
@@ -288,39 +312,117 @@ class _StreamStates:
             seed = self._seeds[base, name] = derive_seed(base, *keys, bits=64)
         return seed
 
-    def record(self, name: str, token: int, advanced: dict[str, torch.Tensor]) -> None:
-        """Keep what a fork of ``name`` opened in world ``token`` drew, if that
-        world is still the current one (a new one replaced it: nothing to keep)."""
+    def record(self, name: str, token: int, world: World) -> None:
+        """Keep the world a fork of ``name`` opened in world ``token`` left, if
+        that world is still the current one (a new one replaced it: nothing to keep)."""
         if token != self._token:
             return
-        old = self._states
+        old = self._streams
         entry = old.get(name)
-        if entry is None:
-            entry = (self.seed_for(self._base, name), advanced)
-        elif entry[1].keys() <= advanced.keys():  # the usual case: the same devices
-            entry = (entry[0], advanced)
-        else:
-            entry = (entry[0], {**entry[1], **advanced})
-        self._states = states = {**old, name: entry}
-        self._remember(states, self._base)
+        seed = entry[0] if entry is not None else self.seed_for(self._base, name)
+        self._streams = {**old, name: (seed, world)}
 
     def __repr__(self) -> str:
         return f"<RngStreams states {sorted(self._varies)}>"
 
 
+def _plain_states(world: World) -> dict[str, torch.Tensor]:
+    """A stream's world as ``{device: uint8 state}`` (``"cpu"``, ``"cuda:0"``, ...),
+    through each source's export: an accelerator type not initialized has none."""
+    out: dict[str, torch.Tensor] = {}
+    for source, state in zip(world.sources, world.states, strict=True):
+        device_type = source.device_type
+        if device_type is None:
+            # The CPU generator's state is a uint8 tensor that nothing writes to:
+            # plain already.  Its export would copy it, which a block entered after
+            # every fork would pay (a snapshot copies it when it saves it).
+            out["cpu"] = (
+                state if type(state) is torch.Tensor else source.export_state(state)["state"]
+            )
+        else:
+            for index, value in enumerate(source.export_state(state)["states"]):
+                out[f"{device_type}:{index}"] = value
+    return out
+
+
+def _world_from_plain(name: str, devices: dict[Any, Any]) -> World:
+    """The checked inverse of :func:`_plain_states`, through each source's import
+    (``ValueError`` names the stream and the device).  A device type this build
+    cannot use is left out, and so is one the state has nothing for: the fork
+    seeds it from the stream's seed."""
+    cpu = None
+    by_type: dict[str, dict[int, Any]] = {}
+    for key, value in devices.items():
+        if key == "cpu":
+            cpu = value
+            continue
+        kind, colon, index = key.partition(":") if type(key) is str else ("", "", "")
+        if not (kind and colon and index.isdigit() and index == str(int(index))):
+            raise ValueError(
+                f"stream {name!r}: expected {{device: uint8 tensor}} with devices 'cpu', "
+                f"'cuda:0', ..., got the key {key!r:.80}"
+            )
+        by_type.setdefault(kind, {})[int(index)] = value
+    sources = []
+    states = []
+    for source in _SOURCES:
+        device_type = source.device_type
+        path = f"stream {name!r}, device {device_type or 'cpu'}"
+        if device_type is None:
+            if cpu is None:
+                continue
+            state = source.import_state({"state": cpu}, path)
+        else:
+            found = by_type.get(device_type)
+            if not found:
+                continue
+            if sorted(found) != list(range(len(found))):
+                raise ValueError(
+                    f"{path}: expected devices 0 to {len(found) - 1}, got {sorted(found)}"
+                )
+            data = {"initialized": True, "states": [found[i] for i in range(len(found))]}
+            state = source.import_state(data, path)
+            if state is None:  # no device here to restore
+                continue
+        sources.append(source)
+        states.append(state)
+    return World(tuple(sources), tuple(states))
+
+
 @dataclass(slots=True, eq=False)  # eq=False: frames are found by identity
 class _Frame:
-    """An open fork: its stream and world, and per swapped device
-    ``[device, generator, state]``, where ``state`` is the caller's (the state
-    the generator gets back at the exit)."""
+    """An open fork that swapped: its streams, stream and world, and its block."""
 
+    states: _StreamStates
     name: str
+    #: The stream world it was opened in: ``states``' token then.  The fork is
+    #: in the current world while ``states`` has that token; a block entered
+    #: inside it (or a suspended decorated generator's, outside) has another.
     token: int
-    swapped: list[list[Any]]
-    #: For a fork of a stream open lower in the stack: the frame entered
-    #: right above that one, whose callers' states hold the stream's live
-    #: state (its exit gives them back to the generators).
+    #: The fork's block: the engine's, over :data:`_SOURCES`.
+    block: Block
+    #: For a fork of a stream open lower in its world, under forks of other
+    #: streams: the frame entered right above that stream's, whose ``held``
+    #: is the stream's live state.
     holder: _Frame | None
+    #: The fork whose stream was live in its world at this one's entry (``None``:
+    #: none was), and that stream's state then: a fork of that stream inside this
+    #: one continues from it and leaves its advance here, which this fork's exit
+    #: puts back (if ``below`` is still open).
+    below: _Frame | None = None
+    held: World | None = None
+    #: Whether a fork inside this one moved ``held`` on.
+    moved: bool = False
+    #: The block of the stream's seed a first fork starts and commits inside its
+    #: own (``stop()`` does nothing once it is committed).
+    seeding: Block | None = None
+
+
+#: The open forks that swapped, of every :class:`RngStreams`, in order of entry:
+#: which stream is live in which world (the engine's stack holds their blocks,
+#: not their streams).  One list for all: torch's generators hold one stream at
+#: a time, whichever object it belongs to.
+_OPEN: list[_Frame] = []
 
 
 class _Fork:
@@ -336,88 +438,158 @@ class _Fork:
         self._frames: list[_Frame | None] = []
 
     def __enter__(self) -> None:
+        frames = self._frames
+        depth = len(frames)
+        try:
+            self._enter()
+            drain_signals()  # pending signal handlers run while the entry can roll back
+        except BaseException:  # nothing half-applied: the recorded entry is left
+            if len(frames) > depth:
+                self._undo(frames[-1])
+            raise
+
+    def _enter(self) -> None:
+        """Record an entry (a frame, or ``None`` where nothing is swapped), then
+        apply it; nothing is applied before it is recorded."""
         states, name = self._states, self._name
-        token = states._token
-        open_ = states._open
-        # The open forks of this world (a suspended decorated generator's stay
-        # open in its own world), innermost first, down to this stream's;
-        # ``holder``: the last one seen, entered right after the one found.
+        # The open forks of the current world (a suspended decorated generator's
+        # stay open in its own world), innermost first, down to this stream's:
+        # ``top``, the innermost, is live; ``holder``, the one entered right
+        # after the stream's, holds the stream's live state.
+        top: _Frame | None = None
         holder: _Frame | None = None
-        for other in reversed(open_):
-            if other.token != token:
+        # Outside every block no fork of this thread is open: an open fork of the
+        # current world is another thread's (whose lock the block below waits
+        # for), and this thread's state is nobody's stream.  Inside one, this
+        # thread holds the lock: no other thread's fork is open now.
+        for other in reversed(_OPEN) if inside_block() else ():
+            if other.token != other.states._token:
                 continue
-            if other.name == name:  # forked already in this world
+            if other.states is states and other.name == name:  # forked already here
                 if holder is None:  # and it is the live stream: nothing to swap
                     self._frames.append(None)
                     return
-                # Another stream was forked inside it: the stream's live state is
-                # what that fork (the holder) gives back at its exit.
-                saved = {entry[0]: entry[2] for entry in holder.swapped}
                 break
+            top = top or other
             holder = other
         else:
             holder = None
-            entry = states._states.get(name)
-            saved = entry[1] if entry is not None else {}
-        swapped: list[list[Any]] = []
-        frame = _Frame(name, token, swapped, holder)
+        sources = _SOURCES
+        frame = _Frame(states, name, states._token, Block(None, sources), holder)
+        # Recorded first: from here ``__enter__`` leaves the frame's blocks on any
+        # exception (stopping a block not started yet does nothing).
+        self._frames.append(frame)
+        frame.block.start()
+        # Under the lock from here: the world and the stream's state are read after
+        # any other thread's fork has left.
+        frame.token = states._token
+        if top is not None:  # the stream live until now, for a fork of it inside
+            frame.below, frame.held = top, World.capture(sources)
+        if holder is not None:
+            start = holder.held
+        else:
+            entry = states._streams.get(name)
+            start = entry[1] if entry is not None else None
+        if start is None or (start.sources is not sources and start.sources != sources):
+            # Seeded where the stream has no state yet for every generator (its
+            # first fork in this world; a state read from a checkpoint lacks a
+            # device): a block of the stream's seed, kept.
+            seed = states.seed_for(states._base, name)
+            frame.seeding = Block(Settings(seed, False, None, False), sources)
+            frame.seeding.start()
+            frame.seeding.commit()
+            if start is not None:  # restore only what the fork's block puts back
+                pairs = [
+                    p for p in zip(start.sources, start.states, strict=True) if p[0] in sources
+                ]
+                start = World(tuple(p[0] for p in pairs), tuple(p[1] for p in pairs))
+        if start is not None:
+            start.restore()
+        _OPEN.append(frame)
+
+    def _undo(self, entry: _Frame | None) -> None:
+        """Leave the latest entry, ``entry``, wherever its entry or exit stopped."""
+        if entry is None:
+            del self._frames[-1]
+        else:
+            self._drop(entry)
+
+    def _drop(self, frame: _Frame) -> None:
+        """Leave ``frame``'s block (the engine's ``stop()``: idempotent, completed
+        if interrupted) and forget the frame, wherever an entry or exit stopped."""
         try:
-            for device, gen in _generators():
-                state = saved.get(device)
-                if state is None and holder is not None:
-                    continue  # not swapped out by the holder: the live state is the stream's
-                caller = gen.get_state()
-                if state is None:  # its first fork on this device in this world
-                    gen.manual_seed(states.seed_for(states._base, name))
-                else:
-                    gen.set_state(state)
-                swapped.append([device, gen, caller])
-            self._frames.append(frame)
-            open_.append(frame)
-        except BaseException:  # nothing half-applied
+            if frame.seeding is not None:  # left open between its start and commit
+                frame.seeding.stop()
+            frame.block.stop()
+        finally:
+            if frame in _OPEN:
+                _OPEN.remove(frame)
             if self._frames and self._frames[-1] is frame:
                 del self._frames[-1]
-            if open_ and open_[-1] is frame:
-                del open_[-1]
-            for _device, gen, caller in reversed(swapped):
-                gen.set_state(caller)
-            raise
 
     def __exit__(self, *exc: object) -> None:
-        if not self._frames:
-            raise MisuseError(f"fork({self._name!r}) exited without being entered")
-        frame = self._frames.pop()
-        if frame is None:
-            return
-        open_ = self._states._open
-        # The innermost open fork of its world must be this one.
-        last = open_[-1] if open_ else None
-        if last is not frame:
-            last = next((f for f in reversed(open_) if f.token == frame.token), None)
-        if last is not frame:
-            later = last.name if last is not None else "?"
-            if frame in open_:
-                open_.remove(frame)
-            raise MisuseError(
-                f"fork({self._name!r}) exited while fork({later!r}), entered after it, is "
-                f"still open: forks swap torch's process-global generators and must be left "
-                f"in reverse order of entry (interleaved tasks or threads cannot share them)"
-            )
+        # Protected from the first line, as a block's exit: an exception raised
+        # anywhere in it leaves the fork all the same (the engine hands the
+        # caller's state on to a block still open above it), so that nothing
+        # stays applied or locked.  Until its last line the exit's entry is the
+        # latest one.
         try:
-            advanced = {device: gen.get_state() for device, gen, _ in frame.swapped}
-        finally:  # whatever happens, the caller's generators come back
-            for _device, gen, caller in frame.swapped:
-                gen.set_state(caller)
-            # Not always the last: a suspended generator's fork may be open above
-            # it, in another world.
-            open_.remove(frame)
+            frames = self._frames
+            if not frames:
+                raise MisuseError(f"fork({self._name!r}) exited without being entered")
+            frame = frames[-1]
+            if frame is not None:  # else the stream was live: nothing was swapped
+                self._leave(frame)
+            del frames[-1]
+        except BaseException:
+            if self._frames:
+                self._undo(self._frames[-1])
+            raise
+
+    def _leave(self, frame: _Frame) -> None:
+        later = _later(frame)
+        if later is not None:
+            raise MisuseError(
+                f"fork({self._name!r}) exited while fork({later.name!r}), entered after it, is "
+                f"still open: forks swap torch's process-global generators and must be "
+                f"left in reverse order of entry (interleaved tasks or threads cannot "
+                f"share them)"
+            )
+        advanced = World.capture(_SOURCES)
+        # Kept before the caller's state comes back: a restore that fails
+        # (RestoreError) or is interrupted leaves the fork all the same.
         holder = frame.holder
         if holder is None:
             self._states.record(self._name, frame.token, advanced)
-        else:  # the stream lives on in the holder's saved states
-            for entry in holder.swapped:
-                if entry[0] in advanced:
-                    entry[2] = advanced[entry[0]]
+        else:  # the stream lives on in the holder's held state
+            holder.held = advanced
+            holder.moved = True
+        frame.block.stop()
+        _OPEN.remove(frame)
+        # The stream below advanced inside: its state, not the entry's (unless
+        # its fork was left meanwhile, out of order).
+        if frame.moved and frame.below in _OPEN:
+            assert frame.held is not None
+            frame.held.restore()
+
+
+def _later(frame: _Frame) -> _Frame | None:
+    """An open fork entered after ``frame`` in its world, which must be left
+    first; ``None`` if ``frame`` is the innermost.  Its world: the forks of its
+    object opened in the same stream world, and, while that world is the
+    current one, the current forks of every other object."""
+    states, token = frame.states, frame.token
+    current = token == states._token
+    for other in reversed(_OPEN):
+        if other is frame:
+            return None
+        if (
+            other.token == token
+            if other.states is states
+            else (current and other.token == other.states._token)
+        ):
+            return other
+    return None
 
 
 class RngStreams:
@@ -427,9 +599,9 @@ class RngStreams:
     along; its seed is ``derive_seed(base, "stream", name, dim, rank, ...)``
     over those dimensions' ranks (no offsets, so no collisions), where
     ``base`` is ``derive_seed(seed, "user", key)``.  ``with
-    streams.fork(name):`` swaps the stream into torch's default generators
-    (CPU, and the current accelerator device's if initialized) and back,
-    keeping its advance.  The streams are registered with
+    streams.fork(name):`` is a block over torch's default generators (CPU,
+    and every device of the accelerator types this build can initialize)
+    that runs in the stream and keeps its advance.  The streams are registered with
     ``register_rng(..., key=key, shared=True)``: blocks restart them from their
     shared seed and restore them on exit, snapshots and checkpoints hold them
     (see the module docstring for the rules, DTensor and threads).
@@ -517,26 +689,31 @@ class RngStreams:
     def fork(self, name: str) -> AbstractContextManager[None]:
         """A context manager that runs its body with stream ``name`` in torch's generators.
 
-        On entry torch's CPU generator (and the current accelerator device's,
-        where that device is initialized) is set to the stream's state,
-        seeded with :meth:`seed_of` at its first fork; on exit, by any route,
-        the stream keeps its advance and the caller's generator states come
-        back.  A fork inside a fork of the same stream continues it.  The
-        object can be entered again; leave forks in reverse order of entry.
+        A block of the engine over torch's CPU generator and every device of
+        the accelerator types this build can initialize (a fork never
+        initializes one): on entry the generators are set to the stream's
+        state, seeded with :meth:`seed_of` at its first fork; on exit, by any
+        route, the stream keeps its advance and the caller's generator states
+        come back.  A fork inside a fork of the same stream continues it.
+        The object can be entered again; leave forks in reverse order of
+        entry.  Like any block, a fork waits for blocks of other threads, and
+        a generator that cannot be put back is a
+        :class:`~deterministic_ctx.RestoreError` once the others are back.
 
         Example:
             >>> import torch
-            >>> from deterministic_ctx import isolated
+            >>> from deterministic_ctx import deterministic
             >>> from deterministic_ctx import RngStreams
             >>> streams = RngStreams(0)
             >>> streams.add("noise")
-            >>> with isolated():
+            >>> with deterministic(seed=1):
             ...     with streams.fork("noise"):
             ...         a = torch.rand(1)
-            ...     before = torch.get_rng_state()
             ...     with streams.fork("noise"):
             ...         b = torch.rand(1)
-            ...     torch.equal(before, torch.get_rng_state())
+            ...     outside = torch.rand(1)
+            >>> with deterministic(seed=1):  # torch's own stream, as if no fork ran
+            ...     bool(torch.rand(1) == outside)
             True
             >>> bool(a != b)  # the second fork went on from the first
             True

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import pickle
 import random
+import threading
 import types
 import warnings
 from pathlib import Path
@@ -37,7 +38,10 @@ from deterministic_ctx import (
     reproducible,
     seed_everything,
 )
+from deterministic_ctx.internal import inside_block
 from deterministic_ctx.parallel.streams import RngStreams
+from deterministic_ctx.sources.accelerators import LazyAcceleratorSource
+from tests.core.test_interrupts import _lock_free, _Timeout, _Tracer
 from tests.helpers import (
     free_port,
     join_loopback_group,
@@ -240,6 +244,32 @@ def test_a_fork_inside_a_fork_of_another_stream_and_back():
     assert torch.equal(c, torch.rand(2, generator=tp))
 
 
+def test_forks_of_two_rng_streams_nest_as_forks_of_one():
+    # torch's generators hold one stream at a time, whichever object it belongs to.
+    first, second = make(key="first"), make(key="second")
+    x = torch.Generator().manual_seed(first.seed_of("tp"))
+    y = torch.Generator().manual_seed(second.seed_of("tp"))
+    before = torch.get_rng_state()
+    with first.fork("tp"):
+        a = torch.rand(2)
+        with second.fork("tp"):
+            b = torch.rand(2)
+            with first.fork("tp"):  # continues first's stream, not second's
+                c = torch.rand(2)
+            d = torch.rand(2)
+        e = torch.rand(2)
+    assert torch.equal(torch.get_rng_state(), before)
+    for got, model in ((a, x), (b, y), (c, x), (d, y), (e, x)):
+        assert torch.equal(got, torch.rand(2, generator=model))
+    outer, inner = first.fork("dp"), second.fork("dp")
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(MisuseError, match=r"fork\('dp'\) exited while fork\('dp'\)"):
+        outer.__exit__(None, None, None)
+    inner.__exit__(None, None, None)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_a_fork_held_open_across_the_yields_of_a_decorated_generator():
     # The generator's fork stays open in its own world while the caller forks in
     # its world; each continues its own streams.
@@ -265,6 +295,24 @@ def test_a_fork_held_open_across_the_yields_of_a_decorated_generator():
             assert torch.equal(torch.rand(1), torch.rand(1, generator=dp))
         gen.close()  # and closes inside it
     assert streams._states._open == []
+
+
+def test_a_fork_inside_a_compiled_function_draws_the_stream(restore_world):
+    # Dynamo runs the fork (a block) eagerly: the compiled function draws the
+    # stream, and the caller's generator is as it was.  (``restore_world``: dynamo
+    # sets torch's flags as it found them through inductor's override, torch's doing.)
+    streams = make()
+    model = torch.Generator().manual_seed(streams.seed_of("tp"))
+
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        with streams.fork("tp"):
+            return x + torch.rand(3)
+
+    compiled = torch.compile(noisy, backend="eager")
+    before = torch.get_rng_state()
+    for _ in range(2):
+        assert torch.equal(compiled(torch.zeros(3)), torch.rand(3, generator=model))
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 def test_activation_checkpointing_recomputes_the_streams_masks():
@@ -479,19 +527,26 @@ def test_streams_leave_the_registry_with_their_object():
 # -- the accelerator's generator ------------------------------------------------------------
 
 
-@pytest.fixture
-def simulated_device(monkeypatch):
-    """An accelerator module over a real (CPU) generator: where a build without a
-    GPU checks that the current device's generator is swapped with the CPU one."""
+def _simulate(monkeypatch: pytest.MonkeyPatch, devices: int = 1) -> Any:
     device = types.SimpleNamespace(
         initialized=True,
         is_initialized=lambda: device.initialized,
         current_device=lambda: 0,
-        default_generators=(torch.Generator().manual_seed(11),),
+        default_generators=tuple(torch.Generator().manual_seed(11 + i) for i in range(devices)),
+        _lazy_seed_tracker=type(torch.cuda._lazy_seed_tracker)(),
+        _queued_calls=[],
     )
-    monkeypatch.setattr(streams_module, "_DEVICE_MODULE", device)
-    monkeypatch.setattr(streams_module, "_DEVICE_TYPE", "sim")
+    # A fork isolates the generators of its sources: torch's CPU one and this device's.
+    cpu = next(s for s in streams_module._SOURCES if s.device_type is None)
+    monkeypatch.setattr(streams_module, "_SOURCES", (cpu, LazyAcceleratorSource(device, "sim")))
     return device
+
+
+@pytest.fixture
+def simulated_device(monkeypatch):
+    """An accelerator module over a real (CPU) generator: where a build without a
+    GPU checks that the current device's generator is swapped with the CPU one."""
+    return _simulate(monkeypatch)
 
 
 def test_the_current_device_generator_is_swapped_too(simulated_device):
@@ -511,19 +566,255 @@ def test_the_current_device_generator_is_swapped_too(simulated_device):
         assert torch.equal(gen.get_state(), before)
 
 
+class _Refusing:
+    """A device generator that refuses its next ``refuse`` states with ``error``."""
+
+    def __init__(self, gen: torch.Generator, error: type[BaseException] = RuntimeError) -> None:
+        self.gen = gen
+        self.refuse = 0
+        self.error = error
+
+    def get_state(self) -> torch.Tensor:
+        return self.gen.get_state()
+
+    def set_state(self, state: torch.Tensor) -> None:
+        if self.refuse:
+            self.refuse -= 1
+            raise self.error("refused")
+        self.gen.set_state(state)
+
+    def manual_seed(self, seed: int) -> torch.Generator:
+        return self.gen.manual_seed(seed)
+
+
 def test_a_fork_that_fails_to_enter_changes_nothing(simulated_device):
+    # The engine's restore: the stream's state refused twice by the device (the
+    # restore and its retry) is a RestoreError, and the entry rolls back.
+    streams = make()
+    with streams.fork("tp"):
+        pass
+    gen = simulated_device.default_generators[0]
+    refusing = _Refusing(gen)
+    simulated_device.default_generators = (refusing,)
+    refusing.refuse = 2
+    before, device_before = torch.get_rng_state(), gen.get_state()
+    with pytest.raises(RestoreError, match=r"torch\.sim"), streams.fork("tp"):
+        pytest.fail("entered")
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(gen.get_state(), device_before)
+    assert streams._states._open == []
+
+
+def test_a_state_no_fork_could_restore_is_refused_where_it_is_set(simulated_device):
     streams = make()
     with streams.fork("tp"):
         pass
     base, token, states = streams._states.getstate()
     seed, devices = states["tp"]
     bad = {**states, "tp": (seed, {**devices, "sim:0": torch.zeros(7, dtype=torch.uint8)})}
-    streams._states.setstate((base, token, bad))
+    with pytest.raises(ValueError, match=r"stream 'tp', device sim\.states\[0\]: expected 5056"):
+        streams._states.setstate((base, token, bad))
+    assert streams._states.getstate()[2] is states  # nothing changed
+
+
+# -- a fork is a block of the engine ------------------------------------------------------
+
+
+def test_a_fork_waits_for_a_block_in_another_thread():
+    # The engine's lock: torch's generators are never swapped under another
+    # thread's block.
+    streams = make()
+    inside, release, forked = threading.Event(), threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with isolated():
+            inside.set()
+            release.wait(10)
+
+    def fork() -> None:
+        with streams.fork("tp"):
+            forked.set()
+
+    holder, other = threading.Thread(target=hold), threading.Thread(target=fork)
+    holder.start()
+    assert inside.wait(10)
+    other.start()
+    try:
+        assert not forked.wait(0.5)
+    finally:
+        release.set()
+        holder.join(10)
+        other.join(10)
+    assert forked.is_set()
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, _Timeout])
+def test_an_exception_at_any_line_of_a_fork_leaves_the_callers_state_and_no_lock(exc_type, nested):
+    # What test_interrupts checks for blocks, for forks: an exception raised by a
+    # signal handler at any line of the library, entry or exit; nested: a fork of
+    # another stream, and in it forks of the first (one swaps, one continues it).
+    streams = make()
+    forks = [streams.fork(name) for name in ("tp", "dp", "tp", "tp")[: 4 if nested else 1]]
+
+    def operation() -> None:
+        with forks[0]:
+            torch.rand(1)
+            if nested:
+                with forks[1], forks[2], forks[3]:
+                    torch.rand(1)
+
+    def clean() -> bool:
+        return (
+            torch.equal(torch.get_rng_state(), before)
+            and streams._states._open == []
+            and all(fork._frames == [] for fork in forks)
+            and not inside_block()
+            and _lock_free()
+        )
+
     before = torch.get_rng_state()
-    with pytest.raises(RuntimeError), streams.fork("tp"):
-        pytest.fail("entered")
+    _Tracer().run(operation)
+    dry = _Tracer()
+    dry.run(operation)
+    assert clean() and dry.count > 20
+    problems = []
+    boundary = 0
+    for k in range(1, dry.count + 1):
+        tracer = _Tracer(k, exc_type)
+        raised = tracer.run(operation)
+        assert tracer.fired is not None and isinstance(raised, (exc_type, MisuseError)), k
+        name, _line, first = tracer.fired
+        if not clean() and name == "__exit__" and first:
+            # Before the first line of ``__exit__``: the fork is still open (the
+            # enclosing ones, left before it, raised MisuseError), and leaving it
+            # again restores everything, as for a block.
+            boundary += 1
+            for fork in reversed(forks):
+                while fork._frames:
+                    fork.__exit__(None, None, None)
+        if not clean():
+            problems.append(tracer.fired)
+    assert problems == []
+    assert boundary <= len(forks)  # only the first line of each fork's exit
+
+
+def test_forks_of_one_stream_in_two_threads_take_turns_and_continue_it():
+    streams = make()
+    model = torch.Generator().manual_seed(streams.seed_of("tp"))
+    inside, release = threading.Event(), threading.Event()
+    got: dict[str, torch.Tensor] = {}
+
+    def first() -> None:
+        with streams.fork("tp"):
+            got["first"] = torch.rand(2)
+            inside.set()
+            release.wait(10)
+
+    def second() -> None:
+        with streams.fork("tp"):
+            got["second"] = torch.rand(2)
+
+    one, two = threading.Thread(target=first), threading.Thread(target=second)
+    one.start()
+    assert inside.wait(10)
+    two.start()
+    try:
+        two.join(0.5)
+        assert two.is_alive()  # its fork waits for the first thread's
+    finally:
+        release.set()
+        one.join(10)
+        two.join(10)
+    assert torch.equal(got["first"], torch.rand(2, generator=model))
+    assert torch.equal(got["second"], torch.rand(2, generator=model))  # from where it stopped
+
+
+def test_an_interrupted_fork_exit_still_restores_every_generator(simulated_device):
+    streams = make()
+    gen = simulated_device.default_generators[0]
+    refusing = _Refusing(gen, KeyboardInterrupt)
+    simulated_device.default_generators = (refusing,)
+    model = torch.Generator().manual_seed(streams.seed_of("tp"))
+    before, device_before = torch.get_rng_state(), gen.get_state()
+    with pytest.raises(KeyboardInterrupt), streams.fork("tp"):
+        first = torch.rand(2)
+        refusing.refuse = 1  # the caller's state, put back at the exit: interrupted once
     assert torch.equal(torch.get_rng_state(), before)
-    assert streams._states._open == []
+    assert torch.equal(gen.get_state(), device_before)
+    assert streams._states._open == [] and not inside_block()
+    assert torch.equal(first, torch.rand(2, generator=model))
+    assert torch.equal(drawn(streams, "tp", 2), torch.rand(2, generator=model))  # kept its advance
+
+
+def test_a_device_that_refuses_the_callers_state_is_a_restore_error_and_the_fork_is_left(
+    simulated_device,
+):
+    streams = make()
+    gen = simulated_device.default_generators[0]
+    refusing = _Refusing(gen)
+    simulated_device.default_generators = (refusing,)
+    before = torch.get_rng_state()
+    with pytest.raises(RestoreError, match=r"torch\.sim"), streams.fork("tp"):
+        refusing.refuse = 2
+    assert torch.equal(torch.get_rng_state(), before)  # every other generator is back
+    assert streams._states._open == [] and not inside_block()
+
+
+def test_forks_left_out_of_order_still_restore_the_state_before_them():
+    streams = make()
+    before = torch.get_rng_state()
+    outer, inner = streams.fork("tp"), streams.fork("dp")
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(MisuseError, match="reverse order"):
+        outer.__exit__(None, None, None)
+    inner.__exit__(None, None, None)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert streams._states._open == [] and not inside_block()
+
+
+def test_every_device_of_the_accelerator_type_is_isolated(monkeypatch):
+    device = _simulate(monkeypatch, devices=2)
+    streams = make()
+    before = [g.get_state() for g in device.default_generators]
+    with streams.fork("tp"):
+        got = [torch.rand(3, generator=g) for g in device.default_generators]
+    expected = torch.rand(3, generator=torch.Generator().manual_seed(streams.seed_of("tp")))
+    assert all(torch.equal(g, expected) for g in got)  # each device starts from the stream's seed
+    assert all(
+        torch.equal(g.get_state(), b)
+        for g, b in zip(device.default_generators, before, strict=True)
+    )
+
+
+def test_a_stream_holding_a_generator_forks_no_longer_isolate_leaves_it_alone(monkeypatch):
+    device = _simulate(monkeypatch)
+    streams = make()
+    gen = device.default_generators[0]
+    model = torch.Generator().manual_seed(streams.seed_of("tp"))
+    with streams.fork("tp"):
+        first = torch.rand(2)
+        torch.rand(3, generator=gen)  # the stream's state now holds the device's too
+    monkeypatch.undo()  # forks isolate torch's CPU generator alone again
+    before = gen.get_state()
+    with streams.fork("tp"):
+        second = torch.rand(2)
+    assert torch.equal(gen.get_state(), before)
+    assert torch.equal(first, torch.rand(2, generator=model))
+    assert torch.equal(second, torch.rand(2, generator=model))
+
+
+def test_a_saved_stream_without_a_device_seeds_it_at_its_next_fork():
+    streams = make()
+    drawn(streams, "tp")
+    base, token, states = streams._states.getstate()
+    seed, _devices = states["tp"]
+    streams._states.setstate((base, token, {**states, "tp": (seed, {})}))
+    model = torch.Generator().manual_seed(streams.seed_of("tp"))
+    assert torch.equal(drawn(streams, "tp"), torch.rand(4, generator=model))
+    with pytest.raises(ValueError, match="got the key 'gpu'"):
+        streams._states.setstate((base, token, {"tp": (seed, {"gpu": torch.zeros(1)})}))
 
 
 # -- bad input ------------------------------------------------------------------------------
