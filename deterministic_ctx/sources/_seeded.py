@@ -55,4 +55,8 @@ class SeededCache(BoundedCache[int, T | None]):
         the second time the seed misses (a ``None`` marks the first), so that
         ``take`` runs for seeds seen before only; never with the fast paths off."""
         if self._enabled:
-            self.put(seed, take() if seed in self._items else None)
+            items = self._items
+            if seed in items:
+                items[seed] = take()  # already counted in the bound when first marked
+            else:
+                self.put(seed, None)

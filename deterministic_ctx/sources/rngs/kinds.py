@@ -88,6 +88,11 @@ class Kind:
         return f"<kind {self.name}>"
 
 
+#: The C seeding under ``random.Random.seed`` (the class of ``_random``), which the
+#: Python method calls for an int after its checks.
+_C_SEED: Any = random.Random.__mro__[1].seed  # type: ignore[attr-defined]
+
+
 class _Random(Kind):
     """``random.Random``: a 64-bit seed; an exact one is copied as its
     2500-byte Mersenne Twister record (plus ``gauss_next``), and many of them
@@ -104,6 +109,16 @@ class _Random(Kind):
             lambda: layouts.RANDOM_LAYOUT is not None,
         ),
     )
+
+    def seed(self, obj: Any, seed: int) -> None:
+        """``obj.seed(seed)``; for an exact ``random.Random`` what that method
+        does for an int, without its Python frame: the C seeding (``_random.Random.seed``)
+        and ``gauss_next = None`` (a keyed item seeds a new key every time)."""
+        if type(obj) is random.Random:
+            _C_SEED(obj, seed)
+            obj.gauss_next = None  # type: ignore[attr-defined]
+        else:
+            obj.seed(seed)
 
     def to_plain(self, obj: Any, state: Any) -> Any:
         return plain.random_state_to_plain(state)
