@@ -1,0 +1,127 @@
+"""The completion step: finish an idempotent step that an exception stopped, then report it.
+
+A signal handler can raise between any two lines (``KeyboardInterrupt``, a
+``SIGALRM`` timeout), and a block left by deep recursion meets the recursion
+limit in its exit.  Every restore and every exit of the library is written so
+that running it again does exactly what an interrupted run left undone; what
+to do when it is stopped is written once, here: run it once more, with room
+on the stack (the recursion limit raised by 100 for the second run), then
+say what happened.
+
+* :func:`complete`: one step (a block's exit, closing an exemption's
+  window); the exception that stopped it propagates once it is done.
+* :func:`complete_each`: many steps that must all run (each source of a
+  world, each undo entry); the others run whatever one of them does, and
+  the caller decides what each failure means.
+* :func:`guarded`: an action whose undo must be completed if anything stops
+  it (a block's entry, a decorated call, an exempted op's call), written
+  as one ``try`` whose every line is under its handler.
+
+The limit is raised and lowered in the frame that runs the retry, not in a
+context manager: an ``__exit__`` is one frame deeper, where lowering the
+limit again can itself fail.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+__all__ = ["HEADROOM", "complete", "complete_each", "guarded", "retry"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+#: How many frames the retry gets beyond the recursion limit.
+HEADROOM = 100
+
+#: One item that failed: ``(item, first exception, the retry's or None)``.
+Failure = tuple[T, BaseException, BaseException | None]
+
+
+def retry(step: Callable[..., object], *args: Any) -> BaseException | None:
+    """Run ``step(*args)`` once more, with headroom: what it raised, or ``None``."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit + HEADROOM)
+    try:
+        step(*args)
+    except BaseException as again:
+        return again
+    finally:
+        sys.setrecursionlimit(limit)
+    return None
+
+
+def complete(step: Callable[..., object], *args: Any) -> None:
+    """Run the idempotent ``step(*args)``; if anything stops it, run it once
+    more (:func:`retry`) to finish it, then raise what stopped it.
+
+    An ordinary exception from the second run (a :class:`RestoreError` the
+    step raises after its bookkeeping) is dropped: the first says what went
+    wrong.  Anything else it raises (a second interrupt) propagates instead.
+
+    Example:
+        >>> done = []
+        >>> def step():
+        ...     done.append(1)
+        ...     if len(done) == 1:
+        ...         raise KeyboardInterrupt
+        >>> try:
+        ...     complete(step)
+        ... except KeyboardInterrupt:
+        ...     print(len(done))
+        2
+    """
+    try:
+        step(*args)
+    except BaseException as first:
+        again = retry(step, *args)
+        if again is not None and not isinstance(again, Exception):
+            raise again from first
+        raise
+
+
+def complete_each(step: Callable[[T], object], items: Iterable[T]) -> list[Failure[T]]:
+    """``step(item)`` for each of ``items``; one that raises is retried once
+    (:func:`retry`) and the rest still run.  Returns the failures, in order.
+
+    Example:
+        >>> out = []
+        >>> failures = complete_each(out.append, [1, 2])
+        >>> out, failures
+        ([1, 2], [])
+    """
+    failures: list[Failure[T]] = []
+    for item in items:
+        try:
+            step(item)
+        except BaseException as first:
+            failures.append((item, first, retry(step, item)))
+    return failures
+
+
+def guarded(undo: Callable[[], object], do: Callable[..., R], *args: Any, after: bool = False) -> R:
+    """``do(*args)``; if it raises, :func:`complete` ``undo`` and raise.  With
+    ``after``, ``undo`` is completed when ``do`` returns too.
+
+    ``undo`` runs inside the ``try`` on both outcomes, not in a ``finally``:
+    an interrupt between ``do``'s return and a ``finally``'s first line would
+    skip it, while here every line after the ``try:`` is under its handler
+    (and an interrupt at the ``try:`` line itself comes before ``do``).
+    ``undo`` must be idempotent: after an interrupt it may run twice.
+
+    Example:
+        >>> log = []
+        >>> guarded(lambda: log.append("undo"), log.append, "do", after=True)
+        >>> log
+        ['do', 'undo']
+    """
+    try:
+        result = do(*args)
+        if after:
+            complete(undo)
+        return result
+    except BaseException:
+        complete(undo)
+        raise
