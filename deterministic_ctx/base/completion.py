@@ -109,7 +109,8 @@ def guarded(undo: Callable[[], object], do: Callable[..., R], *args: Any, after:
     an interrupt between ``do``'s return and a ``finally``'s first line would
     skip it, while here every line after the ``try:`` is under its handler
     (and an interrupt at the ``try:`` line itself comes before ``do``).
-    ``undo`` must be idempotent: after an interrupt it may run twice.
+    ``undo`` must be idempotent (after an interrupt it may run twice) and
+    must undo whatever part of ``do`` ran, none included.
 
     Example:
         >>> log = []
@@ -118,9 +119,12 @@ def guarded(undo: Callable[[], object], do: Callable[..., R], *args: Any, after:
         ['do', 'undo']
     """
     try:
+        if not after:
+            # No line after ``do`` returns: an entry that has completed is
+            # never undone by an interrupt that lands on its way out.
+            return do(*args)
         result = do(*args)
-        if after:
-            complete(undo)
+        complete(undo)
         return result
     except BaseException:
         complete(undo)

@@ -21,8 +21,10 @@ so an exception a signal handler raises lands before or after it, never
 half-way; an entry is recorded before anything is applied (a roll-back finds
 it) and an exit removes its block only after it has restored (a second run
 of the exit finds it).  A ``with`` block that has left is only marked
-(``exited``) and pruned at its thread's next entry: removed at its exit, an
-interrupt just after would make the exit's second run leave the block below.
+(``exited``, set by the exit itself as its last store: a call's return is
+a point where a signal handler runs) and pruned at its thread's next entry:
+removed at its exit, an interrupt just after would make the exit's second
+run leave the block below.
 
 Blocks that can never be left (their thread ended inside them, or a fork
 left it behind) are forgotten by :meth:`Scopes.drop`.
@@ -140,11 +142,6 @@ class Scopes:
             if block.of is of and block.task is task and not block.exited:
                 return block
         return None
-
-    @staticmethod
-    def left_with(block: _With) -> None:
-        """The ``with`` block ``block`` has left (its exit completed)."""
-        block.exited = True
 
 
 def _position(block: Block, blocks: list[Block]) -> int | None:

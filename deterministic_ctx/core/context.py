@@ -82,7 +82,7 @@ def _undo_entry(block: _With) -> None:
     try:
         block.stop()
     finally:
-        SCOPES.left_with(block)
+        block.exited = True
         if block.paused is not None:
             resume_compiler(block.paused[0])
 
@@ -142,7 +142,7 @@ class _Blocks:
         return what its entry paused."""
         block = self._latest(task)
         block.stop()
-        SCOPES.left_with(block)
+        block.exited = True
         return block.paused
 
     def __enter__(self: _B) -> _B:
@@ -181,7 +181,7 @@ class _Blocks:
             now = pause_compiler()
             block = self._latest(None)
             block.stop()
-            SCOPES.left_with(block)  # last: an interrupt lands before its store or never
+            block.exited = True  # last, and no call after it: an interrupt lands before it or never
         except BaseException:
             if self._enabled:
                 paused = self._leave(None)
@@ -226,7 +226,7 @@ class _Blocks:
                 return
             block = self._latest(_current_task())
             block.stop()
-            SCOPES.left_with(block)
+            block.exited = True  # a store, not a call: a call's return is where a signal lands
         except BaseException:
             if self._enabled:
                 self._leave(_current_task())
@@ -267,7 +267,7 @@ class _Blocks:
                 return
             block = self._latest(_STARTED)
             block.stop()
-            SCOPES.left_with(block)
+            block.exited = True  # a store, not a call: a call's return is where a signal lands
         except BaseException:
             if self._enabled and self._find(_STARTED) is not None:
                 self._leave(_STARTED)

@@ -113,9 +113,10 @@ def _drive(it: Any, block: Block, end: Callable[[], None]) -> Generator[Any, Any
 
     ``end`` leaves the block when ``it`` is done: ``stop`` (generators,
     coroutines), or ``suspend`` when more steps of the same world follow
-    (async generators).  Each step enters and leaves the block inside one ``try`` whose handler
-    leaves it again (``stop``/``suspend`` are idempotent), so an interrupt
-    at any point of the step still leaves the caller's state restored.
+    (async generators).  Each step (:func:`_step`) is guarded by
+    ``suspend`` (:func:`~deterministic_ctx.base.completion.guarded`;
+    ``stop``/``suspend`` are idempotent), so an interrupt at any point of the
+    step still leaves the caller's state restored.
     """
     send_value: Any = None
     to_throw: BaseException | None = None

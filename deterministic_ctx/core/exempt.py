@@ -206,20 +206,21 @@ class allow_nondeterministic:
                 _dispatch.install_exemption(op, functools.partial(_kernel, op))
                 _labels[op] = _dispatch.op_label(op)
         token = object()
-        try:
-            # Recorded before anything changes: _leave undoes what was done of it.
-            me = threading.get_ident()
-            before = _dispatch.exemption_included()
-            self._open.append((token, me, before))
-            _bases.setdefault(me, before)  # the thread's first open exemption sets it
-            _entries[token] = (self._ops, me)
-            _dispatch.include_exemption(True)
-            # Pending signals run here, where they are still undone (as a block's entry).
-            drain_signals()
-            return self
-        except BaseException:
-            complete(self._leave, token)
-            raise
+        # Undone by ``_leave`` if anything stops it; entered and returned in one
+        # line here, so no line of this frame runs after the entry.
+        return guarded(functools.partial(self._leave, token), self._enter, token)
+
+    def _enter(self, token: object) -> allow_nondeterministic:
+        # Recorded before anything changes: _leave undoes what was done of it.
+        me = threading.get_ident()
+        before = _dispatch.exemption_included()
+        self._open.append((token, me, before))
+        _bases.setdefault(me, before)  # the thread's first open exemption sets it
+        _entries[token] = (self._ops, me)
+        _dispatch.include_exemption(True)
+        # Pending signals run here, where they are still undone (as a block's entry).
+        drain_signals()
+        return self
 
     def __exit__(
         self,
