@@ -36,8 +36,8 @@ R = TypeVar("R")
 #: How many frames the retry gets beyond the recursion limit.
 HEADROOM = 100
 
-#: One item that failed: ``(item, first exception, the retry's or None)``.
-Failure = tuple[T, BaseException, BaseException | None]
+#: One call that failed: ``(its index, first exception, the retry's or None)``.
+Failure = tuple[int, BaseException, BaseException | None]
 
 
 def retry(step: Callable[..., object], *args: Any) -> BaseException | None:
@@ -82,22 +82,25 @@ def complete(step: Callable[..., object], *args: Any) -> None:
         raise
 
 
-def complete_each(step: Callable[[T], object], items: Iterable[T]) -> list[Failure[T]]:
-    """``step(item)`` for each of ``items``; one that raises is retried once
-    (:func:`retry`) and the rest still run.  Returns the failures, in order.
+def complete_each(calls: Iterable[tuple[Callable[[T], object], T]]) -> list[Failure]:
+    """``step(arg)`` for each ``(step, arg)`` of ``calls``; one that raises is
+    retried once (:func:`retry`) and the rest still run.  Returns the
+    failures, in order, each as ``(its index in calls, first exception, the
+    retry's or None)``.
 
     Example:
         >>> out = []
-        >>> failures = complete_each(out.append, [1, 2])
-        >>> out, failures
-        ([1, 2], [])
+        >>> complete_each([(out.append, 1), (out.append, 2)])
+        []
+        >>> out
+        [1, 2]
     """
-    failures: list[Failure[T]] = []
-    for item in items:
+    failures: list[Failure] = []
+    for i, (step, arg) in enumerate(calls):
         try:
-            step(item)
+            step(arg)
         except BaseException as first:
-            failures.append((item, first, retry(step, item)))
+            failures.append((i, first, retry(step, arg)))
     return failures
 
 

@@ -8,7 +8,7 @@ nothing of seeds, blocks or files.
 from __future__ import annotations
 
 import warnings
-from operator import methodcaller
+from operator import attrgetter, methodcaller
 from typing import Any
 
 from .. import sources as _sources
@@ -21,6 +21,9 @@ __all__ = ["World"]
 
 #: ``_capture(source)`` is ``source.capture()``, called from C: no frame per source.
 _capture = methodcaller("capture")
+#: ``_restore_of(source)`` is ``source.restore``: each source's restore is
+#: called directly by the completion step, with no frame of ours per source.
+_restore_of = attrgetter("restore")
 _new = object.__new__
 
 
@@ -76,21 +79,18 @@ class World:
           during the restore is reported so), except for a ``RecursionError``,
           which was a lack of stack that the retry's headroom cured.
         """
-        pairs = zip(reversed(self.sources), reversed(self.states), strict=True)
-        failures = complete_each(_restore, pairs)
+        sources = self.sources[::-1]
+        failures = complete_each(zip(map(_restore_of, sources), reversed(self.states), strict=True))
         if failures:
-            _report(failures)
+            _report(failures, sources)
 
 
-def _restore(pair: tuple[Source, Any]) -> None:
-    pair[0].restore(pair[1])
-
-
-def _report(failures: list[Failure[tuple[Source, Any]]]) -> None:
+def _report(failures: list[Failure], sources: tuple[Source, ...]) -> None:
     """Raise or warn for the sources whose restore raised (:meth:`World.restore`)."""
     interrupt: BaseException | None = None
     failed: dict[str, BaseException] = {}
-    for (source, _), first, again in failures:
+    for i, first, again in failures:
+        source = sources[i]
         if again is None:
             if not isinstance(first, Exception):
                 interrupt = interrupt or first

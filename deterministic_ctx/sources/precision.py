@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import os
 import threading
-from itertools import starmap
+from itertools import repeat, starmap
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -246,7 +246,11 @@ def _put_back(put: Any, undo: list[tuple[str, str, str]]) -> None:
     a signal handler raises after one of the writes (each C call is a point
     where it can): that write is made again, the rest follow, then the first
     exception.  A write that fails again is left: the rest still follow."""
-    failures = complete_each(lambda entry: put(*entry), reversed(undo))
+
+    def write(entry: tuple[str, str, str]) -> None:
+        put(*entry)
+
+    failures = complete_each(zip(repeat(write), reversed(undo)))
     if failures:
         raise failures[0][1]
 
