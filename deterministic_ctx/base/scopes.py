@@ -67,7 +67,10 @@ class Scopes:
 
     def position(self, block: Block) -> int | None:
         """Where ``block`` is in ``active`` (``None``: not there)."""
-        return _position(block, self.active)
+        active = self.active
+        if active and active[-1] is block:  # nearly always: the latest leaves first
+            return len(active) - 1
+        return _position(block, active)
 
     def open(self, block: Block) -> None:
         """Record ``block`` as entered, before anything of it is applied."""
@@ -92,9 +95,12 @@ class Scopes:
     def where(self, block: Block) -> tuple[list[Block], int] | None:
         """The list that holds ``block`` (``active``, or its carrier's carried
         blocks) and its index there; ``None``: it is not open."""
-        i = _position(block, self.active)
+        active = self.active
+        if active and active[-1] is block:  # nearly always: the latest leaves first
+            return active, len(active) - 1
+        i = _position(block, active)
         if i is not None:
-            return self.active, i
+            return active, i
         carrier = block._carrier
         if carrier is not None and carrier._carried:
             i = _position(block, carrier._carried)

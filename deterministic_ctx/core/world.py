@@ -8,12 +8,12 @@ nothing of seeds, blocks or files.
 from __future__ import annotations
 
 import warnings
-from operator import attrgetter, methodcaller
+from operator import methodcaller
 from typing import Any
 
 from .. import sources as _sources
 from .._errors import StateWarning
-from ..base.completion import Failure, complete_each
+from ..base.completion import retry
 from ..base.errors import RestoreError
 from ..sources import Source
 
@@ -21,9 +21,6 @@ __all__ = ["World"]
 
 #: ``_capture(source)`` is ``source.capture()``, called from C: no frame per source.
 _capture = methodcaller("capture")
-#: ``_restore_of(source)`` is ``source.restore``: each source's restore is
-#: called directly by the completion step, with no frame of ours per source.
-_restore_of = attrgetter("restore")
 _new = object.__new__
 
 
@@ -62,9 +59,9 @@ class World:
     def restore(self) -> None:
         """Put every captured source back; raise :class:`RestoreError` on failure.
 
-        Sources are restored in reverse capture order, each by the completion
-        step (:func:`~deterministic_ctx.base.completion.complete_each`): one
-        whose restore raises is restored once more (restores are idempotent),
+        Sources are restored in reverse capture order, as the completion step
+        (:func:`~deterministic_ctx.base.completion.complete_each`) runs steps:
+        one whose restore raises is restored once more (restores are idempotent),
         with a few frames more on the stack, and the others are restored
         whatever it does.  Then, for a source whose first restore raised:
 
@@ -79,18 +76,24 @@ class World:
           during the restore is reported so), except for a ``RecursionError``,
           which was a lack of stack that the retry's headroom cured.
         """
-        sources = self.sources[::-1]
-        failures = complete_each(zip(map(_restore_of, sources), reversed(self.states), strict=True))
+        failures: list[tuple[Source, BaseException, BaseException | None]] = []
+        # The loop of the completion step (``complete_each``), written out:
+        # each source's ``restore`` is called directly, without a bound method
+        # made per source (a block's exit restores every source).
+        for source, state in zip(reversed(self.sources), reversed(self.states), strict=True):
+            try:
+                source.restore(state)
+            except BaseException as first:
+                failures.append((source, first, retry(source.restore, state)))
         if failures:
-            _report(failures, sources)
+            _report(failures)
 
 
-def _report(failures: list[Failure], sources: tuple[Source, ...]) -> None:
+def _report(failures: list[tuple[Source, BaseException, BaseException | None]]) -> None:
     """Raise or warn for the sources whose restore raised (:meth:`World.restore`)."""
     interrupt: BaseException | None = None
     failed: dict[str, BaseException] = {}
-    for i, first, again in failures:
-        source = sources[i]
+    for source, first, again in failures:
         if again is None:
             if not isinstance(first, Exception):
                 interrupt = interrupt or first
