@@ -5,7 +5,9 @@ Open blocks are in one of three places, all kept by :data:`SCOPES`:
 * ``active``: the open blocks of the thread that holds the process lock
   (:mod:`deterministic_ctx.base.lock`), in the order they were entered.
   Each one's ``_outer`` is the world at its entry, the world of the block
-  below it.  The lock asks whether it is empty before it is given back.
+  below it; a block that leaves below a later one hands its ``_outer`` on
+  (:meth:`Scopes.hand_on`).  The lock asks whether it is empty before it is
+  given back.
 * carried: a decorated generator or coroutine suspended at a
   ``yield``/``await`` carries the blocks opened in its step and still open
   (its ``_carried``; each of them names it in ``_carrier``): they belong to
@@ -107,6 +109,25 @@ class Scopes:
             if i is not None:
                 return carrier._carried, i
         return None
+
+    def hand_on(self, block: Block, blocks: list[Block], i: int) -> bool:
+        """``block`` (``blocks[i]``, see :meth:`where`) is leaving: if its world
+        is not the live one, hand the world it restores on and return ``True``.
+
+        A later block is open above it (interleaved ``async with`` tasks, a
+        generator closed inside another block): that block restores it when
+        it leaves in turn.  It is the top block its carrier carries: the
+        carrier's own world is the one from before it.  Else (``False``) it is
+        the live world, and leaving restores its caller's world."""
+        if i + 1 < len(blocks):
+            blocks[i + 1]._outer = block._outer
+            return True
+        if blocks is not self.active:
+            carrier = block._carrier
+            assert carrier is not None
+            carrier._inner = block._outer
+            return True
+        return False
 
     def remove(self, block: Block, blocks: list[Block], i: int) -> None:
         """``block`` (``blocks[i]``) has left: forget it."""

@@ -205,12 +205,9 @@ class Block:
         place = SCOPES.where(self)  # in ``_active``, or carried by a suspended block
         if place is not None:
             blocks, i = place
-            if i + 1 < len(blocks):  # a later block is open: its world is the live one
-                blocks[i + 1]._outer = self._outer
-            elif blocks is not _active:  # the carrier's world as it was before this block
-                assert self._carrier is not None
-                self._carrier._inner = self._outer
-            elif self._outer is not None:  # None: an entry rolled back before its capture
+            # Handed on where another world is the live one; ``_outer`` is None
+            # for an entry rolled back before its capture.
+            if not SCOPES.hand_on(self, blocks, i) and self._outer is not None:
                 try:
                     self._outer.restore()
                 except RestoreError as exc:  # every other source was restored: leave anyway
