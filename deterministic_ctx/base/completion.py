@@ -10,9 +10,11 @@ say what happened.
 
 * :func:`complete`: one step (a block's exit, closing an exemption's
   window); the exception that stopped it propagates once it is done.
-* :func:`complete_each`: many steps that must all run (each source of a
-  world, each undo entry); the others run whatever one of them does, and
-  the caller decides what each failure means.
+* :func:`complete_each`: many steps that must all run (each precision
+  entry to write back, each registered RNG to restore); the others run
+  whatever one of them does, and the caller decides what each failure
+  means.  A world's restore, a block's hot path, runs the same loop written
+  out (no bound method made per source) and uses :func:`retry`.
 * :func:`guarded`: an action whose undo must be completed if anything stops
   it (a block's entry, a decorated call, an exempted op's call), written
   as one ``try`` whose every line is under its handler.

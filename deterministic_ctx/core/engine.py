@@ -80,7 +80,8 @@ class Block:
     say — interrupts it at any line: entry registers the block in ``_active``
     before it applies anything, and each exit step reads where the block is
     (``_active``, its carrier) before it acts, so running it again completes
-    it; the lock is given back by
+    it (the completion step, :func:`~deterministic_ctx.base.completion.complete`,
+    runs it once more); the lock is given back by
     :meth:`~deterministic_ctx.base.lock.ProcessLock.release`, which gives it
     back once the thread has no block open, however often it is called.
     """
