@@ -156,7 +156,7 @@ class _Blocks:
         # elsewhere).
         callback = pause_compiler()
         block = _With(self, None, None if callback is None else _paused_here(callback))
-        # Written out, not shared with ``__aenter__``: an interrupt as a helper
+        # Written out, not shared with ``_open``: an interrupt as a helper
         # returned would find no ``block`` to leave.
         try:
             _enter(block)
@@ -226,7 +226,7 @@ class _Blocks:
                 return
             block = self._latest(_current_task())
             block.stop()
-            block.exited = True  # a store, not a call: a call's return is where a signal lands
+            block.exited = True  # last, and no call after it, as in __exit__
         except BaseException:
             if self._enabled:
                 self._leave(_current_task())
@@ -267,7 +267,7 @@ class _Blocks:
                 return
             block = self._latest(_STARTED)
             block.stop()
-            block.exited = True  # a store, not a call: a call's return is where a signal lands
+            block.exited = True  # last, and no call after it, as in __exit__
         except BaseException:
             if self._enabled and self._find(_STARTED) is not None:
                 self._leave(_STARTED)
