@@ -6,7 +6,7 @@ Open blocks are in one of three places, all kept by :data:`SCOPES`:
   (:mod:`deterministic_ctx.base.lock`), in the order they were entered.
   Each one's ``_outer`` is the world at its entry, the world of the block
   below it; a block that leaves below a later one hands its ``_outer`` on
-  (:meth:`Scopes.hand_on`).  The lock asks whether it is empty before it is
+  (:meth:`Scopes.leaving`).  The lock asks whether it is empty before it is
   given back.
 * carried: a decorated generator or coroutine suspended at a
   ``yield``/``await`` carries the blocks opened in its step and still open
@@ -94,40 +94,39 @@ class Scopes:
             self.active.extend(block._carried)
         block._carried = None
 
-    def where(self, block: Block) -> tuple[list[Block], int] | None:
-        """The list that holds ``block`` (``active``, or its carrier's carried
-        blocks) and its index there; ``None``: it is not open."""
+    def leaving(self, block: Block) -> tuple[list[Block], int, bool] | None:
+        """``block`` is leaving: the list that holds it (``active``, or its
+        carrier's carried blocks), its index there, and whether its world is
+        the live one, which its caller's must then replace; ``None``: it is
+        not open.
+
+        Where its world is not the live one, what it restores is handed on
+        here.  A later block is open above it (interleaved ``async with``
+        tasks, a generator closed inside another block): that block restores
+        it when it leaves in turn.  It is the top block its carrier carries:
+        the carrier's own world is the one from before it.  Handing on is a
+        single store, made again if the exit runs again."""
         active = self.active
         if active and active[-1] is block:  # nearly always: the latest leaves first
-            return active, len(active) - 1
+            return active, len(active) - 1, True
+        blocks = active
         i = _position(block, active)
-        if i is not None:
-            return active, i
-        carrier = block._carrier
-        if carrier is not None and carrier._carried:
-            i = _position(block, carrier._carried)
-            if i is not None:
-                return carrier._carried, i
-        return None
-
-    def hand_on(self, block: Block, blocks: list[Block], i: int) -> bool:
-        """``block`` (``blocks[i]``, see :meth:`where`) is leaving: if its world
-        is not the live one, hand the world it restores on and return ``True``.
-
-        A later block is open above it (interleaved ``async with`` tasks, a
-        generator closed inside another block): that block restores it when
-        it leaves in turn.  It is the top block its carrier carries: the
-        carrier's own world is the one from before it.  Else (``False``) it is
-        the live world, and leaving restores its caller's world."""
+        if i is None:
+            carrier = block._carrier
+            if carrier is None or not carrier._carried:
+                return None
+            blocks = carrier._carried
+            i = _position(block, blocks)
+            if i is None:
+                return None
         if i + 1 < len(blocks):
             blocks[i + 1]._outer = block._outer
-            return True
-        if blocks is not self.active:
-            carrier = block._carrier
-            assert carrier is not None
-            carrier._inner = block._outer
-            return True
-        return False
+        elif blocks is not active:
+            assert block._carrier is not None
+            block._carrier._inner = block._outer
+        else:
+            return blocks, i, True
+        return blocks, i, False
 
     def remove(self, block: Block, blocks: list[Block], i: int) -> None:
         """``block`` (``blocks[i]``) has left: forget it."""

@@ -126,7 +126,7 @@ class _Blocks:
 
     def _latest(self, task: object) -> _With:
         """:meth:`_find`'s block; :class:`MisuseError` if there is none."""
-        block = self._find(task)
+        block = SCOPES.latest_with(self, task)
         if block is not None:
             return block
         if task is _STARTED:

@@ -203,12 +203,12 @@ class Block:
 
     def _finish(self) -> None:
         error: RestoreError | None = None
-        place = SCOPES.where(self)  # in ``_active``, or carried by a suspended block
+        place = SCOPES.leaving(self)  # in ``_active``, or carried by a suspended block
         if place is not None:
-            blocks, i = place
-            # Handed on where another world is the live one; ``_outer`` is None
-            # for an entry rolled back before its capture.
-            if not SCOPES.hand_on(self, blocks, i) and self._outer is not None:
+            blocks, i, live = place
+            # Else handed on to the live world; ``_outer`` is None for an entry
+            # rolled back before its capture.
+            if live and self._outer is not None:
                 try:
                     self._outer.restore()
                 except RestoreError as exc:  # every other source was restored: leave anyway

@@ -76,7 +76,7 @@ class World:
           during the restore is reported so), except for a ``RecursionError``,
           which was a lack of stack that the retry's headroom cured.
         """
-        failures: list[tuple[Source, BaseException, BaseException | None]] = []
+        failures: list[tuple[Source, BaseException, BaseException | None]] | None = None
         # The loop of the completion step (``complete_each``), written out:
         # each source's ``restore`` is called directly, without a bound method
         # made per source (a block's exit restores every source).
@@ -84,6 +84,7 @@ class World:
             try:
                 source.restore(state)
             except BaseException as first:
+                failures = failures or []
                 failures.append((source, first, retry(source.restore, state)))
         if failures:
             _report(failures)
