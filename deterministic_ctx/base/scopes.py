@@ -18,15 +18,16 @@ Open blocks are in one of three places, all kept by :data:`SCOPES`:
   that an ``__exit__`` finds the block it means.  The list is freed with its
   thread, whatever started the thread.
 
-Interrupts: every change here is one list operation or one attribute store,
-so an exception a signal handler raises lands before or after it, never
-half-way; an entry is recorded before anything is applied (a roll-back finds
-it) and an exit removes its block only after it has restored (a second run
-of the exit finds it).  A ``with`` block that has left is only marked
-(``exited``, set by the exit itself as its last store: a call's return is
-a point where a signal handler runs) and pruned at its thread's next entry:
-removed at its exit, an interrupt just after would make the exit's second
-run leave the block below.
+Interrupts: the changes are list operations and attribute stores (no lock,
+nothing to leave held), each ordered so that an exception a signal handler
+raises between two of them leaves what a second run completes: an entry is
+recorded before anything is applied (a roll-back finds it), an exit removes
+its block only after it has restored (a second run of the exit finds it),
+blocks are carried before their list is cut.  A ``with`` block that has left
+is only marked (``exited``, stored by the exit itself as the last statement
+of its ``try``) and pruned at its thread's next entry: removed at its exit,
+an interrupt just after would make the exit's second run leave the block
+below.
 
 Blocks that can never be left (their thread ended inside them, or a fork
 left it behind) are forgotten by :meth:`Scopes.drop`.
