@@ -1,22 +1,15 @@
-"""The process-wide lock, and the one record of which blocks are open, where.
+"""The process-wide lock: one thread inside blocks at a time, and taking over a dead holder's.
 
 RNG state is process-global, so two threads inside blocks at once would draw
 from each other's streams.  Blocks (and each step of a decorated generator or
-coroutine) run holding :data:`LOCK`.  Everything the library knows about open
-blocks lives on it, in three places a reader can follow:
-
-* ``LOCK.blocks``: the open blocks of the thread that holds the lock, in the
-  order they were entered (the engine's ``_active``).  A thread holds the C
-  ``RLock`` *once*, while it has blocks open (and while it enters its first
-  one or leaves its last one); nesting is the length of this list, not a
-  count in the lock.  Blocks of a suspended generator or coroutine are not in
-  it: the suspended block carries them (see the engine).
-* ``LOCK.threads``: each thread's record (a ``threading.local``): its liveness
-  token, and the ``with`` blocks it entered and has not left (``withs``), so
-  that an ``__exit__`` finds the block it means.  The record is freed when its
-  thread ends, whatever started the thread: nothing to tidy.
-* the holder's token reference (``owner`` and ``since`` describe it in
-  warnings and reports).
+coroutine) run holding :data:`LOCK`.  A thread holds the C ``RLock`` *once*,
+while it has blocks open (and while it enters its first one or leaves its
+last one); which blocks are open, and how deeply they nest, is the scope
+stack's record (:mod:`deterministic_ctx.base.scopes`), not a count in the
+lock, and the lock asks it before giving itself back.  Each thread has a
+liveness token (its record, a ``threading.local``, freed when the thread
+ends); the holder's token reference and ``since`` describe the holder in
+warnings.
 
 Waiting policy: a thread waits as long as the holder lives — giving up would
 break the isolation the caller asked for — but after ``warn_after`` seconds it
@@ -39,7 +32,7 @@ ownership *and* the calling thread's token.
 
 Interrupts: acquiring and releasing are single C calls, and the ``RLock``'s
 own ownership (``_is_owned``) is the truth of whether this thread holds it;
-``blocks`` changes by single list operations.  An exception raised by a
+the scope stack changes by single list operations.  An exception raised by a
 signal handler (``KeyboardInterrupt``) lands before or after each, never
 half-way, so :meth:`ProcessLock.release` (give the lock back if this thread
 holds it with no block open) can simply be called again by a caller that was
@@ -58,7 +51,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from .completion import guarded
 from .errors import LockWaitWarning
+from .scopes import SCOPES
 
 __all__ = ["LOCK", "POLL", "set_lock_warning"]
 
@@ -84,13 +79,12 @@ class _OwnerRef(weakref.ref):  # type: ignore[type-arg]
 
 
 class _PerThread(threading.local):
-    """Each thread's record, made at its first use: its token, the weak
+    """Each thread's record, made at its first use: its token and the weak
     reference to it (its identity, which unlike its ident no later thread
-    ever shares) and the ``with`` blocks it entered and has not left."""
+    ever shares)."""
 
     token: _Alive
     ref: _OwnerRef
-    withs: list[Any]
 
     def __init__(self) -> None:
         self.token = token = _Alive()
@@ -98,7 +92,6 @@ class _PerThread(threading.local):
         # The Thread object outlives its thread, so a dead owner is named too.
         ref.thread = threading.current_thread()
         self.ref = ref
-        self.withs = []
 
 
 class ProcessLock:
@@ -106,7 +99,6 @@ class ProcessLock:
         "_owner_ref",
         "_rlock",
         "_swap",
-        "blocks",
         "on_dead_owner",
         "since",
         "threads",
@@ -115,8 +107,6 @@ class ProcessLock:
 
     def __init__(self) -> None:
         self._rlock: Any = _new_rlock()
-        #: The open blocks of the thread that holds the lock, in entry order.
-        self.blocks: list[Any] = []
         self.since = 0.0
         self.warn_after: float | None = DEFAULT_WARN_AFTER
         self.threads = _PerThread()
@@ -133,13 +123,7 @@ class ProcessLock:
     def depth(self) -> int:
         """How many blocks the *calling* thread has open (0: none; 1 while it
         holds the lock entering its first block or leaving its last)."""
-        return (len(self.blocks) or 1) if self.mine() else 0
-
-    @property
-    def owner(self) -> int | None:
-        """The ident of the thread holding the lock (``None``: free)."""
-        ref = self._owner_ref
-        return None if ref is None else ref.thread.ident
+        return (len(SCOPES.active) or 1) if self.mine() else 0
 
     def mine(self) -> bool:
         """Whether the calling thread holds the lock (not a dead thread with its ident).
@@ -216,13 +200,14 @@ class ProcessLock:
         # waiters now wait on ``fresh``, which this thread holds.
         callback = self.on_dead_owner
         if callback is not None:
-            try:
-                callback(ref.thread)
-            except BaseException:
-                del self.blocks[:]  # the dead thread's: nobody can leave them
-                self.release()
-                raise
+            guarded(self._give_back, callback, ref.thread)
         return True
+
+    def _give_back(self) -> None:
+        """The dead thread's clean-up failed: forget its blocks (nobody can
+        leave them) and give the lock back."""
+        SCOPES.drop()
+        self.release()
 
     def release(self) -> None:
         """Give the lock back if the calling thread holds it with no block open.
@@ -230,19 +215,19 @@ class ProcessLock:
         Idempotent, so a caller interrupted half-way through can simply call
         it again.
         """
-        if not self.blocks and self.mine():
+        if not SCOPES.active and self.mine():
             # Before the release: a waiter that still sees this thread's token
             # after it has ended knows the lock was never given back.
             self._owner_ref = None
             self._rlock.release()
 
     def reset_after_fork(self) -> None:
-        """In a forked child: free the lock unless the forking thread holds it."""
+        """In a forked child: free the lock unless the forking thread holds it
+        (the engine has dropped the open blocks of the thread that held it)."""
         self._swap = threading.Lock()  # another thread may have held it at the fork
         if not self.mine():
             self._rlock._at_fork_reinit()
             self._owner_ref = None
-            del self.blocks[:]
 
 
 LOCK = ProcessLock()

@@ -1,5 +1,6 @@
 """Blocks: the world (every source captured at once), the engine (enter, leave, suspend,
-resume), ``deterministic`` / ``isolated`` and ``@reproducible``.
+resume), ``deterministic`` / ``isolated``, ``@reproducible`` and ``allow_nondeterministic``.
 
-Knows nothing of torch or NumPy: the sources below do that work.
+Imports neither torch nor NumPy: the sources below do that work.  Where blocks
+meet ``torch.compile`` and the dispatcher, they go through ``_torch``.
 """

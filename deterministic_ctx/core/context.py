@@ -3,8 +3,8 @@
 Each ``with`` is one :class:`~deterministic_ctx.core.engine.Block`; this module
 only validates the arguments, finds the block an ``__exit__`` means (the
 latest one of the object that its thread and asyncio task entered, from the
-thread's record, ``LOCK.threads.withs``) and makes sure an interrupted
-``__exit__`` still leaves.  As a decorator, ``deterministic`` is
+scope stack's record of the thread's ``with`` blocks) and makes sure an
+interrupted ``__exit__`` still leaves.  As a decorator, ``deterministic`` is
 :func:`~deterministic_ctx.core.decorate.reproducible`.
 """
 
@@ -17,7 +17,7 @@ from types import FrameType, TracebackType
 from typing import Any, TypeVar, overload
 
 from .._errors import MisuseError
-from ..base.lock import LOCK
+from ..base.scopes import SCOPES
 from ..base.settings import CompiledRng, Rank, Settings, check_bool
 from .decorate import decorate
 from .engine import Block, drain_signals, opaque, pause_compiler, resume_compiler
@@ -26,9 +26,6 @@ __all__ = ["deterministic", "isolated"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _B = TypeVar("_B", bound="_Blocks")
-#: Each thread's record (:mod:`deterministic_ctx.base.lock`): ``.withs`` lists
-#: the ``with`` blocks it entered and has not left, of every object.
-_THREADS = LOCK.threads
 
 
 #: What a ``with`` entered inside compiled code paused: dynamo's callback, and
@@ -54,7 +51,8 @@ class _With(Block):
     :class:`~deterministic_ctx.core.engine.Block` that also knows the asyncio
     task (``task``, ``None`` for a ``with``) that entered it, what its entry
     paused (``paused``), and whether its ``__exit__`` has completed
-    (``exited``).  Its thread is the one whose record lists it."""
+    (``exited``).  Its thread is the one whose ``with`` blocks list it
+    (:meth:`~deterministic_ctx.base.scopes.Scopes.withs`)."""
 
     __slots__ = ("exited", "of", "paused", "task")
 
@@ -72,17 +70,8 @@ _STARTED = object()
 
 
 def _enter(block: _With) -> None:
-    """Record ``block`` in its thread's list and start it.
-
-    The list first loses the blocks that have left from its end (an
-    ``__exit__`` only marks its block: removing it there, an interrupt just
-    after would make the exit's retry leave the block below).  A block left
-    while a later one is open is removed once the later one has left.
-    """
-    withs = _THREADS.withs
-    while withs and (last := withs[-1]).exited:
-        withs.remove(last)  # not pop(): a finalizer may have added a block meanwhile
-    withs.append(block)  # recorded first: an interrupt below still finds it
+    """Record ``block`` in its thread's ``with`` blocks and start it."""
+    SCOPES.enter_with(block)  # recorded first: an interrupt below still finds it
     block.start()
 
 
@@ -133,15 +122,11 @@ class _Blocks:
         :meth:`start`) that has not left: so one object (``DET =
         deterministic(seed=0)`` at module level) can be entered by many
         threads and tasks at once, each leaving its blocks in its own order."""
-        block: _With
-        for block in _THREADS.withs[::-1]:  # a copy: a finalizer may add blocks meanwhile
-            if block.of is self and block.task is task and not block.exited:
-                return block
-        return None
+        return SCOPES.latest_with(self, task)
 
     def _latest(self, task: object) -> _With:
         """:meth:`_find`'s block; :class:`MisuseError` if there is none."""
-        block = self._find(task)
+        block = SCOPES.latest_with(self, task)
         if block is not None:
             return block
         if task is _STARTED:
@@ -171,7 +156,7 @@ class _Blocks:
         # elsewhere).
         callback = pause_compiler()
         block = _With(self, None, None if callback is None else _paused_here(callback))
-        # Written out, not shared with ``__aenter__``: an interrupt as a helper
+        # Written out, not shared with ``_open``: an interrupt as a helper
         # returned would find no ``block`` to leave.
         try:
             _enter(block)
@@ -214,9 +199,13 @@ class _Blocks:
         block.paused = None  # the left block stays listed until the next entry: not its frame
 
     async def __aenter__(self: _B) -> _B:
-        if not self._enabled:
-            return self
-        block = _With(self, _current_task(), None)
+        return self._open(_current_task()) if self._enabled else self
+
+    def _open(self: _B, task: object) -> _B:
+        """Enter a block for ``task`` (``async with``, ``start()``): the block
+        is made before the ``try``, so an interrupt at any line of the entry
+        finds it to undo, and the entry ends in this frame."""
+        block = _With(self, task, None)
         try:
             _enter(block)
             drain_signals()
@@ -237,7 +226,7 @@ class _Blocks:
                 return
             block = self._latest(_current_task())
             block.stop()
-            block.exited = True
+            block.exited = True  # last, and no call after it, as in __exit__
         except BaseException:
             if self._enabled:
                 self._leave(_current_task())
@@ -263,16 +252,7 @@ class _Blocks:
             ...     torch.equal(torch.rand(2), a)
             True
         """
-        if not self._enabled:
-            return self
-        block = _With(self, _STARTED, None)
-        try:
-            _enter(block)
-            drain_signals()
-            return self
-        except BaseException:
-            _undo_entry(block)
-            raise
+        return self._open(_STARTED) if self._enabled else self
 
     def stop(self) -> None:
         """Leave the latest block :meth:`start` entered on this object in this
@@ -287,7 +267,7 @@ class _Blocks:
                 return
             block = self._latest(_STARTED)
             block.stop()
-            block.exited = True
+            block.exited = True  # last, and no call after it, as in __exit__
         except BaseException:
             if self._enabled and self._find(_STARTED) is not None:
                 self._leave(_STARTED)

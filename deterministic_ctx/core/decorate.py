@@ -19,6 +19,7 @@ import unittest
 from collections.abc import Callable, Generator
 from typing import Any, NoReturn, TypeVar, cast, overload
 
+from ..base.completion import guarded
 from ..base.settings import CompiledRng, Rank, Settings, check_bool
 from .engine import Block, opaque
 
@@ -41,21 +42,49 @@ _IN_COMPILED_CODE = (
 )
 
 
-def _send(it: Any, value: Any, to_throw: BaseException | None) -> tuple[Any, bool, Any]:
-    """One step of ``it``: ``(value, finished, exception)``, never raising.
+def _call(func: Callable[..., Any], /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """``(result, None)`` or ``(None, exception)``, never raising: the body's
+    exception is raised only once its block is left.
 
     A function of its own, not an inner ``try``: CPython gives no exception
     handler to the line of a ``try:`` statement, so an interrupt there would
     skip the caller's handler; here it propagates to the caller's ``try``.
     """
     try:
-        if to_throw is not None:
-            return it.throw(to_throw), False, None
-        return it.send(value), False, None
-    except StopIteration as stop:
-        return stop.value, True, None
+        return func(*args, **kwargs), None
     except BaseException as exc:
-        return None, True, exc
+        return None, exc
+
+
+def _step(
+    it: Any, block: Block, end: Callable[[], None], value: Any, to_throw: BaseException | None
+) -> tuple[Any, bool, Any]:
+    """One step of ``it`` in ``block``: ``(value, finished, exception)``; the
+    block is left after it (``end`` when ``it`` is finished, else suspended)."""
+    block.start()
+    if to_throw is None:
+        value, error = _call(it.send, value)
+    else:
+        value, error = _call(it.throw, to_throw)
+    done = error is not None
+    if isinstance(error, StopIteration):
+        value, error = error.value, None
+    if done:
+        end()
+    else:
+        block.suspend()
+    return value, done, error
+
+
+def _close(it: Any, block: Block, end: Callable[[], None]) -> None:
+    """Close ``it`` in its own world: its cleanup neither runs later, outside
+    every block, nor is lost.  ``end`` leaves the block then."""
+    if block.suspended:
+        block.start()
+    close = getattr(it, "close", None)  # an ``__await__`` iterator may have none
+    if close is not None:
+        close()
+    end()
 
 
 @types.coroutine
@@ -84,26 +113,18 @@ def _drive(it: Any, block: Block, end: Callable[[], None]) -> Generator[Any, Any
 
     ``end`` leaves the block when ``it`` is done: ``stop`` (generators,
     coroutines), or ``suspend`` when more steps of the same world follow
-    (async generators).  Each step enters and leaves the block inside one ``try`` whose handler
-    leaves it again (``stop``/``suspend`` are idempotent), so an interrupt
-    at any point of the step still leaves the caller's state restored.
+    (async generators).  Each step (:func:`_step`) is guarded by
+    ``suspend`` (:func:`~deterministic_ctx.base.completion.guarded`;
+    ``stop``/``suspend`` are idempotent), so an interrupt at any point of the
+    step still leaves the caller's state restored.
     """
     send_value: Any = None
     to_throw: BaseException | None = None
     while True:
-        try:
-            block.start()
-            value, done, error = _send(it, send_value, to_throw)
-            to_throw = None
-            if done:
-                end()
-            else:
-                block.suspend()
-        except BaseException:
-            # Interrupted: keep the body's world (``_steps`` closes the body in
-            # it); a no-op if the block already left.
-            block.suspend()
-            raise
+        # Interrupted: keep the body's world (``_steps`` closes the body in
+        # it); suspending is a no-op if the block already left.
+        value, done, error = guarded(block.suspend, _step, it, block, end, send_value, to_throw)
+        to_throw = None
         if error is not None:
             _reraise(error)
         if done:
@@ -111,14 +132,9 @@ def _drive(it: Any, block: Block, end: Callable[[], None]) -> Generator[Any, Any
         try:
             send_value = yield value
         except GeneratorExit:
-            # close() or garbage collection: run the body's cleanup in its own world.
-            try:
-                block.start()
-                it.close()
-                end()
-            except BaseException:
-                block.suspend()  # as above: ``_steps`` finishes the closing
-                raise
+            # close() or garbage collection: run the body's cleanup in its own
+            # world; interrupted, as above (``_steps`` finishes the closing).
+            guarded(block.suspend, _close, it, block, end)
             raise
         except BaseException as exc:
             to_throw, send_value = exc, None
@@ -126,18 +142,9 @@ def _drive(it: Any, block: Block, end: Callable[[], None]) -> Generator[Any, Any
 
 def _abandon(it: Any, block: Block, end: Callable[[], None]) -> None:
     """An interrupt stopped the driver of ``it`` (the exit it stopped has
-    completed itself): close ``it`` in its own world, so its cleanup neither
-    runs later, outside every block, nor is lost."""
-    try:
-        if block.suspended:
-            block.start()
-        close = getattr(it, "close", None)  # an ``__await__`` iterator may have none
-        if close is not None:
-            close()
-        end()
-    except BaseException:
-        end()
-        raise
+    completed itself): close ``it`` in its own world, and leave it whatever
+    the closing does."""
+    guarded(end, _close, it, block, end)
 
 
 def _reraise(error: BaseException) -> NoReturn:
@@ -150,29 +157,18 @@ def _reraise(error: BaseException) -> NoReturn:
         del error, tb  # no reference cycle through this frame
 
 
-def _call(func: Callable[..., Any], args: Any, kwargs: Any) -> tuple[Any, BaseException | None]:
-    """``(result, None)`` or ``(None, exception)``: see :func:`_send` for why a function."""
-    try:
-        return func(*args, **kwargs), None
-    except BaseException as exc:
-        return None, exc
+def _run(block: Block, func: Callable[..., Any], args: Any, kwargs: Any) -> tuple[Any, Any]:
+    block.start()
+    return _call(func, *args, **kwargs)
 
 
 def _wrap_function(func: Callable[..., Any], settings: Settings | None) -> Callable[..., Any]:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         block = Block(settings)
-        # The block is left inside the ``try``, on both outcomes of the body,
-        # so an interrupt at any line from here on is caught and the exit
-        # completed (``stop`` is idempotent); the body's own exception is
-        # raised only once the block is left.
-        try:
-            block.start()
-            result, error = _call(func, args, kwargs)
-            block.stop()
-        except BaseException:
-            block.stop()
-            raise
+        # Left on both outcomes of the body, and completed whatever line an
+        # interrupt lands on; the body's own exception is raised once it is left.
+        result, error = guarded(block.stop, _run, block, func, args, kwargs, after=True)
         if error is not None:
             _reraise(error)
         return result
@@ -255,6 +251,11 @@ def _closest(klass: type, name: str) -> type | None:
     return next((base for base in klass.__mro__ if hasattr(_own(base, name), _WRAPPED)), None)
 
 
+def _start_until_cleanup(block: Block, test: unittest.TestCase) -> None:
+    block.start()
+    test.addCleanup(block.stop)
+
+
 def _decorate_testcase(
     cls: type[unittest.TestCase], settings: Settings | None
 ) -> type[unittest.TestCase]:
@@ -270,14 +271,9 @@ def _decorate_testcase(
             setup(self)
             return
         block = Block(settings)
-        try:
-            block.start()
-            # The first cleanup registered runs last: after tearDown and every
-            # other cleanup, and also when setUp itself fails.
-            self.addCleanup(block.stop)
-        except BaseException:
-            block.stop()
-            raise
+        # The first cleanup registered runs last: after tearDown and every
+        # other cleanup, and also when setUp itself fails.
+        guarded(block.stop, _start_until_cleanup, block, self)
         setup(self)
 
     def setUpClass(klass: type[unittest.TestCase]) -> None:

@@ -12,11 +12,13 @@ of them:
 * ``stop()``: restore the caller's state (or hand it on), drop the lock;
 * ``commit()``: keep the block's state as the process's own, drop the lock.
 
-Which blocks are open, where, is kept in one place, the process lock
-(:mod:`deterministic_ctx.base.lock`): ``_active`` here *is* ``LOCK.blocks``,
-the lock holder's open blocks in entry order; a suspended block carries the
-blocks opened in its step; each thread's record holds its ``with`` blocks.
-A thread holds the lock once while it has any block open.
+Which blocks are open, where, is the scope stack's record
+(:mod:`deterministic_ctx.base.scopes`), and it makes every change to it: the
+lock holder's open blocks in entry order (``_active`` here is that list, for
+reading), the blocks a suspended block carries, each thread's ``with``
+blocks.  A thread holds the lock once while it has any block open.  Each
+exit and roll-back is run by the completion step
+(:func:`~deterministic_ctx.base.completion.complete`).
 
 The RNGs and flags are the sources' work: this module reaches torch only
 through :mod:`deterministic_ctx._torch.compiler` (where blocks meet
@@ -30,25 +32,23 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable
-from contextlib import suppress
 
 from .. import sources as _sources
 from .._errors import MisuseError, StateWarning
 from .._torch.compiler import opaque, pause_compiler, refuse_while_tracing, resume_compiler
+from ..base.completion import complete, guarded
 from ..base.errors import AbandonedBlockWarning, RestoreError
 from ..base.lock import LOCK
+from ..base.scopes import SCOPES
 from ..base.seed import validate_seed
 from ..base.settings import Settings
 from .world import World
-from .world import headroom as _headroom
 
 # ``opaque``, ``pause_compiler`` and ``resume_compiler`` are the boundary
 # between blocks and torch.compile (_torch/compiler.py); the context and
 # decorate layers take them from here, the engine they are built on.
 __all__ = [
     "Block",
-    "complete_step",
     "drain_signals",
     "inside_block",
     "opaque",
@@ -80,7 +80,8 @@ class Block:
     say — interrupts it at any line: entry registers the block in ``_active``
     before it applies anything, and each exit step reads where the block is
     (``_active``, its carrier) before it acts, so running it again completes
-    it; the lock is given back by
+    it (the completion step, :func:`~deterministic_ctx.base.completion.complete`,
+    runs it once more); the lock is given back by
     :meth:`~deterministic_ctx.base.lock.ProcessLock.release`, which gives it
     back once the thread has no block open, however often it is called.
     """
@@ -114,50 +115,35 @@ class Block:
         :func:`~deterministic_ctx._torch.compiler.refuse_while_tracing`).
         """
         refuse_while_tracing()
-        try:
-            LOCK.acquire()
-            # Listed first: the thread keeps the lock while it has a block
-            # listed, even if a finalizer runs a whole block during the capture.
-            _active.append(self)
-            outer = World.capture(self._sources)
-            if self._outer is None:  # else handed on by a block below that left meanwhile
-                self._outer = outer
-            if self._started:
-                assert self._inner is not None
-                self._inner.restore()
-                if self._carried:  # the blocks opened in its last step are open again
-                    _active.extend(self._carried)
-                    self._carried = None
-                self._inner = None  # last: until here a retry can still restore it
-            else:
-                if self._settings is not None:  # None: isolation only, nothing applied
-                    _sources.apply_all(self._settings, outer.sources)
-                self._started = True
-        except BaseException:
-            with _headroom():
-                self._rollback()
-            raise
+        guarded(self._rollback, self._start)
+
+    def _start(self) -> None:
+        LOCK.acquire()
+        # Listed first: the thread keeps the lock while it has a block
+        # listed, even if a finalizer runs a whole block during the capture.
+        SCOPES.open(self)
+        outer = World.capture(self._sources)
+        if self._outer is None:  # else handed on by a block below that left meanwhile
+            self._outer = outer
+        if self._started:
+            assert self._inner is not None
+            self._inner.restore()
+            SCOPES.put_back(self)
+            self._inner = None  # last: until here a retry can still restore it
+        else:
+            if self._settings is not None:  # None: isolation only, nothing applied
+                _sources.apply_all(self._settings, outer.sources)
+            self._started = True
 
     def _rollback(self) -> None:
-        i = _position(self)
-        outer, self._outer = self._outer, None
-        try:
-            if i is not None:  # else not listed yet: nothing was applied
-                self._carry(i)  # carried blocks that were being put back go back again
-                del _active[i]
-                if outer is not None:
-                    outer.restore()
-        finally:
-            LOCK.release()
-
-    def _carry(self, i: int) -> None:
-        """Take the blocks above this one (at ``_active[i]``) off ``_active``:
-        opened in its step, they stay in its world until it resumes."""
-        if i + 1 < len(_active):
-            self._carried = carried = _active[i + 1 :]
-            for block in carried:
-                block._carrier = self
-            del _active[i + 1 :]
+        """Undo an entry that did not complete: leave the block as
+        :meth:`stop` would, its carried blocks (put back, or being put back,
+        by a resume) going back to it first.  Not listed yet: nothing was
+        applied, and the lock is given back."""
+        i = SCOPES.position(self)
+        if i is not None:
+            SCOPES.carry(self, i)
+        self._finish()
 
     def reseed(self, seed: int) -> None:
         """Seed the block's RNGs afresh, as a block of its settings started with
@@ -186,24 +172,24 @@ class Block:
     @property
     def suspended(self) -> bool:
         """Left at a suspension point, with its own state saved to resume from."""
-        return self._inner is not None and _position(self) is None
+        return self._inner is not None and SCOPES.position(self) is None
 
     def suspend(self) -> None:
         """Save the block's state, restore the caller's and drop the lock.
 
         Completed even if interrupted; the interrupt propagates afterwards.
         """
-        complete_step(self._suspend)
+        complete(self._suspend)
 
     def _suspend(self) -> None:
-        i = _position(self)
+        i = SCOPES.position(self)
         if i is not None:
             if self._inner is None:  # not captured yet in this suspension
                 self._inner = World.capture(self._sources)
-            self._carry(i)
+            SCOPES.carry(self, i)
             assert self._outer is not None
             self._outer.restore()
-            del _active[i]
+            SCOPES.remove(self, _active, i)
             self._outer = None
         LOCK.release()
 
@@ -213,29 +199,22 @@ class Block:
         Idempotent, and completed even if interrupted; the interrupt (or a
         :class:`RestoreError`) propagates afterwards.
         """
-        complete_step(self._finish)
+        complete(self._finish)
 
     def _finish(self) -> None:
         error: RestoreError | None = None
-        blocks, carrier = _active, self._carrier
-        i = _position(self)
-        if i is None and carrier is not None and carrier._carried:  # left while carried
-            blocks = carrier._carried
-            i = _position(self, blocks)
-        if i is not None:
-            if i + 1 < len(blocks):  # a later block is open: its world is the live one
-                blocks[i + 1]._outer = self._outer
-            elif blocks is not _active:  # the carrier's world as it was before this block
-                assert carrier is not None
-                carrier._inner = self._outer
-            else:
-                assert self._outer is not None
+        place = SCOPES.leaving(self)  # in ``_active``, or carried by a suspended block
+        if place is not None:
+            blocks, i, live = place
+            # Else handed on to the live world; ``_outer`` is None for an entry
+            # rolled back before its capture.
+            if live and self._outer is not None:
                 try:
                     self._outer.restore()
                 except RestoreError as exc:  # every other source was restored: leave anyway
                     error = exc
-            del blocks[i]
-        self._outer = self._carrier = None
+            SCOPES.remove(self, blocks, i)
+        self._outer = None
         LOCK.release()
         if error is not None:
             raise error
@@ -243,29 +222,21 @@ class Block:
     def commit(self) -> None:
         """Keep the block's state as the process's own: the caller's state
         is dropped, not restored (``seed_everything``)."""
-        i = _position(self)
+        i = SCOPES.position(self)
         if i is not None:
-            del _active[i]
+            SCOPES.remove(self, _active, i)
             self._outer = None
         LOCK.release()
 
 
 #: The open blocks of the thread that holds the lock, in entry order: the
-#: lock's own record (module docstring), the same list object for ever.
-_active: list[Block] = LOCK.blocks
+#: scope stack's list (module docstring), read here, changed only by it.
+_active: list[Block] = SCOPES.active
 
 
 def inside_block() -> bool:
     """Whether the calling thread is inside a block (or a decorated call) now."""
     return LOCK.mine()
-
-
-def _position(block: Block, blocks: list[Block] = _active) -> int | None:
-    # From the top: the block that leaves or suspends is nearly always the last one.
-    for i in range(len(blocks) - 1, -1, -1):
-        if blocks[i] is block:
-            return i
-    return None
 
 
 def _after_dead_owner(thread: threading.Thread) -> None:
@@ -279,7 +250,7 @@ def _after_dead_owner(thread: threading.Thread) -> None:
     generator it was stepping) are not open and are not touched.
     """
     left = list(_active)
-    target = _drop_open_blocks()
+    target = SCOPES.drop()
     what = f"an open {_describe(left[0])} block" if left else "the lock, in no block"
     if len(left) > 1:
         what += f" and {len(left) - 1} more nested in it"
@@ -297,41 +268,12 @@ def _after_dead_owner(thread: threading.Thread) -> None:
     )
 
 
-def _drop_open_blocks() -> World | None:
-    """Forget the open blocks of a thread that no longer exists (it ended, or
-    a fork left it behind); the state from before the first of them, which
-    ``_active[0]._outer`` holds from before the first change is applied until
-    after the last one is undone (``None``: no block was open)."""
-    target = _active[0]._outer if _active else None
-    for block in _active:
-        block._outer = None
-    del _active[:]
-    return target
-
-
 def _describe(block: Block) -> str:
     settings = block._settings
     return "isolated()" if settings is None else f"deterministic(seed={settings.seed})"
 
 
 LOCK.on_dead_owner = _after_dead_owner
-
-
-def complete_step(step: Callable[[], None]) -> None:
-    """Run the exit ``step``; if an interrupt stops it, run it once more, with
-    room on the stack, to complete it, then re-raise the interrupt.
-
-    A step reads where its block is before it acts, so the second run does
-    exactly what the first left undone.  An ordinary exception from ``step``
-    (``RestoreError``) comes once the step has done its bookkeeping: the
-    second run then finds nothing to do.
-    """
-    try:
-        step()
-    except BaseException:
-        with _headroom(), suppress(Exception):  # the first exception says what went wrong
-            step()
-        raise
 
 
 #: A call of a C function: CPython runs pending signal handlers after it, so
@@ -360,7 +302,7 @@ def _after_fork_in_child() -> None:
         # entering, or leaving) one, that thread does not exist here: the
         # child continues from the state outside its blocks, which is the
         # forking thread's view.
-        target = _drop_open_blocks()
+        target = SCOPES.drop()
         LOCK.reset_after_fork()
     if target is not None:
         try:

@@ -9,8 +9,8 @@ each named op, reached only while an exemption is open in the thread) is in
 :mod:`deterministic_ctx._torch.internals`; the flag is read and written by
 :mod:`deterministic_ctx.sources.flags`.
 
-**Interrupts.**  Putting the flag back is the engine's completion step
-(:func:`~deterministic_ctx.core.engine.complete_step`): a ``KeyboardInterrupt``
+**Interrupts.**  Putting the flag back is run by the completion step
+(:func:`~deterministic_ctx.base.completion.complete`): a ``KeyboardInterrupt``
 raised by a signal handler anywhere in an exempted call, or in the exit of
 an exemption, is re-raised only once the flag (and the thread's dispatch
 state) are back.
@@ -39,8 +39,9 @@ from typing import Any, TypeVar
 from .._errors import MisuseError
 from .._torch import internals as _dispatch
 from .._torch.compiler import tracing_here
+from ..base.completion import complete, guarded
 from ..sources.flags import read_alerts, write_alerts
-from .engine import complete_step, drain_signals
+from .engine import drain_signals
 
 __all__ = ["active_exemptions", "allow_nondeterministic", "exempted_calls", "is_exempted"]
 
@@ -92,17 +93,16 @@ def _kernel(op: Any, keyset: Any, *args: Any, **kwargs: Any) -> Any:
     label = _labels[op]
     _ran[label] = _ran.get(label, 0) + 1
     token = object()
-    # Not a ``finally``: an interrupt landing between the call's return and the
-    # ``finally``'s first line would skip it (the interrupt test finds that line);
-    # written out, every line is under the handler.
-    try:
-        _pause(token)
-        result = _dispatch.redispatch_exempted(op, keyset, args, kwargs)
-        complete_step(functools.partial(_resume, token))
-        return result
-    except BaseException:
-        complete_step(functools.partial(_resume, token))
-        raise
+    # The window is closed on both outcomes, whatever line an interrupt lands
+    # on (not in a ``finally``: see ``guarded``).
+    return guarded(
+        functools.partial(_resume, token), _paused_call, token, op, keyset, args, kwargs, after=True
+    )
+
+
+def _paused_call(token: object, op: Any, keyset: Any, args: Any, kwargs: Any) -> Any:
+    _pause(token)
+    return _dispatch.redispatch_exempted(op, keyset, args, kwargs)
 
 
 def _acquire() -> None:
@@ -206,20 +206,21 @@ class allow_nondeterministic:
                 _dispatch.install_exemption(op, functools.partial(_kernel, op))
                 _labels[op] = _dispatch.op_label(op)
         token = object()
-        try:
-            # Recorded before anything changes: _leave undoes what was done of it.
-            me = threading.get_ident()
-            before = _dispatch.exemption_included()
-            self._open.append((token, me, before))
-            _bases.setdefault(me, before)  # the thread's first open exemption sets it
-            _entries[token] = (self._ops, me)
-            _dispatch.include_exemption(True)
-            # Pending signals run here, where they are still undone (as a block's entry).
-            drain_signals()
-            return self
-        except BaseException:
-            complete_step(functools.partial(self._leave, token))
-            raise
+        # Undone by ``_leave`` if anything stops it; entered and returned in one
+        # line here, so no line of this frame runs after the entry.
+        return guarded(functools.partial(self._leave, token), self._enter, token)
+
+    def _enter(self, token: object) -> allow_nondeterministic:
+        # Recorded before anything changes: _leave undoes what was done of it.
+        me = threading.get_ident()
+        before = _dispatch.exemption_included()
+        self._open.append((token, me, before))
+        _bases.setdefault(me, before)  # the thread's first open exemption sets it
+        _entries[token] = (self._ops, me)
+        _dispatch.include_exemption(True)
+        # Pending signals run here, where they are still undone (as a block's entry).
+        drain_signals()
+        return self
 
     def __exit__(
         self,
@@ -229,13 +230,11 @@ class allow_nondeterministic:
     ) -> None:
         try:  # the first line: every later one is under the handler
             token = self._latest()
-            complete_step(functools.partial(self._leave, token))
+            complete(self._leave, token)
         except BaseException:
             # Interrupted before ``token`` was found: nothing was left yet.
             found = locals().get("token", _NOT_FOUND)
-            complete_step(
-                functools.partial(self._leave, self._latest() if found is _NOT_FOUND else found)
-            )
+            complete(self._leave, self._latest() if found is _NOT_FOUND else found)
             raise
 
     def _latest(self) -> object:

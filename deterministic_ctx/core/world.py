@@ -7,15 +7,17 @@ nothing of seeds, blocks or files.
 
 from __future__ import annotations
 
-import sys
+import warnings
 from operator import methodcaller
 from typing import Any
 
 from .. import sources as _sources
+from .._errors import StateWarning
+from ..base.completion import retry
 from ..base.errors import RestoreError
 from ..sources import Source
 
-__all__ = ["World", "headroom"]
+__all__ = ["World"]
 
 #: ``_capture(source)`` is ``source.capture()``, called from C: no frame per source.
 _capture = methodcaller("capture")
@@ -57,70 +59,56 @@ class World:
     def restore(self) -> None:
         """Put every captured source back; raise :class:`RestoreError` on failure.
 
-        Sources are restored in reverse capture order.  A ``KeyboardInterrupt``
-        (or any exception a signal handler raises) while restoring does not
-        leave a source half-restored or stop the others: the interrupted
-        source is restored again, then the rest, and the interrupt is
-        re-raised afterwards.  A source that fails twice in a row has failed;
-        every other source is still restored, then :class:`RestoreError`
-        names the ones that failed.  A ``RecursionError`` that the retry, with
-        a few frames more, does not meet again was a lack of stack, not an
-        interruption: the source is restored and nothing is raised for it.
+        Sources are restored in reverse capture order, as the completion step
+        (:func:`~deterministic_ctx.base.completion.complete_each`) runs steps:
+        one whose restore raises is restored once more (restores are idempotent),
+        with a few frames more on the stack, and the others are restored
+        whatever it does.  Then, for a source whose first restore raised:
+
+        * the retry raised an ordinary exception too: it has failed, and
+          :class:`RestoreError` names it (and every other that failed);
+        * the retry, or the first restore, raised what is no ordinary
+          ``Exception`` (``KeyboardInterrupt``, ``SystemExit``): that is
+          raised once everything is back;
+        * the retry succeeded after an ordinary exception: the source is back
+          and nothing is raised for it; one :class:`StateWarning` names the
+          source and the exception (a signal handler raising ``TimeoutError``
+          during the restore is reported so), except for a ``RecursionError``,
+          which was a lack of stack that the retry's headroom cured.
         """
-        failures: dict[str, BaseException] | None = None
-        interrupt: BaseException | None = None
+        failures: list[tuple[Source, BaseException, BaseException | None]] | None = None
+        # The loop of the completion step (``complete_each``), written out:
+        # each source's ``restore`` is called directly, without a bound method
+        # made per source (a block's exit restores every source).
         for source, state in zip(reversed(self.sources), reversed(self.states), strict=True):
             try:
                 source.restore(state)
-            except BaseException as exc:
-                # A failure, or an exception a signal handler raised half-way
-                # (``KeyboardInterrupt``, a timeout): restores are idempotent,
-                # so try once more.  If that works, the first one was an
-                # interruption, re-raised once everything is back.
-                # The first may have failed at the recursion limit (a block left
-                # by deep recursion): the retry gets a few frames more.  Inline,
-                # not ``headroom``: its ``__exit__`` is one frame deeper, where
-                # lowering the limit again can itself fail.
-                limit = sys.getrecursionlimit()
-                sys.setrecursionlimit(limit + 100)
-                try:
-                    source.restore(state)
-                except Exception as again:
-                    failures = failures or {}
-                    failures[source.name] = again
-                except BaseException as again:  # interrupted again: go on with the others
-                    interrupt = interrupt or again
-                else:
-                    # Any other exception may have come from a signal handler
-                    # (a SIGALRM timeout raises an ordinary one): it propagates.
-                    # A RecursionError the headroom cured was the stack's: the
-                    # source is back, and a fully restored block must not raise.
-                    if not isinstance(exc, RecursionError):
-                        interrupt = interrupt or exc
-                finally:
-                    sys.setrecursionlimit(limit)
-        if interrupt is not None:
-            raise interrupt
+            except BaseException as first:
+                failures = failures or []
+                failures.append((source, first, retry(source.restore, state)))
         if failures:
-            raise RestoreError(failures)
+            _report(failures)
 
 
-class headroom:
-    """Room on the stack to finish an exit or a roll-back.
-
-    A decorated function that recursed to the limit fails to enter its block
-    with ``RecursionError``, and the blocks it leaves on the way back up are
-    left near the limit; putting the caller's state back needs a few frames
-    more.  The limit is raised by a little for as long as that takes (only on
-    failure paths: the engine's retries and roll-backs; a source's second
-    restore in :meth:`World.restore` does the same inline).
-    """
-
-    __slots__ = ("_limit",)
-
-    def __enter__(self) -> None:
-        self._limit = sys.getrecursionlimit()
-        sys.setrecursionlimit(self._limit + 100)
-
-    def __exit__(self, *exc: object) -> None:
-        sys.setrecursionlimit(self._limit)
+def _report(failures: list[tuple[Source, BaseException, BaseException | None]]) -> None:
+    """Raise or warn for the sources whose restore raised (:meth:`World.restore`)."""
+    interrupt: BaseException | None = None
+    failed: dict[str, BaseException] = {}
+    for source, first, again in failures:
+        if again is None:
+            if not isinstance(first, Exception):
+                interrupt = interrupt or first
+            elif not isinstance(first, RecursionError):
+                warnings.warn(
+                    f"restoring {source.name} failed once ({first!r}) and succeeded when retried",
+                    StateWarning,
+                    stacklevel=3,
+                )
+        elif isinstance(again, Exception):
+            failed[source.name] = again
+        else:  # interrupted again
+            interrupt = interrupt or again
+    if interrupt is not None:
+        raise interrupt
+    if failed:
+        raise RestoreError(failed)

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import os
 import threading
-from itertools import starmap
+from itertools import repeat, starmap
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,11 +62,21 @@ from .._torch.flags import (
     set_float32_matmul_precision,
 )
 from ..base import plain as _plain
+from ..base.completion import complete_each
 
 if TYPE_CHECKING:  # flags.py imports this module
     from .flags import FlagState
 
-__all__ = ["PRECISION_OPS"]
+__all__ = [
+    "ONEDNN",
+    "OPTIONAL_PRECISION",
+    "PRECISION_OPS",
+    "export_precision",
+    "import_precision",
+    "onednn_allow_tf32",
+    "read",
+    "restore_precision",
+]
 
 _get_precision: Any
 _set_precision: Any
@@ -236,18 +246,13 @@ def _put_back(put: Any, undo: list[tuple[str, str, str]]) -> None:
     a signal handler raises after one of the writes (each C call is a point
     where it can): that write is made again, the rest follow, then the first
     exception.  A write that fails again is left: the rest still follow."""
-    pending: BaseException | None = None
-    for entry in reversed(undo):
-        try:
-            put(*entry)
-        except BaseException as exc:
-            pending = pending or exc
-            try:
-                put(*entry)
-            except BaseException as again:  # the rest must still be written back
-                pending = pending or again
-    if pending is not None:
-        raise pending
+
+    def write(entry: tuple[str, str, str]) -> None:
+        put(*entry)
+
+    failures = complete_each(zip(repeat(write), reversed(undo)))
+    if failures:
+        raise failures[0][1]
 
 
 def _read_with(entries: tuple[int, ...], value: str, eff: tuple[str, ...], get: Any) -> Any:

@@ -27,7 +27,7 @@ from deterministic_ctx import (
     reproducible,
     seed_everything,
 )
-from deterministic_ctx.base.lock import LOCK
+from deterministic_ctx.base.scopes import SCOPES
 from deterministic_ctx.sources.compiler import (
     ENTRIES,
     compiled_settings,
@@ -728,6 +728,6 @@ def test_an_interrupt_as_the_entry_returns_leaves_the_block(kind, monkeypatch):
         else:
             asyncio.run(enter_async())
     assert not engine._active
-    assert not [w for w in LOCK.threads.withs if w.of is block and not w.exited]
+    assert not [w for w in SCOPES.withs() if w.of is block and not w.exited]
     after = Snapshot.capture().state_dict()["sources"]["torch.cpu"]["state"]
     assert torch.equal(after, before)

@@ -36,6 +36,7 @@ from deterministic_ctx.sources.accelerators import (
     refuse_inside_graph_capture,
 )
 from tests._oracle import World
+from tests.core.test_interrupts import _lock_free
 from tests.helpers import run_python
 from tests.state.checkpoint_helpers import PhiloxGenerator
 
@@ -150,7 +151,7 @@ def device(monkeypatch: pytest.MonkeyPatch) -> _GraphDevice:
 
 
 def _lock_released() -> bool:
-    return LOCK.depth == 0 and LOCK.owner is None and not _engine._active
+    return LOCK.depth == 0 and _lock_free() and not _engine._active
 
 
 @pytest.fixture

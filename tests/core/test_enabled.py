@@ -13,6 +13,7 @@ import torch
 
 from deterministic_ctx import deterministic, isolated, reproducible
 from deterministic_ctx.base.lock import LOCK
+from deterministic_ctx.base.scopes import SCOPES
 from tests.helpers import draw
 
 
@@ -28,9 +29,9 @@ def test_a_disabled_block_neither_seeds_nor_isolates_nor_takes_the_lock():
         expected = [draw(), draw()]
         _seed(5)
         first = draw()
-        open_blocks = len(LOCK.blocks)
+        open_blocks = len(SCOPES.active)
         with deterministic(seed=0, enabled=False):
-            assert len(LOCK.blocks) == open_blocks
+            assert len(SCOPES.active) == open_blocks
             inside = draw()
             torch.use_deterministic_algorithms(True)  # kept: nothing is restored
         assert [first, inside] == expected

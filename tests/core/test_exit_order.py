@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from deterministic_ctx import Snapshot, deterministic, reproducible
 from deterministic_ctx.base.lock import LOCK
+from deterministic_ctx.base.scopes import SCOPES
 from tests._oracle import World
 from tests.helpers import draw, solo
 
@@ -58,7 +59,7 @@ def test_one_shared_object_entered_by_two_tasks():
         await asyncio.gather(task(0.01), task(0.05))
 
     asyncio.run(main())
-    assert not [w for w in LOCK.threads.withs if w.of is det and not w.exited]
+    assert not [w for w in SCOPES.withs() if w.of is det and not w.exited]
 
 
 def test_task_leaving_first_does_not_change_the_other_tasks_world():

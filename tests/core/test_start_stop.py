@@ -11,6 +11,7 @@ import pytest
 
 from deterministic_ctx import AbandonedBlockWarning, MisuseError, deterministic, isolated
 from deterministic_ctx.base.lock import LOCK
+from deterministic_ctx.base.scopes import SCOPES
 from tests._oracle import World
 from tests.core.test_interrupts import EXCEPTIONS, _clean, _leave_open_blocks, _Tracer
 from tests.helpers import draw, solo
@@ -20,7 +21,7 @@ from tests.helpers import draw, solo
 def _no_block_left_open() -> Iterator[None]:
     # A failing test must not leave its started block holding the lock for the next ones.
     yield
-    if LOCK.blocks:
+    if SCOPES.active:
         _leave_open_blocks()
         pytest.fail("a block was left open")
 

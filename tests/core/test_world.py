@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from deterministic_ctx import RestoreError, deterministic
+from deterministic_ctx import RestoreError, StateWarning, deterministic
 from deterministic_ctx import sources as sources_module
 from deterministic_ctx.core.world import World
 from tests._oracle import World as Oracle
@@ -36,12 +36,45 @@ def test_a_recursion_error_the_retry_does_not_meet_again_is_not_raised():
     assert (flaky.restored, other.restored) == (1, 1)
 
 
-@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, TimeoutError])
+@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit])
 def test_what_a_signal_handler_may_raise_propagates_once_everything_is_back(exc_type):
     flaky, other = _Once("flaky", exc_type("handler")), _Once("other", None)
     with pytest.raises(exc_type, match="handler"):
         World((other, flaky), (None, None)).restore()
     assert (flaky.restored, other.restored) == (1, 1)
+
+
+@pytest.mark.parametrize("exc_type", [TimeoutError, ValueError])
+def test_an_ordinary_exception_the_retry_cures_is_a_warning_not_an_error(exc_type):
+    # Issue 42, defect 2: the source is back, so nothing is raised for it (it used
+    # to be re-raised as if it were an interrupt); one StateWarning says what happened.
+    flaky, other = _Once("flaky", exc_type("handler")), _Once("other", None)
+    with pytest.warns(StateWarning) as caught:
+        World((other, flaky), (None, None)).restore()
+    assert (flaky.restored, other.restored) == (1, 1)
+    [warning] = caught.list
+    assert str(warning.message) == (
+        f"restoring flaky failed once ({exc_type('handler')!r}) and succeeded when retried"
+    )
+
+
+def test_a_block_whose_restore_fails_once_leaves_without_raising(monkeypatch):
+    source = next(s for s in sources_module.SOURCES if s.name == "numpy")
+    restore = source.restore
+    failures = [TimeoutError("alarm")]
+
+    def once(state: Any) -> None:
+        if failures:
+            raise failures.pop()
+        restore(state)
+
+    before = Oracle.now()
+    monkeypatch.setattr(source, "restore", once)
+    warns = pytest.warns(StateWarning, match=r"restoring numpy failed once \(TimeoutError")
+    with warns, deterministic(seed=4):
+        random.random()
+    assert failures == []
+    assert Oracle.now() == before
 
 
 def test_a_source_failing_twice_is_named_in_restore_error():

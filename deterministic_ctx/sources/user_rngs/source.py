@@ -9,9 +9,11 @@ each kind's codec (:mod:`..rngs.kinds`).
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any
 
 from ...base import plain as _plain
+from ...base.completion import complete_each
 from ...base.fast_paths import FastPath
 from ...base.settings import Settings
 from ..rngs.entries import Entry, Record
@@ -56,17 +58,14 @@ class UserRngSource:
 
     def restore(self, state: tuple[Record, ...]) -> None:
         """Put every RNG of ``state`` back.  One that fails does not stop the
-        others; the first failure is raised once all were tried."""
+        others (the completion step retries it once and goes on); the first
+        failure is raised once all were tried, and the world's restore, which
+        retries this source whole, decides what it was."""
         # The object is kept alive by the snapshot only while the snapshot lives;
         # an RNG collected meanwhile has no state left to restore.
-        error: BaseException | None = None
-        for entry, obj, saved in state:
-            try:
-                entry.put(obj, saved)
-            except BaseException as exc:  # an interrupt too: the rest are restored first
-                error = error or exc
-        if error is not None:
-            raise error
+        failures = complete_each(zip(repeat(_put), state))
+        if failures:
+            raise failures[0][1]
 
     def export_state(self, state: tuple[Record, ...]) -> list[dict[str, Any]]:
         """The state as plain data: ``[{"key", "kind", "state"}, ...]``.
@@ -144,3 +143,9 @@ class UserRngSource:
             state = entry.kind.from_plain(obj, d["state"], f"{where}.state")
             out.append((entry, obj, state))
         return tuple(out)
+
+
+def _put(record: Record) -> None:
+    """Put one record back: ``(entry or batch, its object(s), their state)``."""
+    entry, obj, saved = record
+    entry.put(obj, saved)
