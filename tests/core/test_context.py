@@ -164,6 +164,8 @@ def test_seed_is_required():
 
 class _BrokenApply:
     name = "broken"
+    applies_nothing = False  # the Source protocol: its apply does something (it raises)
+    fast_paths = ()
 
     def capture(self):
         return None
