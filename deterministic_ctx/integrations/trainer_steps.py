@@ -27,11 +27,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.utils.data
-
 from .._errors import MisuseError
 from ..internal import Block, Settings, derive_seed
-from ..parallel.keyed import SeededDataset
+from ..parallel.keyed import ItemKeys
 
 __all__ = ["StepKeys", "TrainingBlock"]
 
@@ -39,18 +37,12 @@ __all__ = ["StepKeys", "TrainingBlock"]
 CHUNK = 64
 
 
-class _NoItems(torch.utils.data.Dataset[Any]):
-    """The dataset of the steps' key stream: only its keys are used."""
-
-    def __getitem__(self, index: int) -> Any:
-        raise IndexError(index)
-
-
 class StepKeys:
     """The keys of training steps: ``key(epoch, index)`` is
     :meth:`SeededDataset.item_seed <deterministic_ctx.SeededDataset.item_seed>`
-    ``(index, epoch)`` of a keyed stream with ``seed`` (the same code, reused: one
-    ``derive_seed`` per epoch, a SplitMix64 step per index).
+    ``(index, epoch)`` of a keyed stream with ``seed`` (the same code,
+    :class:`~deterministic_ctx.parallel.keyed.ItemKeys`: one ``derive_seed`` per
+    epoch, a SplitMix64 step per index).
 
     The keys are derived :data:`CHUNK` at a time: a step then finds its key in
     a list, which costs less than a call into ``item_seed`` right after the
@@ -64,7 +56,7 @@ class StepKeys:
     """
 
     def __init__(self, seed: int) -> None:
-        self._stream: SeededDataset[Any] = SeededDataset(_NoItems(), seed)
+        self._stream = ItemKeys(seed)
         self._chunk: tuple[int, int, list[int]] = (-1, 0, [])  # epoch, first index, keys
 
     def key(self, epoch: int, index: int) -> int:
@@ -72,8 +64,8 @@ class StepKeys:
         chunk_epoch, first, keys = self._chunk
         i = index - first
         if chunk_epoch != epoch or not 0 <= i < len(keys):
-            item_seed = self._stream.item_seed
-            keys = [item_seed(k, epoch) for k in range(index, index + CHUNK)]
+            stream = self._stream
+            keys = [stream(k, epoch) for k in range(index, index + CHUNK)]
             self._chunk = (epoch, index, keys)
             i = 0
         return keys[i]

@@ -150,6 +150,43 @@ def _keyed_calls(dataset: Any, indices: Sequence[int], keys: Sequence[int]) -> l
         block.stop()
 
 
+class ItemKeys:
+    """The 32-bit keys of a keyed stream: ``keys(index, epoch)`` is SplitMix64's
+    output for position ``index`` of a stream whose start is
+    ``derive_seed(seed, "item", epoch, bits=64)``, upper half (see
+    :meth:`SeededDataset.item_seed`, which is this).  One ``derive_seed`` per
+    epoch (the last epoch's base is kept), one SplitMix64 step per key.  Both
+    arguments must be non-negative ints already: callers check them.
+
+    Example:
+        >>> from deterministic_ctx import SeededDataset
+        >>> from deterministic_ctx.parallel.keyed import ItemKeys
+        >>> ItemKeys(7)(100, 2) == SeededDataset([], seed=7).item_seed(100, epoch=2)
+        True
+    """
+
+    __slots__ = ("_base", "_seed")
+
+    def __init__(self, seed: int) -> None:
+        self._seed = validate_seed(seed)
+        self._base = (-1, 0)  # (epoch, its SplitMix64 base): one derivation per epoch
+
+    def __call__(self, index: int, epoch: int) -> int:
+        epoch_base = self._base
+        if epoch_base[0] != epoch:
+            epoch_base = self._base = (epoch, derive_seed(self._seed, "item", epoch, bits=64))
+        z = (epoch_base[1] + (index + 1) * _GAMMA) & _M64
+        z = ((z ^ (z >> 30)) * _MIX1) & _M64
+        z = ((z ^ (z >> 27)) * _MIX2) & _M64
+        return (z ^ (z >> 31)) >> 32
+
+    def __getstate__(self) -> tuple[int, tuple[int, int]]:
+        return self._seed, self._base
+
+    def __setstate__(self, state: tuple[int, tuple[int, int]]) -> None:
+        self._seed, self._base = state
+
+
 class SeededDataset(torch.utils.data.Dataset[T_co], Generic[T_co]):
     """A map-style dataset whose item ``i`` of epoch ``e`` draws its random
     numbers from a key of ``(seed, e, i)`` only, and leaves the process's
@@ -225,7 +262,7 @@ class SeededDataset(torch.utils.data.Dataset[T_co], Generic[T_co]):
         self._dataset = dataset
         self._seed = validate_seed(seed)
         self._epoch = 0
-        self._base = (-1, 0)  # (epoch, its SplitMix64 base): one derivation per epoch
+        self._key = ItemKeys(self._seed)  # ``_key(index, epoch)``
         self._pending: tuple[tuple[str, object], ...] = ()  # registered RNGs to adopt
 
     @property
@@ -288,15 +325,6 @@ class SeededDataset(torch.utils.data.Dataset[T_co], Generic[T_co]):
         i = self._plain_index(index)
         e = self._epoch if epoch is None else check_count(epoch, "epoch")
         return self._key(i, e)
-
-    def _key(self, index: int, epoch: int) -> int:
-        epoch_base = self._base
-        if epoch_base[0] != epoch:
-            epoch_base = self._base = (epoch, derive_seed(self._seed, "item", epoch, bits=64))
-        z = (epoch_base[1] + (index + 1) * _GAMMA) & _M64
-        z = ((z ^ (z >> 30)) * _MIX1) & _M64
-        z = ((z ^ (z >> 27)) * _MIX2) & _M64
-        return (z ^ (z >> 31)) >> 32
 
     def _plain_index(self, index: object) -> int:
         what = "an int (one sample; slices and lists are not keyed)"
