@@ -34,6 +34,7 @@ from deterministic_ctx import (
     seed_everything,
     unregister_rng,
 )
+from deterministic_ctx.base.fast_paths import ENABLED as _FAST
 from deterministic_ctx.parallel.data import chain_worker_init, seed_worker, seeded_generator
 from deterministic_ctx.parallel.ranks import (
     Ranks,
@@ -420,7 +421,10 @@ def test_auto_is_asked_again_when_the_group_or_the_launcher_changes():
     settings = deterministic(seed=SEED, rank="auto")._settings
     with launched(**torchrun_vars(3, 2, 2)):
         assert resolve_rank("auto") == 3
-        assert settings.resolved() is settings.resolved()  # built once per rank
+        # Built once per rank where settings are cached (the fast paths; with
+        # DETERMINISTIC_CTX_NO_FAST_PATHS=1 nothing is remembered, so only equal).
+        assert settings.resolved() == settings.resolved()
+        assert (settings.resolved() is settings.resolved()) == _FAST
         assert settings.resolved().rank == 3
         with launched(**torchrun_vars(2, 2, 2)):
             assert resolve_rank("auto") == 2
