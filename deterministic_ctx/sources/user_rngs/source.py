@@ -63,6 +63,8 @@ class UserRngSource:
         retries this source whole, decides what it was."""
         # The object is kept alive by the snapshot only while the snapshot lives;
         # an RNG collected meanwhile has no state left to restore.
+        if not state:  # nothing registered (the usual case): no loop to set up
+            return
         failures = complete_each(zip(repeat(_put), state))
         if failures:
             raise failures[0][1]
