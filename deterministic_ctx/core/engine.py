@@ -161,13 +161,25 @@ class Block:
             raise MisuseError(
                 "reseed() needs the block to be the calling thread's innermost open block"
             )
+        seed = validate_seed(seed)
         settings = self._settings
-        # Built directly, not through ``Settings.build``'s cache: a keyed loop
-        # reseeds with a new seed every step, and its other fields are checked.
-        step = Settings(
-            validate_seed(seed), False, None if settings is None else settings.rank, False
-        )
-        _sources.apply_all(step, self._sources if self._sources is not None else _sources.SOURCES)
+        rank = None if settings is None else settings.rank
+        # The sources' reseeders seed by the generators' own calls (no settings
+        # to build, no per-seed cache that a new key each step never hits);
+        # the others, and every source with the fast paths off, apply settings.
+        fast, slow = _sources.reseeding(self._sources or _sources.SOURCES)
+        step: Settings | None = None
+        if rank is None:
+            rank_seed = seed  # rank 0's seed is the seed itself (seed_for_rank)
+        else:
+            step = Settings(seed, False, rank, False).resolved()
+            rank_seed = step.rank_seed
+        for reseed in fast:
+            reseed(seed, rank_seed)
+        if slow:
+            step = step or Settings(seed, False, None, False)
+            for source in slow:
+                source.apply(step)
 
     @property
     def suspended(self) -> bool:

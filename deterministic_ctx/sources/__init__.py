@@ -7,9 +7,10 @@ a flag means adding or changing one module here, nothing above it.
 from __future__ import annotations
 
 from ..base import settings as _settings
+from ..base.cache import BoundedCache
 from ..base.fast_paths import ENABLED
 from ..base.settings import Settings
-from ._base import DeviceSource, Source
+from ._base import DeviceSource, Reseeder, Source, seeds_nothing
 from .accelerators import accelerator_sources
 from .compiler import TorchCompileSource
 from .environ import EnvironSource
@@ -35,6 +36,7 @@ __all__ = [
     "generator_sources",
     "register_rng",
     "registered_rngs",
+    "reseeding",
     "seed_registered_rngs",
     "source_named",
     "unregister_rng",
@@ -71,6 +73,34 @@ def apply_all(settings: Settings, sources: tuple[Source, ...]) -> None:
 
 #: ``(sources, those of them whose apply may do something)``, for the tuple seen last.
 _appliers: tuple[tuple[Source, ...], tuple[Source, ...]] = ((), ())
+
+
+def reseeding(sources: tuple[Source, ...]) -> tuple[tuple[Reseeder, ...], tuple[Source, ...]]:
+    """How to seed ``sources`` afresh at each step (``Block.reseed``): the
+    reseeders of those that have one (not those that seed nothing), and the
+    sources whose ``apply`` must run instead (not those that apply nothing).
+    Worked out once per tuple of sources (the last few are kept)."""
+    plan = _reseeding.get(sources)
+    if plan is None:
+        fast: list[Reseeder] = []
+        slow: list[Source] = []
+        for source in sources:
+            if source.applies_nothing:
+                continue
+            reseeder = source.reseeder()
+            if reseeder is None:
+                slow.append(source)
+            elif reseeder is not seeds_nothing:
+                fast.append(reseeder)
+        plan = (tuple(fast), tuple(slow))
+        _reseeding.put(sources, plan)
+    return plan
+
+
+#: ``reseeding``'s plans, by tuple of sources.
+_reseeding: BoundedCache[tuple[Source, ...], tuple[tuple[Reseeder, ...], tuple[Source, ...]]] = (
+    BoundedCache(8)
+)
 
 
 def generator_sources() -> tuple[Source, ...]:

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..base.fast_paths import FastPath
 from ..base.settings import Settings
 
-__all__ = ["DeviceSource", "Source"]
+__all__ = ["DeviceSource", "Reseeder", "Source", "seeds_nothing"]
+
+
+#: What ``Source.reseeder()`` returns: seeds a source for ``(seed, rank_seed)``.
+Reseeder = Callable[[int, int], None]
+
+
+def seeds_nothing(seed: int, rank_seed: int) -> None:
+    """The reseeder of a source that seeds nothing with ``flags=False``."""
 
 
 class Source(Protocol):
@@ -37,6 +46,16 @@ class Source(Protocol):
     this build can never initialize) and ``fast_paths``, the fast paths it
     takes (:class:`~deterministic_ctx.base.fast_paths.FastPath`), which
     :func:`~deterministic_ctx.sources.fast_paths` lists.
+
+    ``reseeder()`` serves :meth:`Block.reseed <deterministic_ctx.core.engine.Block.reseed>`,
+    which seeds a block's generators afresh at every step of a loop (a keyed
+    item, a training step): a function ``f(seed, rank_seed)`` that does what
+    ``apply`` does for settings with ``flags=False`` of that seed (whose
+    per-rank seed is ``rank_seed``) by the generators' own seeding calls,
+    without the per-seed caches that a new key every step never hits;
+    :func:`seeds_nothing` for a source that seeds nothing then (flags,
+    variables); ``None`` where ``apply`` must run (the fast paths off, a
+    generator without such a call).
     """
 
     name: str
@@ -55,6 +74,8 @@ class Source(Protocol):
     def restore(self, state: Any) -> None: ...
 
     def apply(self, settings: Settings) -> None: ...
+
+    def reseeder(self) -> Reseeder | None: ...
 
     def export_state(self, state: Any) -> Any: ...
 

@@ -218,6 +218,10 @@ class LazyAcceleratorSource:
             (t.manual_seed_all_cb, t.manual_seed_cb, tuple(t.call_order), tuple(queued)),
         )
 
+    def reseeder(self) -> None:
+        """``None``: ``apply`` runs (lazy seeds for a device not initialized yet)."""
+        return
+
     def apply(self, settings: Settings) -> None:
         m = self._m
         if not self.can_initialize or self._bad_fork():

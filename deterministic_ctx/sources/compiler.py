@@ -51,6 +51,7 @@ from .._torch.internals import config_unset
 from ..base import plain as _plain
 from ..base.fast_paths import FastPath
 from ..base.settings import Settings
+from ._base import Reseeder, seeds_nothing
 from .config_entries import AT_DEFAULT, ConfigEntry
 
 __all__ = [
@@ -115,6 +116,10 @@ class TorchCompileSource:
         if variables is not None:  # all imported, torch's layout: the overrides as they are
             return tuple(map(get, variables))
         return tuple(entry.read()[1] for entry in ENTRIES)
+
+    def reseeder(self) -> Reseeder:
+        """Nothing to seed: with ``flags=False`` (a reseed) ``apply`` does nothing."""
+        return seeds_nothing
 
     def apply(self, settings: Settings) -> None:
         if settings.compiled_rng == "eager":

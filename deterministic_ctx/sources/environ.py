@@ -79,6 +79,7 @@ from ..base import plain as _plain
 from ..base.cache import BoundedCache
 from ..base.fast_paths import ENABLED, FastPath
 from ..base.settings import Settings
+from ._base import Reseeder, seeds_nothing
 
 __all__ = [
     "CUBLAS_VALID",
@@ -516,6 +517,10 @@ class EnvironSource:
             keys = self._access.keys(names)
             self._cache = (names, keys)
         return names, tuple(map(self._access.get, keys))
+
+    def reseeder(self) -> Reseeder:
+        """Nothing to seed: with ``flags=False`` (a reseed) ``apply`` does nothing."""
+        return seeds_nothing
 
     def apply(self, settings: Settings) -> None:
         if not settings.flags:  # the caller's variables, captured and restored all the same

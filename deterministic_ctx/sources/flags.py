@@ -46,6 +46,7 @@ from .._torch.internals import INDUCTOR_CONFIG as _INDUCTOR
 from ..base import plain as _plain
 from ..base.fast_paths import FastPath
 from ..base.settings import Settings
+from ._base import Reseeder, seeds_nothing
 from .config_entries import AT_DEFAULT, ConfigEntry
 from .precision import (
     ONEDNN,
@@ -224,6 +225,10 @@ class TorchFlagsSource:
         # FlagState._make without its Python frame and length check: the flags'
         # fields, then these seven (asserted below the table).
         return tuple.__new__(FlagState, values)
+
+    def reseeder(self) -> Reseeder:
+        """Nothing to seed: with ``flags=False`` (a reseed) ``apply`` does nothing."""
+        return seeds_nothing
 
     def apply(self, settings: Settings) -> None:
         if not settings.flags:  # the caller's flags, captured and restored all the same

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..base.fast_paths import ENABLED, FastPath
 from ..base.settings import Settings
+from ._base import Reseeder
 from ._seeded import SeededCache
 from .rngs.entries import Entry
 from .rngs.kinds import RANDOM_STATE
@@ -73,6 +74,10 @@ class NumpyGlobalSource:
     fast_paths = (
         *RANDOM_STATE.fast_paths,
         FastPath("NumPy legacy RNG: the records seeding left remembered per seed", lambda: True),
+        FastPath(
+            "NumPy: reseeded per step by its own seeding call, without the per-seed cache",
+            lambda: True,
+        ),
     )
 
     def __init__(self, rs: np.random.RandomState | None = None, *, fast: bool = ENABLED) -> None:
@@ -112,6 +117,22 @@ class NumpyGlobalSource:
         # the gaussian cache): the records it left for a seed seen before, as
         # one locked copy.
         self._entry(rs._bit_generator).seed_exactly(rs, settings.rank_seed, _SEEDED)
+
+    def reseeder(self) -> Reseeder | None:
+        """``np.random.seed(rank_seed)`` itself (legacy seeding, which also clears
+        the gaussian cache) while the bit generator is an MT19937, else ``apply``;
+        ``None`` with the fast paths off."""
+        if not self._fast:
+            return None
+        rs, apply, mt19937 = self._rs, self.apply, np.random.MT19937
+
+        def reseed(seed: int, rank_seed: int) -> None:
+            if type(rs._bit_generator) is mt19937:
+                rs.seed(rank_seed)
+            else:  # np.random.seed refuses it: apply installs an MT19937
+                apply(Settings(rank_seed, False, None, False))
+
+        return reseed
 
     def export_state(self, state: NumpyState) -> dict[str, Any]:
         """The state as plain data for a checkpoint: ``get_state(legacy=False)``

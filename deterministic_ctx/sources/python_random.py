@@ -9,9 +9,10 @@ from typing import Any
 from ..base import plain as _plain
 from ..base.fast_paths import ENABLED, FastPath
 from ..base.settings import Settings
+from ._base import Reseeder
 from ._seeded import SeededCache
 from .rngs.entries import Entry
-from .rngs.kinds import RANDOM
+from .rngs.kinds import _C_SEED, RANDOM
 
 __all__ = ["PythonRandomSource"]
 
@@ -31,6 +32,9 @@ class PythonRandomSource:
     fast_paths = (
         *RANDOM.fast_paths[:1],
         FastPath("random: the state seeding left remembered per seed", lambda: True),
+        FastPath(
+            "random: reseeded per step by its C seeding, without the per-seed cache", lambda: True
+        ),
     )
 
     def __init__(self, rng: random.Random | None = None, *, fast: bool = ENABLED) -> None:
@@ -38,6 +42,7 @@ class PythonRandomSource:
         # one to manage even if someone rebinds ``random._inst``.
         bound: random.Random = getattr(random.random, "__self__")  # noqa: B009 - untyped attribute
         self._rng = rng if rng is not None else bound
+        self._fast = fast
         # Records only for an exact ``random.Random``: a subclass's own
         # ``seed()`` and ``setstate()`` run, and its seeding never enters the
         # shared cache.  The instance lives as long as this source.
@@ -65,6 +70,21 @@ class PythonRandomSource:
         # Exactly ``seed(seed)``: seeding runs ``init_by_array`` over 624 words
         # (~3.5 µs); the record it left for a seed seen before is one copy.
         self._entry.seed_exactly(self._rng, settings.rank_seed, _SEEDED)
+
+    def reseeder(self) -> Reseeder | None:
+        """``random.seed(rank_seed)`` as the C seeding and ``gauss_next = None``
+        (what the method does for an int), for an exact ``random.Random``; else
+        (a subclass, whose own ``seed()`` must run; the fast paths off) ``None``."""
+        rng = self._rng
+        if not self._fast or type(rng) is not random.Random:
+            return None
+        c_seed = _C_SEED
+
+        def reseed(seed: int, rank_seed: int) -> None:
+            c_seed(rng, rank_seed)
+            rng.gauss_next = None  # type: ignore[attr-defined]
+
+        return reseed
 
     def export_state(self, state: Any) -> dict[str, Any]:
         """The state as plain data for a checkpoint (``{"state": [625 ints], "gauss_next"}``)."""

@@ -7,8 +7,9 @@ from typing import Any
 import torch
 
 from ..base import plain as _plain
-from ..base.fast_paths import FastPath
+from ..base.fast_paths import ENABLED, FastPath
 from ..base.settings import Settings
+from ._base import Reseeder
 from ._seeded import SeededCache
 from .rngs.persistence import generator_state_from_plain
 
@@ -27,6 +28,9 @@ class TorchCPUSource:
     applies_nothing = False
     fast_paths = (
         FastPath("torch CPU generator: the state seeding left remembered per seed", lambda: True),
+        FastPath(
+            "torch CPU: reseeded per step by manual_seed, without the per-seed cache", lambda: True
+        ),
     )
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
@@ -51,6 +55,17 @@ class TorchCPUSource:
             return
         self._gen.manual_seed(seed)
         _SEEDED.offer(seed, self._gen.get_state)
+
+    def reseeder(self) -> Reseeder | None:
+        """``manual_seed(seed)`` itself; ``None`` with the fast paths off."""
+        if not ENABLED:
+            return None
+        manual_seed = self._gen.manual_seed
+
+        def reseed(seed: int, rank_seed: int) -> None:
+            manual_seed(seed)
+
+        return reseed
 
     def export_state(self, state: torch.Tensor) -> dict[str, Any]:
         """The state as plain data for a checkpoint: ``{"state": uint8 tensor}``."""

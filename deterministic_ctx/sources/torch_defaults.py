@@ -54,6 +54,7 @@ from .._torch.internals import (
 from ..base import plain as _plain
 from ..base.fast_paths import FastPath
 from ..base.settings import Settings
+from ._base import Reseeder, seeds_nothing
 
 __all__ = ["DefaultsState", "TorchDefaultsSource"]
 
@@ -154,6 +155,10 @@ class TorchDefaultsSource:
     #: :meth:`apply` does nothing: ``apply_all`` may skip it.
     applies_nothing = True
     fast_paths: tuple[FastPath, ...] = ()
+
+    def reseeder(self) -> Reseeder:
+        """Nothing to seed: with ``flags=False`` (a reseed) ``apply`` does nothing."""
+        return seeds_nothing
 
     def apply(self, settings: Settings) -> None:
         """Nothing: a block keeps the caller's defaults."""

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from deterministic_ctx import MisuseError, deterministic, isolated
+from deterministic_ctx import MisuseError, Snapshot, deterministic, isolated
 from deterministic_ctx.internal import Block, Settings, source_named
 from tests.helpers import draw
 
@@ -104,3 +104,35 @@ def test_a_block_over_part_of_the_sources_captures_applies_and_restores_only_tho
         second = np.random.RandomState(1)
         second.rand()
         assert np.random.rand() == second.rand()  # NumPy went on from the draw in the block
+
+
+@pytest.mark.parametrize("rank", [None, 2])
+@pytest.mark.parametrize("seed", [0, 7, 2**32 - 1])
+def test_every_sources_reseeder_seeds_as_its_apply_does(seed, rank):
+    # The law behind Block.reseed's fast path: a source's reseeder(seed, rank_seed)
+    # leaves its generators where apply() of settings with that seed and flags=False
+    # does (and a source that seeds nothing says so); with the fast paths off there
+    # is no reseeder for the global generators, and apply runs.
+    from deterministic_ctx import register_rng, unregister_rng
+    from deterministic_ctx.sources import SOURCES
+    from deterministic_ctx.sources._base import seeds_nothing
+
+    settings = Settings.build(seed, False, rank, False)
+    mine = register_rng(random.Random(1), key="reseeder-law", shared=False)
+    try:
+        with isolated():
+            start = Snapshot.capture()
+            for source in SOURCES:
+                reseeder = source.reseeder()
+                if reseeder is None or reseeder is seeds_nothing:
+                    continue
+                source.apply(settings)
+                applied = draw(), mine.random()
+                start.restore()
+                reseeder(seed, settings.rank_seed)
+                assert (draw(), mine.random()) == applied, source.name
+                start.restore()
+            for name in ("torch.flags", "environ", "torch.compile"):
+                assert source_named(name).reseeder() is seeds_nothing
+    finally:
+        unregister_rng(mine)

@@ -16,6 +16,7 @@ from ...base import plain as _plain
 from ...base.completion import complete_each
 from ...base.fast_paths import FastPath
 from ...base.settings import Settings
+from .._base import Reseeder
 from ..rngs.entries import Entry, Record
 from ..rngs.kinds import BY_NAME
 from ..rngs.persistence import class_path
@@ -55,6 +56,11 @@ class UserRngSource:
         # Per rank, like ``random`` and NumPy; ``shared=True`` ones like torch.
         if live_steps():  # nothing registered (the usual case): nothing to seed
             seed_registered_rngs(settings.rank_seed, shared_seed=settings.seed)
+
+    def reseeder(self) -> Reseeder:
+        """What ``apply`` does, without building its settings: each registered
+        RNG seeded from ``rank_seed`` (``shared=True`` ones from ``seed``)."""
+        return _reseed
 
     def restore(self, state: tuple[Record, ...]) -> None:
         """Put every RNG of ``state`` back.  One that fails does not stop the
@@ -151,3 +157,8 @@ def _put(record: Record) -> None:
     """Put one record back: ``(entry or batch, its object(s), their state)``."""
     entry, obj, saved = record
     entry.put(obj, saved)
+
+
+def _reseed(seed: int, rank_seed: int) -> None:
+    if live_steps():  # nothing registered (the usual case): nothing to seed
+        seed_registered_rngs(rank_seed, shared_seed=seed)
