@@ -12,7 +12,7 @@ from ..base.settings import Settings
 from ._base import Reseeder
 from ._seeded import SeededCache
 from .rngs.entries import Entry
-from .rngs.kinds import _C_SEED, RANDOM
+from .rngs.kinds import C_SEED, RANDOM
 
 __all__ = ["PythonRandomSource"]
 
@@ -78,7 +78,7 @@ class PythonRandomSource:
         rng = self._rng
         if not self._fast or type(rng) is not random.Random:
             return None
-        c_seed = _C_SEED
+        c_seed = C_SEED
 
         def reseed(seed: int, rank_seed: int) -> None:
             c_seed(rng, rank_seed)

@@ -32,6 +32,7 @@ from . import persistence as plain
 
 __all__ = [
     "BY_NAME",
+    "C_SEED",
     "GENERATOR",
     "KINDS",
     "RANDOM",
@@ -89,8 +90,9 @@ class Kind:
 
 
 #: The C seeding under ``random.Random.seed`` (the class of ``_random``), which the
-#: Python method calls for an int after its checks.
-_C_SEED: Any = random.Random.__mro__[1].seed  # type: ignore[attr-defined]
+#: Python method calls for an int after its checks: seeding an exact ``random.Random``
+#: through it saves that method's frame (the kind's ``seed``, the random source's reseeder).
+C_SEED: Any = random.Random.__mro__[1].seed  # type: ignore[attr-defined]
 
 
 class _Random(Kind):
@@ -115,7 +117,7 @@ class _Random(Kind):
         does for an int, without its Python frame: the C seeding (``_random.Random.seed``)
         and ``gauss_next = None`` (a keyed item seeds a new key every time)."""
         if type(obj) is random.Random:
-            _C_SEED(obj, seed)
+            C_SEED(obj, seed)
             obj.gauss_next = None  # type: ignore[attr-defined]
         else:
             obj.seed(seed)
