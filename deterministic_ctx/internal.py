@@ -10,12 +10,12 @@ never the engine's parts (``core.engine``, ``core.world``, ``sources``, the rest
 of ``base``) directly.  ``lint-imports`` (the contracts in the repository's
 ``.importlinter``) fails the build otherwise.
 
-So this is the engine's explicit API, in four groups: blocks; seeds and a
-block's settings; the sources' registries and the facts the report shows; the
-exempted calls.  Each name is here because a module above uses it (a test in
-``tests/test_layout.py`` checks that, and that there are at most 30), and each
-comes from a public (not ``_``-prefixed) module below, so that nothing private
-leaks upwards through this page.
+So this is the engine's explicit API, in five groups: blocks; seeds and a
+block's settings; the completion step; the sources' registries and the facts
+the report shows; the exempted calls.  Each name is here because a module
+above uses it (a test in ``tests/test_layout.py`` checks that, and that there
+are at most 30), and each comes from a public (not ``_``-prefixed) module
+below, so that nothing private leaks upwards through this page.
 
 Not for users: names here may change in any release.
 
@@ -32,16 +32,12 @@ Example:
 
 from __future__ import annotations
 
+# The completion step: an action whose undo is finished if anything stops it.
+from .base.completion import guarded
+
 # Seeds and a block's settings, validated.
 from .base.seed import MAX_SEED, derive_seed, validate_seed
-from .base.settings import (
-    CompiledRng,
-    Rank,
-    Settings,
-    check_bool,
-    seed_for_rank,
-    validate_rank,
-)
+from .base.settings import CompiledRng, Rank, Settings, check_bool, validate_rank
 
 # Blocks: the engine's one way in and out.
 from .core.engine import Block, drain_signals, inside_block
@@ -87,12 +83,12 @@ __all__ = [
     "export_env_var",
     "fast_paths",
     "generator_sources",
+    "guarded",
     "inside_block",
     "is_exempted",
     "managed_env_vars",
     "register_rng",
     "registered_rngs",
-    "seed_for_rank",
     "seed_registered_rngs",
     "source_named",
     "unchanged_config",

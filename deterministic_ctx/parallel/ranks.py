@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .._errors import MisuseError
 from .._torch.distributed import launcher_variables, process_rank
-from ..internal import Rank, seed_for_rank, validate_rank, validate_seed
+from ..internal import Rank, Settings, validate_rank, validate_seed
 
 __all__ = [
     "Ranks",
@@ -141,7 +141,8 @@ def rank_seed(seed: int, rank: Rank = "auto") -> int:
         >>> rank_seed(7, 1) != rank_seed(8, 0)  # unlike seed + rank
         True
     """
-    return seed_for_rank(validate_seed(seed), resolve_rank(rank))
+    # What a block's settings give, for the rank resolved now.
+    return Settings(validate_seed(seed), False, resolve_rank(rank)).rank_seed
 
 
 def broadcast_seed(seed: int | None = None) -> int:

@@ -16,6 +16,7 @@ from ..internal import (
     Settings,
     check_bool,
     export_env_var,
+    guarded,
     validate_seed,
 )
 
@@ -129,16 +130,9 @@ def seed_everything(
         seed = broadcast_seed(seed)  # in a one-process run: seed, or a fresh one
     settings = Settings.build(seed, warn_only, rank, flags, fill_uninitialized_memory, compiled_rng)
     block = Block(settings)
-    try:
-        block.start()  # applies, or rolls back to the previous state and raises
-        # Inside the block's lock, before the commit: an interrupt before the
-        # commit rolls this back with everything else.  Through the environment
-        # source's owned entry: a new seed each call must not grow the process.
-        export_env_var(SEED_ENV_VAR, str(settings.seed))
-        block.commit()
-    except BaseException:
-        block.stop()  # interrupted before the commit: nothing stays applied
-        raise
+    # Stopped (its stop completed) if anything stops it before the commit:
+    # nothing stays applied.
+    guarded(block.stop, _apply_and_export, block, settings.seed)
     _log.info(
         "seed_everything: seed %d%s, rank %s",
         settings.seed,
@@ -150,6 +144,15 @@ def seed_everything(
         process_rank() if rank == "auto" else rank,  # as ranks.resolve_rank, None kept
     )
     return settings.seed
+
+
+def _apply_and_export(block: Block, seed: int) -> None:
+    block.start()  # applies, or rolls back to the previous state and raises
+    # Inside the block's lock, before the commit: an interrupt before the
+    # commit rolls this back with everything else.  Through the environment
+    # source's owned entry: a new seed each call must not grow the process.
+    export_env_var(SEED_ENV_VAR, str(seed))
+    block.commit()
 
 
 # Called from compiled code: one graph break, the call eager (see _torch/compiler.py).

@@ -109,6 +109,7 @@ it, plus a few microseconds.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import secrets
 import sys
@@ -127,6 +128,7 @@ from ..internal import (
     derive_seed,
     drain_signals,
     generator_sources,
+    guarded,
     inside_block,
     register_rng,
     source_named,
@@ -438,17 +440,16 @@ class _Fork:
         self._frames: list[_Frame | None] = []
 
     def __enter__(self) -> None:
-        frames = self._frames
-        depth = len(frames)
-        try:
-            self._enter()
-            drain_signals()  # pending signal handlers run while the entry can roll back
-        except BaseException:  # nothing half-applied: the recorded entry is left
-            if len(frames) > depth:
-                self._undo(frames[-1])
-            raise
+        # Nothing half-applied: an entry that anything stops is left (its undo
+        # completed), entered in one line so that no line of this frame runs
+        # after the entry.
+        guarded(functools.partial(self._leave_from, len(self._frames)), self._enter)
 
     def _enter(self) -> None:
+        self._record_and_apply()
+        drain_signals()  # pending signal handlers run while the entry can roll back
+
+    def _record_and_apply(self) -> None:
         """Record an entry (a frame, or ``None`` where nothing is swapped), then
         apply it; nothing is applied before it is recorded."""
         states, name = self._states, self._name
@@ -507,12 +508,16 @@ class _Fork:
             start.restore()
         _OPEN.append(frame)
 
-    def _undo(self, entry: _Frame | None) -> None:
-        """Leave the latest entry, ``entry``, wherever its entry or exit stopped."""
-        if entry is None:
-            del self._frames[-1]
-        else:
-            self._drop(entry)
+    def _leave_from(self, depth: int) -> None:
+        """Leave this object's entries from the ``depth``-th on (the latest one,
+        wherever its entry or exit stopped); idempotent."""
+        frames = self._frames
+        while len(frames) > depth:
+            entry = frames[-1]
+            if entry is None:
+                del frames[-1]
+            else:
+                self._drop(entry)
 
     def _drop(self, frame: _Frame) -> None:
         """Leave ``frame``'s block (the engine's ``stop()``: idempotent, completed
@@ -543,7 +548,7 @@ class _Fork:
             del frames[-1]
         except BaseException:
             if self._frames:
-                self._undo(self._frames[-1])
+                self._leave_from(len(self._frames) - 1)
             raise
 
     def _leave(self, frame: _Frame) -> None:

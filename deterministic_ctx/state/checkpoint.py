@@ -468,16 +468,18 @@ def write(path: str | os.PathLike[str], data: bytes) -> None:
     temp = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
     # O_EXCL: never reuse a file someone else made; 0o666 & umask, like open().
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    replaced = False
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(temp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
+        replaced = True
+    finally:
+        if not replaced:  # whatever stopped it: no temporary file left behind
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
     # Fsyncing the directory makes the rename itself durable.  Not possible on
     # Windows, and some file systems refuse it: the rename is atomic all the same.
     if os.name != "posix":
