@@ -446,12 +446,9 @@ class _Fork:
         guarded(functools.partial(self._leave_from, len(self._frames)), self._enter)
 
     def _enter(self) -> None:
-        self._record_and_apply()
-        drain_signals()  # pending signal handlers run while the entry can roll back
-
-    def _record_and_apply(self) -> None:
         """Record an entry (a frame, or ``None`` where nothing is swapped), then
-        apply it; nothing is applied before it is recorded."""
+        apply it; nothing is applied before it is recorded.  Pending signal
+        handlers run at its end, while the entry can still be rolled back."""
         states, name = self._states, self._name
         # The open forks of the current world (a suspended decorated generator's
         # stay open in its own world), innermost first, down to this stream's:
@@ -469,6 +466,7 @@ class _Fork:
             if other.states is states and other.name == name:  # forked already here
                 if holder is None:  # and it is the live stream: nothing to swap
                     self._frames.append(None)
+                    drain_signals()
                     return
                 break
             top = top or other
@@ -507,6 +505,7 @@ class _Fork:
         if start is not None:
             start.restore()
         _OPEN.append(frame)
+        drain_signals()
 
     def _leave_from(self, depth: int) -> None:
         """Leave this object's entries from the ``depth``-th on (the latest one,
@@ -552,7 +551,8 @@ class _Fork:
             raise
 
     def _leave(self, frame: _Frame) -> None:
-        later = _later(frame)
+        # The innermost open fork (the usual case) has none entered after it.
+        later = None if _OPEN[-1] is frame else _later(frame)
         if later is not None:
             raise MisuseError(
                 f"fork({self._name!r}) exited while fork({later.name!r}), entered after it, is "
