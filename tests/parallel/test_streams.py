@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import pickle
 import random
+import sys
 import threading
 import types
 import warnings
@@ -697,6 +698,42 @@ def test_an_exception_at_any_line_of_a_fork_leaves_the_callers_state_and_no_lock
             problems.append(tracer.fired)
     assert problems == []
     assert boundary <= len(forks)  # only the first line of each fork's exit
+
+
+def test_a_fork_entry_whose_undo_is_interrupted_too_is_still_left(monkeypatch):
+    # Two signals: a pending one, run at the end of the entry, stops it; a
+    # second stops the undo of it at its first line.  The undo is completed
+    # (run again, as every undo of the library) and nothing stays entered,
+    # applied or locked.
+    streams = make()
+    fork = streams.fork("tp")
+    with fork:  # the stream's first fork seeds it: the one below restores it
+        pass
+    before = torch.get_rng_state()
+
+    def pending_signal() -> None:
+        raise KeyboardInterrupt("at the end of the entry")
+
+    fired: list[str] = []
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and not fired and frame.f_code.co_name in ("_leave_from", "_drop"):
+            fired.append(frame.f_code.co_name)
+            raise KeyboardInterrupt("in the undo")
+        return tracer
+
+    monkeypatch.setattr(streams_module, "drain_signals", pending_signal)
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fork.__enter__()
+    finally:
+        sys.settrace(None)
+    monkeypatch.undo()
+    assert fired
+    assert fork._frames == [] and streams._states._open == []
+    assert not inside_block() and _lock_free()
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 def test_forks_of_one_stream_in_two_threads_take_turns_and_continue_it():
