@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import pickle
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
 
 import deterministic_ctx.base.settings as settings_module
+import deterministic_ctx.parallel.seeding as seeding_module
 from deterministic_ctx import (
     derive_seed,
     deterministic,
@@ -30,8 +33,10 @@ from deterministic_ctx import (
     seed_everything,
     unregister_rng,
 )
+from deterministic_ctx.internal import SEED_ENV_VAR, inside_block
 from deterministic_ctx.parallel.data import chain_worker_init, seed_worker, seeded_generator
 from deterministic_ctx.parallel.ranks import broadcast_seed, rank_seed, resolve_rank
+from tests.core.test_interrupts import _lock_free
 from tests.helpers import free_port, join_loopback_group, needs_gloo, spawn_ranks
 from tests.parallel.test_data import WORKER, Augmenting
 
@@ -175,6 +180,49 @@ def test_seed_everything_draws_logs_and_replays_a_fresh_seed(restore_world, capl
     assert seed_everything(seed) == seed
     assert draws() == first
     assert seed_everything(None) != seed  # fresh each time (a 2**-32 chance of a false alarm)
+
+
+def test_seed_everything_stopped_before_its_commit_and_again_in_the_undo_changes_nothing(
+    monkeypatch,
+):
+    # A signal while the seed is exported, a second one at the first line of
+    # the block's stop that undoes it: the stop is run again and finished, and
+    # nothing stays applied, exported or locked.
+    exported = os.environ.get(SEED_ENV_VAR)
+    state = (random.getstate(), np.random.get_state(legacy=False), torch.get_rng_state())
+
+    def signal_while_exporting(name: str, value: str) -> None:
+        raise KeyboardInterrupt("while exporting")
+
+    fired: list[str] = []
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        code = frame.f_code
+        if (
+            event == "line"
+            and not fired
+            and code.co_name == "stop"
+            and "engine" in code.co_filename
+        ):
+            fired.append(code.co_name)
+            raise KeyboardInterrupt("in the undo")
+        return tracer
+
+    monkeypatch.setattr(seeding_module, "export_env_var", signal_while_exporting)
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            seed_everything(9)
+    finally:
+        sys.settrace(None)
+    assert fired
+    assert not inside_block() and _lock_free()
+    assert os.environ.get(SEED_ENV_VAR) == exported
+    assert random.getstate() == state[0]
+    assert np.array_equal(
+        np.random.get_state(legacy=False)["state"]["key"], state[1]["state"]["key"]
+    )
+    assert torch.equal(torch.get_rng_state(), state[2])
 
 
 def test_broadcast_without_a_process_group_is_a_no_op(restore_world):
