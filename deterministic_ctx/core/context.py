@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from inspect import CO_ASYNC_GENERATOR, CO_COROUTINE, CO_GENERATOR, CO_ITERABLE_COROUTINE
 from types import FrameType, TracebackType
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, cast, overload
 
 from .._errors import MisuseError
 from ..base.scopes import SCOPES
@@ -122,11 +122,12 @@ class _Blocks:
         :meth:`start`) that has not left: so one object (``DET =
         deterministic(seed=0)`` at module level) can be entered by many
         threads and tasks at once, each leaving its blocks in its own order."""
-        return SCOPES.latest_with(self, task)
+        # The stack keeps ``with`` records of this module only: each is a _With.
+        return cast("_With | None", SCOPES.latest_with(self, task))
 
     def _latest(self, task: object) -> _With:
         """:meth:`_find`'s block; :class:`MisuseError` if there is none."""
-        block = SCOPES.latest_with(self, task)
+        block = self._find(task)
         if block is not None:
             return block
         if task is _STARTED:
