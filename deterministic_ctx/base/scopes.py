@@ -65,20 +65,19 @@ class Entered(Protocol):
 
 
 class Scope:
-    """A block's links on the stack."""
+    """A block's links on the stack (the block's ``__init__`` sets them to ``None``)."""
 
     __slots__ = ("carried", "carrier", "inner", "outer")
 
-    def __init__(self) -> None:
-        #: The caller's world, while the block is open.
-        self.outer: Restorable | None = None
-        #: The block's own world, while it is suspended.
-        self.inner: Restorable | None = None
-        #: The blocks opened inside its suspended step.
-        self.carried: list[Scope] | None = None
-        #: The block that last carried this one: it carries it still unless
-        #: the block is in ``active`` (resuming puts carried blocks back there).
-        self.carrier: Scope | None = None
+    #: The caller's world, while the block is open.
+    outer: Restorable | None
+    #: The block's own world, while it is suspended.
+    inner: Restorable | None
+    #: The blocks opened inside its suspended step.
+    carried: list[Scope] | None
+    #: The block that last carried this one: it carries it still unless the
+    #: block is in ``active`` (resuming puts carried blocks back there).
+    carrier: Scope | None
 
 
 class _Withs(threading.local):

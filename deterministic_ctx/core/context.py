@@ -122,12 +122,12 @@ class _Blocks:
         :meth:`start`) that has not left: so one object (``DET =
         deterministic(seed=0)`` at module level) can be entered by many
         threads and tasks at once, each leaving its blocks in its own order."""
-        # The stack keeps ``with`` records of this module only: each is a _With.
+        # The stack keeps the ``with`` records of this module only, each a _With.
         return cast("_With | None", SCOPES.latest_with(self, task))
 
     def _latest(self, task: object) -> _With:
         """:meth:`_find`'s block; :class:`MisuseError` if there is none."""
-        block = self._find(task)
+        block = cast("_With | None", SCOPES.latest_with(self, task))
         if block is not None:
             return block
         if task is _STARTED:

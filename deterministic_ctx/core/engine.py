@@ -91,7 +91,8 @@ class Block(Scope):
     def __init__(
         self, settings: Settings | None, sources: tuple[_sources.Source, ...] | None = None
     ) -> None:
-        Scope.__init__(self)  # its links on the scope stack: outer, inner, carried, carrier
+        # Its links on the scope stack (:class:`~deterministic_ctx.base.scopes.Scope`).
+        self.outer = self.inner = self.carried = self.carrier = None
         self._settings = settings  # None: isolation only, nothing applied
         # The sources the block captures, applies and restores: ``None`` for
         # every source (read at each start: a test may swap SOURCES), else a
