@@ -56,12 +56,12 @@ class Restorable(Protocol):
 class Entered(Protocol):
     """What the stack reads of a ``with`` block (the context's record of one)."""
 
+    exited: bool
+
     @property
     def of(self) -> object: ...
     @property
     def task(self) -> object: ...
-    @property
-    def exited(self) -> bool: ...
 
 
 class Scope:

@@ -13,12 +13,9 @@ of them:
 * ``commit()``: keep the block's state as the process's own, drop the lock.
 
 Which blocks are open, where, is the scope stack's record
-(:mod:`deterministic_ctx.base.scopes`), and it makes every change to it: the
-lock holder's open blocks in entry order (``_active`` here is that list, for
-reading), the blocks a suspended block carries, each thread's ``with``
-blocks.  A thread holds the lock once while it has any block open.  Each
-exit and roll-back is run by the completion step
-(:func:`~deterministic_ctx.base.completion.complete`).
+(:mod:`deterministic_ctx.base.scopes`), and it makes every change to it
+(``_active`` here is its list of the lock holder's open blocks, for
+reading).  A thread holds the lock once while it has any block open.
 
 The RNGs and flags are the sources' work: this module reaches torch only
 through :mod:`deterministic_ctx._torch.compiler` (where blocks meet
@@ -60,28 +57,20 @@ __all__ = [
 class Block(Scope):
     """One isolated RNG world: entered, left, suspended and resumed.
 
-    **Any exit order.**  ``_active`` lists the open blocks of the thread that
-    holds the lock, in the order they were entered; each one's ``outer`` is
-    the state at its entry, which is the world of the block below it.  The
-    top block leaves by restoring its ``outer``.  A block that leaves while
-    a later one is still open (interleaved ``async with`` tasks, a generator
-    closed inside another block) restores nothing: the later block's world is
-    the live one, so the leaving block hands its ``outer`` to the block
-    above it, which restores it when it leaves in turn.  Once every block has
-    left, the state is exactly the one before the first.
-
-    **Suspension.**  Blocks entered during a step of a decorated generator or
-    coroutine and still open at its ``yield``/``await`` belong to its world:
-    they are *carried* (taken off ``_active`` with it) and put back when it
-    resumes.
+    **Any exit order, suspension.**  A block is a
+    :class:`~deterministic_ctx.base.scopes.Scope`: the scope stack keeps where
+    it is open (``_active``, or carried by a suspended generator or coroutine
+    block) and its ``outer``, the world at its entry.  The top block leaves by
+    restoring its ``outer``; one that leaves below a later block hands it on
+    (:meth:`~deterministic_ctx.base.scopes.Scopes.leaving`).  Once every
+    block has left, the state is exactly the one before the first.
 
     **Interrupts.**  Each operation is either rolled back (entry) or completed
     (exit) when an exception — ``KeyboardInterrupt`` from a signal handler,
-    say — interrupts it at any line: entry registers the block in ``_active``
-    before it applies anything, and each exit step reads where the block is
-    (``_active``, its carrier) before it acts, so running it again completes
-    it (the completion step, :func:`~deterministic_ctx.base.completion.complete`,
-    runs it once more); the lock is given back by
+    say — interrupts it at any line: entry lists the block before it applies
+    anything, and each exit step reads where the block is before it acts, so
+    the completion step (:func:`~deterministic_ctx.base.completion.complete`)
+    completes it by running it once more; the lock is given back by
     :meth:`~deterministic_ctx.base.lock.ProcessLock.release`, which gives it
     back once the thread has no block open, however often it is called.
     """
