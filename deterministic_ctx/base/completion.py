@@ -16,8 +16,8 @@ say what happened.
   means.  A world's restore, a block's hot path, runs the same loop written
   out (no bound method made per source) and uses :func:`retry`.
 * :func:`guarded`: an action whose undo must be completed if anything stops
-  it (a block's entry, a decorated call, an exempted op's call), written
-  as one ``try`` whose every line is under its handler.
+  it (a decorated call, an exempted op's call), written as one ``try``
+  whose every line is under its handler.
 
 The limit is raised and lowered in the frame that runs the retry, not in a
 context manager: an ``__exit__`` is one frame deeper, where lowering the
