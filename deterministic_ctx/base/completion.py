@@ -114,7 +114,7 @@ def guarded(undo: Callable[[], object], do: Callable[..., R], *args: Any, after:
     an interrupt between ``do``'s return and a ``finally``'s first line would
     skip it, while here every line after the ``try:`` is under its handler
     (and an interrupt at the ``try:`` line itself comes before ``do``).
-    ``undo`` must be idempotent (after an interrupt it may run twice) and
+    ``undo`` must be idempotent (after an interrupt it runs again) and
     must undo whatever part of ``do`` ran, none included.
 
     Example:
@@ -129,7 +129,7 @@ def guarded(undo: Callable[[], object], do: Callable[..., R], *args: Any, after:
             # never undone by an interrupt that lands on its way out.
             return do(*args)
         result = do(*args)
-        complete(undo)
+        undo()  # if anything stops it, the handler completes it
         return result
     except BaseException:
         complete(undo)
