@@ -16,8 +16,8 @@ say what happened.
   means.  A world's restore, a block's hot path, runs the same loop written
   out (no bound method made per source) and uses :func:`retry`.
 * :func:`guarded`: an action whose undo must be completed if anything stops
-  it (a block's entry, a decorated call, an exempted op's call), written
-  as one ``try`` whose every line is under its handler.
+  it (a decorated call, an exempted op's call), written as one ``try``
+  whose every line is under its handler.
 
 The limit is raised and lowered in the frame that runs the retry, not in a
 context manager: an ``__exit__`` is one frame deeper, where lowering the
@@ -114,7 +114,7 @@ def guarded(undo: Callable[[], object], do: Callable[..., R], *args: Any, after:
     an interrupt between ``do``'s return and a ``finally``'s first line would
     skip it, while here every line after the ``try:`` is under its handler
     (and an interrupt at the ``try:`` line itself comes before ``do``).
-    ``undo`` must be idempotent (after an interrupt it may run twice) and
+    ``undo`` must be idempotent (after an interrupt it runs again) and
     must undo whatever part of ``do`` ran, none included.
 
     Example:
@@ -129,7 +129,7 @@ def guarded(undo: Callable[[], object], do: Callable[..., R], *args: Any, after:
             # never undone by an interrupt that lands on its way out.
             return do(*args)
         result = do(*args)
-        complete(undo)
+        undo()  # if anything stops it, the handler completes it
         return result
     except BaseException:
         complete(undo)

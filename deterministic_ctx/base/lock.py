@@ -11,11 +11,9 @@ liveness token (its record, a ``threading.local``, freed when the thread
 ends); the holder's token reference and ``since`` describe the holder in
 warnings.
 
-Waiting policy: a thread waits as long as the holder lives — giving up would
-break the isolation the caller asked for — but after ``warn_after`` seconds it
-emits one :class:`LockWaitWarning` naming the thread that holds the lock and
-for how long it has held it, which is what one needs to debug a stall or a
-deadlock (a block that joins a thread which itself waits to enter a block).
+Waiting: a thread waits as long as the holder lives, and warns once after
+``warn_after`` seconds (:class:`LockWaitWarning`; see
+``docs/explanation/concurrency.md``).
 
 Dead owners: a thread that ends inside a block (``__enter__`` without
 ``__exit__``) can never release the lock, and a C ``RLock`` cannot be

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from inspect import CO_ASYNC_GENERATOR, CO_COROUTINE, CO_GENERATOR, CO_ITERABLE_COROUTINE
 from types import FrameType, TracebackType
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, cast, overload
 
 from .._errors import MisuseError
 from ..base.scopes import SCOPES
@@ -122,11 +122,12 @@ class _Blocks:
         :meth:`start`) that has not left: so one object (``DET =
         deterministic(seed=0)`` at module level) can be entered by many
         threads and tasks at once, each leaving its blocks in its own order."""
-        return SCOPES.latest_with(self, task)
+        # The stack keeps the ``with`` records of this module only, each a _With.
+        return cast("_With | None", SCOPES.latest_with(self, task))
 
     def _latest(self, task: object) -> _With:
         """:meth:`_find`'s block; :class:`MisuseError` if there is none."""
-        block = SCOPES.latest_with(self, task)
+        block = cast("_With | None", SCOPES.latest_with(self, task))
         if block is not None:
             return block
         if task is _STARTED:
@@ -156,8 +157,12 @@ class _Blocks:
         # elsewhere).
         callback = pause_compiler()
         block = _With(self, None, None if callback is None else _paused_here(callback))
-        # Written out, not shared with ``_open``: an interrupt as a helper
-        # returned would find no ``block`` to leave.
+        # Written out, not ``return self._open(...)``: Python 3.10 runs pending
+        # signal handlers after every call returns (CALL_FUNCTION's eval-breaker
+        # check), so an interrupt after a helper had entered would raise from
+        # ``__enter__`` with the block open, and ``with`` calls no ``__exit__``
+        # then.  Here it lands in the ``try``; ``drain_signals`` runs the last
+        # pending ones there, and ``return self`` checks none.
         try:
             _enter(block)
             drain_signals()
@@ -172,8 +177,10 @@ class _Blocks:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        # Written out, not shared with ``__aexit__``: every call is a point
-        # where a signal handler can raise, so the exit starts protected.
+        # Written out, ``try`` first: 3.10 checks for pending signals at a
+        # frame's start unless it opens a ``try`` (SETUP_FINALLY), and a
+        # helper's frame start (3.11+: its RESUME) would be one more point
+        # outside every handler, where the block is left open.
         try:
             if not self._enabled:
                 return
@@ -204,7 +211,9 @@ class _Blocks:
     def _open(self: _B, task: object) -> _B:
         """Enter a block for ``task`` (``async with``, ``start()``): the block
         is made before the ``try``, so an interrupt at any line of the entry
-        finds it to undo, and the entry ends in this frame."""
+        finds it to undo.  Its caller returns what it returns: on 3.11+ that
+        inlined return checks no signal; on 3.10 it does (see ``__enter__``),
+        which for ``start()`` is the window its own caller has anyway."""
         block = _With(self, task, None)
         try:
             _enter(block)

@@ -42,38 +42,20 @@ _IN_COMPILED_CODE = (
 )
 
 
-def _call(func: Callable[..., Any], /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-    """``(result, None)`` or ``(None, exception)``, never raising: the body's
-    exception is raised only once its block is left.
-
-    A function of its own, not an inner ``try``: CPython gives no exception
-    handler to the line of a ``try:`` statement, so an interrupt there would
-    skip the caller's handler; here it propagates to the caller's ``try``.
-    """
-    try:
-        return func(*args, **kwargs), None
-    except BaseException as exc:
-        return None, exc
-
-
 def _step(
     it: Any, block: Block, end: Callable[[], None], value: Any, to_throw: BaseException | None
-) -> tuple[Any, bool, Any]:
-    """One step of ``it`` in ``block``: ``(value, finished, exception)``; the
-    block is left after it (``end`` when ``it`` is finished, else suspended)."""
+) -> tuple[Any, bool]:
+    """One step of ``it`` in ``block``: ``(value, finished)``; the block is left
+    after it (``end`` when ``it`` is finished, else suspended).  An exception
+    of the body propagates with the block entered: the caller's guard leaves it."""
     block.start()
-    if to_throw is None:
-        value, error = _call(it.send, value)
-    else:
-        value, error = _call(it.throw, to_throw)
-    done = error is not None
-    if isinstance(error, StopIteration):
-        value, error = error.value, None
-    if done:
+    try:
+        value = it.send(value) if to_throw is None else it.throw(to_throw)
+    except StopIteration as stop:
         end()
-    else:
-        block.suspend()
-    return value, done, error
+        return stop.value, True
+    block.suspend()
+    return value, False
 
 
 def _close(it: Any, block: Block, end: Callable[[], None]) -> None:
@@ -123,10 +105,8 @@ def _drive(it: Any, block: Block, end: Callable[[], None]) -> Generator[Any, Any
     while True:
         # Interrupted: keep the body's world (``_steps`` closes the body in
         # it); suspending is a no-op if the block already left.
-        value, done, error = guarded(block.suspend, _step, it, block, end, send_value, to_throw)
+        value, done = guarded(block.suspend, _step, it, block, end, send_value, to_throw)
         to_throw = None
-        if error is not None:
-            _reraise(error)
         if done:
             return value
         try:
@@ -141,10 +121,22 @@ def _drive(it: Any, block: Block, end: Callable[[], None]) -> Generator[Any, Any
 
 
 def _abandon(it: Any, block: Block, end: Callable[[], None]) -> None:
-    """An interrupt stopped the driver of ``it`` (the exit it stopped has
-    completed itself): close ``it`` in its own world, and leave it whatever
-    the closing does."""
+    """An exception stopped the driver of ``it``: the body's own, or an
+    interrupt (the exit it stopped has completed itself).  Close ``it`` in its
+    own world, and leave it whatever the closing does."""
     guarded(end, _close, it, block, end)
+
+
+def _run(block: Block, func: Callable[..., Any], args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """Start ``block``, then call ``func``: ``(result, None)`` or ``(None,
+    exception)``.  The body's exception is returned, not raised: its block is
+    then left on the normal path, inside the guard's ``try``, not in a handler
+    that an interrupt could stop at its first line."""
+    block.start()
+    try:
+        return func(*args, **kwargs), None
+    except BaseException as exc:
+        return None, exc
 
 
 def _reraise(error: BaseException) -> NoReturn:
@@ -155,11 +147,6 @@ def _reraise(error: BaseException) -> NoReturn:
         raise error.with_traceback(tb.tb_next if tb is not None else None)
     finally:
         del error, tb  # no reference cycle through this frame
-
-
-def _run(block: Block, func: Callable[..., Any], args: Any, kwargs: Any) -> tuple[Any, Any]:
-    block.start()
-    return _call(func, *args, **kwargs)
 
 
 def _wrap_function(func: Callable[..., Any], settings: Settings | None) -> Callable[..., Any]:

@@ -206,8 +206,9 @@ class allow_nondeterministic:
                 _dispatch.install_exemption(op, functools.partial(_kernel, op))
                 _labels[op] = _dispatch.op_label(op)
         token = object()
-        # Undone by ``_leave`` if anything stops it; entered and returned in one
-        # line here, so no line of this frame runs after the entry.
+        # Undone by ``_leave`` if anything stops it, and returned by this line:
+        # the guard's return checks no signal on 3.11+, where it is inlined
+        # (3.10 checks after every call: see ``deterministic.__enter__``).
         return guarded(functools.partial(self._leave, token), self._enter, token)
 
     def _enter(self, token: object) -> allow_nondeterministic:
