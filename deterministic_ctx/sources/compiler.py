@@ -49,9 +49,8 @@ from .._torch.internals import FUNCTORCH_CONFIG as _FUNCTORCH
 from .._torch.internals import INDUCTOR_CONFIG as _INDUCTOR
 from .._torch.internals import config_unset
 from ..base import plain as _plain
-from ..base.fast_paths import FastPath
 from ..base.settings import Settings
-from ._base import Reseeder, seeds_nothing
+from ._base import SettingSource
 from .config_entries import AT_DEFAULT, ConfigEntry
 
 __all__ = [
@@ -95,15 +94,12 @@ def _variables(modules: tuple[Any, ...]) -> tuple[tuple[Any, ...] | None, Any]:
     return _binding[1], _binding[2]
 
 
-class TorchCompileSource:
+class TorchCompileSource(SettingSource):
     """The config entries of inductor, AOTAutograd and dynamo that decide
     compiled random numbers (see the module docstring).  The state is a
     tuple of overrides, one per entry of :data:`ENTRIES`."""
 
     name = "torch.compile"
-    device_type: str | None = None  # not a device generator: saved under "sources"
-    applies_nothing = False
-    fast_paths: tuple[FastPath, ...] = ()
 
     def capture(self) -> tuple[object, ...]:
         """Each entry's override: as set, torch's "unset" sentinel, or
@@ -116,10 +112,6 @@ class TorchCompileSource:
         if variables is not None:  # all imported, torch's layout: the overrides as they are
             return tuple(map(get, variables))
         return tuple(entry.read()[1] for entry in ENTRIES)
-
-    def reseeder(self) -> Reseeder:
-        """Nothing to seed: with ``flags=False`` (a reseed) ``apply`` does nothing."""
-        return seeds_nothing
 
     def apply(self, settings: Settings) -> None:
         if settings.compiled_rng == "eager":

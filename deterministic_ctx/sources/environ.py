@@ -79,7 +79,7 @@ from ..base import plain as _plain
 from ..base.cache import BoundedCache
 from ..base.fast_paths import ENABLED, FastPath
 from ..base.settings import Settings
-from ._base import Reseeder, seeds_nothing
+from ._base import SettingSource
 
 __all__ = [
     "CUBLAS_VALID",
@@ -473,7 +473,7 @@ def _proven(env: Any) -> bool:
     return bool(proven)
 
 
-class EnvironSource:
+class EnvironSource(SettingSource):
     """The managed environment variables (:func:`managed_env_vars`) of ``os.environ``.
 
     Example:
@@ -484,8 +484,6 @@ class EnvironSource:
     """
 
     name = "environ"
-    device_type: str | None = None  # not a device generator: saved under "sources"
-    applies_nothing = False
 
     def __init__(self, environ: MutableMapping[str, str] | None = None) -> None:
         self._access = access = _access(environ if environ is not None else os.environ)
@@ -517,10 +515,6 @@ class EnvironSource:
             keys = self._access.keys(names)
             self._cache = (names, keys)
         return names, tuple(map(self._access.get, keys))
-
-    def reseeder(self) -> Reseeder:
-        """Nothing to seed: with ``flags=False`` (a reseed) ``apply`` does nothing."""
-        return seeds_nothing
 
     def apply(self, settings: Settings) -> None:
         if not settings.flags:  # the caller's variables, captured and restored all the same

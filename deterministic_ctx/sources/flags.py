@@ -44,9 +44,8 @@ from .._torch.flags import (
 )
 from .._torch.internals import INDUCTOR_CONFIG as _INDUCTOR
 from ..base import plain as _plain
-from ..base.fast_paths import FastPath
 from ..base.settings import Settings
-from ._base import Reseeder, seeds_nothing
+from ._base import SettingSource
 from .config_entries import AT_DEFAULT, ConfigEntry
 from .precision import (
     ONEDNN,
@@ -203,14 +202,11 @@ def write_alerts(state: tuple[bool, bool]) -> None:
 # -- the source ----------------------------------------------------------------
 
 
-class TorchFlagsSource:
+class TorchFlagsSource(SettingSource):
     """Algorithm-selection flags of torch, cuDNN, oneDNN and inductor, and the
     TF32/precision flags, restored exactly."""
 
     name = "torch.flags"
-    device_type: str | None = None  # not a device generator: saved under "sources"
-    applies_nothing = False
-    fast_paths: tuple[FastPath, ...] = ()
 
     def capture(self) -> FlagState:
         inductor: bool | None = None
@@ -225,10 +221,6 @@ class TorchFlagsSource:
         # FlagState._make without its Python frame and length check: the flags'
         # fields, then these seven (asserted below the table).
         return tuple.__new__(FlagState, values)
-
-    def reseeder(self) -> Reseeder:
-        """Nothing to seed: with ``flags=False`` (a reseed) ``apply`` does nothing."""
-        return seeds_nothing
 
     def apply(self, settings: Settings) -> None:
         if not settings.flags:  # the caller's flags, captured and restored all the same
