@@ -30,7 +30,7 @@ import operator
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from .. import _torch
 from .._torch.flags import (
@@ -48,13 +48,11 @@ from ..base.settings import Settings
 from ._base import SettingSource
 from .config_entries import AT_DEFAULT, ConfigEntry
 from .precision import (
-    ONEDNN,
     OPTIONAL_PRECISION,
     PRECISION_OPS,
+    capture_precision,
     export_precision,
     import_precision,
-    onednn_allow_tf32,
-    read,
     restore_precision,
 )
 
@@ -152,6 +150,11 @@ _BOOLS = tuple(flag.field for flag in _FLAGS)
 UNSUPPORTED_FLAGS: frozenset[str] = frozenset(flag.field for flag in _FLAGS if flag.get is bool)
 assert FlagState._fields[: len(_BOOLS)] == _BOOLS
 assert len(FlagState._fields) == len(_BOOLS) + 7
+#: Where :data:`~.precision.Precision` lies in :class:`FlagState`.
+_PRECISION_FIRST: Final = 7
+_PRECISION_END: Final = 12
+assert FlagState._fields[_PRECISION_FIRST] == "float32_matmul_precision"
+assert FlagState._fields[_PRECISION_END - 1] == "onednn_allow_tf32"
 _GETTERS = tuple(flag.get for flag in _FLAGS)
 _MODE = _BOOLS.index("deterministic_algorithms")
 _WARN_ONLY = _BOOLS.index("deterministic_warn_only")
@@ -214,10 +217,8 @@ class TorchFlagsSource(SettingSource):
         if _INDUCTOR in sys.modules:
             value, override = _ENTRY.read()
             inductor = None if value is None else bool(value)
-        eff, own, legacy, cudnn = read()
-        onednn = onednn_allow_tf32() if ONEDNN else None
         values: list[object] = list(map(_call, _GETTERS))  # called from C, no frame each
-        values += (inductor, legacy, eff, own, cudnn, onednn, override)
+        values += (inductor, *capture_precision(), override)
         # FlagState._make without its Python frame and length check: the flags'
         # fields, then these seven (asserted below the table).
         return tuple.__new__(FlagState, values)
@@ -241,7 +242,7 @@ class TorchFlagsSource(SettingSource):
         # than six reads and the writes they find needed (a swap of a
         # decorated generator's world writes most of them anyway).
         _write_flags(state, None)
-        restore_precision(state)
+        restore_precision(state[_PRECISION_FIRST:_PRECISION_END])
 
     def export_state(self, state: FlagState) -> dict[str, Any]:
         """The state as plain data: one entry per field, the precision fields as
@@ -256,7 +257,7 @@ class TorchFlagsSource(SettingSource):
                     f"False, so these flags cannot be saved"
                 )
             out["inductor_deterministic"] = state.inductor_override
-        out.update(export_precision(state))
+        out.update(export_precision(state[_PRECISION_FIRST:_PRECISION_END]))
         return out
 
     def import_state(self, data: object, path: str) -> FlagState:
@@ -268,7 +269,7 @@ class TorchFlagsSource(SettingSource):
             [*_BOOLS, "float32_matmul_precision", "fp32_precision"],
             ["inductor_deterministic", *OPTIONAL_PRECISION],
         )
-        legacy, eff, own, cudnn, onednn = import_precision(d, path)
+        precision = import_precision(d, path)
         inductor = (
             _plain.flag(d["inductor_deterministic"], f"{path}.inductor_deterministic")
             if "inductor_deterministic" in d
@@ -276,4 +277,4 @@ class TorchFlagsSource(SettingSource):
         )
         flags = [_plain.flag(d[f], f"{path}.{f}") for f in _BOOLS]  # FlagState's first fields
         override = AT_DEFAULT if inductor is None else inductor
-        return FlagState._make((*flags, inductor, legacy, eff, own, cudnn, onednn, override))
+        return FlagState._make((*flags, inductor, *precision, override))
