@@ -26,13 +26,8 @@ is put back to its default on exit.  The one exception is the block option
 ``compiled_rng="eager"``, whose whole point is inductor's ``fallback_random``:
 it imports ``torch._inductor.config`` when the block starts.
 
-Dynamo does not guard on inductor's config: a function compiled earlier keeps
-the random numbers it was compiled with.  A block with ``flags=True`` turns
-deterministic algorithms on, which dynamo does guard on, so a function
-compiled outside blocks is compiled again for the block, with the block's
-config; one compiled in an earlier block under the same global state is not.
-
-Where blocks meet the compiler (graph breaks, paused frames) is
+What dynamo guards on (not inductor's config) is in ``docs/how-to/compile.md``;
+where blocks meet the compiler (graph breaks, paused frames) is
 :mod:`deterministic_ctx._torch.compiler`.
 """
 

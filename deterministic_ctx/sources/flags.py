@@ -1,24 +1,15 @@
 """torch determinism flags, restored exactly.
 
-Applied inside a block (they choose *which* algorithm runs):
+A block sets the boolean flags (they choose *which* algorithm runs), each
+to its row's value in ``_FLAGS``, and ``torch._inductor.config.deterministic``
+*only if inductor is already imported*: ``use_deterministic_algorithms``
+imports it (~1.2 s) to set this; we call the C setter directly and never
+import it ourselves.  That flag's state is the entry's *user override* (see
+:mod:`.config_entries`): if inductor is first imported inside a block, the
+override is cleared on exit, as if the block had never touched it.
 
-* ``torch.backends.cudnn.deterministic = True`` and ``.benchmark = False``;
-* ``torch.use_deterministic_algorithms(True, warn_only=...)``: both booleans;
-* ``torch.utils.deterministic.fill_uninitialized_memory = True``;
-* ``torch.backends.mkldnn.deterministic = True``;
-* ``torch._inductor.config.deterministic = True``, *only if inductor is
-  already imported*: ``use_deterministic_algorithms`` imports it (~1.2 s) to
-  set this; we call the C setter directly and never import it ourselves.
-
-**Inductor.**  Its flag's state is the entry's *user override*, read and
-written as torch's own patcher does (see :mod:`._config`).  If inductor is
-first imported inside a block, the override is cleared on exit: as if the
-block had never touched it, the flag is at its default, which
-``TORCHINDUCTOR_DETERMINISTIC`` chose at import.
-
-**Precision** (the ``fp32_precision`` entries, the legacy float32 matmul
-precision and ``allow_tf32`` fields) is part of :class:`FlagState`, captured
-and restored but never changed; :mod:`.precision` holds its machinery.
+**Precision** (:data:`~.precision.Precision`) is part of :class:`FlagState`,
+captured and restored but never changed; :mod:`.precision` holds its machinery.
 
 ``torch.backends.cudnn.flags()`` is not used: it defaults to ``enabled=False``
 and would turn cuDNN off.
@@ -76,12 +67,9 @@ _ENTRY = ConfigEntry(
 class FlagState(NamedTuple):
     """Every flag value.
 
-    ``fp32_precision`` holds what the getters report (resolved values),
-    ``fp32_precision_own`` what each entry holds itself (see the module
-    docstring); ``float32_matmul_precision`` and ``cudnn_allow_tf32`` are the
-    legacy fields, also where torch's getters refuse to report them (``None``:
-    unknown, left alone by a restore).  ``inductor_deterministic`` is the
-    value (``None`` if inductor is not imported), ``inductor_override`` what
+    ``float32_matmul_precision`` to ``onednn_allow_tf32`` are
+    :data:`~.precision.Precision`.  ``inductor_deterministic`` is the value
+    (``None`` if inductor is not imported), ``inductor_override`` what
     restoring writes: :data:`AT_DEFAULT` or the value someone set.
     """
 
