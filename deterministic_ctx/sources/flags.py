@@ -154,7 +154,9 @@ _call: Callable[[Callable[[], bool]], bool] = getattr(operator, "call", lambda f
 #: Each flag's value inside a block, by the block's ``(warn_only, fill_uninitialized_memory)``.
 _INSIDE = {
     (w, f): tuple(
-        flag.inside if type(flag.inside) is bool else {"warn_only": w}.get(flag.inside, f)
+        flag.inside
+        if type(flag.inside) is bool
+        else {"warn_only": w, "fill_uninitialized_memory": f}[flag.inside]
         for flag in _FLAGS
     )
     for w in (False, True)
