@@ -135,16 +135,9 @@ ONEDNN = _get_onednn is not None
 #: a signal handler that enters a block while its thread holds it goes on.
 #: Held only around torch's C calls, so it cannot deadlock.
 _lock = threading.RLock()
-
-
-def _new_lock_in_child() -> None:
-    # A fork while another thread held it would leave the child's lock held forever.
-    global _lock
-    _lock = threading.RLock()
-
-
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_lock_in_child)
+    # A fork while another thread held it would leave the child's lock held forever.
+    os.register_at_fork(after_in_child=_lock._at_fork_reinit)  # type: ignore[attr-defined]
 
 
 def resolve(own: tuple[str, ...], i: int) -> str:
