@@ -40,10 +40,8 @@ written into entries the process owns (:class:`_Slot`), with ``os.environ``
 updated together; ``docs/explanation/performance.md`` ("Memory over many
 seeds") says how, what it saves, and what other threads and child processes see.
 
-Cost: a capture reads one dict entry per managed name (``os.environ`` keeps
-its values in a plain dict under encoded keys), whatever the size of the
-environment; a restore reads them again, compares two tuples and writes only
-the names that differ, through the public API.
+Cost: one dict entry read per managed name, whatever the size of the
+environment (:class:`_Access`).
 """
 
 from __future__ import annotations
@@ -83,12 +81,10 @@ SEED = "DETERMINISTIC_CTX_SEED"
 #: The variables every block captures and restores, each with why: the ones
 #: that PyTorch, its accelerator and collective libraries, Lightning,
 #: transformers and the training stacks built on them read or write to decide
-#: seeds or whether results are deterministic.  Only the first two are changed
-#: on entry.  (Thread counts, ``CUDA_VISIBLE_DEVICES`` and TF32 overrides are
-#: left out: they choose resources or precision, and are read once at start-up;
-#: the report shows them.  So are NCCL's transport and debugging variables and
-#: PyTorch's ``TORCH_NCCL_*``, which handle errors, streams, timeouts and
-#: buffer registration but never choose how a reduction sums.)
+#: seeds or whether results are deterministic.  (Left out, besides what
+#: ``docs/explanation/captures.md`` names: NCCL's transport and debugging
+#: variables and PyTorch's ``TORCH_NCCL_*``, which handle errors, streams,
+#: timeouts and buffer registration but never choose how a reduction sums.)
 ENV_VARS: tuple[tuple[str, str], ...] = (
     (CUBLAS, "cuBLAS is deterministic only with :4096:8 or :16:8 (set in a block)"),
     (HASHSEED, "str hash seed of child processes, spawn workers too (set in a block)"),

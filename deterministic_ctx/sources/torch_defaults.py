@@ -30,7 +30,7 @@ A block is a hot path: ``capture`` is four C calls (three on a build
 without CUDA) and three float products into a plain tuple, about 0.3-0.4 µs,
 and ``restore`` makes the same reads, comparing as it goes, and writes only
 what differs.  A block deliberately leaves alone what does not
-decide draws or results, or cannot be set back (see the README).
+decide draws or results, or cannot be set back (``docs/explanation/captures.md``).
 """
 
 from __future__ import annotations
