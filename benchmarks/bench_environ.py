@@ -31,12 +31,13 @@ import torch
 from deterministic_ctx import deterministic, managed_env_vars
 from deterministic_ctx import sources as _sources
 from deterministic_ctx.base.settings import Settings
+from deterministic_ctx.sources._base import SettingSource
 from deterministic_ctx.sources.environ import CUBLAS_VALID, EnvironSource
 
 CUBLAS, HASHSEED = "CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED"
 
 
-class PreviousEnvironSource:
+class PreviousEnvironSource(SettingSource):
     """The source as it was before the managed list (two names), for the baseline."""
 
     name = "environ"

@@ -59,8 +59,5 @@ class BoundedCache(Generic[K, V]):
                     pass
             items[key] = value
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._items
-
     def __len__(self) -> int:
         return len(self._items)

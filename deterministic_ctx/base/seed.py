@@ -6,11 +6,13 @@ point rejects the same inputs with the same message.
 
 from __future__ import annotations
 
-import functools
 import numbers
 import zlib
 
 import numpy as np
+
+from .cache import BoundedCache
+from .fast_paths import FastPath
 
 __all__ = ["MAX_SEED", "derive_seed", "short_repr", "show_int", "validate_seed"]
 
@@ -75,11 +77,9 @@ def _key_word(key: int | str) -> int:
     return int(key)
 
 
-@functools.lru_cache(maxsize=4096)
-def _derive(seed: int, words: tuple[int, ...], bits: int) -> int:
-    sequence = np.random.SeedSequence(entropy=seed, spawn_key=words)
-    lo, hi = (int(w) for w in sequence.generate_state(2, np.uint32))
-    return lo if bits == 32 else lo | (hi << 32)
+#: Sub-seeds derived already, by ``(seed, key words, bits)``.
+_DERIVED: BoundedCache[tuple[int, tuple[int, ...], int], int] = BoundedCache(4096)
+FAST_PATH = FastPath("derive_seed: sub-seeds remembered per seed and keys", lambda: True)
 
 
 def derive_seed(seed: int, *keys: int | str, bits: int = 32) -> int:
@@ -98,4 +98,11 @@ def derive_seed(seed: int, *keys: int | str, bits: int = 32) -> int:
     """
     if bits not in (32, 64):
         raise ValueError(f"bits must be 32 or 64, got {bits!r}")
-    return _derive(validate_seed(seed), tuple(_key_word(k) for k in keys), bits)
+    key = (validate_seed(seed), tuple(_key_word(k) for k in keys), bits)
+    derived = _DERIVED.get(key)
+    if derived is None:
+        sequence = np.random.SeedSequence(entropy=key[0], spawn_key=key[1])
+        lo, hi = (int(w) for w in sequence.generate_state(2, np.uint32))
+        derived = lo if bits == 32 else lo | (hi << 32)
+        _DERIVED.put(key, derived)
+    return derived

@@ -6,6 +6,7 @@ a flag means adding or changing one module here, nothing above it.
 
 from __future__ import annotations
 
+from ..base import seed as _seed
 from ..base import settings as _settings
 from ..base.cache import BoundedCache
 from ..base.fast_paths import ENABLED
@@ -137,5 +138,6 @@ def fast_paths() -> dict[str, bool]:
         >>> "random.Random: state copied as memory" in fast_paths()
         True
     """
-    paths = (_settings.FAST_PATH, *(path for s in SOURCES for path in s.fast_paths))
+    own = (_settings.FAST_PATH, _seed.FAST_PATH)
+    paths = (*own, *(path for s in SOURCES for path in s.fast_paths))
     return {path.what: ENABLED and path.used() for path in paths}

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 from ..base.fast_paths import FastPath
 from ..base.settings import Settings
 
-__all__ = ["DeviceSource", "Reseeder", "Source", "seeds_nothing"]
+__all__ = ["DeviceSource", "Reseeder", "SettingSource", "Source", "seeds_nothing"]
 
 
 #: What ``Source.reseeder()`` returns: seeds a source for ``(seed, rank_seed)``.
@@ -96,3 +96,17 @@ class DeviceSource(Source, Protocol):
     def device_type(self) -> str: ...
 
     def import_state(self, data: object, path: str, *, strict: bool = False) -> Any: ...
+
+
+class SettingSource:
+    """What a source of settings (flags, defaults, variables; no generator) has
+    in common: saved under ``"sources"``, no fast path of its own unless it
+    says so, and nothing to seed in a reseed (``flags=False``: its ``apply``
+    does nothing then)."""
+
+    device_type: str | None = None
+    applies_nothing = False
+    fast_paths: tuple[FastPath, ...] = ()
+
+    def reseeder(self) -> Reseeder:
+        return seeds_nothing

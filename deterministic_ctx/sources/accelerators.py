@@ -26,37 +26,16 @@ torch's own initialization seeds it, then the captured queued calls (a
 the one the program would have drawn).
 
 **Graph capture (CUDA graphs, XPU graphs).**  While the calling thread's
-current stream is capturing a graph, the sources *refuse*: capturing,
-seeding and restoring an initialized device raise :class:`GraphCaptureError`
-before anything of the device is read or changed; ``Snapshot.restore()``
-checks first (:func:`refuse_inside_graph_capture`), so it changes nothing at
-all.  We refuse rather than swap states with the graph-safe API because:
-
-* torch forbids the plain API during capture (``get_state``, ``set_state``
-  and ``manual_seed`` assert that the stream is not capturing), and the
-  graph-safe alternative cannot be done by a block on its own: a generator
-  state swapped in with ``graphsafe_set_state`` is only advanced by a graph
-  it was registered with, and registering (``CUDAGraph.register_generator_state``)
-  must happen *before* the capture begins, on the graph object, which a block
-  entered inside the capture never sees.
-* A captured graph reads its generator's seed and offset when it is
-  *replayed*, not when it is captured (torch's "CUDA Graph-safe RNG states"):
-  the way to make a graph's random numbers reproducible is to seed its
-  replays, ``with deterministic(seed=0): g.replay()``, or to enter the block
-  before the capture and replay inside it.  That pattern uses only the plain
-  API outside capture and works as it is.
-* None of the graph-safe path can be tested on a machine without a GPU;
-  a clear error is honest where a wrong stream would be silent.
-
-A block entered before the capture and left after it is the supported
-pattern: nothing is checked or refused then.  One left *during* a capture
-(entered before ``capture_begin()``, left before ``capture_end()``) restores
-every other source and raises :class:`~deterministic_ctx.RestoreError` naming
-this one: the device generators keep the block's state.  The check costs
-nothing where the device cannot be initialized (a CPU build) or is not yet:
-it is only made on the initialized path, with one
-``is_current_stream_capturing()`` call (a stream query; it never initializes
-the device and is legal during a capture).
+current stream is capturing a graph, capturing, seeding and restoring an
+initialized device raise :class:`GraphCaptureError` before anything of the
+device is read or changed (``Snapshot.restore()`` checks first,
+:func:`refuse_inside_graph_capture`, so it changes nothing at all); why not
+swap states with the graph-safe API instead, and the supported pattern, are
+in ``docs/how-to/compile.md`` ("CUDA graphs").  A graph-safe path could not
+be tested on a machine without a GPU: a clear error is honest where a wrong
+stream would be silent.  The check is made only on the initialized path,
+with one ``is_current_stream_capturing()`` call (a stream query; it never
+initializes the device and is legal during a capture).
 """
 
 from __future__ import annotations

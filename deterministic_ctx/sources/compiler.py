@@ -26,13 +26,8 @@ is put back to its default on exit.  The one exception is the block option
 ``compiled_rng="eager"``, whose whole point is inductor's ``fallback_random``:
 it imports ``torch._inductor.config`` when the block starts.
 
-Dynamo does not guard on inductor's config: a function compiled earlier keeps
-the random numbers it was compiled with.  A block with ``flags=True`` turns
-deterministic algorithms on, which dynamo does guard on, so a function
-compiled outside blocks is compiled again for the block, with the block's
-config; one compiled in an earlier block under the same global state is not.
-
-Where blocks meet the compiler (graph breaks, paused frames) is
+What dynamo guards on (not inductor's config) is in ``docs/how-to/compile.md``;
+where blocks meet the compiler (graph breaks, paused frames) is
 :mod:`deterministic_ctx._torch.compiler`.
 """
 
@@ -49,9 +44,8 @@ from .._torch.internals import FUNCTORCH_CONFIG as _FUNCTORCH
 from .._torch.internals import INDUCTOR_CONFIG as _INDUCTOR
 from .._torch.internals import config_unset
 from ..base import plain as _plain
-from ..base.fast_paths import FastPath
 from ..base.settings import Settings
-from ._base import Reseeder, seeds_nothing
+from ._base import SettingSource
 from .config_entries import AT_DEFAULT, ConfigEntry
 
 __all__ = [
@@ -95,15 +89,12 @@ def _variables(modules: tuple[Any, ...]) -> tuple[tuple[Any, ...] | None, Any]:
     return _binding[1], _binding[2]
 
 
-class TorchCompileSource:
+class TorchCompileSource(SettingSource):
     """The config entries of inductor, AOTAutograd and dynamo that decide
     compiled random numbers (see the module docstring).  The state is a
     tuple of overrides, one per entry of :data:`ENTRIES`."""
 
     name = "torch.compile"
-    device_type: str | None = None  # not a device generator: saved under "sources"
-    applies_nothing = False
-    fast_paths: tuple[FastPath, ...] = ()
 
     def capture(self) -> tuple[object, ...]:
         """Each entry's override: as set, torch's "unset" sentinel, or
@@ -116,10 +107,6 @@ class TorchCompileSource:
         if variables is not None:  # all imported, torch's layout: the overrides as they are
             return tuple(map(get, variables))
         return tuple(entry.read()[1] for entry in ENTRIES)
-
-    def reseeder(self) -> Reseeder:
-        """Nothing to seed: with ``flags=False`` (a reseed) ``apply`` does nothing."""
-        return seeds_nothing
 
     def apply(self, settings: Settings) -> None:
         if settings.compiled_rng == "eager":

@@ -16,15 +16,10 @@ other libraries export their state there (Lightning's ``PL_GLOBAL_SEED``,
 transformers' ``enable_full_determinism``), and a block must not leak it.
 A variable that was absent is absent again after the block.
 
-Collectives: NCCL's variables that decide the order in which a reduction sums
-(algorithm, protocol, NVLink SHARP, CollNet, channels, buffer size, topology,
-tuner plugin) are managed too, captured and restored, never set: NCCL reads
-them when it creates a communicator (``NCCL_ALGO``, ``NCCL_PROTO``,
-``NCCL_COLLNET_ENABLE``, ``NCCL_TOPO_FILE``, the tuner plugin) or once per
-process, at its first use, and keeps them (the others), so a value set in a
-block would reach only the communicators created in it, and outlive the
-block in them.  :data:`~deterministic_ctx.DETERMINISTIC_COLLECTIVES` holds the values to
-set before ``init_process_group`` instead; see its comment.
+NCCL's variables that decide the order in which a reduction sums are only
+captured and restored: NCCL reads them when it creates a communicator, or
+once per process, so a value set in a block would outlive it (see
+``docs/how-to/collectives.md`` and :data:`~deterministic_ctx.DETERMINISTIC_COLLECTIVES`).
 
 Example:
     >>> import os
@@ -38,30 +33,15 @@ Example:
     >>> os.environ.get("NCCL_ALGO") == before
     True
 
-Memory: ``PYTHONHASHSEED`` and ``DETERMINISTIC_CTX_SEED`` (which
-``seed_everything`` exports) take a new value with every new seed, and glibc's
-``setenv`` (behind ``os.putenv``) keeps every distinct ``NAME=value`` string it
-was ever given, for the life of the process: ~64 bytes a seed, without bound.
-So, where a probe at import proves it works, these two are written into
-entries the process owns: two fixed buffers per name (``NAME=`` and room for
-:data:`SLOT_CHARS` characters), each written while it is *not* in the C
-environment and then handed to the C library's ``putenv``, which keeps the
-pointer (no copy).  Any number of seeds costs those four buffers.  The C
-environment and ``os.environ`` are updated together, as ``os.environ`` does
-it, so a child started at any point (``subprocess``, ``multiprocessing``'s
-``fork`` and ``spawn``, ``os.exec*``, ``posix_spawn``) sees what
-``os.environ`` says.  Threads: writes are made under the process lock of
-blocks; another thread reading ``os.environ`` sees the old or the new value,
-and a thread reading the C environment (``getenv``) gets a pointer to a
-complete old or new string (a buffer is never written while it is the
-entry, only at the next write after the one that replaced it).  With the
-fast paths off, or where the probe fails, the two names go through
-``os.environ`` like the others and grow as above.
+Memory: ``PYTHONHASHSEED`` and ``DETERMINISTIC_CTX_SEED`` take a new value
+with every new seed, and glibc keeps every ``NAME=value`` string ``os.putenv``
+was ever given.  So, where a probe at import proves it works, these two are
+written into entries the process owns (:class:`_Slot`), with ``os.environ``
+updated together; ``docs/explanation/performance.md`` ("Memory over many
+seeds") says how, what it saves, and what other threads and child processes see.
 
-Cost: a capture reads one dict entry per managed name (``os.environ`` keeps
-its values in a plain dict under encoded keys), whatever the size of the
-environment; a restore reads them again, compares two tuples and writes only
-the names that differ, through the public API.
+Cost: one dict entry read per managed name, whatever the size of the
+environment (:class:`_Access`).
 """
 
 from __future__ import annotations
@@ -79,7 +59,7 @@ from ..base import plain as _plain
 from ..base.cache import BoundedCache
 from ..base.fast_paths import ENABLED, FastPath
 from ..base.settings import Settings
-from ._base import Reseeder, seeds_nothing
+from ._base import SettingSource
 
 __all__ = [
     "CUBLAS_VALID",
@@ -101,12 +81,10 @@ SEED = "DETERMINISTIC_CTX_SEED"
 #: The variables every block captures and restores, each with why: the ones
 #: that PyTorch, its accelerator and collective libraries, Lightning,
 #: transformers and the training stacks built on them read or write to decide
-#: seeds or whether results are deterministic.  Only the first two are changed
-#: on entry.  (Thread counts, ``CUDA_VISIBLE_DEVICES`` and TF32 overrides are
-#: left out: they choose resources or precision, and are read once at start-up;
-#: the report shows them.  So are NCCL's transport and debugging variables and
-#: PyTorch's ``TORCH_NCCL_*``, which handle errors, streams, timeouts and
-#: buffer registration but never choose how a reduction sums.)
+#: seeds or whether results are deterministic.  (Left out, besides what
+#: ``docs/explanation/captures.md`` names: NCCL's transport and debugging
+#: variables and PyTorch's ``TORCH_NCCL_*``, which handle errors, streams,
+#: timeouts and buffer registration but never choose how a reduction sums.)
 ENV_VARS: tuple[tuple[str, str], ...] = (
     (CUBLAS, "cuBLAS is deterministic only with :4096:8 or :16:8 (set in a block)"),
     (HASHSEED, "str hash seed of child processes, spawn workers too (set in a block)"),
@@ -473,7 +451,7 @@ def _proven(env: Any) -> bool:
     return bool(proven)
 
 
-class EnvironSource:
+class EnvironSource(SettingSource):
     """The managed environment variables (:func:`managed_env_vars`) of ``os.environ``.
 
     Example:
@@ -484,8 +462,6 @@ class EnvironSource:
     """
 
     name = "environ"
-    device_type: str | None = None  # not a device generator: saved under "sources"
-    applies_nothing = False
 
     def __init__(self, environ: MutableMapping[str, str] | None = None) -> None:
         self._access = access = _access(environ if environ is not None else os.environ)
@@ -517,10 +493,6 @@ class EnvironSource:
             keys = self._access.keys(names)
             self._cache = (names, keys)
         return names, tuple(map(self._access.get, keys))
-
-    def reseeder(self) -> Reseeder:
-        """Nothing to seed: with ``flags=False`` (a reseed) ``apply`` does nothing."""
-        return seeds_nothing
 
     def apply(self, settings: Settings) -> None:
         if not settings.flags:  # the caller's variables, captured and restored all the same

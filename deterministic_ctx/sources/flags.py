@@ -1,24 +1,15 @@
 """torch determinism flags, restored exactly.
 
-Applied inside a block (they choose *which* algorithm runs):
+A block sets the boolean flags (they choose *which* algorithm runs), each
+to its row's value in ``_FLAGS``, and ``torch._inductor.config.deterministic``
+*only if inductor is already imported*: ``use_deterministic_algorithms``
+imports it (~1.2 s) to set this; we call the C setter directly and never
+import it ourselves.  That flag's state is the entry's *user override* (see
+:mod:`.config_entries`): if inductor is first imported inside a block, the
+override is cleared on exit, as if the block had never touched it.
 
-* ``torch.backends.cudnn.deterministic = True`` and ``.benchmark = False``;
-* ``torch.use_deterministic_algorithms(True, warn_only=...)``: both booleans;
-* ``torch.utils.deterministic.fill_uninitialized_memory = True``;
-* ``torch.backends.mkldnn.deterministic = True``;
-* ``torch._inductor.config.deterministic = True``, *only if inductor is
-  already imported*: ``use_deterministic_algorithms`` imports it (~1.2 s) to
-  set this; we call the C setter directly and never import it ourselves.
-
-**Inductor.**  Its flag's state is the entry's *user override*, read and
-written as torch's own patcher does (see :mod:`._config`).  If inductor is
-first imported inside a block, the override is cleared on exit: as if the
-block had never touched it, the flag is at its default, which
-``TORCHINDUCTOR_DETERMINISTIC`` chose at import.
-
-**Precision** (the ``fp32_precision`` entries, the legacy float32 matmul
-precision and ``allow_tf32`` fields) is part of :class:`FlagState`, captured
-and restored but never changed; :mod:`.precision` holds its machinery.
+**Precision** (:data:`~.precision.Precision`) is part of :class:`FlagState`,
+captured and restored but never changed; :mod:`.precision` holds its machinery.
 
 ``torch.backends.cudnn.flags()`` is not used: it defaults to ``enabled=False``
 and would turn cuDNN off.
@@ -30,7 +21,7 @@ import operator
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from .. import _torch
 from .._torch.flags import (
@@ -44,18 +35,15 @@ from .._torch.flags import (
 )
 from .._torch.internals import INDUCTOR_CONFIG as _INDUCTOR
 from ..base import plain as _plain
-from ..base.fast_paths import FastPath
 from ..base.settings import Settings
-from ._base import Reseeder, seeds_nothing
+from ._base import SettingSource
 from .config_entries import AT_DEFAULT, ConfigEntry
 from .precision import (
-    ONEDNN,
     OPTIONAL_PRECISION,
     PRECISION_OPS,
+    capture_precision,
     export_precision,
     import_precision,
-    onednn_allow_tf32,
-    read,
     restore_precision,
 )
 
@@ -79,12 +67,9 @@ _ENTRY = ConfigEntry(
 class FlagState(NamedTuple):
     """Every flag value.
 
-    ``fp32_precision`` holds what the getters report (resolved values),
-    ``fp32_precision_own`` what each entry holds itself (see the module
-    docstring); ``float32_matmul_precision`` and ``cudnn_allow_tf32`` are the
-    legacy fields, also where torch's getters refuse to report them (``None``:
-    unknown, left alone by a restore).  ``inductor_deterministic`` is the
-    value (``None`` if inductor is not imported), ``inductor_override`` what
+    ``float32_matmul_precision`` to ``onednn_allow_tf32`` are
+    :data:`~.precision.Precision`.  ``inductor_deterministic`` is the value
+    (``None`` if inductor is not imported), ``inductor_override`` what
     restoring writes: :data:`AT_DEFAULT` or the value someone set.
     """
 
@@ -153,6 +138,11 @@ _BOOLS = tuple(flag.field for flag in _FLAGS)
 UNSUPPORTED_FLAGS: frozenset[str] = frozenset(flag.field for flag in _FLAGS if flag.get is bool)
 assert FlagState._fields[: len(_BOOLS)] == _BOOLS
 assert len(FlagState._fields) == len(_BOOLS) + 7
+#: Where :data:`~.precision.Precision` lies in :class:`FlagState`.
+_PRECISION_FIRST: Final = 7
+_PRECISION_END: Final = 12
+assert FlagState._fields[_PRECISION_FIRST] == "float32_matmul_precision"
+assert FlagState._fields[_PRECISION_END - 1] == "onednn_allow_tf32"
 _GETTERS = tuple(flag.get for flag in _FLAGS)
 _MODE = _BOOLS.index("deterministic_algorithms")
 _WARN_ONLY = _BOOLS.index("deterministic_warn_only")
@@ -164,7 +154,9 @@ _call: Callable[[Callable[[], bool]], bool] = getattr(operator, "call", lambda f
 #: Each flag's value inside a block, by the block's ``(warn_only, fill_uninitialized_memory)``.
 _INSIDE = {
     (w, f): tuple(
-        flag.inside if type(flag.inside) is bool else {"warn_only": w}.get(flag.inside, f)
+        flag.inside
+        if type(flag.inside) is bool
+        else {"warn_only": w, "fill_uninitialized_memory": f}[flag.inside]
         for flag in _FLAGS
     )
     for w in (False, True)
@@ -203,14 +195,11 @@ def write_alerts(state: tuple[bool, bool]) -> None:
 # -- the source ----------------------------------------------------------------
 
 
-class TorchFlagsSource:
+class TorchFlagsSource(SettingSource):
     """Algorithm-selection flags of torch, cuDNN, oneDNN and inductor, and the
     TF32/precision flags, restored exactly."""
 
     name = "torch.flags"
-    device_type: str | None = None  # not a device generator: saved under "sources"
-    applies_nothing = False
-    fast_paths: tuple[FastPath, ...] = ()
 
     def capture(self) -> FlagState:
         inductor: bool | None = None
@@ -218,17 +207,11 @@ class TorchFlagsSource:
         if _INDUCTOR in sys.modules:
             value, override = _ENTRY.read()
             inductor = None if value is None else bool(value)
-        eff, own, legacy, cudnn = read()
-        onednn = onednn_allow_tf32() if ONEDNN else None
         values: list[object] = list(map(_call, _GETTERS))  # called from C, no frame each
-        values += (inductor, legacy, eff, own, cudnn, onednn, override)
+        values += (inductor, *capture_precision(), override)
         # FlagState._make without its Python frame and length check: the flags'
         # fields, then these seven (asserted below the table).
         return tuple.__new__(FlagState, values)
-
-    def reseeder(self) -> Reseeder:
-        """Nothing to seed: with ``flags=False`` (a reseed) ``apply`` does nothing."""
-        return seeds_nothing
 
     def apply(self, settings: Settings) -> None:
         if not settings.flags:  # the caller's flags, captured and restored all the same
@@ -249,7 +232,7 @@ class TorchFlagsSource:
         # than six reads and the writes they find needed (a swap of a
         # decorated generator's world writes most of them anyway).
         _write_flags(state, None)
-        restore_precision(state)
+        restore_precision(state[_PRECISION_FIRST:_PRECISION_END])
 
     def export_state(self, state: FlagState) -> dict[str, Any]:
         """The state as plain data: one entry per field, the precision fields as
@@ -264,7 +247,7 @@ class TorchFlagsSource:
                     f"False, so these flags cannot be saved"
                 )
             out["inductor_deterministic"] = state.inductor_override
-        out.update(export_precision(state))
+        out.update(export_precision(state[_PRECISION_FIRST:_PRECISION_END]))
         return out
 
     def import_state(self, data: object, path: str) -> FlagState:
@@ -276,7 +259,7 @@ class TorchFlagsSource:
             [*_BOOLS, "float32_matmul_precision", "fp32_precision"],
             ["inductor_deterministic", *OPTIONAL_PRECISION],
         )
-        legacy, eff, own, cudnn, onednn = import_precision(d, path)
+        precision = import_precision(d, path)
         inductor = (
             _plain.flag(d["inductor_deterministic"], f"{path}.inductor_deterministic")
             if "inductor_deterministic" in d
@@ -284,4 +267,4 @@ class TorchFlagsSource:
         )
         flags = [_plain.flag(d[f], f"{path}.{f}") for f in _BOOLS]  # FlagState's first fields
         override = AT_DEFAULT if inductor is None else inductor
-        return FlagState._make((*flags, inductor, legacy, eff, own, cudnn, onednn, override))
+        return FlagState._make((*flags, inductor, *precision, override))

@@ -1,7 +1,7 @@
 """The float32 matmul / TF32 precision state of torch, captured and restored exactly.
 
-Its one job: the precision half of :class:`~deterministic_ctx.sources.flags.FlagState`
-(the ``fp32_precision`` entries, the legacy ``float32_matmul_precision`` and
+Its one job: the precision part of the flags' state (:data:`Precision`: the
+``fp32_precision`` entries, the legacy ``float32_matmul_precision`` and
 ``allow_tf32`` fields): reading the effective and own values, the refusal
 rules of torch's getters, writing the state back, and saving and loading it.
 :mod:`.flags` holds the boolean determinism flags and the source.
@@ -50,7 +50,7 @@ from __future__ import annotations
 import os
 import threading
 from itertools import repeat, starmap
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -64,17 +64,13 @@ from .._torch.flags import (
 from ..base import plain as _plain
 from ..base.completion import complete_each
 
-if TYPE_CHECKING:  # flags.py imports this module
-    from .flags import FlagState
-
 __all__ = [
-    "ONEDNN",
     "OPTIONAL_PRECISION",
     "PRECISION_OPS",
+    "Precision",
+    "capture_precision",
     "export_precision",
     "import_precision",
-    "onednn_allow_tf32",
-    "read",
     "restore_precision",
 ]
 
@@ -139,16 +135,9 @@ ONEDNN = _get_onednn is not None
 #: a signal handler that enters a block while its thread holds it goes on.
 #: Held only around torch's C calls, so it cannot deadlock.
 _lock = threading.RLock()
-
-
-def _new_lock_in_child() -> None:
-    # A fork while another thread held it would leave the child's lock held forever.
-    global _lock
-    _lock = threading.RLock()
-
-
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_lock_in_child)
+    # A fork while another thread held it would leave the child's lock held forever.
+    os.register_at_fork(after_in_child=_lock._at_fork_reinit)  # type: ignore[attr-defined]
 
 
 def resolve(own: tuple[str, ...], i: int) -> str:
@@ -174,21 +163,27 @@ def _closest(own: tuple[str, ...]) -> str:
 
 _Own = tuple[str, ...]
 _Hidden = tuple[_Own, _Own, str | None, bool | None]
+#: The precision state, in the flags' state's order (its fields
+#: ``float32_matmul_precision`` to ``onednn_allow_tf32``): the legacy matmul
+#: precision, the resolved and the own ``fp32_precision`` entries, the legacy
+#: cuDNN and oneDNN TF32 flags (``None``: unknown, left alone by a restore).
+Precision = tuple[str | None, _Own, _Own, bool | None, bool | None]
 
 
-def read(find_default: bool = False) -> _Hidden:
-    """The resolved values torch reports, each entry's own value, the legacy
-    matmul precision and the legacy cuDNN flag.
+def capture_precision() -> Precision:
+    """The precision state now.
 
     The ``with`` is one line: CPython gives a ``with``'s exit the statement's
     own line, so with the body on another line a tracer raising at that line
     event would skip the release and leave the lock held for good.
     """
-    with _lock: return _read(find_default)  # noqa: E701  # fmt: skip
+    with _lock: eff, own, legacy, cudnn = _read(False)  # noqa: E701  # fmt: skip
+    return legacy, eff, own, cudnn, bool(_get_onednn()) if ONEDNN else None
 
 
 def _read(find_default: bool) -> _Hidden:
-    """:func:`read`, the caller holding ``_lock``.
+    """The resolved values torch reports, each entry's own value, the legacy
+    matmul precision and the legacy cuDNN flag; the caller holds ``_lock``.
 
     With no parent set, an entry resolves to its own value, except that
     cuDNN's initial state reads "tf32" like an explicit "tf32"; they behave
@@ -309,19 +304,14 @@ def _legacy(eff: tuple[str, ...]) -> tuple[str | None, bool | None]:
     return legacy, cudnn
 
 
-def onednn_allow_tf32() -> bool | None:
-    return bool(_get_onednn()) if _get_onednn is not None else None
-
-
 # -- saving and loading ------------------------------------------------------------
 
 
-def export_precision(state: FlagState) -> dict[str, Any]:
+def export_precision(state: Precision) -> dict[str, Any]:
     """``float32_matmul_precision`` (only a value torch can report) and
     ``fp32_precision``: ``{"backend.op": own value}``, cuDNN's initial state
     as the value that behaves the same (it cannot be loaded)."""
-    own = state.fp32_precision_own
-    legacy = state.float32_matmul_precision
+    legacy, _, own, *optional = state
     if legacy is None or (
         EXACT and _matmul_refused(legacy, resolve(own, _CUDA_MATMUL), resolve(own, _MKLDNN_MATMUL))
     ):
@@ -335,17 +325,14 @@ def export_precision(state: FlagState) -> dict[str, Any]:
         own = tuple(closest if value == DEFAULT else value for value in own)
     out: dict[str, Any] = {"float32_matmul_precision": legacy}
     out["fp32_precision"] = dict(zip(PRECISION_KEYS, own, strict=True))
-    for f in OPTIONAL_PRECISION:  # where known (and the oneDNN flag where the build has it)
-        if (value := getattr(state, f)) is not None:
+    for f, value in zip(OPTIONAL_PRECISION, optional, strict=True):
+        if value is not None:  # where known (and the oneDNN flag where the build has it)
             out[f] = value
     return out
 
 
-def import_precision(
-    d: dict[str, Any], path: str
-) -> tuple[str, _Own, _Own, bool | None, bool | None]:
-    """``(legacy, resolved, own, cudnn_allow_tf32, onednn_allow_tf32)`` checked
-    from what :func:`export_precision` saved in ``d``.
+def import_precision(d: dict[str, Any], path: str) -> Precision:
+    """The state checked from what :func:`export_precision` saved in ``d``.
 
     The entries must be exactly this torch's, each a value its setter
     accepts, and no mix torch sets but then refuses to read back ("mix of the
@@ -387,35 +374,35 @@ def import_precision(
 # -- restoring the precision ---------------------------------------------------------
 
 
-def restore_precision(state: FlagState) -> None:
-    """Put back the precision state of ``state``, if the body changed it: the
-    legacy fields first (their setters overwrite entries), then each entry
-    whose own value differs.  The ``with`` is one line (see :func:`read`)."""
+def restore_precision(state: Precision) -> None:
+    """Put back ``state``, if the body changed it: the legacy fields first
+    (their setters overwrite entries), then each entry whose own value
+    differs.  The ``with`` is one line (see :func:`capture_precision`)."""
     with _lock: _restore(state)  # noqa: E701  # fmt: skip
 
 
-def _restore(state: FlagState) -> None:
-    want = state.fp32_precision_own
+def _restore(state: Precision) -> None:
+    saved_legacy, _, want, saved_cudnn, saved_onednn = state
     # A "tf32" read with no parent set may be cuDNN's initial state: that
     # matters where the target sets a cuda parent (they differ under it) or holds it.
     find_default = EXACT and (
         want[GENERIC] != "none" or want[CUDA] != "none" or DEFAULT in (want[CONV], want[RNN])
     )
     _, own, legacy, cudnn = _read(find_default)
-    onednn = onednn_allow_tf32() if ONEDNN else None
+    onednn = bool(_get_onednn()) if ONEDNN else None
     if (
         own == want
-        and state.float32_matmul_precision in (None, legacy)
-        and state.cudnn_allow_tf32 in (None, cudnn)
-        and state.onednn_allow_tf32 in (None, onednn)
+        and saved_legacy in (None, legacy)
+        and saved_cudnn in (None, cudnn)
+        and saved_onednn in (None, onednn)
     ):
         return  # the common case: the body changed no precision
-    if state.float32_matmul_precision not in (None, legacy):
-        set_float32_matmul_precision(state.float32_matmul_precision)
-    if state.cudnn_allow_tf32 not in (None, cudnn):
-        set_cudnn_allow_tf32(state.cudnn_allow_tf32)
-    if state.onednn_allow_tf32 not in (None, onednn):
-        _set_onednn(state.onednn_allow_tf32)
+    if saved_legacy not in (None, legacy):
+        set_float32_matmul_precision(saved_legacy)
+    if saved_cudnn not in (None, cudnn):
+        set_cudnn_allow_tf32(saved_cudnn)
+    if saved_onednn not in (None, onednn):
+        _set_onednn(saved_onednn)
     if not EXACT:
         # Older rules: where any resolved value differs, write every one, parents first.
         if tuple(starmap(_get_precision, PRECISION_OPS)) != want:

@@ -30,7 +30,7 @@ A block is a hot path: ``capture`` is four C calls (three on a build
 without CUDA) and three float products into a plain tuple, about 0.3-0.4 µs,
 and ``restore`` makes the same reads, comparing as it goes, and writes only
 what differs.  A block deliberately leaves alone what does not
-decide draws or results, or cannot be set back (see the README).
+decide draws or results, or cannot be set back (``docs/explanation/captures.md``).
 """
 
 from __future__ import annotations
@@ -52,9 +52,8 @@ from .._torch.internals import (
     set_device_context_slot,
 )
 from ..base import plain as _plain
-from ..base.fast_paths import FastPath
 from ..base.settings import Settings
-from ._base import Reseeder, seeds_nothing
+from ._base import SettingSource
 
 __all__ = ["DefaultsState", "TorchDefaultsSource"]
 
@@ -125,11 +124,10 @@ DefaultsState = tuple[torch.dtype, str, Any, int, float, float]
 DTYPE, TENSOR_TYPE, DEVICE_CONTEXT, THREADS, DAZ_PROBE, FTZ_PROBE = range(6)
 
 
-class TorchDefaultsSource:
+class TorchDefaultsSource(SettingSource):
     """Default dtype, tensor type and device, thread count and denormal mode."""
 
     name = "torch.defaults"
-    device_type: str | None = None  # not a device generator: saved under "sources"
 
     def __init__(self, holder: Any = torch) -> None:
         # ``holder`` is where torch keeps the default device context: the torch
@@ -154,11 +152,6 @@ class TorchDefaultsSource:
 
     #: :meth:`apply` does nothing: ``apply_all`` may skip it.
     applies_nothing = True
-    fast_paths: tuple[FastPath, ...] = ()
-
-    def reseeder(self) -> Reseeder:
-        """Nothing to seed: with ``flags=False`` (a reseed) ``apply`` does nothing."""
-        return seeds_nothing
 
     def apply(self, settings: Settings) -> None:
         """Nothing: a block keeps the caller's defaults."""

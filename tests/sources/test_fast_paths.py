@@ -121,16 +121,18 @@ def test_the_laws_hold_with_the_fast_paths_off():
     assert " passed" in done.stdout
 
 
-#: What the caches outside the RNG sources remember after two blocks with seed 5.
+#: What the caches outside the RNG sources remember after two blocks with seed 5
+#: and two derivations of one sub-seed.
 _CACHES = textwrap.dedent("""
-    from deterministic_ctx import deterministic
-    from deterministic_ctx.base import settings
+    from deterministic_ctx import deterministic, derive_seed
+    from deterministic_ctx.base import seed, settings
     from deterministic_ctx.sources import source_named
 
     for _ in range(2):
         with deterministic(seed=5):
             pass
-    print(len(settings._BUILT), len(source_named("environ")._hash_values))
+        derive_seed(5, "rank", 1)
+    print(len(settings._BUILT), len(source_named("environ")._hash_values), len(seed._DERIVED))
 """)
 
 
@@ -138,5 +140,5 @@ _CACHES = textwrap.dedent("""
 def test_the_switch_turns_every_cache_off(off):
     done = _fresh(_CACHES, off=off)
     assert done.returncode == 0, done.stderr
-    built, hash_values = map(int, done.stdout.split())
-    assert (built > 0, hash_values > 0) == (not off, not off)
+    built, hash_values, derived = map(int, done.stdout.split())
+    assert (built > 0, hash_values > 0, derived > 0) == (not off, not off, not off)

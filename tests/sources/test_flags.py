@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
 import sys
 import textwrap
 import warnings
@@ -499,6 +500,33 @@ def test_a_put_back_that_fails_twice_still_writes_the_rest_then_raises_the_first
         _put_back(put, undo)
     assert written == [("mkldnn", "all", "bf16"), ("generic", "all", "tf32")]
     assert failures == []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
+def test_a_child_forked_while_another_thread_holds_the_precision_lock_can_take_it():
+    # Held by another thread at the fork, it would be held forever in the child.
+    _python("""
+        import os, threading
+        from deterministic_ctx.sources import precision
+
+        held, done = threading.Event(), threading.Event()
+
+        def hold():
+            with precision._lock:
+                held.set()
+                done.wait()
+
+        thread = threading.Thread(target=hold)
+        thread.start()
+        held.wait()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if precision._lock.acquire(timeout=5) else 1)
+        _, status = os.waitpid(pid, 0)
+        done.set()
+        thread.join()
+        assert os.waitstatus_to_exitcode(status) == 0
+    """)
 
 
 def _python(code: str, env: dict[str, str] | None = None) -> None:
