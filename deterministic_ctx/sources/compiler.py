@@ -4,8 +4,8 @@ Code compiled by inductor draws random numbers with its own
 generator (Philox offsets into torch's seed), not with eager's kernels: under
 the same seed a compiled model's dropout masks differ from the eager model's.
 These config entries decide that, or decide determinism of compiled code,
-and are captured and restored like the other flags (see :mod:`._config` for
-how an entry's state is its *user override*):
+and are captured and restored like the other flags (see :mod:`.config_entries`
+for how an entry's state is its *user override*):
 
 * ``torch._inductor.config``: ``fallback_random`` (random ops fall back to
   eager's kernels: compiled numbers equal eager ones), ``align_random_eager``
@@ -44,6 +44,7 @@ from .._torch.internals import FUNCTORCH_CONFIG as _FUNCTORCH
 from .._torch.internals import INDUCTOR_CONFIG as _INDUCTOR
 from .._torch.internals import config_unset
 from ..base import plain as _plain
+from ..base.fast_paths import ENABLED, FastPath
 from ..base.settings import Settings
 from ._base import SettingSource
 from .config_entries import AT_DEFAULT, ConfigEntry
@@ -77,8 +78,11 @@ _binding: tuple[tuple[Any, ...], tuple[Any, ...] | None, Any] = ((None, None, No
 
 
 def _variables(modules: tuple[Any, ...]) -> tuple[tuple[Any, ...] | None, Any]:
-    """The override variables of :data:`ENTRIES` with ``modules`` imported, and their get."""
+    """The override variables of :data:`ENTRIES` with ``modules`` imported, and their get;
+    ``(None, None)`` with the fast paths off."""
     global _binding
+    if not ENABLED:
+        return None, None
     if _binding[0] != modules:  # modules compare by identity
         found = [entry.located() for entry in ENTRIES]
         if all(f is not None and f.entry is not None and f.plain and f.var for f in found):
@@ -95,6 +99,12 @@ class TorchCompileSource(SettingSource):
     tuple of overrides, one per entry of :data:`ENTRIES`."""
 
     name = "torch.compile"
+    fast_paths = (
+        FastPath(
+            "torch.compile: overrides read in one pass over their variables",
+            lambda: ENABLED,  # taken wherever torch's config layout allows (_variables)
+        ),
+    )
 
     def capture(self) -> tuple[object, ...]:
         """Each entry's override: as set, torch's "unset" sentinel, or

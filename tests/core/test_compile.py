@@ -28,6 +28,7 @@ from deterministic_ctx import (
     seed_everything,
 )
 from deterministic_ctx.base.scopes import SCOPES
+from deterministic_ctx.sources import compiler, fast_paths, source_named
 from deterministic_ctx.sources.compiler import (
     ENTRIES,
     compiled_settings,
@@ -112,6 +113,21 @@ def test_every_entry_exists_in_this_torch():
     # A renamed entry would silently stop being captured: fail here instead.
     found = {entry.name for entry in ENTRIES if entry.located() is not None}
     assert found == PRESENT, sorted(found ^ PRESENT)
+
+
+def test_the_one_pass_read_is_a_fast_path_the_switch_turns_off(fresh_config, monkeypatch):
+    source = source_named("torch.compile")
+    set_config_override(inductor, "fallback_random", True)
+    fast = source.capture()
+    monkeypatch.setattr(compiler, "ENABLED", False)
+    modules = (inductor, functorch, importlib.import_module("torch._dynamo.config"))
+    assert compiler._variables(modules) == (None, None)  # every entry read through its own API
+    slow = source.capture()
+    inductor.fallback_random = False
+    source.restore(slow)  # read through the entries, the state restores all the same
+    monkeypatch.setattr(compiler, "ENABLED", True)
+    assert source.capture() == fast
+    assert "torch.compile: overrides read in one pass over their variables" in fast_paths()
 
 
 @pytest.mark.skipif(
