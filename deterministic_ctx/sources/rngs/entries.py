@@ -61,14 +61,24 @@ class Entry:
     __slots__ = ("bg", "get", "key", "kind", "lock", "memo", "remember", "shared", "views")
 
     def __init__(
-        self, obj: Any, key: str, kind: Kind, shared: bool = False, *, fast: bool = ENABLED
+        self,
+        obj: Any,
+        key: str,
+        kind: Kind,
+        shared: bool = False,
+        *,
+        fast: bool = ENABLED,
+        forget: Callable[[weakref.KeyedRef[int, Any]], object] | None = None,
     ) -> None:
-        #: ``get()``: the object, or ``None`` once it was collected.  Objects that
+        #: ``get()``: the object, or ``None`` once it was collected (then
+        #: ``forget(get)`` runs, with ``get.key == id(obj)``).  Objects that
         #: cannot be weakly referenced (NumPy's types, torch 2.11's Generator) are
         #: held by the entry, as a C callable returning them.
         self.get: Callable[[], Any]
         try:
-            self.get = weakref.ref(obj)
+            self.get = (
+                weakref.ref(obj) if forget is None else weakref.KeyedRef(obj, forget, id(obj))
+            )
         except TypeError:
             self.get = repeat(obj).__next__
         self.key, self.kind = key, kind
@@ -272,7 +282,7 @@ def batched(entries: tuple[Entry, ...]) -> tuple[Step, ...]:
         run.clear()
 
     for entry in entries:
-        if entry.kind is RANDOM and entry.views and type(entry.get) is weakref.ref:
+        if entry.kind is RANDOM and entry.views and isinstance(entry.get, weakref.ref):
             if run and run[0].shared != entry.shared:
                 close()
             run.append(entry)
