@@ -49,7 +49,7 @@ class TorchCPUSource:
         # it gave a seed seen twice before, identical (``initial_seed()``
         # included: tests compare the two), is set in ~0.2 µs.
         seed = settings.seed
-        state = _SEEDED.lookup(seed)
+        state = _SEEDED.get(seed)
         if state is not None:
             self._gen.set_state(state)
             return

@@ -1,20 +1,12 @@
 """One adapter per kind of RNG, and which kind an object is.
 
 A :class:`Kind` is everything the package knows about one family of RNG:
-how its public API reads, writes and seeds a state (``get``, ``set``,
-``seed``), how many bits its seed has, how its public state is saved and
-checked (``to_plain``/``from_plain``, :mod:`.persistence`), and its fast
-paths: the C records an object's state can be copied through
-(``views``, from :mod:`.layouts`), whether writing back the state seeding
-left is exactly seeding (``remembers``: the per-seed memo of
-:class:`~.entries.Entry`), and, for ``random.Random``, a batch over many
-objects (:class:`~.entries.MtBatch`).  Each kind declares its fast paths
-(:attr:`Kind.fast_paths`); all are off with ``DETERMINISTIC_CTX_NO_FAST_PATHS=1``.
-
-Both the global sources (``random``, NumPy's ``RandomState``) and the
-registered RNGs (:mod:`..user_rngs`) use these adapters; :func:`kind_of`
-picks an object's kind for ``register_rng``, or refuses the object with the
-reason.
+its public API (``get``, ``set``, ``seed``, :attr:`~Kind.bits`), its
+checkpoint codec (``to_plain``/``from_plain``, :mod:`.persistence`) and its
+fast paths (:attr:`Kind.fast_paths`, all off with
+``DETERMINISTIC_CTX_NO_FAST_PATHS=1``), which :class:`~.entries.Entry` takes
+for each object.  :func:`kind_of` picks an object's kind for
+``register_rng``, or refuses the object with the reason.
 """
 
 from __future__ import annotations
@@ -25,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...base.fast_paths import ENABLED, FastPath
+from ...base.fast_paths import FastPath
 from ...base.seed import short_repr
 from . import layouts
 from . import persistence as plain
@@ -253,11 +245,6 @@ KINDS: tuple[tuple[type, Kind], ...] = (
     (np.random.RandomState, RANDOM_STATE),
     (torch.Generator, TORCH),
 )
-
-
-def fast_paths() -> dict[str, bool]:
-    """Every kind's fast paths, by what each speeds up (all off with the switch)."""
-    return {p.what: ENABLED and p.used() for k in BY_NAME.values() for p in k.fast_paths}
 
 
 def manageable(obj: object) -> bool:

@@ -54,8 +54,7 @@ class UserRngSource:
 
     def apply(self, settings: Settings) -> None:
         # Per rank, like ``random`` and NumPy; ``shared=True`` ones like torch.
-        if live_steps():  # nothing registered (the usual case): nothing to seed
-            seed_registered_rngs(settings.rank_seed, shared_seed=settings.seed)
+        _reseed(settings.seed, settings.rank_seed)
 
     def reseeder(self) -> Reseeder:
         """What ``apply`` does, without building its settings: each registered
