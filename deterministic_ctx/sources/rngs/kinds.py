@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...base import plain as _plain
 from ...base.fast_paths import FastPath
 from ...base.seed import short_repr
 from . import layouts
@@ -133,10 +134,24 @@ class _Numpy(Kind):
     and a ``RandomState`` (32-bit, its own legacy ``seed()``)."""
 
     def to_plain(self, obj: Any, state: Any) -> Any:
-        return plain.numpy_to_plain(obj, state)
+        name = state.get("bit_generator")
+        if name not in plain.BIT_GENERATORS:
+            raise ValueError(
+                f"its bit generator is a {name}, and a snapshot holds the state of NumPy's own "
+                f"bit generators only ({', '.join(plain.BIT_GENERATORS)})"
+            )
+        return plain.numpy_state_to_plain(state)
 
     def from_plain(self, obj: Any, data: object, path: str) -> Any:
-        return plain.numpy_from_plain(obj, data, path)
+        legacy = isinstance(obj, np.random.RandomState)
+        state = plain.bit_generator_state_from_plain(data, path, legacy=legacy)
+        uses = type(obj._bit_generator).__name__  # a Generator's or a RandomState's
+        if state["bit_generator"] != uses:
+            raise ValueError(
+                f"{path}.bit_generator: saved {state['bit_generator']}, but the registered RNG "
+                f"uses {uses}"
+            )
+        return state
 
     def remembers(self, obj: Any) -> bool:
         return type(obj) in (np.random.Generator, np.random.RandomState)
@@ -216,10 +231,12 @@ class _Torch(Kind):
         obj.manual_seed(seed)
 
     def to_plain(self, obj: Any, state: Any) -> Any:
-        return plain.torch_to_plain(obj, state)
+        return {"device": str(obj.device), "state": state.clone()}
 
     def from_plain(self, obj: Any, data: object, path: str) -> Any:
-        return plain.torch_from_plain(obj, data, path)
+        d = _plain.fields(data, path, ["device", "state"])
+        _plain.text(d["device"], f"{path}.device", choices=(str(obj.device),))
+        return plain.generator_state_from_plain(d["state"], f"{path}.state", obj)
 
     def remembers(self, obj: Any) -> bool:
         # Its state holds its seed and normal caches: writing it back is seeding.
