@@ -10,7 +10,14 @@ import weakref
 import numpy as np
 import pytest
 
-from deterministic_ctx import Snapshot, derive_seed, deterministic, register_rng, unregister_rng
+from deterministic_ctx import (
+    Snapshot,
+    derive_seed,
+    deterministic,
+    register_rng,
+    registered_rngs,
+    unregister_rng,
+)
 from deterministic_ctx.base import fast_paths as switch
 from deterministic_ctx.base.cache import BoundedCache
 from deterministic_ctx.sources import SOURCES, fast_paths
@@ -153,3 +160,36 @@ def test_a_disabled_cache_remembers_nothing():
     for n in range(5):
         on.put(n, n)
     assert len(on) == 2 and on.get(4) == 4 and on.get(0) is None
+
+
+class _EqualToAll:
+    """Random-like, unhashable and equal to anything."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self) -> None:
+        self.rng = random.Random(0)
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def seed(self, s: int) -> None:
+        self.rng.seed(s)
+
+    def getstate(self) -> object:
+        return self.rng.getstate()
+
+    def setstate(self, state: object) -> None:
+        self.rng.setstate(state)
+
+
+def test_the_registry_goes_by_identity_not_by_hash_or_equality():
+    a, b = register_rng(_EqualToAll(), key="eq-a"), register_rng(_EqualToAll(), key="eq-b")
+    try:
+        assert [k for k, o in registered_rngs() if o is a or o is b] == ["eq-a", "eq-b"]
+        with deterministic(seed=1):
+            assert a.rng.getstate() == random.Random(derive_seed(1, "user", "eq-a")).getstate()
+            assert b.rng.getstate() == random.Random(derive_seed(1, "user", "eq-b")).getstate()
+    finally:
+        unregister_rng(a)
+        unregister_rng(b)
