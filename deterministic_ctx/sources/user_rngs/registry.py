@@ -65,7 +65,9 @@ def _changed() -> None:
 
 
 def _forget(
-    ref: weakref.KeyedRef[int, Any], entries: dict[int, Entry] = _entries, versions: Any = _versions
+    ref: weakref.KeyedRef[int, Any],
+    entries: dict[int, Entry] = _entries,
+    versions: itertools.count[int] = _versions,
 ) -> None:
     """The callback of a registered object's reference: drop its entry (the
     object of id ``ref.key`` was collected).  What it uses is bound as defaults,
