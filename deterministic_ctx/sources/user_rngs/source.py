@@ -54,7 +54,9 @@ class UserRngSource:
 
     def apply(self, settings: Settings) -> None:
         # Per rank, like ``random`` and NumPy; ``shared=True`` ones like torch.
-        _reseed(settings.seed, settings.rank_seed)
+        # Not through ``_reseed``: a frame more on every block's entry.
+        if live_steps():  # nothing registered (the usual case): nothing to seed
+            seed_registered_rngs(settings.rank_seed, shared_seed=settings.seed)
 
     def reseeder(self) -> Reseeder:
         """What ``apply`` does, without building its settings: each registered
