@@ -29,26 +29,25 @@ T = TypeVar("T")
 
 
 class SeededCache(BoundedCache[int, T | None]):
-    """Seed -> what seeding produced, for at most ``size`` seeds; ``lookup``
-    is ``get`` (``None``: seed, then :meth:`offer`).
+    """Seed -> what seeding produced, for at most ``size`` seeds (``get``
+    returns ``None``: seed, then :meth:`offer`).
 
     Example:
         >>> cache: SeededCache[bytes] = SeededCache(size=2, enabled=True)
-        >>> cache.lookup(7) is None
+        >>> cache.get(7) is None
         True
         >>> cache.offer(7, lambda: b"state")  # a first miss: marked, not taken
-        >>> cache.lookup(7) is None
+        >>> cache.get(7) is None
         True
         >>> cache.offer(7, lambda: b"state")  # seen before: taken
-        >>> cache.lookup(7)
+        >>> cache.get(7)
         b'state'
     """
 
-    __slots__ = ("lookup",)
+    __slots__ = ()
 
     def __init__(self, size: int = 64, *, enabled: bool = ENABLED) -> None:
         super().__init__(size, enabled=enabled)
-        self.lookup = self.get
 
     def offer(self, seed: int, take: Callable[[], T]) -> None:
         """After a miss for ``seed``, remember ``take()``, what seeding left,

@@ -35,9 +35,9 @@ class TorchCPUSource:
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self._gen = generator if generator is not None else torch.default_generator
-
-    def capture(self) -> torch.Tensor:
-        return self._gen.get_state()  # a fresh ByteTensor copy, never handed out
+        #: ``capture()``: a fresh ByteTensor copy, never handed out; the
+        #: generator's own C method, no Python frame per block.
+        self.capture = self._gen.get_state
 
     def restore(self, state: torch.Tensor) -> None:
         self._gen.set_state(state)
@@ -49,7 +49,7 @@ class TorchCPUSource:
         # it gave a seed seen twice before, identical (``initial_seed()``
         # included: tests compare the two), is set in ~0.2 µs.
         seed = settings.seed
-        state = _SEEDED.lookup(seed)
+        state = _SEEDED.get(seed)
         if state is not None:
             self._gen.set_state(state)
             return

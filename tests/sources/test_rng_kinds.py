@@ -10,7 +10,14 @@ import weakref
 import numpy as np
 import pytest
 
-from deterministic_ctx import Snapshot, derive_seed, deterministic, register_rng, unregister_rng
+from deterministic_ctx import (
+    Snapshot,
+    derive_seed,
+    deterministic,
+    register_rng,
+    registered_rngs,
+    unregister_rng,
+)
 from deterministic_ctx.base import fast_paths as switch
 from deterministic_ctx.base.cache import BoundedCache
 from deterministic_ctx.sources import SOURCES, fast_paths
@@ -84,34 +91,32 @@ def test_an_rng_collected_inside_a_block_leaves_the_rest_restored():
             unregister_rng(r)
 
 
-def test_the_registry_lets_a_weakref_finalize_drop_a_collected_rng():
-    before = (len(registry._entries), len(registry._finalizers))
+def test_the_registry_drops_a_collected_rng_through_its_keyed_reference():
+    before = len(registry._entries)
     rng = register_rng(random.Random(1))
-    finalizer = registry._finalizers[id(rng)]
-    assert isinstance(finalizer, weakref.finalize) and finalizer.alive
+    ref = registry._entries[id(rng)].get
+    assert isinstance(ref, weakref.KeyedRef) and ref.key == id(rng)
     del rng
     gc.collect()
-    assert not finalizer.alive
-    assert (len(registry._entries), len(registry._finalizers)) == before
+    assert ref() is None
+    assert len(registry._entries) == before
 
 
-def test_unregistering_detaches_the_finalizer():
+def test_unregistering_keeps_no_reference_to_the_rng_alive():
     rng = random.Random(2)
-    finalizers = []
-    for _ in range(3):  # registered again and again: no finalizer kept alive
+    for _ in range(3):  # registered again and again: no reference (or callback) kept alive
         register_rng(rng)
-        finalizers.append(registry._finalizers[id(rng)])
         unregister_rng(rng)
-    assert not any(f.alive for f in finalizers)
-    assert id(rng) not in registry._finalizers
+    registry.live_entries()  # the loops' tuples rebuilt without it
+    assert weakref.getweakrefcount(rng) == 0
+    assert id(rng) not in registry._entries
 
 
-def test_objects_that_cannot_be_weakly_referenced_are_held_without_a_finalizer():
+def test_objects_that_cannot_be_weakly_referenced_are_held_by_their_entry():
     gen = register_rng(np.random.default_rng(3))
     try:
-        assert id(gen) not in registry._finalizers
         (entry,) = [e for e in registry.live_entries() if e.get() is gen]
-        assert type(entry.get) is not weakref.ref
+        assert not isinstance(entry.get, weakref.ref)
     finally:
         unregister_rng(gen)
 
@@ -155,3 +160,36 @@ def test_a_disabled_cache_remembers_nothing():
     for n in range(5):
         on.put(n, n)
     assert len(on) == 2 and on.get(4) == 4 and on.get(0) is None
+
+
+class _EqualToAll:
+    """Random-like, unhashable and equal to anything."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self) -> None:
+        self.rng = random.Random(0)
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def seed(self, s: int) -> None:
+        self.rng.seed(s)
+
+    def getstate(self) -> object:
+        return self.rng.getstate()
+
+    def setstate(self, state: object) -> None:
+        self.rng.setstate(state)
+
+
+def test_the_registry_goes_by_identity_not_by_hash_or_equality():
+    a, b = register_rng(_EqualToAll(), key="eq-a"), register_rng(_EqualToAll(), key="eq-b")
+    try:
+        assert [k for k, o in registered_rngs() if o is a or o is b] == ["eq-a", "eq-b"]
+        with deterministic(seed=1):
+            assert a.rng.getstate() == random.Random(derive_seed(1, "user", "eq-a")).getstate()
+            assert b.rng.getstate() == random.Random(derive_seed(1, "user", "eq-b")).getstate()
+    finally:
+        unregister_rng(a)
+        unregister_rng(b)

@@ -513,3 +513,28 @@ def test_registering_again_with_another_shared_is_refused():
         unregister_rng(rng)
     assert register_rng(rng) is rng  # after unregistering: any way
     unregister_rng(rng)
+
+
+def test_an_interrupt_while_loading_the_entry_points_leaves_them_to_the_next_read(monkeypatch):
+    rng = random.Random(3)
+    loads: list[int] = []
+
+    class Interrupted:  # an entry point whose first load meets a Ctrl-C
+        name, value = "interrupted", "tests:rng"
+
+        def load(self) -> object:
+            loads.append(1)
+            if len(loads) == 1:
+                raise KeyboardInterrupt
+            return lambda: rng
+
+    monkeypatch.setattr(registry, "_entry_points", lambda: [Interrupted()])
+    monkeypatch.setattr(registry, "_plugins_pending", True)
+    registry._changed()  # the loops' tuples stale: the next read loads the entry points
+    with pytest.raises(KeyboardInterrupt):
+        registered_rngs()
+    try:
+        assert [k for k, o in registered_rngs() if o is rng] == ["interrupted"]
+        assert len(loads) == 2
+    finally:
+        unregister_rng(rng)

@@ -3,28 +3,20 @@
 An :class:`Entry` is made once per RNG (at registration; for the global
 ``random`` and NumPy sources, when they are made) and binds what the blocks'
 loops need: how to reach the object (``get()``), its kind (:mod:`.kinds`),
-key and ``shared``, and the kind's fast paths for that object, two
-independent choices, both off with ``DETERMINISTIC_CTX_NO_FAST_PATHS=1``:
-
-* **records**: where its kind gives views over its C records (an exact
-  ``random.Random``; an exact NumPy ``Generator`` or ``RandomState`` on a
-  proven record), the state is captured and restored as copies through them
-  (NumPy's under the bit generator's lock); any other RNG through its
-  kind's public API;
-* **memo**: where its kind ``remembers`` it (writing back the state seeding
-  left is exactly seeding), the entry keeps that state for the last block
-  seed and writes it instead of seeding again.
+key and ``shared``, and two fast paths, both off with
+``DETERMINISTIC_CTX_NO_FAST_PATHS=1``: **records** (where the kind gives
+views over the object's C records, its state is copied through them, under
+the bit generator's lock for NumPy) and **memo** (where the kind
+``remembers`` it, the state seeding left is kept for the last block seed and
+written instead of seeding again).
 
 Views are used only while the object is known alive (``get()`` returned it,
-or a capture holds it).  A NumPy entry holds the bit generator its views and
-memo belong to, and uses them only while the object still has it
-(``__init__`` can install another: the public API then takes over).  A state
-loaded from a checkpoint is in the public API's form: it is restored through
+or a capture holds it), and a NumPy entry's only while the object still has
+the bit generator they belong to (``__init__`` can install another).  A
+state loaded from a checkpoint is in the public API's form, restored through
 the public API, which checks it, never as raw memory.
 
-:class:`MtBatch` is ``random.Random``'s batch: consecutive exact ones of one
-``shared`` captured, seeded and restored by C-level loops (``map`` over their
-views and objects), so that no bytecode runs per RNG.
+:class:`MtBatch` is ``random.Random``'s batch: C-level loops over many.
 """
 
 from __future__ import annotations
@@ -61,14 +53,24 @@ class Entry:
     __slots__ = ("bg", "get", "key", "kind", "lock", "memo", "remember", "shared", "views")
 
     def __init__(
-        self, obj: Any, key: str, kind: Kind, shared: bool = False, *, fast: bool = ENABLED
+        self,
+        obj: Any,
+        key: str,
+        kind: Kind,
+        shared: bool = False,
+        *,
+        fast: bool = ENABLED,
+        forget: Callable[[weakref.KeyedRef[int, Any]], object] | None = None,
     ) -> None:
-        #: ``get()``: the object, or ``None`` once it was collected.  Objects that
+        #: ``get()``: the object, or ``None`` once it was collected (then
+        #: ``forget(get)`` runs, with ``get.key == id(obj)``).  Objects that
         #: cannot be weakly referenced (NumPy's types, torch 2.11's Generator) are
         #: held by the entry, as a C callable returning them.
         self.get: Callable[[], Any]
         try:
-            self.get = weakref.ref(obj)
+            self.get = (
+                weakref.ref(obj) if forget is None else weakref.KeyedRef(obj, forget, id(obj))
+            )
         except TypeError:
             self.get = repeat(obj).__next__
         self.key, self.kind = key, kind
@@ -103,7 +105,7 @@ class Entry:
         """Seed ``obj`` with ``seed`` itself, by its kind's seeding (the global
         ``random``'s and NumPy's way): on records, the state that seeding left
         for a seed seen before is written from ``cache`` instead, one copy."""
-        seeded = cache.lookup(seed) if self.views else None
+        seeded = cache.get(seed) if self.views else None
         if seeded is not None:
             self.put(obj, seeded)
             return
@@ -272,7 +274,7 @@ def batched(entries: tuple[Entry, ...]) -> tuple[Step, ...]:
         run.clear()
 
     for entry in entries:
-        if entry.kind is RANDOM and entry.views and type(entry.get) is weakref.ref:
+        if entry.kind is RANDOM and entry.views and isinstance(entry.get, weakref.ref):
             if run and run[0].shared != entry.shared:
                 close()
             run.append(entry)

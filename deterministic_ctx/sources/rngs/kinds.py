@@ -1,20 +1,12 @@
 """One adapter per kind of RNG, and which kind an object is.
 
 A :class:`Kind` is everything the package knows about one family of RNG:
-how its public API reads, writes and seeds a state (``get``, ``set``,
-``seed``), how many bits its seed has, how its public state is saved and
-checked (``to_plain``/``from_plain``, :mod:`.persistence`), and its fast
-paths: the C records an object's state can be copied through
-(``views``, from :mod:`.layouts`), whether writing back the state seeding
-left is exactly seeding (``remembers``: the per-seed memo of
-:class:`~.entries.Entry`), and, for ``random.Random``, a batch over many
-objects (:class:`~.entries.MtBatch`).  Each kind declares its fast paths
-(:attr:`Kind.fast_paths`); all are off with ``DETERMINISTIC_CTX_NO_FAST_PATHS=1``.
-
-Both the global sources (``random``, NumPy's ``RandomState``) and the
-registered RNGs (:mod:`..user_rngs`) use these adapters; :func:`kind_of`
-picks an object's kind for ``register_rng``, or refuses the object with the
-reason.
+its public API (``get``, ``set``, ``seed``, :attr:`~Kind.bits`), its
+checkpoint codec (``to_plain``/``from_plain``, :mod:`.persistence`) and its
+fast paths (:attr:`Kind.fast_paths`, all off with
+``DETERMINISTIC_CTX_NO_FAST_PATHS=1``), which :class:`~.entries.Entry` takes
+for each object.  :func:`kind_of` picks an object's kind for
+``register_rng``, or refuses the object with the reason.
 """
 
 from __future__ import annotations
@@ -25,7 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...base.fast_paths import ENABLED, FastPath
+from ...base import plain as _plain
+from ...base.fast_paths import FastPath
 from ...base.seed import short_repr
 from . import layouts
 from . import persistence as plain
@@ -141,10 +134,24 @@ class _Numpy(Kind):
     and a ``RandomState`` (32-bit, its own legacy ``seed()``)."""
 
     def to_plain(self, obj: Any, state: Any) -> Any:
-        return plain.numpy_to_plain(obj, state)
+        name = state.get("bit_generator")
+        if name not in plain.BIT_GENERATORS:
+            raise ValueError(
+                f"its bit generator is a {name}, and a snapshot holds the state of NumPy's own "
+                f"bit generators only ({', '.join(plain.BIT_GENERATORS)})"
+            )
+        return plain.numpy_state_to_plain(state)
 
     def from_plain(self, obj: Any, data: object, path: str) -> Any:
-        return plain.numpy_from_plain(obj, data, path)
+        legacy = isinstance(obj, np.random.RandomState)
+        state = plain.bit_generator_state_from_plain(data, path, legacy=legacy)
+        uses = type(obj._bit_generator).__name__  # a Generator's or a RandomState's
+        if state["bit_generator"] != uses:
+            raise ValueError(
+                f"{path}.bit_generator: saved {state['bit_generator']}, but the registered RNG "
+                f"uses {uses}"
+            )
+        return state
 
     def remembers(self, obj: Any) -> bool:
         return type(obj) in (np.random.Generator, np.random.RandomState)
@@ -224,10 +231,12 @@ class _Torch(Kind):
         obj.manual_seed(seed)
 
     def to_plain(self, obj: Any, state: Any) -> Any:
-        return plain.torch_to_plain(obj, state)
+        return {"device": str(obj.device), "state": state.clone()}
 
     def from_plain(self, obj: Any, data: object, path: str) -> Any:
-        return plain.torch_from_plain(obj, data, path)
+        d = _plain.fields(data, path, ["device", "state"])
+        _plain.text(d["device"], f"{path}.device", choices=(str(obj.device),))
+        return plain.generator_state_from_plain(d["state"], f"{path}.state", obj)
 
     def remembers(self, obj: Any) -> bool:
         # Its state holds its seed and normal caches: writing it back is seeding.
@@ -253,11 +262,6 @@ KINDS: tuple[tuple[type, Kind], ...] = (
     (np.random.RandomState, RANDOM_STATE),
     (torch.Generator, TORCH),
 )
-
-
-def fast_paths() -> dict[str, bool]:
-    """Every kind's fast paths, by what each speeds up (all off with the switch)."""
-    return {p.what: ENABLED and p.used() for k in BY_NAME.values() for p in k.fast_paths}
 
 
 def manageable(obj: object) -> bool:

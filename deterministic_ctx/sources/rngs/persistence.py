@@ -1,17 +1,13 @@
-"""RNG states as checkpoint data, and back, checked.
+"""RNG states as checkpoint data, and back, checked: the codecs the kinds
+(:mod:`.kinds`) and the global ``random``, NumPy and torch CPU sources share.
 
-For each kind, how a public state becomes plain data (``*_to_plain(obj,
-state)``; ``ValueError`` says why where a checkpoint cannot hold it, and
-:class:`~..user_rngs.source.UserRngSource` names the RNG) and how plain data
-read from a file becomes a public state again (``*_from_plain(obj, data,
-path)``), checked field by field (``ValueError`` names the field);
-:mod:`.kinds` binds them to the kinds.  The codecs are also those of the
-global ``random`` (:mod:`..python_random`), of NumPy's global RNG
-(:mod:`..numpy_global`) and of torch's CPU generator (:mod:`..torch_cpu`).
-A random-like object's ``getstate()`` may return any tree of plain Python
-data: it is flattened (no nesting in the file) and bounded (``_MAX_*``), so
-that a crafted or runaway state cannot make a checkpoint slow to write or
-load.
+``*_to_plain`` turns a public state into plain data (``ValueError`` says why
+a checkpoint cannot hold it); ``*_from_plain`` checks plain data read from a
+file field by field (``ValueError`` names the field) and returns a public
+state.  A random-like object's ``getstate()`` may return any tree of plain
+Python data: it is flattened (no nesting in the file) and bounded
+(``_MAX_*``), so that a crafted or runaway state cannot make a checkpoint
+slow to write or load.
 """
 
 from __future__ import annotations
@@ -126,28 +122,6 @@ def bit_generator_state_from_plain(
     return public
 
 
-def numpy_to_plain(obj: Any, state: dict[str, Any]) -> dict[str, Any]:
-    name = state.get("bit_generator")
-    if name not in BIT_GENERATORS:
-        raise ValueError(
-            f"its bit generator is a {name}, and a snapshot holds the state of NumPy's own "
-            f"bit generators only ({', '.join(BIT_GENERATORS)})"
-        )
-    return numpy_state_to_plain(state)
-
-
-def numpy_from_plain(obj: Any, data: object, path: str) -> dict[str, Any]:
-    legacy = isinstance(obj, np.random.RandomState)
-    state = bit_generator_state_from_plain(data, path, legacy=legacy)
-    uses = type(obj._bit_generator).__name__  # a Generator's or a RandomState's
-    if state["bit_generator"] != uses:
-        raise ValueError(
-            f"{path}.bit_generator: saved {state['bit_generator']}, but the registered RNG "
-            f"uses {uses}"
-        )
-    return state
-
-
 def generator_state_from_plain(value: object, path: str, like: torch.Generator) -> torch.Tensor:
     """A checked state for the generator ``like``: a uint8 tensor of its size.
 
@@ -166,16 +140,6 @@ def generator_state_from_plain(value: object, path: str, like: torch.Generator) 
     elif like.device.type in PHILOX_DEVICES:
         check_philox_state(state, path, like.device.type)
     return state
-
-
-def torch_to_plain(obj: torch.Generator, state: torch.Tensor) -> dict[str, Any]:
-    return {"device": str(obj.device), "state": state.clone()}
-
-
-def torch_from_plain(obj: torch.Generator, data: object, path: str) -> torch.Tensor:
-    d = _plain.fields(data, path, ["device", "state"])
-    _plain.text(d["device"], f"{path}.device", choices=(str(obj.device),))
-    return generator_state_from_plain(d["state"], f"{path}.state", obj)
 
 
 def class_path(obj: object) -> str:

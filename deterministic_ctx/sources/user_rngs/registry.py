@@ -2,16 +2,16 @@
 order the blocks' loops go through them.
 
 :func:`register_rng` and :func:`unregister_rng` change it under ``_lock``.
-A weakly held RNG leaves it when collected through a
-:class:`weakref.finalize`, which runs wherever the object died (in a block's
-capture loop, while this thread holds ``_lock``, in another thread): it
-takes no lock and does single dict operations only, and the standard library
-runs it never after interpreter shutdown began.  An RNG that cannot be
-weakly referenced is held by its entry until :func:`unregister_rng`.
-:func:`live_entries` gives the loops immutable tuples, rebuilt only when the
-registry changed; :func:`seed_registered_rngs` is the seeding loop; the
-entry points of :data:`ENTRY_POINT_GROUP` are loaded here too, at the first
-read of the registry, since they register RNGs.
+A weakly held RNG's entry holds it by a :class:`weakref.KeyedRef` whose
+callback drops the entry when the object is collected, wherever that
+happens (in a block's capture loop, while this thread holds ``_lock``, in
+another thread): the callback takes no lock and does single dict operations
+only.  An unregistered entry takes its reference with it, so its callback
+never runs.  An RNG that cannot be weakly referenced is held by its entry
+until :func:`unregister_rng`.  :func:`live_entries` gives the loops
+immutable tuples, rebuilt only when the registry changed; the entry points
+of :data:`ENTRY_POINT_GROUP` are loaded here too, at the first read of the
+registry, since they register RNGs.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 from ..._errors import StateWarning
+from ...base.completion import guarded
 from ...base.seed import short_repr
 from ...base.settings import check_bool
 from ..rngs.entries import Entry, Step, batched
@@ -39,17 +40,13 @@ ENTRY_POINT_GROUP = "deterministic_ctx.rngs"
 
 
 #: Serializes ``register_rng`` / ``unregister_rng`` against each other.  Never
-#: taken by a finalizer, which may run while this thread holds it.
+#: taken by a reference's callback, which may run while this thread holds it.
 _lock = threading.Lock()
 #: id(object) -> its entry, in registration order (dicts keep insertion order);
 #: also the O(1) duplicate check.  A registered object's id is its own while
 #: the entry lives: a held object cannot die, and a weakly held one still
-#: occupies its address while its finalizer removes the entry.
+#: occupies its address while its reference's callback removes the entry.
 _entries: dict[int, Entry] = {}
-#: id(object) -> the finalizer of its entry, for weakly held objects; detached
-#: when it is unregistered (so that registering an object again and again
-#: keeps none alive).
-_finalizers: dict[int, weakref.finalize[Any, Any]] = {}
 #: Default keys: the ordinal among registrations without ``key=`` (never reused).
 _counter = itertools.count()
 #: Bumped (``next()`` on a C counter: atomic) after every change to ``_entries``;
@@ -67,13 +64,20 @@ def _changed() -> None:
     _version = next(_versions)
 
 
-def _forget(oid: int, entry: Entry) -> None:
-    """A finalizer: drop ``entry``, whose object (of id ``oid``) was collected,
-    unless it was unregistered before it died."""
-    if _entries.get(oid) is entry:
-        _entries.pop(oid, None)
-        _finalizers.pop(oid, None)
-        _changed()
+def _forget(
+    ref: weakref.KeyedRef[int, Any],
+    entries: dict[int, Entry] = _entries,
+    versions: itertools.count[int] = _versions,
+) -> None:
+    """The callback of a registered object's reference: drop its entry (the
+    object of id ``ref.key`` was collected).  What it uses is bound as defaults,
+    as in :class:`weakref.WeakValueDictionary`: it may run while the interpreter
+    shuts down."""
+    global _version
+    entry = entries.get(ref.key)
+    if entry is not None and entry.get is ref:
+        entries.pop(ref.key, None)
+        _version = next(versions)
 
 
 def _rebuild() -> tuple[int, tuple[Entry, ...], tuple[Step, ...]]:
@@ -82,7 +86,7 @@ def _rebuild() -> tuple[int, tuple[Entry, ...], tuple[Step, ...]]:
     if _plugins_pending:
         _load_plugins()
     version = _version  # read before copying: a change after it makes a mismatch
-    # ``dict.copy`` runs no Python code and no collection, so no finalizer can
+    # ``dict.copy`` runs no Python code and no collection, so no callback can
     # change the dict halfway.
     entries = tuple(_entries.copy().values())
     _cache = cache = (version, entries, batched(entries))
@@ -182,11 +186,8 @@ def register_rng(obj: T, *, key: str | None = None, shared: bool = False) -> T:
                     f"shared={shared}"
                 )
             return obj
-        entry = Entry(obj, key if key is not None else str(next(_counter)), kind, shared)
-        if type(entry.get) is weakref.ref:
-            finalizer = _finalizers[id(obj)] = weakref.finalize(obj, _forget, id(obj), entry)
-            finalizer.atexit = False
-        _entries[id(obj)] = entry
+        key = key if key is not None else str(next(_counter))
+        _entries[id(obj)] = Entry(obj, key, kind, shared, forget=_forget)
         _changed()
     return obj
 
@@ -203,11 +204,8 @@ def unregister_rng(obj: object) -> None:
     with _lock:
         entry = _find(obj)
         if entry is not None:
-            del _entries[id(obj)]
+            del _entries[id(obj)]  # its reference's callback finds another entry, or none
             _changed()
-            finalizer = _finalizers.pop(id(obj), None)
-            if finalizer is not None:
-                finalizer.detach()
             return
     raise ValueError(f"unregister_rng(): {obj!r} is not registered")
 
@@ -269,15 +267,21 @@ def _load_plugins() -> None:
     """
     global _plugins_pending
     with _plugins_lock:
-        if not _plugins_pending:
-            return
-        _plugins_pending = False
-        try:
-            for ep in _entry_points():
-                _register_entry_point(ep)
-        except BaseException:  # an interrupt: the next block tries again
-            _plugins_pending = True
-            raise
+        if _plugins_pending:
+            # False while loading: an entry point reaching the registry sees what
+            # is registered so far.  Stopped (an interrupt), the next read tries again.
+            _plugins_pending = False
+            guarded(_retry_plugins, _register_all)
+
+
+def _register_all() -> None:
+    for ep in _entry_points():
+        _register_entry_point(ep)
+
+
+def _retry_plugins() -> None:
+    global _plugins_pending
+    _plugins_pending = True
 
 
 def _entry_points() -> list[Any]:

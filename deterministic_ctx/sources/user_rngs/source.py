@@ -54,6 +54,7 @@ class UserRngSource:
 
     def apply(self, settings: Settings) -> None:
         # Per rank, like ``random`` and NumPy; ``shared=True`` ones like torch.
+        # Not through ``_reseed``: a frame more on every block's entry.
         if live_steps():  # nothing registered (the usual case): nothing to seed
             seed_registered_rngs(settings.rank_seed, shared_seed=settings.seed)
 
