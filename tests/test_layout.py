@@ -390,3 +390,67 @@ def test_the_base_classes_catch_what_the_library_raises():
     with pytest.raises(deterministic_ctx.DeterministicCtxError):
         # A counter answers 0, then 1: never the same twice.
         deterministic_ctx.assert_reproducible(itertools.count().__next__)
+
+
+# -- no import cycles: TYPE_CHECKING imports included (lint-imports leaves those out,
+# and checks layers, not modules within one) ------------------------------------------
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, known: set[str]) -> set[str]:
+    """The modules of ``known`` that ``path`` imports, wherever in the file."""
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = ".".join(package[: len(package) - node.level + 1])
+            if node.module:
+                base = f"{base}.{node.module}"
+            for alias in node.names:  # ``from . import x`` imports the module x
+                name = f"{base}.{alias.name}"
+                found.add(name if name in known else base)
+    return found & known - {_module_name(path)}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of ``graph`` (its modules in import order), or ``[]``."""
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> list[str]:
+        if name in path:
+            return [*path[path.index(name) :], name]
+        if name in done:
+            return []
+        for imported in sorted(graph[name]):
+            found = visit(imported, [*path, name])
+            if found:
+                return found
+        done.add(name)
+        return []
+
+    for name in sorted(graph):
+        found = visit(name, [])
+        if found:
+            return found
+    return []
+
+
+def test_no_module_imports_one_that_imports_it_back() -> None:
+    paths = sorted(PACKAGE.rglob("*.py"))
+    known = {_module_name(p) for p in paths}
+    # The package's root re-exports the public names lazily (``_WHERE``): not
+    # an arrow between modules.
+    graph = {
+        _module_name(p): {m for m in _imports(p, known) if m != "deterministic_ctx"} for p in paths
+    }
+    assert _cycle(graph) == []
+
+
+def test_the_check_finds_a_cycle_through_three_modules() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
