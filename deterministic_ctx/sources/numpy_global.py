@@ -91,7 +91,7 @@ class NumpyGlobalSource:
         """The entry for ``bit_generator``, installed now: made once per bit
         generator, which it holds, so the memory under its views stays alive."""
         entry = self._last
-        if entry.bg is not bit_generator:
+        if entry.part is not bit_generator:
             self._last = entry = Entry(self._rs, self.name, RANDOM_STATE, fast=self._fast)
         return entry
 

@@ -21,11 +21,11 @@ from deterministic_ctx import (
 from deterministic_ctx.base import fast_paths as switch
 from deterministic_ctx.base.cache import BoundedCache
 from deterministic_ctx.sources import SOURCES, fast_paths
-from deterministic_ctx.sources.rngs import entries, kinds, layouts
+from deterministic_ctx.sources.rngs import kinds, layouts
 from deterministic_ctx.sources.user_rngs import registry
 
 #: More than enough ``random.Random`` in a row to make a batch.
-_N = entries.MT_BATCH_MIN + 3
+_N = kinds.MT_BATCH_MIN + 3
 
 
 def _seeded(seed: int, key: str) -> random.Random:
@@ -43,7 +43,7 @@ def many():
 
 
 def test_a_run_of_random_random_is_one_batch_with_the_fast_paths(many):
-    steps = [s for s in registry.live_steps() if isinstance(s, entries.MtBatch)]
+    steps = [s for s in registry.live_steps() if isinstance(s, kinds.MtBatch)]
     if layouts.RANDOM_LAYOUT is None:  # the switch, or another interpreter: entries only
         assert steps == []
         return

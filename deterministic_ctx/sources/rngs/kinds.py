@@ -4,15 +4,30 @@ A :class:`Kind` is everything the package knows about one family of RNG:
 its public API (``get``, ``set``, ``seed``, :attr:`~Kind.bits`), its
 checkpoint codec (``to_plain``/``from_plain``, :mod:`.persistence`) and its
 fast paths (:attr:`Kind.fast_paths`, all off with
-``DETERMINISTIC_CTX_NO_FAST_PATHS=1``), which :class:`~.entries.Entry` takes
-for each object.  :func:`kind_of` picks an object's kind for
+``DETERMINISTIC_CTX_NO_FAST_PATHS=1``): :meth:`Kind.bind` gives one object's
+capture, put and public-state functions, on its C records where its layout
+was proven (:class:`Bound`), which an :class:`~.entries.Entry` calls
+directly, and ``random.Random``'s :attr:`~Kind.batch` copies many records at
+once (:class:`MtBatch`).  :func:`kind_of` picks an object's kind for
 ``register_rng``, or refuses the object with the reason.
+
+Records are used only while the object is known alive (the entry's
+``get()`` returned it, or a capture holds it), and a NumPy object's only
+while it still has the bit generator they belong to (``__init__`` can
+install another).  A state loaded from a checkpoint is in the public API's
+form, restored through the public API, which checks it, never as raw memory.
 """
 
 from __future__ import annotations
 
+import operator
 import random
-from typing import Any
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable
+from io import BytesIO
+from itertools import repeat
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -28,14 +43,44 @@ __all__ = [
     "C_SEED",
     "GENERATOR",
     "KINDS",
+    "MT_BATCH_MIN",
     "RANDOM",
     "RANDOM_LIKE",
     "RANDOM_STATE",
     "TORCH",
+    "Bound",
     "Kind",
+    "MtBatch",
     "kind_of",
     "manageable",
 ]
+
+
+#: Runs an iterator of C calls to its end, keeping nothing.
+_drain: Callable[[Iterable[Any]], None] = deque(maxlen=0).extend
+
+
+def _as_is(obj: Any, state: Any) -> Any:
+    return state
+
+
+class Bound(NamedTuple):
+    """One object's paths, as its kind binds them (:meth:`Kind.bind`)."""
+
+    #: ``capture(obj)``: its state now, as records or in the public form.
+    capture: Callable[[Any], Any]
+    #: ``put(obj, state)``: a state ``capture`` returned, or a public one, put back.
+    put: Callable[[Any, Any], None]
+    #: ``public(obj, state)``: a state ``capture`` returned, in the public form.
+    public: Callable[[Any, Any], Any]
+    #: Views over its C records (the fast path), or ``()``: the public API.
+    views: tuple[memoryview, ...] = ()
+    #: What the records and the memo belong to (a NumPy object's bit generator),
+    #: held so the views never outlive its memory, and how to read the current one.
+    part: Any = None
+    part_of: Callable[[Any], Any] | None = None
+    #: Whether writing back the state seeding left is seeding (an entry's memo).
+    remember: bool = False
 
 
 class Kind:
@@ -47,6 +92,8 @@ class Kind:
     bits = 32
     #: What this kind's fast paths speed up, and whether this process takes them.
     fast_paths: tuple[FastPath, ...] = ()
+    #: Its batch over many objects on records (``None``: one by one).
+    batch: Callable[[tuple[Any, ...]], Any] | None = None
 
     def get(self, obj: Any) -> Any:
         """The public state of ``obj``."""
@@ -68,10 +115,9 @@ class Kind:
         """Checkpoint data as a public state for ``obj``, checked."""
         return plain.random_like_from_plain(obj, data, path)
 
-    def views(self, obj: Any) -> tuple[memoryview, ...]:
-        """Views over the C records holding the state of ``obj`` (the fast
-        path), or ``()``: the public API.  Only called with the fast paths on."""
-        return ()
+    def bind(self, obj: Any, fast: bool) -> Bound:
+        """The paths for ``obj`` (on records only where ``fast``): here the public API."""
+        return Bound(self.get, self.set, _as_is, remember=fast and self.remembers(obj))
 
     def remembers(self, obj: Any) -> bool:
         """Whether writing back the state seeding left in ``obj`` is exactly
@@ -88,6 +134,96 @@ class Kind:
 C_SEED: Any = random.Random.__mro__[1].seed  # type: ignore[attr-defined]
 
 
+# -- random.Random's batch --------------------------------------------------------
+
+#: How many consecutive exact ``random.Random`` make a batch: below it a
+#: batch's fixed cost (a few tuples and C calls) exceeds what it saves per RNG
+#: (measured at c0861d0: they break even at 8 to 12).
+MT_BATCH_MIN = 8
+#: ``operator.call`` (Python 3.11+) calls a weak reference without the slot
+#: wrapper's argument tuple; ``weakref.ref.__call__`` is the same call, slower.
+_call: Callable[[Any], Any] = getattr(operator, "call", weakref.ref.__call__)
+_gauss_next = operator.attrgetter("gauss_next")
+#: Endless, and never advanced by ``map`` past its shortest argument: shared by
+#: every call (and every thread).
+_GAUSS_NEXT = repeat("gauss_next")
+_NONE = repeat(None)
+
+
+class MtBatch:
+    """``random.Random``'s batch: consecutive exact ones' entries (weakly held,
+    on records, :class:`~.entries.Entry`) of one ``shared``, as one step of the
+    blocks' loops.
+
+    Records are copied out with one ``b"".join`` of the views and back with
+    the ``readinto`` of one ``BytesIO`` over the joined bytes, in the same
+    order: each RNG gets exactly its bytes.  Both are C copies that hold the
+    GIL from the first RNG to the last.  ``memo`` is the entries' seeded
+    records joined, for one block seed.  The views are used only while a
+    tuple of the objects, just read from the weak references and all alive,
+    holds them; with one collected, its entries do the work one by one.
+    """
+
+    __slots__ = ("entries", "memo", "refs", "shared", "views")
+
+    def __init__(self, entries: tuple[Any, ...]) -> None:
+        self.entries = entries
+        self.refs = tuple(e.get for e in entries)
+        self.views = tuple(e.views[0] for e in entries)
+        self.shared = entries[0].shared
+        #: ``(block seed, the seeded records joined in order)``.
+        self.memo: tuple[int, bytes] = (-1, b"")
+
+    def get(self) -> tuple[Any, ...] | None:
+        """The objects, or ``None`` if one was collected since the batch was made."""
+        objs = tuple(map(_call, self.refs))
+        # An exact random.Random is always true (no __bool__ or __len__), None never.
+        return objs if all(objs) else None
+
+    def capture(self, objs: tuple[Any, ...]) -> tuple[bytes, tuple[Any, ...]]:
+        return b"".join(self.views), tuple(map(_gauss_next, objs))
+
+    def put(self, objs: tuple[Any, ...], state: tuple[bytes, tuple[Any, ...]]) -> None:
+        raw, gauss = state
+        _drain(map(BytesIO(raw).readinto, self.views))
+        _drain(map(setattr, objs, _GAUSS_NEXT, gauss))
+
+    def seed(self, seed: int) -> None:
+        """Seed every entry for the block seed ``seed``: the remembered records
+        for a seed seen last time, else each entry seeds (and remembers)."""
+        objs = self.get()
+        memo = self.memo
+        if objs is not None and memo[0] == seed:
+            _drain(map(BytesIO(memo[1]).readinto, self.views))
+            _drain(map(setattr, objs, _GAUSS_NEXT, _NONE))
+            return
+        for entry in self.entries:
+            entry.seed(seed)
+        memos = [entry.memo for entry in self.entries]
+        if objs is not None and all(m[0] == seed and m[2] is not None for m in memos):
+            self.memo = (seed, b"".join(m[2][0] for m in memos))
+
+    def fallback(self) -> tuple[tuple[Any, Any, Any], ...]:
+        """The records of the live entries, one by one (one was collected)."""
+        out = []
+        for entry in self.entries:
+            obj = entry.get()
+            if obj is not None:
+                out.append((entry, obj, entry.capture(obj)))
+        return tuple(out)
+
+    def split(
+        self, objs: tuple[Any, ...], state: tuple[bytes, tuple[Any, ...]]
+    ) -> tuple[tuple[Any, Any, Any], ...]:
+        """A record of this batch as its entries' records, in order."""
+        raw, gauss = state
+        out, at = [], 0
+        for entry, obj, view, g in zip(self.entries, objs, self.views, gauss, strict=True):
+            out.append((entry, obj, (raw[at : at + len(view)], g)))
+            at += len(view)
+        return tuple(out)
+
+
 class _Random(Kind):
     """``random.Random``: a 64-bit seed; an exact one is copied as its
     2500-byte Mersenne Twister record (plus ``gauss_next``), and many of them
@@ -95,6 +231,7 @@ class _Random(Kind):
 
     name = "random.Random"
     bits = 64
+    batch = MtBatch
     fast_paths = (
         FastPath(
             "random.Random: state copied as memory", lambda: layouts.RANDOM_LAYOUT is not None
@@ -121,12 +258,36 @@ class _Random(Kind):
     def from_plain(self, obj: Any, data: object, path: str) -> Any:
         return plain.random_state_from_plain(data, path)
 
-    def views(self, obj: Any) -> tuple[memoryview, ...]:
+    def bind(self, obj: Any, fast: bool) -> Bound:
+        """An exact ``random.Random`` on records: a state is ``(record, gauss_next)``."""
         layout = layouts.RANDOM_LAYOUT
-        return (layout.view(obj),) if type(obj) is random.Random and layout is not None else ()
+        if not fast or type(obj) is not random.Random or layout is None:
+            return super().bind(obj, fast)
+        view = layout.view(obj)
+
+        def capture(obj: Any) -> Any:
+            return view.tobytes(), obj.gauss_next
+
+        def put(obj: Any, state: Any) -> None:
+            if type(state[0]) is bytes:
+                view[:], obj.gauss_next = state
+            else:
+                obj.setstate(state)
+
+        return Bound(capture, put, _random_public, (view,), remember=True)
 
     def remembers(self, obj: Any) -> bool:
         return type(obj) is random.Random
+
+
+def _random_public(obj: Any, state: Any) -> Any:
+    """A ``random.Random`` state in ``getstate()`` form: records are put into a
+    throw-away one and read back."""
+    if type(state[0]) is not bytes:
+        return state
+    scratch = random.Random()
+    RANDOM.bind(scratch, True).put(scratch, state)
+    return scratch.getstate()
 
 
 class _Numpy(Kind):
@@ -156,6 +317,54 @@ class _Numpy(Kind):
     def remembers(self, obj: Any) -> bool:
         return type(obj) in (np.random.Generator, np.random.RandomState)
 
+    def views(self, obj: Any, bg: Any) -> tuple[memoryview, ...]:
+        """Views over the C records of ``obj`` and its bit generator ``bg``, or ``()``."""
+        return ()
+
+    def bind(self, obj: Any, fast: bool) -> Bound:
+        """On records, a state is their bytes joined, copied under the bit
+        generator's lock (a draw in another thread, NumPy releasing the GIL for
+        large fills, would tear the copy); with another bit generator installed
+        since, the public API."""
+        bg, get, set_ = obj._bit_generator, self.get, self.set
+        remember, part_of = fast and self.remembers(obj), operator.attrgetter("_bit_generator")
+        views = self.views(obj, bg) if fast else ()
+        if not views:
+            return Bound(get, set_, _as_is, (), bg, part_of, remember)
+        lock, (first, *rest) = bg.lock, views
+        # Each locked copy is a one-line ``with``: CPython gives the exit of a
+        # ``with`` the statement's line, so with the body on another line a
+        # tracer (or debugger) raising at that line event would skip the
+        # release and leave NumPy's lock held for good.
+
+        def capture(obj: Any) -> Any:
+            if obj._bit_generator is not bg:
+                return get(obj)
+            with lock: return b"".join(views)  # noqa: E701  # fmt: skip
+
+        def public(obj: Any, state: Any) -> Any:
+            if type(state) is not bytes:
+                return state
+            scratch = type(obj)(type(bg)())
+            self.bind(scratch, True).put(scratch, state)
+            return get(scratch)
+
+        def put_one(obj: Any, state: Any) -> None:  # a Generator: half the time of put_all's loop
+            if type(state) is bytes and obj._bit_generator is bg:
+                with lock: first[:] = state  # noqa: E701  # fmt: skip
+            else:
+                set_(obj, public(obj, state))
+
+        def put_all(
+            obj: Any, state: Any
+        ) -> None:  # a RandomState: MT19937, then the gaussian cache
+            if type(state) is bytes and obj._bit_generator is bg:
+                with lock: _drain(map(BytesIO(state).readinto, views))  # noqa: E701  # fmt: skip
+            else:
+                set_(obj, public(obj, state))
+
+        return Bound(capture, put_all if rest else put_one, public, views, bg, part_of, remember)
+
 
 class _Generator(_Numpy):
     name = "numpy.random.Generator"
@@ -180,10 +389,9 @@ class _Generator(_Numpy):
     def seed(self, obj: Any, seed: int) -> None:
         obj.bit_generator.state = type(obj.bit_generator)(seed).state
 
-    def views(self, obj: Any) -> tuple[memoryview, ...]:
+    def views(self, obj: Any, bg: Any) -> tuple[memoryview, ...]:
         if type(obj) is not np.random.Generator:
             return ()
-        bg = obj.bit_generator
         record = layouts.proven_records().get(type(bg))
         view = record(bg) if record is not None else None
         return () if view is None else (view,)
@@ -204,8 +412,8 @@ class _RandomState(_Numpy):
     def set(self, obj: Any, state: Any) -> None:
         obj.set_state(state)
 
-    def views(self, obj: Any) -> tuple[memoryview, ...]:
-        layout, bg = layouts.NUMPY_LAYOUT, obj._bit_generator
+    def views(self, obj: Any, bg: Any) -> tuple[memoryview, ...]:
+        layout = layouts.NUMPY_LAYOUT
         if type(obj) is not np.random.RandomState or layout is None:
             return ()
         if type(bg) is not np.random.MT19937:
