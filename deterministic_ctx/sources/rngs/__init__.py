@@ -11,7 +11,9 @@ imports only those listed before it:
 * :mod:`.persistence`: states as checkpoint data and back, checked;
 * :mod:`.kinds`: one adapter per kind (``random.Random``, NumPy
   ``Generator`` and ``RandomState``, ``torch.Generator``, random-like
-  objects), with its fast paths declared, and which kind an object is;
-* :mod:`.entries`: one RNG bound to its kind's paths, and
-  ``random.Random``'s batch over many.
+  objects): how it captures, seeds and restores an object, on its records
+  where proven, its batch (``random.Random``'s), its fast paths declared,
+  and which kind an object is;
+* :mod:`.entries`: one RNG bound to its kind's functions, and runs of
+  them made their kind's batch.
 """

@@ -227,7 +227,7 @@ class MtBatch:
 class _Random(Kind):
     """``random.Random``: a 64-bit seed; an exact one is copied as its
     2500-byte Mersenne Twister record (plus ``gauss_next``), and many of them
-    in one batch (:class:`~.entries.MtBatch`)."""
+    in one batch (:class:`MtBatch`)."""
 
     name = "random.Random"
     bits = 64
