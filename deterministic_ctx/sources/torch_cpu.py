@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -11,6 +12,8 @@ from ..base.fast_paths import ENABLED, FastPath
 from ..base.settings import Settings
 from ._base import Reseeder
 from ._seeded import SeededCache
+from .rngs.entries import Entry
+from .rngs.kinds import TORCH
 from .rngs.persistence import generator_state_from_plain
 
 __all__ = ["TorchCPUSource", "generator_state_from_plain"]
@@ -21,7 +24,8 @@ _SEEDED: SeededCache[torch.Tensor] = SeededCache()
 
 
 class TorchCPUSource:
-    """``torch.default_generator``, used by every CPU op without ``generator=``."""
+    """``torch.default_generator``, used by every CPU op without ``generator=``,
+    declared as one object of the ``torch.Generator`` kind (:mod:`.rngs.kinds`)."""
 
     name = "torch.cpu"
     device_type: str | None = None  # not a device generator: saved under "sources"
@@ -34,13 +38,12 @@ class TorchCPUSource:
     )
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
-        self._gen = generator if generator is not None else torch.default_generator
-        #: ``capture()``: a fresh ByteTensor copy, never handed out; the
-        #: generator's own C method, no Python frame per block.
-        self.capture = self._gen.get_state
-
-    def restore(self, state: torch.Tensor) -> None:
-        self._gen.set_state(state)
+        self._gen = gen = generator if generator is not None else torch.default_generator
+        self._entry = entry = Entry(gen, self.name, TORCH)
+        #: ``capture()`` (a fresh ByteTensor copy, never handed out) and
+        #: ``restore(state)``: the generator's own C methods, no Python frame.
+        self.capture = partial(entry.capture, gen)
+        self.restore = partial(entry.put, gen)
 
     def apply(self, settings: Settings) -> None:
         # What ``torch.manual_seed`` does for the CPU; accelerators are their
@@ -48,13 +51,7 @@ class TorchCPUSource:
         # ``manual_seed`` re-runs the Mersenne Twister init (~1 µs); the state
         # it gave a seed seen twice before, identical (``initial_seed()``
         # included: tests compare the two), is set in ~0.2 µs.
-        seed = settings.seed
-        state = _SEEDED.get(seed)
-        if state is not None:
-            self._gen.set_state(state)
-            return
-        self._gen.manual_seed(seed)
-        _SEEDED.offer(seed, self._gen.get_state)
+        self._entry.seed_exactly(self._gen, settings.seed, _SEEDED)
 
     def reseeder(self) -> Reseeder | None:
         """``manual_seed(seed)`` itself; ``None`` with the fast paths off."""

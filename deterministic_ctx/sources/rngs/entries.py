@@ -104,14 +104,14 @@ class Entry:
 
     def seed_exactly(self, obj: Any, seed: int, cache: SeededCache[Any]) -> None:
         """Seed ``obj`` with ``seed`` itself, by its kind's seeding (the global
-        ``random``'s and NumPy's way): on records, the state that seeding left
+        sources' way): where the kind remembers it, the state that seeding left
         for a seed seen before is written from ``cache`` instead, one copy."""
-        seeded = cache.get(seed) if self.views else None
+        seeded = cache.get(seed) if self.remember else None
         if seeded is not None:
             self.put(obj, seeded)
             return
         self.kind.seed(obj, seed)
-        if self.views:  # remembered (a 2.5 KB read)
+        if self.remember:  # remembered (a 2.5 KB read; a tensor for torch)
             cache.offer(seed, lambda: self.capture(obj))
 
     def fallback(self) -> tuple[Record, ...]:

@@ -446,6 +446,11 @@ class _Torch(Kind):
         _plain.text(d["device"], f"{path}.device", choices=(str(obj.device),))
         return plain.generator_state_from_plain(d["state"], f"{path}.state", obj)
 
+    def bind(self, obj: Any, fast: bool) -> Bound:
+        """torch's own C methods, taking the object: no Python frame."""
+        cls = type(obj)
+        return Bound(cls.get_state, cls.set_state, _as_is, remember=fast and self.remembers(obj))
+
     def remembers(self, obj: Any) -> bool:
         # Its state holds its seed and normal caches: writing it back is seeding.
         return type(obj) is torch.Generator and obj.device.type == "cpu"
