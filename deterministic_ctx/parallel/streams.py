@@ -460,7 +460,7 @@ class _Fork:
         # current world is another thread's (whose lock the block below waits
         # for), and this thread's state is nobody's stream.  Inside one, this
         # thread holds the lock: no other thread's fork is open now.
-        for other in reversed(_OPEN) if inside_block() else ():
+        for other in reversed(_OPEN) if _OPEN and inside_block() else ():
             if other.token != other.states._token:
                 continue
             if other.states is states and other.name == name:  # forked already here
@@ -478,12 +478,15 @@ class _Fork:
         # Recorded first: from here ``__enter__`` leaves the frame's blocks on any
         # exception (stopping a block not started yet does nothing).
         self._frames.append(frame)
-        frame.block.start()
+        block = frame.block
+        block.start()
         # Under the lock from here: the world and the stream's state are read after
         # any other thread's fork has left.
         frame.token = states._token
         if top is not None:  # the stream live until now, for a fork of it inside
-            frame.below, frame.held = top, World.capture(sources)
+            # The world the block captured at its start: that stream's state now.
+            assert isinstance(block.outer, World)
+            frame.below, frame.held = top, block.outer
         if holder is not None:
             start = holder.held
         else:
