@@ -86,6 +86,10 @@ class Block(Scope):
 
     __slots__ = ("_plan", "_settings", "_sources", "_started")
 
+    #: ``(sources, reseeders, sources to apply)``: :meth:`reseed`'s plan, kept
+    #: from its first call (not with the fast paths off).
+    _plan: _Plan
+
     def __init__(
         self, settings: Settings | None, sources: tuple[_sources.Source, ...] | None = None
     ) -> None:
@@ -97,9 +101,8 @@ class Block(Scope):
         # part of them (a keyed item's RNGs, a stream's generators).
         self._sources = sources
         self._started = False
-        #: ``(sources, reseeders, sources to apply)``: :meth:`reseed`'s plan,
-        #: made at its first call (``None``: not yet, or the fast paths off).
-        self._plan: _Plan | None = None
+        # ``_plan``, :meth:`reseed`'s, is set by its first call only: every
+        # ``with`` builds a block, and few blocks reseed.
 
     def start(self) -> None:
         """Take the lock, capture the caller's state and enter the block's world:
@@ -171,7 +174,10 @@ class Block(Scope):
         # reads the registry when it runs), so the block keeps it; ``None``
         # sources are every source, read again in case a test swapped them.
         sources = self._sources or _sources.SOURCES
-        plan = self._plan
+        try:
+            plan: _Plan | None = self._plan
+        except AttributeError:  # the first reseed
+            plan = None
         if plan is None or plan[0] is not sources:
             plan = (sources, *_sources.reseeding(sources))
             if ENABLED:  # a cache: none with the fast paths off
