@@ -29,15 +29,17 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Callable
 
 from .. import sources as _sources
 from .._errors import MisuseError, StateWarning
 from .._torch.compiler import opaque, pause_compiler, refuse_while_tracing, resume_compiler
 from ..base.completion import complete
 from ..base.errors import AbandonedBlockWarning, RestoreError
+from ..base.fast_paths import ENABLED
 from ..base.lock import LOCK
 from ..base.scopes import SCOPES, Restorable, Scope
-from ..base.seed import validate_seed
+from ..base.seed import MAX_SEED, validate_seed
 from ..base.settings import Settings
 from .world import World
 
@@ -51,6 +53,13 @@ __all__ = [
     "opaque",
     "pause_compiler",
     "resume_compiler",
+]
+
+
+#: A block's reseeding plan (:meth:`Block.reseed`): for these sources, their
+#: reseeders and the sources whose ``apply`` runs instead.
+_Plan = tuple[
+    tuple[_sources.Source, ...], tuple[Callable[[int, int], None], ...], tuple[_sources.Source, ...]
 ]
 
 
@@ -75,7 +84,11 @@ class Block(Scope):
     back once the thread has no block open, however often it is called.
     """
 
-    __slots__ = ("_settings", "_sources", "_started")
+    __slots__ = ("_plan", "_settings", "_sources", "_started")
+
+    #: ``(sources, reseeders, sources to apply)``: :meth:`reseed`'s plan, kept
+    #: from its first call (not with the fast paths off).
+    _plan: _Plan
 
     def __init__(
         self, settings: Settings | None, sources: tuple[_sources.Source, ...] | None = None
@@ -88,6 +101,8 @@ class Block(Scope):
         # part of them (a keyed item's RNGs, a stream's generators).
         self._sources = sources
         self._started = False
+        # ``_plan``, :meth:`reseed`'s, is set by its first call only: every
+        # ``with`` builds a block, and few blocks reseed.
 
     def start(self) -> None:
         """Take the lock, capture the caller's state and enter the block's world:
@@ -149,18 +164,30 @@ class Block(Scope):
             raise MisuseError(
                 "reseed() needs the block to be the calling thread's innermost open block"
             )
-        seed = validate_seed(seed)
+        if type(seed) is not int or not 0 <= seed <= MAX_SEED:  # else valid: no call per step
+            seed = validate_seed(seed)
         settings = self._settings
-        rank = None if settings is None else settings.rank
         # The sources' reseeders seed by the generators' own calls (no settings
         # to build, no per-seed cache that a new key each step never hits);
         # the others, and every source with the fast paths off, apply settings.
-        fast, slow = _sources.reseeding(self._sources or _sources.SOURCES)
+        # The plan depends on the sources only (the registered RNGs' reseeder
+        # reads the registry when it runs), so the block keeps it; ``None``
+        # sources are every source, read again in case a test swapped them.
+        sources = self._sources or _sources.SOURCES
+        try:
+            plan: _Plan | None = self._plan
+        except AttributeError:  # the first reseed
+            plan = None
+        if plan is None or plan[0] is not sources:
+            plan = (sources, *_sources.reseeding(sources))
+            if ENABLED:  # a cache: none with the fast paths off
+                self._plan = plan
+        _, fast, slow = plan
         step: Settings | None = None
-        if rank is None:
+        if settings is None or settings.rank is None:
             rank_seed = seed  # rank 0's seed is the seed itself (seed_for_rank)
         else:
-            step = Settings(seed, False, rank, False).resolved()
+            step = Settings(seed, False, settings.rank, False).resolved()
             rank_seed = step.rank_seed
         for reseed in fast:
             reseed(seed, rank_seed)

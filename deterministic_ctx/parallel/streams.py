@@ -93,16 +93,17 @@ initialized, the first fork queues the stream's seed for initialization
 
 **Cost.**  A fork is a block over a few generators: two captures and two
 restores of each (a CPU state is 5 KB), plus the block's lock and completion
-step.  Side by side with the fork it replaced, which swapped the states by
-hand (one process, medians of 7 runs of CPU time on 2 busy cores, CPU only):
-10 µs against 5.3 µs, 12 to 13 µs with a draw against 7.4 to 7.9 µs, and 22 µs
-for a fork inside a fork of another stream (which also keeps that stream's
-state) against 11 µs; ``torch.random.fork_rng(devices=[])`` took 4.5 µs.  A
+step; a fork inside a fork of another stream keeps that stream's state from
+the world its block captured at its start.  Side by side with the fork it
+replaced, which swapped the states by hand (one process, medians of 7 runs of
+CPU time on 2 busy cores, CPU only): 10 µs against 5.3 µs, 12 to 13 µs with a
+draw against 7.4 to 7.9 µs, and 20 µs for a fork inside a fork of another
+stream against 11 µs; ``torch.random.fork_rng(devices=[])`` took 4.5 µs.  A
 block with a first fork in it (which seeds the stream, through a block of its
 seed) took 1.25 times what it took before.  Of a fork's 10 µs, the generator
-states take 2.2, the engine's capture and restore loops over the sources 3.3,
-the block's lock, tracing check and completion step 2.9, and the fork's own
-bookkeeping 2.1.  With CUDA initialized, every device's generator is read and
+states take 2.0, the engine's capture and restore loops over the sources 2.4,
+the block's lock, tracing check and completion step 2.7, and the fork's own
+bookkeeping 2.6.  With CUDA initialized, every device's generator is read and
 written (a 16-byte state each).  With streams registered, a block pays what any registered RNG costs
 it, plus a few microseconds.
 """
@@ -460,7 +461,7 @@ class _Fork:
         # current world is another thread's (whose lock the block below waits
         # for), and this thread's state is nobody's stream.  Inside one, this
         # thread holds the lock: no other thread's fork is open now.
-        for other in reversed(_OPEN) if inside_block() else ():
+        for other in reversed(_OPEN) if _OPEN and inside_block() else ():
             if other.token != other.states._token:
                 continue
             if other.states is states and other.name == name:  # forked already here
@@ -478,12 +479,15 @@ class _Fork:
         # Recorded first: from here ``__enter__`` leaves the frame's blocks on any
         # exception (stopping a block not started yet does nothing).
         self._frames.append(frame)
-        frame.block.start()
+        block = frame.block
+        block.start()
         # Under the lock from here: the world and the stream's state are read after
         # any other thread's fork has left.
         frame.token = states._token
         if top is not None:  # the stream live until now, for a fork of it inside
-            frame.below, frame.held = top, World.capture(sources)
+            # The world the block captured at its start: that stream's state now.
+            assert isinstance(block.outer, World)
+            frame.below, frame.held = top, block.outer
         if holder is not None:
             start = holder.held
         else:

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import numpy as np
 import pytest
 import torch
 
-from deterministic_ctx import MisuseError, Snapshot, deterministic, isolated
+from deterministic_ctx import (
+    MisuseError,
+    Snapshot,
+    deterministic,
+    isolated,
+    register_rng,
+    unregister_rng,
+)
 from deterministic_ctx.internal import Block, Settings, source_named
 from tests.helpers import draw
 
@@ -70,6 +78,49 @@ def test_reseed_only_on_the_innermost_open_block():
             assert torch.equal(torch.get_rng_state(), state)  # nothing was seeded
     finally:
         outer.stop()
+
+
+def test_reseed_from_another_thread_is_refused():
+    # The block is the lock holder's innermost, but not the calling thread's.
+    block = Block(None)
+    block.start()
+    try:
+        state = torch.get_rng_state()
+        raised: list[BaseException] = []
+
+        def other() -> None:
+            try:
+                block.reseed(1)
+            except BaseException as exc:
+                raised.append(exc)
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join(10)
+        assert len(raised) == 1 and isinstance(raised[0], MisuseError)
+        assert torch.equal(torch.get_rng_state(), state)  # nothing was seeded
+    finally:
+        block.stop()
+
+
+def test_an_rng_registered_after_the_first_reseed_is_seeded_by_the_next():
+    # The block keeps its reseeding plan from its first reseed; the registered
+    # RNGs are read when each reseed runs, as a block's apply reads them.
+    block = Block(None)
+    block.start()
+    try:
+        block.reseed(4)
+        late = register_rng(random.Random(0), key="registered-after-the-plan")
+        try:
+            block.reseed(4)
+            got = late.random()
+            with deterministic(seed=4):
+                want = late.random()
+        finally:
+            unregister_rng(late)
+    finally:
+        block.stop()
+    assert got == want
 
 
 @pytest.mark.parametrize(
