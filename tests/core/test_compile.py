@@ -118,6 +118,7 @@ def test_every_entry_exists_in_this_torch():
 def test_the_one_pass_read_is_a_fast_path_the_switch_turns_off(fresh_config, monkeypatch):
     source = source_named("torch.compile")
     set_config_override(inductor, "fallback_random", True)
+    monkeypatch.setattr(compiler, "ENABLED", True)  # the path as a process with it on takes it
     fast = source.capture()
     monkeypatch.setattr(compiler, "ENABLED", False)
     modules = (inductor, functorch, importlib.import_module("torch._dynamo.config"))
