@@ -157,12 +157,15 @@ class _Blocks:
         # elsewhere).
         callback = pause_compiler()
         block = _With(self, None, None if callback is None else _paused_here(callback))
-        # Written out, not ``return self._open(...)``: Python 3.10 runs pending
-        # signal handlers after every call returns (CALL_FUNCTION's eval-breaker
-        # check), so an interrupt after a helper had entered would raise from
-        # ``__enter__`` with the block open, and ``with`` calls no ``__exit__``
-        # then.  Here it lands in the ``try``; ``drain_signals`` runs the last
-        # pending ones there, and ``return self`` checks none.
+        # Written out, not through a helper that enters: Python 3.10 runs
+        # pending signal handlers as every call returns (CALL_FUNCTION's
+        # eval-breaker check), and so does any Python with a PEP 523 frame
+        # evaluator installed (dynamo's, once anything was compiled), so an
+        # interrupt as such a helper returned would raise from ``__enter__``
+        # with the block open, and ``with`` calls no ``__exit__`` then.  Here
+        # it lands in the ``try``; ``drain_signals`` runs the last pending ones
+        # there, and ``return self`` checks none.  The same for ``__aenter__``
+        # and ``start()``.
         try:
             _enter(block)
             drain_signals()
@@ -206,15 +209,11 @@ class _Blocks:
         block.paused = None  # the left block stays listed until the next entry: not its frame
 
     async def __aenter__(self: _B) -> _B:
-        return self._open(_current_task()) if self._enabled else self
-
-    def _open(self: _B, task: object) -> _B:
-        """Enter a block for ``task`` (``async with``, ``start()``): the block
-        is made before the ``try``, so an interrupt at any line of the entry
-        finds it to undo.  Its caller returns what it returns: on 3.11+ that
-        inlined return checks no signal; on 3.10 it does (see ``__enter__``),
-        which for ``start()`` is the window its own caller has anyway."""
-        block = _With(self, task, None)
+        if not self._enabled:
+            return self
+        # Written out, as ``__enter__``: the block is made before the ``try``,
+        # so an interrupt at any line of the entry finds it to undo.
+        block = _With(self, _current_task(), None)
         try:
             _enter(block)
             drain_signals()
@@ -261,7 +260,18 @@ class _Blocks:
             ...     torch.equal(torch.rand(2), a)
             True
         """
-        return self._open(_STARTED) if self._enabled else self
+        if not self._enabled:
+            return self
+        # Written out, as ``__enter__``; once it returns, an interrupt lands in
+        # the caller, which has no block to stop yet: a window no entry closes.
+        block = _With(self, _STARTED, None)
+        try:
+            _enter(block)
+            drain_signals()
+            return self
+        except BaseException:
+            _undo_entry(block)
+            raise
 
     def stop(self) -> None:
         """Leave the latest block :meth:`start` entered on this object in this

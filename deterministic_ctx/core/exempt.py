@@ -206,10 +206,15 @@ class allow_nondeterministic:
                 _dispatch.install_exemption(op, functools.partial(_kernel, op))
                 _labels[op] = _dispatch.op_label(op)
         token = object()
-        # Undone by ``_leave`` if anything stops it, and returned by this line:
-        # the guard's return checks no signal on 3.11+, where it is inlined
-        # (3.10 checks after every call: see ``deterministic.__enter__``).
-        return guarded(functools.partial(self._leave, token), self._enter, token)
+        # Written out, not through ``guarded``: as a block's entry (see
+        # ``deterministic.__enter__``), an interrupt as a helper that entered
+        # returns must land under this frame's handler, or ``with`` would call
+        # no ``__exit__`` and the ops would stay exempted.
+        try:
+            return self._enter(token)
+        except BaseException:
+            complete(self._leave, token)
+            raise
 
     def _enter(self, token: object) -> allow_nondeterministic:
         # Recorded before anything changes: _leave undoes what was done of it.

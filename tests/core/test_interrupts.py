@@ -440,3 +440,61 @@ def test_async_interrupt_is_not_swallowed():
     with pytest.raises(KeyboardInterrupt):
         asyncio.run(main())
     assert _clean(before)
+
+
+class _ReturnTracer(_Tracer):
+    """Raises at the ``fire_at``-th return of a library call other than the
+    operation's own entry or exit methods: where Python 3.10, and any Python
+    with a PEP 523 frame evaluator installed (dynamo's, once anything was
+    compiled), runs pending signal handlers, as each call returns to its caller."""
+
+    OWN = ("__enter__", "__exit__", "__aenter__", "__aexit__")
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        if not frame.f_code.co_filename.startswith(PACKAGE):
+            return None
+        if event == "return" and frame.f_code.co_name not in self.OWN:
+            self.count += 1
+            if self.count == self.fire_at and self.fired is None:
+                self.fired = (frame.f_code.co_name, frame.f_lineno, False)
+                self.injected = self.exc_type("injected")
+                raise self.injected
+        return self
+
+
+def _exempted_op(body):
+    from deterministic_ctx import allow_nondeterministic
+
+    def run():
+        with deterministic(seed=7), allow_nondeterministic("aten::index_add"):
+            body()
+
+    return run
+
+
+@pytest.mark.parametrize("scenario", ["with", "async with", "exemption"])
+def test_an_interrupt_as_any_call_of_entry_or_exit_returns_leaves_nothing_behind(scenario):
+    from deterministic_ctx.core.exempt import active_exemptions
+
+    operation = _exempted_op(_body_ok) if scenario == "exemption" else SCENARIOS[scenario](_body_ok)
+    before = World.now()
+    for _ in range(3):  # warm: every run then takes the same path
+        _ReturnTracer().run(operation)
+    dry = _ReturnTracer()
+    dry.run(operation)
+    assert _clean(before) and not active_exemptions()
+    assert dry.count > 10, "the tracer saw the library's returns"
+    problems = []
+    for exc_type in (KeyboardInterrupt, _Timeout):
+        for k in range(1, dry.count + 1):
+            tracer = _ReturnTracer(k, exc_type)
+            tracer.run(operation)
+            assert tracer.fired is not None, (k, tracer.count)
+            if _clean(before) and not active_exemptions():
+                continue
+            problems.append((exc_type.__name__, k, tracer.fired))
+            _leave_open_blocks()
+            for name in active_exemptions():
+                problems.append(("exemption left open", name))
+            break
+    assert problems == []
