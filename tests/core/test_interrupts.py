@@ -472,7 +472,7 @@ def _exempted_op(body):
     return run
 
 
-@pytest.mark.parametrize("scenario", ["with", "async with", "exemption"])
+@pytest.mark.parametrize("scenario", [*SCENARIOS, "exemption"])
 def test_an_interrupt_as_any_call_of_entry_or_exit_returns_leaves_nothing_behind(scenario):
     from deterministic_ctx.core.exempt import active_exemptions
 
