@@ -32,8 +32,8 @@ Example:
 
 from __future__ import annotations
 
-# The completion step: an action whose undo is finished if anything stops it.
-from .base.completion import guarded
+# The completion step: an undo finished even if something stops it, then re-raised.
+from .base.completion import complete
 
 # Seeds and a block's settings, validated.
 from .base.seed import MAX_SEED, derive_seed, validate_seed
@@ -77,13 +77,13 @@ __all__ = [
     "active_exemptions",
     "check_bool",
     "compiled_settings",
+    "complete",
     "derive_seed",
     "drain_signals",
     "exempted_calls",
     "export_env_var",
     "fast_paths",
     "generator_sources",
-    "guarded",
     "inside_block",
     "is_exempted",
     "managed_env_vars",

@@ -15,8 +15,8 @@ from ..internal import (
     Rank,
     Settings,
     check_bool,
+    complete,
     export_env_var,
-    guarded,
     validate_seed,
 )
 
@@ -132,7 +132,11 @@ def seed_everything(
     block = Block(settings)
     # Stopped (its stop completed) if anything stops it before the commit:
     # nothing stays applied.
-    guarded(block.stop, _apply_and_export, block, settings.seed)
+    try:
+        _apply_and_export(block, settings.seed)
+    except BaseException:
+        complete(block.stop)
+        raise
     _log.info(
         "seed_everything: seed %d%s, rank %s",
         settings.seed,

@@ -110,7 +110,6 @@ it, plus a few microseconds.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import secrets
 import sys
@@ -126,10 +125,10 @@ from ..internal import (
     Block,
     Settings,
     World,
+    complete,
     derive_seed,
     drain_signals,
     generator_sources,
-    guarded,
     inside_block,
     register_rng,
     source_named,
@@ -441,10 +440,17 @@ class _Fork:
         self._frames: list[_Frame | None] = []
 
     def __enter__(self) -> None:
-        # Nothing half-applied: an entry that anything stops is left (its undo
-        # completed), entered in one line so that no line of this frame runs
-        # after the entry.
-        guarded(functools.partial(self._leave_from, len(self._frames)), self._enter)
+        # Nothing half-applied: an entry that anything stops is left, its undo
+        # completed.  Written out, as a block's entry (``core/context.py``): an
+        # interrupt delivered as a helper that entered returns (Python 3.10, a
+        # PEP 523 frame evaluator) must land under this frame's handler, or
+        # ``with`` calls no ``__exit__``.
+        depth = len(self._frames)
+        try:
+            self._enter()
+        except BaseException:
+            complete(self._leave_from, depth)
+            raise
 
     def _enter(self) -> None:
         """Record an entry (a frame, or ``None`` where nothing is swapped), then

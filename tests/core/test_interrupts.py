@@ -472,16 +472,31 @@ def _exempted_op(body):
     return run
 
 
-@pytest.mark.parametrize("scenario", [*SCENARIOS, "exemption"])
+def _forked(body):
+    from deterministic_ctx import RngStreams
+
+    streams = RngStreams(8, {"tp": (0, 2)}, key="interrupts")
+    streams.add("tp", varies=["tp"])
+
+    def run():
+        with deterministic(seed=8), streams.fork("tp"):
+            body()
+
+    run.streams = streams  # type: ignore[attr-defined]  # registered while the test runs
+    return run
+
+
+@pytest.mark.parametrize("scenario", [*SCENARIOS, "exemption", "fork"])
 def test_an_interrupt_as_any_call_of_entry_or_exit_returns_leaves_nothing_behind(scenario):
     from deterministic_ctx.core.exempt import active_exemptions
 
-    operation = _exempted_op(_body_ok) if scenario == "exemption" else SCENARIOS[scenario](_body_ok)
+    extra = {"exemption": _exempted_op, "fork": _forked}
+    operation = {**SCENARIOS, **extra}[scenario](_body_ok)
     before = World.now()
     for _ in range(3):  # warm: every run then takes the same path
         _ReturnTracer().run(operation)
     dry = _ReturnTracer()
-    dry.run(operation)
+    assert dry.run(operation) is None
     assert _clean(before) and not active_exemptions()
     assert dry.count > 10, "the tracer saw the library's returns"
     problems = []
