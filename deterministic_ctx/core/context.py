@@ -70,9 +70,11 @@ _STARTED = object()
 
 
 def _enter(block: _With) -> None:
-    """Record ``block`` in its thread's ``with`` blocks and start it."""
+    """Record ``block`` in its thread's ``with`` blocks and start it; pending
+    signal handlers run at its end, while the entry can still be undone."""
     SCOPES.enter_with(block)  # recorded first: an interrupt below still finds it
     block.start()
+    drain_signals()
 
 
 def _undo_entry(block: _With) -> None:
@@ -163,12 +165,11 @@ class _Blocks:
         # evaluator installed (dynamo's, once anything was compiled), so an
         # interrupt as such a helper returned would raise from ``__enter__``
         # with the block open, and ``with`` calls no ``__exit__`` then.  Here
-        # it lands in the ``try``; ``drain_signals`` runs the last pending ones
-        # there, and ``return self`` checks none.  The same for ``__aenter__``
+        # it lands in the ``try``; ``_enter`` runs the last pending ones at its
+        # end, and ``return self`` checks none.  The same for ``__aenter__``
         # and ``start()``.
         try:
             _enter(block)
-            drain_signals()
             return self
         except BaseException:
             _undo_entry(block)
@@ -216,7 +217,6 @@ class _Blocks:
         block = _With(self, _current_task(), None)
         try:
             _enter(block)
-            drain_signals()
             return self
         except BaseException:
             _undo_entry(block)
@@ -267,7 +267,6 @@ class _Blocks:
         block = _With(self, _STARTED, None)
         try:
             _enter(block)
-            drain_signals()
             return self
         except BaseException:
             _undo_entry(block)
