@@ -30,10 +30,10 @@ import numpy as np
 import pytest
 
 import deterministic_ctx
-from deterministic_ctx import StateWarning, deterministic, reproducible, seed_everything
+from deterministic_ctx import StateWarning, _torch, deterministic, reproducible, seed_everything
 from deterministic_ctx.base.lock import LOCK
 from tests._oracle import World
-from tests.helpers import draw
+from tests.helpers import draw, needs
 
 PACKAGE = os.path.dirname(deterministic_ctx.__file__)
 
@@ -486,7 +486,10 @@ def _forked(body):
     return run
 
 
-@pytest.mark.parametrize("scenario", [*SCENARIOS, "exemption", "fork"])
+@pytest.mark.parametrize(
+    "scenario",
+    [*SCENARIOS, pytest.param("exemption", marks=needs(_torch.SCOPED_EXEMPTION)), "fork"],
+)
 def test_an_interrupt_as_any_call_of_entry_or_exit_returns_leaves_nothing_behind(scenario):
     from deterministic_ctx.core.exempt import active_exemptions
 
