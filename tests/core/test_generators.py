@@ -7,7 +7,9 @@ after each test by the suite's guard (``tests/conftest.py``), not repeated here.
 from __future__ import annotations
 
 import gc
+from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -119,6 +121,96 @@ def test_garbage_collection_of_suspended_generator_leaves_caller_intact():
     next(g)
     del g
     gc.collect()  # the suite's guard checks that nothing is left behind
+
+
+def _numpy_lock_owned() -> bool:
+    lock = np.random.mtrand._rand._bit_generator.lock
+    owned = getattr(lock, "_is_owned", None)  # an RLock (NumPy 2); NumPy 1.x's is a Lock
+    return owned() if owned is not None else lock.locked()
+
+
+@pytest.mark.parametrize("operation", ["with", "decorated", "generator"])
+def test_a_generator_collected_at_any_allocation_of_a_block_closes_in_its_own(operation):
+    """The garbage collector runs finalizers at any allocation, the library's own
+    included: a suspended decorated generator collected there closes in its own
+    block, nested in the middle of another block's entry or exit.  The closing
+    gives its own values and leaves the outer block's state whole; and no
+    collection starts while the library holds NumPy's bit generator lock (NumPy
+    1.x's is not reentrant: the closing would wait for it for ever)."""
+    seen = []
+
+    @reproducible(seed=5)
+    def gen():
+        try:
+            yield draw()
+        finally:
+            seen.append(draw())
+
+    @reproducible(seed=6)
+    def decorated():
+        return draw()
+
+    def with_block():
+        with deterministic(seed=6):
+            return draw()
+
+    @reproducible(seed=6)
+    def steps():
+        try:
+            yield draw()
+            yield draw()
+        finally:
+            draw()
+
+    def stepped():
+        it = steps()
+        values = [next(it), next(it)]
+        it.close()
+        return values
+
+    run = {"with": with_block, "decorated": decorated, "generator": stepped}[operation]
+    g = gen()
+    next(g)
+    g.close()
+    expected, inner = seen.pop(), run()
+    collections = 0
+    fire_at = 0
+    pending: list[Any] = []
+    problems: list[Any] = []
+    deferred: list[Any] = []
+
+    def collector(phase: str, info: Any) -> None:
+        nonlocal collections
+        if phase != "start":
+            return
+        collections += 1
+        if collections == fire_at and pending:
+            if _numpy_lock_owned():
+                problems.append((fire_at, "a collection while NumPy's lock is held"))
+                deferred.append(pending.pop())  # closed after the operation
+            else:
+                pending.pop().close()  # what the generator's finalizer does
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(collector)
+    try:
+        gc.set_threshold(1)  # a collection at every allocation of a tracked object
+        for k in range(1, 1000):
+            pending.append(gen())
+            next(pending[-1])
+            collections, fire_at = 0, k
+            assert run() == inner, k
+            while deferred:
+                deferred.pop().close()
+            if pending:  # k is past the operation's last collection
+                pending.pop().close()
+                break
+            assert seen.pop() == expected, k
+        assert k > 5, "the collector ran inside the operation"
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(collector)
+    assert problems == []
 
 
 def test_exception_from_body_propagates_and_restores():

@@ -335,7 +335,10 @@ class _Numpy(Kind):
         # Each locked copy is a one-line ``with``: CPython gives the exit of a
         # ``with`` the statement's line, so with the body on another line a
         # tracer (or debugger) raising at that line event would skip the
-        # release and leave NumPy's lock held for good.
+        # release and leave NumPy's lock held for good.  And it allocates no
+        # object the garbage collector tracks: a collection there runs
+        # finalizers (a decorated generator's close, which captures NumPy's
+        # state), and NumPy 1.x's lock is not reentrant.
 
         def capture(obj: Any) -> Any:
             if obj._bit_generator is not bg:
@@ -359,7 +362,8 @@ class _Numpy(Kind):
             obj: Any, state: Any
         ) -> None:  # a RandomState: MT19937, then the gaussian cache
             if type(state) is bytes and obj._bit_generator is bg:
-                with lock: _drain(map(BytesIO(state).readinto, views))  # noqa: E701  # fmt: skip
+                fill = map(BytesIO(state).readinto, views)  # allocated before the lock
+                with lock: _drain(fill)  # noqa: E701  # fmt: skip
             else:
                 set_(obj, public(obj, state))
 
