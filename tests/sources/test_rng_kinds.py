@@ -193,3 +193,17 @@ def test_the_registry_goes_by_identity_not_by_hash_or_equality():
     finally:
         unregister_rng(a)
         unregister_rng(b)
+
+
+@pytest.mark.parametrize("collector_on", [True, False])
+def test_seeding_a_random_state_leaves_the_garbage_collector_as_it_was(collector_on):
+    # On NumPy 1.x the kind holds collections off while NumPy seeds under its
+    # (not reentrant) lock; the collector is then as it was, on or off.
+    rs, reference = np.random.RandomState(), np.random.RandomState(11)
+    (gc.enable if collector_on else gc.disable)()
+    try:
+        kinds.RANDOM_STATE.seed(rs, 11)
+        assert gc.isenabled() is collector_on
+    finally:
+        gc.enable()
+    assert rs.random_sample() == reference.random_sample()

@@ -20,8 +20,10 @@ form, restored through the public API, which checks it, never as raw memory.
 
 from __future__ import annotations
 
+import gc
 import operator
 import random
+import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 
 from ...base import plain as _plain
+from ...base.completion import guarded
 from ...base.fast_paths import FastPath
 from ...base.seed import short_repr
 from . import layouts
@@ -413,6 +416,17 @@ class _RandomState(_Numpy):
     def get(self, obj: Any) -> Any:
         return obj.get_state(legacy=False)
 
+    def seed(self, obj: Any, seed: int) -> None:
+        # NumPy seeds a RandomState under its bit generator's lock and
+        # allocates there; a garbage collection then runs finalizers, and one
+        # may take that lock again (a collected decorated generator's close
+        # captures NumPy's state).  NumPy 1.x's lock is not reentrant: that
+        # finalizer would wait for ever, so collections wait for the seeding.
+        if _NUMPY_LOCK_REENTRANT or not gc.isenabled():
+            obj.seed(seed)
+        else:
+            guarded(gc.enable, _seed_uncollected, obj, seed, after=True)
+
     def set(self, obj: Any, state: Any) -> None:
         obj.set_state(state)
 
@@ -424,6 +438,15 @@ class _RandomState(_Numpy):
             return ()
         # Its bit generator's record, then the gaussian cache.
         return layouts.mt19937_view(bg), layout.view(obj)
+
+
+#: Whether NumPy's bit generators hold an ``RLock`` (NumPy 2) rather than a ``Lock``.
+_NUMPY_LOCK_REENTRANT: bool = isinstance(np.random.MT19937(0).lock, type(threading.RLock()))
+
+
+def _seed_uncollected(obj: Any, seed: int) -> None:
+    gc.disable()
+    obj.seed(seed)
 
 
 class _Torch(Kind):
