@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deterministic_ctx import deterministic, reproducible
+from deterministic_ctx import deterministic, register_rng, reproducible, unregister_rng
 from deterministic_ctx.sources.rngs import kinds
 from tests.helpers import draw, solo
 
@@ -126,16 +126,20 @@ def test_garbage_collection_of_suspended_generator_leaves_caller_intact():
     gc.collect()  # the suite's guard checks that nothing is left behind
 
 
-def _numpy_lock_held_by_library(frame: Any) -> bool:
-    """Whether NumPy's global bit generator lock is held where the garbage
+def _numpy_lock_held_by_library(frame: Any, bit_generators: list[Any]) -> bool:
+    """Whether one of the NumPy bit generators' locks is held where the garbage
     collector was called from ``frame``: held by the library's own code, or on
-    NumPy 1.x (a plain ``Lock``, not reentrant) by NumPy's own seeding too.
-    NumPy 2's is an ``RLock``: its own seeding, which allocates under it, is
-    harmless there."""
-    lock = np.random.mtrand._rand._bit_generator.lock
-    if not isinstance(lock, type(threading.RLock())):
-        return lock.locked()
-    return lock._is_owned() and frame.f_code is not kinds._RandomState.seed.__code__
+    NumPy 1.x (plain ``Lock``s, not reentrant) by NumPy's own seeding too.
+    NumPy 2's are ``RLock``s: its own seeding, which allocates under the lock,
+    is harmless there."""
+    for bg in bit_generators:
+        lock = bg.lock
+        if not isinstance(lock, type(threading.RLock())):
+            if lock.locked():
+                return True
+        elif lock._is_owned() and frame.f_code is not kinds._RandomState.seed.__code__:
+            return True
+    return False
 
 
 @pytest.mark.parametrize("operation", ["with", "decorated", "generator"])
@@ -194,14 +198,20 @@ def test_a_generator_collected_at_any_allocation_of_a_block_closes_in_its_own(op
             return
         collections += 1
         if collections == fire_at and pending:
-            if _numpy_lock_held_by_library(sys._getframe(1)):
+            if _numpy_lock_held_by_library(sys._getframe(1), bit_generators):
                 problems.append((fire_at, "a collection while NumPy's lock is held"))
                 deferred.append(pending.pop())  # closed after the operation
             else:
                 pending.pop().close()  # what the generator's finalizer does
 
+    # Registered NumPy RNGs of both kinds too: their copies take their own locks.
+    registered = [np.random.default_rng(1), np.random.RandomState(2)]
+    bit_generators = [np.random.mtrand._rand._bit_generator]
+    bit_generators += [rng._bit_generator for rng in registered]
     threshold = gc.get_threshold()
     gc.callbacks.append(collector)
+    for rng in registered:
+        register_rng(rng)
     try:
         gc.set_threshold(1)  # a collection at every allocation of a tracked object
         for k in range(1, 1000):
@@ -219,6 +229,8 @@ def test_a_generator_collected_at_any_allocation_of_a_block_closes_in_its_own(op
     finally:
         gc.set_threshold(*threshold)
         gc.callbacks.remove(collector)
+        for rng in registered:
+            unregister_rng(rng)
     assert problems == []
 
 
