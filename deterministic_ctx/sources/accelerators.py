@@ -59,6 +59,7 @@ from ..base import plain as _plain
 from ..base.errors import DeviceMismatchError, GraphCaptureError
 from ..base.fast_paths import FastPath
 from ..base.settings import Settings
+from .rngs.uncollected import GET_STATE_COLLECTS, get_state
 
 __all__ = [
     "PHILOX_DEVICES",
@@ -370,8 +371,12 @@ def refuse_inside_graph_capture(sources: tuple[object, ...]) -> None:
 _graph_devices: tuple[tuple[object, ...] | None, tuple[LazyAcceleratorSource, ...]] = (None, ())
 
 
-#: ``gen.get_state()`` as a C-level call, for ``map`` over a device's generators.
-_get_state: Callable[[Any], torch.Tensor] = methodcaller("get_state")
+#: ``gen.get_state()`` as a C-level call, for ``map`` over a device's
+#: generators, where torch allows no collection inside it (see
+#: :mod:`.rngs.uncollected`).
+_get_state: Callable[[Any], torch.Tensor] = (
+    get_state if GET_STATE_COLLECTS else methodcaller("get_state")
+)
 
 
 def _seed(generators: Sequence[Any], seed: int) -> None:

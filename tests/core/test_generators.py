@@ -16,9 +16,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deterministic_ctx import deterministic, register_rng, reproducible, unregister_rng
-from deterministic_ctx.sources.rngs import kinds
-from tests.helpers import draw, solo
+from deterministic_ctx import (
+    RngStreams,
+    _torch,
+    allow_nondeterministic,
+    deterministic,
+    register_rng,
+    reproducible,
+    unregister_rng,
+)
+from deterministic_ctx.sources.rngs import uncollected
+from tests.helpers import draw, needs, solo
 
 
 @reproducible(seed=5)
@@ -137,12 +145,21 @@ def _numpy_lock_held_by_library(frame: Any, bit_generators: list[Any]) -> bool:
         if not isinstance(lock, type(threading.RLock())):
             if lock.locked():
                 return True
-        elif lock._is_owned() and frame.f_code is not kinds._RandomState.seed.__code__:
+        elif lock._is_owned() and frame.f_code is not uncollected.seed_random_state.__code__:
             return True
     return False
 
 
-@pytest.mark.parametrize("operation", ["with", "decorated", "generator"])
+@pytest.mark.parametrize(
+    "operation",
+    [
+        "with",
+        "decorated",
+        "generator",
+        "fork",
+        pytest.param("exemption", marks=needs(_torch.SCOPED_EXEMPTION)),
+    ],
+)
 def test_a_generator_collected_at_any_allocation_of_a_block_closes_in_its_own(operation):
     """The garbage collector runs finalizers at any allocation, the library's own
     included: a suspended decorated generator collected there closes in its own
@@ -181,7 +198,24 @@ def test_a_generator_collected_at_any_allocation_of_a_block_closes_in_its_own(op
         it.close()
         return values
 
-    run = {"with": with_block, "decorated": decorated, "generator": stepped}[operation]
+    streams = RngStreams(8, {"tp": (0, 2)}, key="collected")
+    streams.add("tp", varies=["tp"])
+
+    def fork():
+        with deterministic(seed=6), streams.fork("tp"):
+            return draw()
+
+    def exempted():
+        with deterministic(seed=6), allow_nondeterministic("aten::index_add"):
+            return draw()
+
+    run = {
+        "with": with_block,
+        "decorated": decorated,
+        "generator": stepped,
+        "fork": fork,
+        "exemption": exempted,
+    }[operation]
     g = gen()
     next(g)
     g.close()

@@ -9,6 +9,7 @@ import weakref
 
 import numpy as np
 import pytest
+import torch
 
 from deterministic_ctx import (
     Snapshot,
@@ -21,7 +22,7 @@ from deterministic_ctx import (
 from deterministic_ctx.base import fast_paths as switch
 from deterministic_ctx.base.cache import BoundedCache
 from deterministic_ctx.sources import SOURCES, fast_paths
-from deterministic_ctx.sources.rngs import kinds, layouts
+from deterministic_ctx.sources.rngs import kinds, layouts, uncollected
 from deterministic_ctx.sources.user_rngs import registry
 
 #: More than enough ``random.Random`` in a row to make a batch.
@@ -196,14 +197,21 @@ def test_the_registry_goes_by_identity_not_by_hash_or_equality():
 
 
 @pytest.mark.parametrize("collector_on", [True, False])
-def test_seeding_a_random_state_leaves_the_garbage_collector_as_it_was(collector_on):
-    # On NumPy 1.x the kind holds collections off while NumPy seeds under its
-    # (not reentrant) lock; the collector is then as it was, on or off.
+def test_calls_made_without_collections_leave_the_collector_as_it_was(collector_on, monkeypatch):
+    # Where a library allocates under a lock of its own (NumPy 1.x's seeding,
+    # torch 2.1's get_state), collections are held off around the call; the
+    # collector is then as it was, on or off.  Both paths taken here whatever
+    # the installed versions.
+    monkeypatch.setattr(uncollected, "NUMPY_LOCK_REENTRANT", False)
+    monkeypatch.setattr(uncollected, "GET_STATE_COLLECTS", True)
     rs, reference = np.random.RandomState(), np.random.RandomState(11)
+    gen = torch.Generator().manual_seed(3)
     (gc.enable if collector_on else gc.disable)()
     try:
         kinds.RANDOM_STATE.seed(rs, 11)
+        state = uncollected.get_state(gen)
         assert gc.isenabled() is collector_on
     finally:
         gc.enable()
     assert rs.random_sample() == reference.random_sample()
+    assert torch.equal(state, gen.get_state())

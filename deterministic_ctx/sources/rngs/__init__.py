@@ -9,6 +9,9 @@ imports only those listed before it:
 * :mod:`.layouts`: where RNG objects keep their state in memory, probed
   (the only module that touches RNG memory directly);
 * :mod:`.persistence`: states as checkpoint data and back, checked;
+* :mod:`.uncollected`: the NumPy and torch calls that hold a lock of their
+  own while they allocate, made with garbage collections held off (a
+  finalizer run there that takes the lock again would wait for ever);
 * :mod:`.kinds`: one adapter per kind (``random.Random``, NumPy
   ``Generator`` and ``RandomState``, ``torch.Generator``, random-like
   objects): how it captures, seeds and restores an object, on its records

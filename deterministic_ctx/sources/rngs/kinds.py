@@ -20,10 +20,8 @@ form, restored through the public API, which checks it, never as raw memory.
 
 from __future__ import annotations
 
-import gc
 import operator
 import random
-import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -35,10 +33,9 @@ import numpy as np
 import torch
 
 from ...base import plain as _plain
-from ...base.completion import guarded
 from ...base.fast_paths import FastPath
 from ...base.seed import short_repr
-from . import layouts
+from . import layouts, uncollected
 from . import persistence as plain
 
 __all__ = [
@@ -417,15 +414,7 @@ class _RandomState(_Numpy):
         return obj.get_state(legacy=False)
 
     def seed(self, obj: Any, seed: int) -> None:
-        # NumPy seeds a RandomState under its bit generator's lock and
-        # allocates there; a garbage collection then runs finalizers, and one
-        # may take that lock again (a collected decorated generator's close
-        # captures NumPy's state).  NumPy 1.x's lock is not reentrant: that
-        # finalizer would wait for ever, so collections wait for the seeding.
-        if _NUMPY_LOCK_REENTRANT or not gc.isenabled():
-            obj.seed(seed)
-        else:
-            guarded(gc.enable, _seed_uncollected, obj, seed, after=True)
+        uncollected.seed_random_state(obj, seed)
 
     def set(self, obj: Any, state: Any) -> None:
         obj.set_state(state)
@@ -440,15 +429,6 @@ class _RandomState(_Numpy):
         return layouts.mt19937_view(bg), layout.view(obj)
 
 
-#: Whether NumPy's bit generators hold an ``RLock`` (NumPy 2) rather than a ``Lock``.
-_NUMPY_LOCK_REENTRANT: bool = isinstance(np.random.MT19937(0).lock, type(threading.RLock()))
-
-
-def _seed_uncollected(obj: Any, seed: int) -> None:
-    gc.disable()
-    obj.seed(seed)
-
-
 class _Torch(Kind):
     """``torch.Generator``, any device: no raw memory (torch's ``get_state``
     is one C copy already); a CPU one's seeded state is remembered."""
@@ -457,7 +437,7 @@ class _Torch(Kind):
     bits = 64
 
     def get(self, obj: Any) -> Any:
-        return obj.get_state()
+        return uncollected.get_state(obj)
 
     def set(self, obj: Any, state: Any) -> None:
         obj.set_state(state)
@@ -476,7 +456,8 @@ class _Torch(Kind):
     def bind(self, obj: Any, fast: bool) -> Bound:
         """torch's own C methods, taking the object: no Python frame."""
         cls = type(obj)
-        return Bound(cls.get_state, cls.set_state, _as_is, remember=fast and self.remembers(obj))
+        get = uncollected.get_state if uncollected.GET_STATE_COLLECTS else cls.get_state
+        return Bound(get, cls.set_state, _as_is, remember=fast and self.remembers(obj))
 
     def remembers(self, obj: Any) -> bool:
         # Its state holds its seed and normal caches: writing it back is seeding.
