@@ -41,6 +41,7 @@ from .._torch.internals import (
     config_unset,
     write_config_override,
 )
+from ..base.collector import without_collections
 
 __all__ = ["AT_DEFAULT", "ConfigEntry", "unchanged_config"]
 
@@ -78,9 +79,20 @@ def _get(found: _Found) -> object:
 
 
 def _put(found: _Found, key: str, target: object) -> None:
-    """Write the entry's user override, unless it is ``target`` already."""
-    if _get(found) is not target:
-        write_config_override(found.config, found.entry, found.var, key, target)
+    """Write the entry's user override, unless it is ``target`` already.
+
+    A ``ContextVar`` is set with collections held off: ``ContextVar.set``
+    keeps its context's old mapping by a borrowed reference while it
+    allocates the new one, and a finalizer run there that sets a variable of
+    the same context (a collected decorated generator's block writes these
+    overrides too) frees that mapping under it: a crash
+    (:mod:`~deterministic_ctx.base.collector`)."""
+    if _get(found) is target:
+        return
+    if found.var:
+        without_collections(write_config_override, found.config, found.entry, True, key, target)
+    else:
+        write_config_override(found.config, found.entry, False, key, target)
 
 
 class ConfigEntry:

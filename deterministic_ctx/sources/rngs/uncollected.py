@@ -12,10 +12,10 @@ that finalizer waits for it for ever.  Two do, each on some versions:
 * ``torch.Generator.get_state`` makes the state's tensor object holding the
   generator's mutex on torch 2.1 (not from 2.11 on).
 
-Around those calls collections are held off (:func:`gc.disable`, given back
-through :func:`~deterministic_ctx.base.completion.guarded`, so an interrupt
-cannot leave the collector off); elsewhere the call is the plain one.  The
-library's own locked copies allocate nothing (see :mod:`.kinds`).
+Around those calls collections are held off
+(:func:`~deterministic_ctx.base.collector.without_collections`); elsewhere
+the call is the plain one.  The library's own locked copies allocate
+nothing (see :mod:`.kinds`).
 
 Example:
     >>> import torch
@@ -27,7 +27,6 @@ Example:
 
 from __future__ import annotations
 
-import gc
 import operator
 import threading
 from collections.abc import Callable
@@ -36,21 +35,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...base.completion import guarded
+from ...base.collector import without_collections
 
 __all__ = ["GET_STATE_COLLECTS", "NUMPY_LOCK_REENTRANT", "get_state", "seed_random_state"]
-
-
-def _uncollected(call: Callable[..., Any], *args: Any) -> Any:
-    """``call(*args)`` with collections held off, unless they are off already."""
-    if not gc.isenabled():
-        return call(*args)
-    return guarded(gc.enable, _disabled, call, *args, after=True)
-
-
-def _disabled(call: Callable[..., Any], *args: Any) -> Any:
-    gc.disable()
-    return call(*args)
 
 
 #: Whether NumPy's bit generators hold an ``RLock`` (NumPy 2) rather than a ``Lock``.
@@ -66,14 +53,16 @@ NUMPY_LOCK_REENTRANT: bool = isinstance(np.random.MT19937(0).lock, type(threadin
 #: for 2.1's, which costs them ~0.3 µs per call.
 GET_STATE_COLLECTS: bool = torch.__version__ < "2.11"
 
-_get_state = operator.methodcaller("get_state")
+_get_state: Callable[[Any], torch.Tensor] = operator.methodcaller("get_state")
 
 
 def get_state(gen: Any) -> torch.Tensor:
     """``gen.get_state()``, for a ``torch.Generator`` of any device (or a
     stand-in with that method); collections held off where
     :data:`GET_STATE_COLLECTS`."""
-    state: torch.Tensor = _uncollected(_get_state, gen) if GET_STATE_COLLECTS else gen.get_state()
+    if GET_STATE_COLLECTS:
+        return without_collections(_get_state, gen)
+    state: torch.Tensor = gen.get_state()
     return state
 
 
@@ -83,4 +72,4 @@ def seed_random_state(rs: Any, seed: int) -> None:
     if NUMPY_LOCK_REENTRANT:
         rs.seed(seed)
     else:
-        _uncollected(rs.seed, seed)
+        without_collections(rs.seed, seed)
